@@ -1,0 +1,194 @@
+"""
+The network: a decoder-only transformer in the Qwen3 style (RMSNorm, rotary position embeddings
+applied from explicit position ids, SwiGLU MLP, optional QK-norm, grouped-query attention).
+
+ReFusion needs one thing a plain GPT does not: tokens may sit anywhere in the buffer while keeping
+their true positions. So `forward` takes `position_ids` next to the tokens; attention is causal over
+the *physical* order of the buffer, RoPE uses the *logical* positions (SPEC section 2).
+
+Module names follow the Hugging Face Qwen3 checkpoints (embed_tokens, self_attn.q_proj, mlp.gate_proj,
+...), so released weights map onto this model name for name.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kvcache import KVCache
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 259           # the byte tokenizer: 256 bytes + EOS, mask, pad
+    block_size: int = 512           # context length: position ids are < block_size
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None    # grouped-query attention; None means n_head (plain multi-head)
+    n_embd: int = 128
+    head_dim: int | None = None     # None means n_embd // n_head (Qwen3 sets it explicitly)
+    intermediate_size: int | None = None  # SwiGLU hidden width; None means ~8/3 n_embd, rounded to 64
+    rope_theta: float = 10000.0
+    qk_norm: bool = True            # RMSNorm on each head's queries and keys, as in Qwen3
+    tie_embeddings: bool = True     # lm_head shares the token embedding matrix
+    norm_eps: float = 1e-6
+    causal: bool = True             # False: bidirectional attention (the MDM baseline)
+
+    def __post_init__(self):
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.head_dim is None:
+            if self.n_embd % self.n_head:
+                raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                                 "pick n_embd as a multiple of n_head (or set head_dim)")
+            self.head_dim = self.n_embd // self.n_head
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.intermediate_size is None:
+            self.intermediate_size = 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
+
+def rope_cos_sin(position_ids, head_dim, theta):
+    """Rotary angles for explicit positions.
+
+    position_ids: (B, T) int64, the true (logical) position of every token.
+    Returns cos, sin: (B, 1, T, head_dim) float32, broadcastable over heads.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
+                                            dtype=torch.float32) / head_dim)
+    angles = position_ids.float()[..., None] * inv_freq      # (B, T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)[:, None]     # (B, 1, T, hd), Qwen's half-split layout
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x: (B, H, T, hd). Rotates pairs (i, i + hd/2) by the angles of each token's position."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.q_proj = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+
+    def forward(self, x, cos, sin, mask, is_causal, kv_cache):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)      # (B, nkv, P + T, hd): cached + new
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                           enable_gqa=self.n_kv_head != self.n_head)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, is_causal, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer over (tokens, position_ids); see ModelConfig for the knobs."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self):
+        """Number of parameters (a tied embedding counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def new_kv_cache(self, max_len, max_batch=1):
+        """An empty KVCache sized for this model: up to max_batch rows of max_len tokens."""
+        c, p = self.config, self.embed_tokens.weight
+        return KVCache(c.n_layer, c.n_kv_head, c.head_dim, max_len, max_batch, dtype=p.dtype, device=p.device)
+
+    def forward(self, idx, position_ids, kv_cache=None, key_mask=None):
+        """Logits for every input token.
+
+        idx:          (B, T) int64 token ids, in buffer (physical) order.
+        position_ids: (B, T) int64 true positions, used only by RoPE.
+        kv_cache:     optional KVCache holding P earlier tokens of every row; the new tokens attend
+                      to all of them and causally to each other (when config.causal), and their
+                      keys/values are appended to the cache.
+        key_mask:     optional (B, P + T) bool, False for keys no query may attend to (padding in
+                      the bidirectional MDM baseline).
+        Returns logits: (B, T, vocab_size) float32.
+        Raises ValueError when idx and position_ids differ in shape.
+        """
+        if idx.shape != position_ids.shape:
+            raise ValueError(f"idx {tuple(idx.shape)} and position_ids {tuple(position_ids.shape)} "
+                             "must have the same (B, T) shape")
+        T = idx.shape[1]
+        P = kv_cache.pos if kv_cache is not None else 0
+        mask, is_causal = None, False
+        if self.config.causal and P == 0 and key_mask is None:
+            is_causal = True  # square (T, T): SDPA's top-left-aligned mask is the right one
+        elif self.config.causal:
+            # With P cached keys SDPA's is_causal would align the mask top-left (query i sees keys
+            # 0..i); query i must see keys 0..P+i, so build the mask explicitly.
+            q_idx = torch.arange(T, device=idx.device)[:, None]
+            k_idx = torch.arange(P + T, device=idx.device)[None, :]
+            mask = (k_idx <= P + q_idx)[None, None]           # (1, 1, T, P + T)
+        if key_mask is not None:
+            km = key_mask[:, None, None, :]                   # (B, 1, 1, P + T)
+            mask = km if mask is None else mask & km
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        x = self.embed_tokens(idx)
+        for block in self.layers:
+            x = block(x, cos, sin, mask, is_causal, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        return self.lm_head(self.norm(x)).float()

@@ -1,0 +1,337 @@
+"""
+ReFusion's plan-and-infill decoder (SPEC section 4), told as its named steps:
+
+    plan_slots     step 1  one diffusion step over the masked slots: draft them, pick the confident ones
+    verify_drafts  step 2  one causal pass over the picked drafts: accept their longest confident prefix
+    infill_slots   step 3  finish the picked slots in parallel, each one left to right, one row each
+    commit_slots   step 4  append the finished slots (tokens, true positions, keys/values) to the buffer
+
+Every committed token's keys/values are computed once and reused by every later forward pass: the
+buffer holds committed slots in commit order, the model sees their true positions through RoPE.
+"""
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Generation:
+    """The result of one decode and its statistics (SPEC section 4, "Statistics").
+
+    tokens:  generated response ids, in position order, cut after the first EOS (EOS included).
+    nfe:     model forward calls (a batched call counts once; the prompt prefill counts).
+    seconds: wall-clock decode time in seconds.
+    """
+    tokens: list[int]
+    nfe: int
+    seconds: float
+    steps: list = field(default_factory=list, repr=False)  # per plan step: committed (position, token) pairs
+
+    @property
+    def tpf(self):
+        """Tokens per forward over the whole generation: tokens / NFE."""
+        return len(self.tokens) / max(self.nfe, 1)
+
+    @property
+    def tokens_per_s(self):
+        return len(self.tokens) / max(self.seconds, 1e-9)
+
+    def stats(self):
+        return {"tokens": len(self.tokens), "nfe": self.nfe, "tpf": round(self.tpf, 3),
+                "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2)}
+
+
+class DecodeState:
+    """What the decoder carries between steps: the model, its cache and the committed buffer.
+
+    The cache row 0 holds `ctx` committed tokens; `pending` are committed tokens not yet fed to the
+    model (the prompt, until the first plan call feeds it together with the masks).
+    """
+
+    def __init__(self, model, prompt, cache, mask_id, eos_id, temperature, generator):
+        self.model, self.cache = model, cache
+        self.mask_id, self.eos_id = mask_id, eos_id
+        self.temperature, self.generator = temperature, generator
+        self.device = cache.kv.device
+        self.pending = list(prompt)
+        self.pending_pos = list(range(len(prompt)))
+        self.ctx = 0
+        self.nfe = 0
+        self.response = {}   # true position -> committed token
+        self.steps = []
+
+    def forward(self, tokens, positions):
+        """One counted forward pass of (B, T) tokens at (B, T) positions after the cache."""
+        self.nfe += 1
+        return self.model(tokens, positions, kv_cache=self.cache)
+
+
+def validate_settings(max_new_tokens, slot_size, num_blocks, slot_threshold, token_threshold, temperature):
+    """Check decoder settings; returns (generation length L, number of slots). Raises ValueError.
+
+    Thresholds are probabilities compared with `>`: any value >= 0 is accepted, and a value of 1
+    or more means "never" (one slot per plan step / only forced tokens accepted).
+    """
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
+    if slot_size <= 0:
+        raise ValueError(f"slot_size={slot_size}: a slot holds at least one token (the paper uses 4 to 32)")
+    if num_blocks <= 0:
+        raise ValueError(f"num_blocks={num_blocks}: use at least one serial block")
+    for name, value in (("slot_threshold", slot_threshold), ("token_threshold", token_threshold)):
+        if not (value >= 0):  # also catches NaN
+            raise ValueError(f"{name}={value}: thresholds are probabilities >= 0 (a value >= 1 means never)")
+    if not (temperature >= 0):
+        raise ValueError(f"temperature={temperature}: use 0 for greedy decoding or a positive value to sample")
+    gen_len = slot_size * math.ceil(max_new_tokens / slot_size)
+    n_slots = gen_len // slot_size
+    if n_slots % num_blocks:
+        raise ValueError(f"{n_slots} slots of {slot_size} tokens (max_new_tokens={max_new_tokens} rounded up "
+                         f"to {gen_len}) cannot be cut into num_blocks={num_blocks} equal blocks; "
+                         f"pick num_blocks dividing {n_slots}")
+    return gen_len, n_slots
+
+
+def check_context(model, prompt_len, gen_len):
+    """Refuse a prompt + generation that does not fit the model's positions. Raises ValueError."""
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty: give at least one token of context")
+    limit = model.config.block_size
+    if prompt_len + gen_len > limit:
+        raise ValueError(f"prompt ({prompt_len} tokens) + generation ({gen_len} tokens) exceeds the model's "
+                         f"context of {limit} positions; shorten the prompt or lower max_new_tokens")
+
+
+def draft_tokens(logits, temperature, generator):
+    """Draft a token at each row of logits (N, V) float32; returns (tokens (N,) int64, probs (N,) float32).
+
+    temperature 0: argmax; otherwise Gumbel-max sampling in float64. The probability is the raw
+    softmax probability of the drafted token (temperature does not scale it; SPEC section 4).
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    if temperature == 0:
+        tokens = probs.argmax(dim=-1)
+    else:
+        u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+        tokens = (logits.double() / temperature + gumbel).argmax(dim=-1)
+    return tokens, probs.gather(-1, tokens[:, None])[:, 0]
+
+
+def next_token_probs(logits, tokens):
+    """Probability of each token given everything before it (causal next-token prediction).
+
+    logits: (B, T, V) for the tokens (B, T) fed in one pass. Returns (B, T) float32 where column j
+    is softmax(logits[:, j - 1])[tokens[:, j]]; column 0 has no prediction in this pass and is 0.
+    """
+    probs = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    probs[:, 1:] = torch.softmax(logits[:, :-1].float(), dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return probs
+
+
+def leading_true(x):
+    """Length of the run of True at the start of each row of x (B, T) bool; returns (B,) int64."""
+    return x.long().cumprod(dim=1).sum(dim=1)
+
+
+def plan_slots(state, pool, slot_size, slot_threshold):
+    """Step 1, plan: one diffusion step over every still-masked slot of the block.
+
+    pool: ascending start positions of the masked slots. Feeds (after the cache, and after the
+    pending prompt on the first call) each slot as slot_size mask ids at its true positions, drafts
+    every masked position, scores each slot by its first token's probability and selects those
+    above slot_threshold (else the single best). The masks' keys/values are discarded.
+    Returns (selected: ascending list of indices into pool, drafts: (len(selected), slot_size) int64).
+    """
+    n_pending = len(state.pending)
+    masks = [state.mask_id] * (slot_size * len(pool))
+    positions = [p + i for p in pool for i in range(slot_size)]
+    tokens = torch.tensor([state.pending + masks], device=state.device)
+    pos = torch.tensor([state.pending_pos + positions], device=state.device)
+    logits = state.forward(tokens, pos)[0, n_pending:]                 # (n_slots * S, V)
+    state.ctx += n_pending                                              # the prompt's KV stays cached
+    state.pending, state.pending_pos = [], []
+    state.cache.crop(state.ctx)
+    drafts, probs = draft_tokens(logits, state.temperature, state.generator)
+    drafts, probs = drafts.view(len(pool), slot_size), probs.view(len(pool), slot_size)
+    scores = probs[:, 0]
+    selected = (scores > slot_threshold).nonzero()[:, 0].tolist() or [int(scores.argmax())]
+    return selected, drafts[selected]
+
+
+def verify_drafts(state, starts, drafts, token_threshold):
+    """Step 2, global verify: one causal pass over the selected drafts, concatenated in slot order.
+
+    starts: true start positions of the selected slots; drafts: (k, S) int64.
+    A slot's first token is accepted as drafted; every other token passes when its next-token
+    probability (given all drafts before it) exceeds token_threshold. The pass's keys/values stay
+    in the cache (the caller crops what it does not commit).
+    Returns (prefix: tokens in the longest all-passing prefix of the concatenation,
+             passed: (k, S) bool, each token's own verdict).
+    """
+    k, S = drafts.shape
+    tokens = drafts.reshape(1, k * S)
+    pos = torch.tensor([[p + i for p in starts for i in range(S)]], device=state.device)
+    probs = next_token_probs(state.forward(tokens, pos), tokens)       # (1, k * S)
+    passed = (probs > token_threshold).view(k, S)
+    passed[:, 0] = True
+    return int(leading_true(passed.view(1, -1))[0]), passed
+
+
+def infill_slots(state, starts, drafts, accepted, token_threshold):
+    """Step 3, parallel autoregressive infill: finish each selected slot in its own batch row.
+
+    starts: (k,) true start positions; drafts: (k, S) int64 tokens from the plan step;
+    accepted: (k,) int64 length of each slot's accepted prefix (at least 1). Each iteration
+    (a) drafts every unaccepted token by feeding it as a mask id, then (b) verifies: the first
+    unaccepted token of each row is accepted (it was predicted from an accepted prefix), later ones
+    while their next-token probability exceeds token_threshold. (c) A row whose accepted tokens
+    contain EOS ends there and every later row is dropped. (d) The prefix accepted in every row is
+    kept in the cache (never recomputed). At most S iterations.
+    Returns (tokens (k', S), lengths (k',) int64: tokens to commit per row, eos: bool), k' <= k.
+    The cache is left with k' rows, row i holding slot i's keys/values after the shared prefix.
+    """
+    k, S = drafts.shape
+    tokens, accepted = drafts.clone(), accepted.clone()
+    pos = torch.tensor(starts, device=state.device)[:, None] + torch.arange(S, device=state.device)
+    cols = torch.arange(S, device=state.device)
+    state.cache.repeat_prefix(k)
+    tokens, accepted, lengths, eos = cut_at_eos(state, tokens, accepted, torch.full_like(accepted, S))
+    pos = pos[:len(tokens)]
+    shared = 0                                     # slot tokens [0, shared) of every row are cached
+    for _ in range(S):                             # each iteration accepts >= 1 token of every unfinished row
+        if bool((accepted >= lengths).all()):
+            break
+        base = state.ctx + shared
+        # (a) draft: unaccepted tokens become mask ids; each masked position predicts itself
+        window = tokens[:, shared:].clone()
+        masked = cols[shared:] >= accepted[:, None]
+        window[masked] = state.mask_id
+        logits = state.forward(window, pos[:, shared:])
+        state.cache.crop(base)
+        tokens[:, shared:][masked] = logits[masked].argmax(dim=-1)
+        # (b) verify: accept the first unaccepted token, then while the next-token probability passes
+        window = tokens[:, shared:]
+        probs = next_token_probs(state.forward(window, pos[:, shared:]), window)
+        passed = (probs > token_threshold) | (cols[shared:] == accepted[:, None])
+        passed |= cols[shared:] < accepted[:, None]
+        accepted = torch.minimum(shared + leading_true(passed), lengths)
+        # (c) EOS ends its slot and the decode after it
+        tokens, accepted, lengths, row_eos = cut_at_eos(state, tokens, accepted, lengths)
+        eos, pos = eos or row_eos, pos[:len(tokens)]
+        # (d) keep the keys/values of the prefix accepted in every row (all of it once all are done)
+        shared = S if bool((accepted >= lengths).all()) else int(accepted.min())
+        state.cache.crop(state.ctx + shared)
+    return tokens, lengths, eos
+
+
+def cut_at_eos(state, tokens, accepted, lengths):
+    """SPEC step 3c: the first row whose accepted tokens hold EOS ends after it; later rows go.
+
+    tokens (k, S), accepted (k,), lengths (k,). Returns the (possibly fewer) rows and lengths, and
+    whether an EOS was found; drops the cache rows of removed slots.
+    """
+    S = tokens.shape[1]
+    is_eos = (tokens == state.eos_id) & (torch.arange(S, device=tokens.device) < accepted[:, None])
+    rows = is_eos.any(dim=1).nonzero()[:, 0]
+    if len(rows) == 0:
+        return tokens, accepted, lengths, False
+    r = int(rows[0])
+    end = int(is_eos[r].long().argmax()) + 1
+    lengths = lengths[:r + 1].clone()
+    lengths[r] = end
+    if r + 1 < state.cache.batch:
+        state.cache.keep_rows(list(range(r + 1)))
+    return tokens[:r + 1], torch.minimum(accepted[:r + 1], lengths), lengths, True
+
+
+def commit_slots(state, starts, tokens, segments):
+    """Step 4, commit: append finished slots to the buffer and their keys/values to the cache.
+
+    starts: true start positions of the slots, in slot order; tokens: one list of ids per slot
+    (already cut after EOS); segments: the cache (row, length) pairs holding their keys/values from
+    token ctx on, in the same order (one row per slot after infill, row 0 after a verify pass).
+    """
+    state.cache.commit_rows(segments, state.ctx)
+    step = []
+    for start, ids in zip(starts, tokens):
+        for i, t in enumerate(ids):
+            assert start + i not in state.response, "a position was committed twice"
+            state.response[start + i] = t
+            step.append((start + i, t))
+    state.ctx = state.cache.pos
+    state.steps.append(step)
+
+
+def decode_block(state, pool, slot_size, slot_threshold, token_threshold):
+    """Decode one serial block until none of its slots is masked. Returns True when EOS ended it.
+
+    pool: ascending start positions of the block's slots (consumed in place).
+    """
+    S, eos_seen = slot_size, False
+    while pool:
+        selected, drafts = plan_slots(state, pool, S, slot_threshold)
+        starts = [pool[i] for i in selected]
+        prefix, passed = verify_drafts(state, starts, drafts, token_threshold)
+        flat = drafts.view(-1)[:prefix]
+        eos_at = (flat == state.eos_id).nonzero()
+        if len(eos_at):
+            # EOS inside the accepted prefix: commit up to it; every slot after its slot goes
+            n = int(eos_at[0]) + 1
+            n_slots = math.ceil(n / S)
+            ids = [flat[i * S:min((i + 1) * S, n)].tolist() for i in range(n_slots)]
+            state.cache.crop(state.ctx + n)
+            commit_slots(state, starts[:n_slots], ids, [(0, n)])
+            eos_seen = True
+            pool[:] = [p for p in pool if p < starts[n_slots - 1] and p not in starts]
+        elif prefix >= S:
+            # whole slots accepted: keep the keys/values this pass computed for them
+            n_slots = prefix // S
+            state.cache.crop(state.ctx + n_slots * S)
+            commit_slots(state, starts[:n_slots], drafts[:n_slots].tolist(), [(0, n_slots * S)])
+            pool[:] = [p for p in pool if p not in starts[:n_slots]]
+        else:
+            state.cache.crop(state.ctx)
+            tokens, lengths, eos = infill_slots(state, starts, drafts, leading_true(passed), token_threshold)
+            k = len(tokens)
+            ids = [tokens[i, :lengths[i]].tolist() for i in range(k)]
+            commit_slots(state, starts[:k], ids, [(i, int(lengths[i])) for i in range(k)])
+            eos_seen = eos_seen or eos
+            pool[:] = [p for p in pool if p not in starts and not (eos and p > starts[k - 1])]
+    return eos_seen
+
+
+@torch.no_grad()
+def generate_refusion(model, prompt, max_new_tokens, *, mask_id, eos_id, slot_size=8, num_blocks=1,
+                      slot_threshold=0.9, token_threshold=0.3, temperature=0.0, generator=None):
+    """Generate a response with ReFusion's plan-and-infill decoding (SPEC section 4; paper section 3.2).
+
+    model:  a causal Transformer (or any module with the same forward and new_kv_cache), in eval mode.
+    prompt: list of token ids (at least one).
+    max_new_tokens: rounded up to a multiple of slot_size for decoding; at most this many are returned.
+    num_blocks: serial blocks, decoded one after another; must divide the number of slots.
+    slot_threshold / token_threshold: probabilities compared with `>` (>= 1 means never).
+    temperature: 0 for greedy drafts; > 0 samples plan drafts by Gumbel-max (float64) from
+    `generator` (a torch.Generator on the model's device).
+    Returns a Generation (tokens, nfe, seconds, tpf, tokens_per_s).
+    Raises ValueError for invalid settings or a prompt + generation longer than the context.
+    """
+    gen_len, n_slots = validate_settings(max_new_tokens, slot_size, num_blocks, slot_threshold,
+                                         token_threshold, temperature)
+    check_context(model, len(prompt), gen_len)
+    t0 = time.perf_counter()
+    slots_per_block = n_slots // num_blocks
+    cache = model.new_kv_cache(max_len=len(prompt) + gen_len, max_batch=slots_per_block)
+    state = DecodeState(model, prompt, cache, mask_id, eos_id, temperature, generator)
+    first = len(prompt)
+    for b in range(num_blocks):
+        pool = [first + (b * slots_per_block + i) * slot_size for i in range(slots_per_block)]
+        if decode_block(state, pool, slot_size, slot_threshold, token_threshold):
+            break
+    tokens = [state.response[p] for p in sorted(state.response)]
+    if eos_id in tokens:
+        tokens = tokens[:tokens.index(eos_id) + 1]
+    return Generation(tokens[:max_new_tokens], state.nfe, time.perf_counter() - t0, state.steps)
