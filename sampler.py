@@ -10,11 +10,17 @@ Every committed token's keys/values are computed once and reused by every later 
 buffer holds committed slots in commit order, the model sees their true positions through RoPE.
 """
 
+import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+from checkpoint import load_checkpoint, model_from_checkpoint
+from configurator import parse_args
+from data import TokenDataset, decode, encode, get_tokenizer, prepare
 
 
 @dataclass
@@ -335,3 +341,78 @@ def generate_refusion(model, prompt, max_new_tokens, *, mask_id, eos_id, slot_si
     if eos_id in tokens:
         tokens = tokens[:tokens.index(eos_id) + 1]
     return Generation(tokens[:max_new_tokens], state.nfe, time.perf_counter() - t0, state.steps)
+
+
+# -----------------------------------------------------------------------------
+# command line: decode prompts with a trained checkpoint
+
+DEFAULTS = dict(
+    out_dir="out",            # directory holding ckpt.pt (written by train.py)
+    prompt="",                # decode this text ...
+    prompt_file="",           # ... or the text of this file ...
+    num_samples=3,            # ... or this many prompts from the validation split
+    max_new_tokens=128,       # rounded up to a multiple of slot_size while decoding
+    slot_size=8,
+    num_blocks=1,             # serial blocks; must divide max_new_tokens / slot_size
+    slot_threshold=0.9,
+    token_threshold=0.3,
+    temperature=0.0,
+    seed=1337,
+    device="cpu",
+    json=False,               # one JSON object per sample instead of text
+)
+
+
+def load_prompts(cfg, enc, val_data, gen_len, block_size):
+    """(prompt ids, reference text or None) pairs from --prompt, --prompt_file or the val split."""
+    if cfg["prompt"] and cfg["prompt_file"]:
+        raise ValueError("give either --prompt or --prompt_file, not both")
+    if cfg["prompt_file"]:
+        with open(cfg["prompt_file"], encoding="utf-8") as f:
+            return [(encode(enc, f.read()), None)]
+    if cfg["prompt"]:
+        return [(encode(enc, cfg["prompt"]), None)]
+    fits = [i for i in range(len(val_data)) if len(val_data.sample(i)[0]) + gen_len <= block_size]
+    if not fits:
+        raise ValueError(f"no validation prompt leaves room for {gen_len} new tokens in the context of "
+                         f"{block_size}; lower --max_new_tokens")
+    picks = [fits[int(j)] for j in torch.linspace(0, len(fits) - 1, min(cfg["num_samples"], len(fits)))]
+    return [(val_data.sample(i)[0], decode(enc, val_data.sample(i)[1])) for i in picks]
+
+
+def main(argv):
+    cfg = parse_args(DEFAULTS, argv)
+    ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
+    model, meta, tcfg = model_from_checkpoint(ckpt, cfg["device"]), ckpt["meta"], ckpt["config"]
+    enc = get_tokenizer(meta["tokenizer"])
+    gen_len, _ = validate_settings(cfg["max_new_tokens"], cfg["slot_size"], cfg["num_blocks"],
+                                   cfg["slot_threshold"], cfg["token_threshold"], cfg["temperature"])
+    val_data = None
+    if not (cfg["prompt"] or cfg["prompt_file"]):
+        val_data = TokenDataset(prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["block_size"], tcfg["data_root"]), "val")
+    prompts = load_prompts(cfg, enc, val_data, gen_len, model.config.block_size)
+    generator = torch.Generator(cfg["device"]).manual_seed(cfg["seed"])
+    settings = {k: cfg[k] for k in ("max_new_tokens", "slot_size", "num_blocks", "slot_threshold",
+                                    "token_threshold", "temperature")}
+
+    def run(prompt):
+        return generate_refusion(model, prompt, mask_id=meta["mask_id"], eos_id=meta["eos_id"],
+                                 generator=generator, **settings)
+
+    run(prompts[0][0][:8])  # warm-up: the first forward passes pay one-time costs
+    for prompt, reference in prompts:
+        out = run(prompt)
+        text = decode(enc, [t for t in out.tokens if t != meta["eos_id"]])
+        if cfg["json"]:
+            print(json.dumps({"prompt": decode(enc, prompt), "text": text, **out.stats()}))
+            continue
+        print("=" * 80)
+        print(decode(enc, prompt) + text)
+        print("-" * 80)
+        s = out.stats()
+        print(f"{s['tokens']} tokens in {s['nfe']} forward passes (NFE), {s['tpf']:.2f} tokens per forward "
+              f"(TPF), {s['seconds']:.3f} s, {s['tokens_per_s']:.1f} tokens/s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

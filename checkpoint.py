@@ -1,0 +1,59 @@
+"""
+Checkpoints: what train.py writes and sampler.py / bench.py read.
+
+A checkpoint is one `ckpt.pt` in out_dir holding plain data only (tensors, numbers, strings, lists,
+dicts), loaded with `torch.load(weights_only=True)`, so opening one never runs code from it. It is
+written to a temp file and renamed, so a crash mid-write leaves the previous checkpoint intact.
+"""
+
+import os
+
+import torch
+
+from model import ModelConfig, Transformer
+
+FORMAT = 1  # bumped when the layout changes; older files are refused with a message
+
+
+def checkpoint_path(out_dir):
+    return os.path.join(out_dir, "ckpt.pt")
+
+
+def save_checkpoint(out_dir, ckpt):
+    """Write ckpt (a dict of plain data) to out_dir/ckpt.pt atomically (temp file + rename)."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = checkpoint_path(out_dir)
+    tmp = path + ".tmp"
+    torch.save(dict(ckpt, format=FORMAT), tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path_or_dir, device="cpu"):
+    """Read a checkpoint dict from a file or an out_dir holding ckpt.pt.
+
+    Raises FileNotFoundError when there is none, ValueError when the file is not a readable
+    checkpoint of this format (truncated, foreign, crafted to run code, or from another version).
+    """
+    path = checkpoint_path(path_or_dir) if os.path.isdir(path_or_dir) else path_or_dir
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}: train one first with "
+                                f"`python train.py --out_dir={os.path.dirname(path) or '.'}`")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # torch raises several types for truncated or unsafe files
+        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                         "it may be truncated, from another program, or contain code, which is never "
+                         "executed; retrain or point to another file") from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
+        raise ValueError(f"{path} is not a checkpoint written by train.py (no model weights and config)")
+    if ckpt.get("format") != FORMAT:
+        raise ValueError(f"{path} has checkpoint format {ckpt.get('format')!r}, this code reads format "
+                         f"{FORMAT}; retrain it with this version of train.py")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt, device="cpu"):
+    """Rebuild the Transformer of a loaded checkpoint, in eval mode on device."""
+    model = Transformer(ModelConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval()

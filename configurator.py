@@ -1,0 +1,70 @@
+"""
+nanoGPT-style configuration: defaults in the script, then config files (`config/*.py`, plain
+assignments), then `--key=value` flags, applied left to right. Every key must already have a
+default, and every value must have the default's type, so a typo fails loudly instead of silently.
+
+    python train.py config/train_stdlib.py --max_iters=200 --slot_sizes=(4,8)
+"""
+
+import ast
+import difflib
+import os
+
+
+class ConfigError(ValueError):
+    """A config file or flag that names an unknown key or gives a value of the wrong type."""
+
+
+def _coerce(key, value, default):
+    """Check value against the default's type; ints are accepted for floats, lists for tuples."""
+    if default is None or value is None or isinstance(value, type(default)):
+        if isinstance(default, bool) != isinstance(value, bool) and default is not None and value is not None:
+            raise ConfigError(f"--{key}={value!r}: expected {type(default).__name__} like {default!r}")
+        return value
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(default, tuple) and isinstance(value, (list, int)):
+        return tuple(value) if isinstance(value, list) else (value,)
+    if isinstance(default, str):
+        return str(value)  # e.g. --dataset=123 names a file called 123
+    raise ConfigError(f"--{key}={value!r}: expected {type(default).__name__} like {default!r}, "
+                      f"got {type(value).__name__}")
+
+
+def _check_key(key, defaults, where):
+    if key not in defaults:
+        close = difflib.get_close_matches(key, defaults, n=3)
+        hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
+        raise ConfigError(f"unknown config key {key!r} in {where}{hint} Known keys: {', '.join(sorted(defaults))}")
+
+
+def parse_args(defaults, argv):
+    """Apply config files and --key=value flags in argv to a copy of defaults (a dict); return it.
+
+    Raises ConfigError (a ValueError) naming the key and the fix for an unknown key, a wrong type,
+    a malformed flag, or a missing config file.
+    """
+    config = dict(defaults)
+    for arg in argv:
+        if not arg.startswith("--"):
+            if not os.path.isfile(arg):
+                raise ConfigError(f"config file {arg!r} not found (flags are written --key=value)")
+            namespace = {}
+            with open(arg) as f:
+                exec(compile(f.read(), arg, "exec"), namespace)  # a config file is the user's own code
+            for key, value in namespace.items():
+                if key.startswith("_") or type(value).__name__ == "module":
+                    continue
+                _check_key(key, defaults, arg)
+                config[key] = _coerce(key, value, defaults[key])
+            continue
+        if "=" not in arg:
+            raise ConfigError(f"flag {arg!r} has no value: write it as {arg}=VALUE")
+        key, text = arg[2:].split("=", 1)
+        _check_key(key, defaults, "the command line")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text  # a bare word such as --device=cpu is a string
+        config[key] = _coerce(key, value, defaults[key])
+    return config

@@ -1,0 +1,546 @@
+"""
+Everything about turning text into token batches.
+
+    text records {"query", "response"}  ->  prepare()  ->  data/<name>-<tokenizer>-<block_size>/
+        train.bin, val.bin                 all samples' tokens, uint16, back to back
+        train_samples.npy, val_samples.npy (N, 3) int64: [start in .bin, prompt_len, total_len]
+        meta.json                          tokenizer, special ids, counts; written last
+    TokenDataset(data_dir, split).get_batch(...)  ->  right-padded (B, T) int64 batches
+
+A sample is the query's tokens (the prompt, never predicted) followed by the response's tokens
+and one EOS. As in nanoGPT, tokenization happens once, in prepare(); training reads memmaps.
+"""
+
+import ast
+import hashlib
+import json
+import os
+import platform
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+import tiktoken
+import torch
+
+EOS, MASK, PAD = "<|endoftext|>", "<|mask|>", "<|pad|>"
+TOKENIZERS = ("bytes", "gpt2")
+TEXT_WINDOW_CHARS = 1024  # plain-text files are cut into windows of at most this many characters
+VAL_PERCENT = 5  # share of records that go to the validation split
+FORMAT = 1  # version of the prepared-data layout, stored in meta.json
+
+# -----------------------------------------------------------------------------
+# tokenizer
+
+# GPT-2's pre-tokenization regex, so the byte tokenizer splits text the way GPT-2 does
+GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+@cache
+def get_tokenizer(name: str = "bytes") -> tiktoken.Encoding:
+    """
+    Return the tiktoken Encoding called `name`, with EOS, MASK and PAD as special tokens.
+
+    "bytes": one token per byte (ids 0..255) + EOS=256, MASK=257, PAD=258; n_vocab = 259.
+             Built in code, needs no download: the offline default.
+    "gpt2":  GPT-2's BPE (ids 0..50255) + EOS=50256, MASK=50257, PAD=50258; n_vocab = 50259.
+             tiktoken downloads the BPE file once and caches it (see TIKTOKEN_CACHE_DIR).
+    Raises ValueError for an unknown name, RuntimeError if the GPT-2 BPE file cannot be had.
+    """
+    if name == "bytes":
+        ranks = {bytes([i]): i for i in range(256)}
+        return tiktoken.Encoding(name="bytes", pat_str=GPT2_PAT, mergeable_ranks=ranks,
+                                 special_tokens={EOS: 256, MASK: 257, PAD: 258})
+    if name == "gpt2":
+        try:
+            base = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            raise RuntimeError(
+                "the GPT-2 BPE file could not be downloaded or found in tiktoken's cache "
+                "(set TIKTOKEN_CACHE_DIR to a directory that holds it); "
+                "use --tokenizer=bytes (the offline default) instead") from e
+        return tiktoken.Encoding(name="gpt2-refusion", pat_str=base._pat_str,
+                                 mergeable_ranks=base._mergeable_ranks,
+                                 special_tokens={EOS: 50256, MASK: 50257, PAD: 50258})
+    raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS}")
+
+
+def special_ids(enc: tiktoken.Encoding) -> tuple[int, int, int]:
+    """(eos_id, mask_id, pad_id) of a tokenizer from get_tokenizer."""
+    return enc.encode_single_token(EOS), enc.encode_single_token(MASK), enc.encode_single_token(PAD)
+
+
+def encode(enc: tiktoken.Encoding, text: str) -> list[int]:
+    """Token ids of `text`. Special-token strings in the text stay plain text, never special ids."""
+    return enc.encode_ordinary(text)
+
+
+def decode(enc: tiktoken.Encoding, ids) -> str:
+    """Text of `ids` (ints, special ids included); broken UTF-8 becomes U+FFFD, never an error."""
+    return enc.decode([int(i) for i in ids], errors="replace")
+
+# -----------------------------------------------------------------------------
+# records: {"query": str, "response": str, "module": str, "name": str}
+
+
+def split_of(record: dict) -> str:
+    """
+    "train" or "val" for a record, from a stable hash of f"{module}:{name}" (VAL_PERCENT% val).
+    The same record lands in the same split on every machine and every run.
+    """
+    digest = hashlib.sha1(f"{record['module']}:{record['name']}".encode()).digest()
+    # 8 bytes, not 1: a single byte % 100 would favour 0..55 and give ~5.9% val
+    return "val" if int.from_bytes(digest[:8], "big") % 100 < VAL_PERCENT else "train"
+
+
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages"}
+
+
+def _stdlib_files(root: str) -> list[tuple[str, str]]:
+    """(path, dotted module name) of the non-test .py files under `root`, in sorted order."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for fn in sorted(filenames):
+            if not fn.endswith(".py") or fn.startswith("test_"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, fn), root)[:-len(".py")]
+            parts = rel.split(os.sep)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            files.append((os.path.join(dirpath, fn), ".".join(parts)))
+    return sorted(files)
+
+
+def _functions(tree: ast.AST, prefix: str = ""):
+    """Yield (qualified name, node) for every (async) function, methods and nested ones included."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = prefix + node.name
+            if not isinstance(node, ast.ClassDef):
+                yield name, node
+            yield from _functions(node, name + ".")
+        else:
+            yield from _functions(node, prefix)  # defs under if/try/with keep the same prefix
+
+
+def _dedent(lines: list[str], indent: str) -> list[str]:
+    """
+    Remove the `def` line's `indent` from each line; whitespace-only lines become empty.
+
+    Not textwrap.dedent: one string literal written at column 0 would stop it dedenting anything.
+    Lines that do not start with `indent` (inside such literals) stay as written.
+    """
+    return [line.removeprefix(indent) if line.strip() else "" for line in lines]
+
+
+def function_records(source: str, module: str, max_chars: int | None = None) -> list[dict]:
+    """
+    Records of the documented functions in one module's `source` (newlines already '\\n').
+
+    query    = the lines from `def` (decorators excluded) to the docstring's last line;
+    response = the remaining lines of the body. Both end with "\\n" and lose the `def` line's
+    indentation; query + response is the function's source so dedented. Functions whose body
+    is only a docstring, or whose query + response exceeds `max_chars`, are left out.
+    Raises SyntaxError if `source` does not parse.
+    """
+    lines = source.split("\n")
+    records = []
+    for name, node in _functions(ast.parse(source)):
+        if ast.get_docstring(node, clean=False) is None:
+            continue
+        # node.lineno is the `def` line; decorators have their own lines before it
+        indent = lines[node.lineno - 1][:node.col_offset]
+        body = _dedent(lines[node.lineno - 1:node.end_lineno], indent)
+        head = node.body[0].end_lineno - node.lineno + 1  # lines up to the docstring's end
+        query, response = "\n".join(body[:head]) + "\n", "\n".join(body[head:]) + "\n"
+        too_long = max_chars is not None and len(query) + len(response) > max_chars
+        if not response.strip() or too_long:
+            continue
+        records.append({"query": query, "response": response, "module": module, "name": name})
+    return records
+
+
+def stdlib_records(max_chars: int | None = None) -> list[dict]:
+    """
+    The built-in real corpus: every documented function of the running interpreter's standard
+    library, as {"query": signature + docstring, "response": rest of the body, "module", "name"}.
+
+    Test packages and site-packages are skipped; so are files that are not UTF-8 or do not parse
+    (their count is printed). The result depends on the Python version (stored in meta.json).
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    records, unreadable = [], 0
+    for path, module in _stdlib_files(root):
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            # ast counts \r\n and \r as line ends too; normalise so our line numbers agree
+            source = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+            records += function_records(source, module, max_chars)
+        except (UnicodeDecodeError, SyntaxError, ValueError):
+            unreadable += 1
+    if unreadable:
+        print(f"stdlib_records: skipped {unreadable} files that are not UTF-8 or do not parse")
+    return records
+
+# -----------------------------------------------------------------------------
+# a user's own records
+
+FORMAT_HELP = ("expected a .json file holding a JSON list of objects with string 'query' and "
+               "'response' fields, a .jsonl file with one such object per line, or plain text")
+
+
+def _read_text(path: str) -> str:
+    """The file's text. Raises FileNotFoundError, or ValueError if empty or not UTF-8."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist; check the path")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not valid UTF-8 at byte offset {e.start}; "
+                         "re-save the file as UTF-8") from None
+    if not text.strip():
+        raise ValueError(f"{path}: the file is empty; {FORMAT_HELP}")
+    return text
+
+
+def _check_record(obj, where: str, path: str) -> dict:
+    """The query/response of one JSON record, or a ValueError that says which record is wrong."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: {where} is a {type(obj).__name__}, not an object; {FORMAT_HELP}")
+    for key in ("query", "response"):
+        if key not in obj:
+            raise ValueError(f"{path}: {where} has no {key!r} field; {FORMAT_HELP}")
+        if not isinstance(obj[key], str):
+            raise ValueError(f"{path}: {where}: {key!r} must be a string, "
+                             f"not {type(obj[key]).__name__}")
+    if not obj["response"]:
+        raise ValueError(f"{path}: {where} has an empty response; remove it or fill it in")
+    return {"query": obj["query"], "response": obj["response"]}
+
+
+def _parse_json(text: str, path: str) -> list[dict]:
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, "
+                         f"column {e.colno}: {e.msg}") from None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: top level is a {type(rows).__name__}, not a list; {FORMAT_HELP}")
+    return [_check_record(obj, f"record {i}", path) for i, obj in enumerate(rows)]
+
+
+def _parse_jsonl(text: str, path: str) -> list[dict]:
+    records = []
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue  # blank lines, e.g. a trailing newline, are not records
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON on line {lineno}: {e.msg}") from None
+        records.append(_check_record(obj, f"record {len(records)} (line {lineno})", path))
+    return records
+
+
+def _parse_text(text: str, window_chars: int) -> list[dict]:
+    """Consecutive windows of window_chars characters; the first quarter of each is the query."""
+    records = []
+    for start in range(0, len(text), window_chars):
+        window = text[start:start + window_chars]
+        cut = len(window) // 4
+        records.append({"query": window[:cut], "response": window[cut:]})
+    return records
+
+
+def load_records(path: str, window_chars: int = TEXT_WINDOW_CHARS) -> list[dict]:
+    """
+    A user's records from `path`, as {"query", "response", "module": file name, "name": index}.
+
+    .json:  a JSON list of {"query": str, "response": str, ...} (the ReFusion release's format);
+    .jsonl: one such object per line;
+    other:  plain text, cut into windows of window_chars characters, each window's first
+            quarter the query and the rest the response.
+    Raises FileNotFoundError for a missing file and ValueError (naming the record, line, column
+    or byte offset) for an empty file, bad UTF-8, bad JSON, or a malformed record.
+    """
+    text = _read_text(path)
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".json":
+        records = _parse_json(text, path)
+    elif ext == ".jsonl":
+        records = _parse_jsonl(text, path)
+    else:
+        records = _parse_text(text, window_chars)
+    if not records:
+        raise ValueError(f"{path}: holds no records; {FORMAT_HELP}")
+    module = os.path.basename(path)
+    return [dict(r, module=module, name=str(i)) for i, r in enumerate(records)]
+
+# -----------------------------------------------------------------------------
+# prepare: records -> token files on disk
+
+DATASETS = {"stdlib": stdlib_records}  # built-in corpora; anything else is a path to a file
+
+
+def _write_atomic(path: str, write) -> None:
+    """Call write(file) on a temp file in path's directory, then rename it to `path`."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp, 0o644)  # mkstemp makes files private; these are ordinary data files
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _tokenize(records: list[dict], enc, block_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens (n,) uint16, samples (N, 3) int64, number of records skipped as too long)."""
+    eos_id = special_ids(enc)[0]
+    chunks, samples, skipped, start = [], [], 0, 0
+    for r in records:
+        prompt = encode(enc, r["query"])
+        ids = prompt + encode(enc, r["response"]) + [eos_id]
+        if len(ids) > block_size:
+            skipped += 1
+            continue
+        chunks.append(np.array(ids, dtype=np.uint16))
+        samples.append((start, len(prompt), len(ids)))
+        start += len(ids)
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
+    return tokens, np.array(samples, dtype=np.int64).reshape(-1, 3), skipped
+
+
+def _source_sha1(dataset: str) -> str | None:
+    """Hash of a user's data file, so an edited file is prepared again; None for built-ins."""
+    if dataset in DATASETS:
+        return None
+    with open(dataset, "rb") as f:
+        return hashlib.sha1(f.read()).hexdigest()
+
+
+def _is_prepared(data_dir: str, expected: dict) -> bool:
+    """True if data_dir holds a finished preparation made with the same settings."""
+    try:
+        with open(os.path.join(data_dir, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return False
+    files = [f"{s}.bin" for s in ("train", "val")] + [f"{s}_samples.npy" for s in ("train", "val")]
+    return (all(meta.get(k) == v for k, v in expected.items())
+            and all(os.path.isfile(os.path.join(data_dir, fn)) for fn in files))
+
+
+def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "data") -> str:
+    """
+    Tokenize `dataset` ("stdlib" or a path for load_records) once and return the data dir,
+    data_root/<name>-<tokenizer>-<block_size>. A finished, matching preparation is reused.
+
+    Samples longer than block_size tokens (EOS included) are skipped and counted.
+    Raises FileNotFoundError for an unknown dataset, ValueError if a split gets no samples.
+    """
+    if dataset not in DATASETS and not os.path.isfile(dataset):
+        raise FileNotFoundError(f"no built-in dataset or file named {dataset!r}; "
+                                f"built-ins: {sorted(DATASETS)}, or give a path to a data file")
+    name = dataset if dataset in DATASETS else os.path.splitext(os.path.basename(dataset))[0]
+    data_dir = os.path.join(data_root, f"{name}-{tokenizer}-{block_size}")
+    enc = get_tokenizer(tokenizer)
+    expected = {"format": FORMAT, "dataset": dataset, "tokenizer": tokenizer,
+                "vocab_size": enc.n_vocab, "block_size": block_size,
+                "python_version": platform.python_version(), "source_sha1": _source_sha1(dataset)}
+    if _is_prepared(data_dir, expected):
+        return data_dir
+    assert enc.n_vocab <= 2**16, "token ids are stored as uint16"
+
+    os.makedirs(data_dir, exist_ok=True)
+    meta_path = os.path.join(data_dir, "meta.json")
+    if os.path.exists(meta_path):
+        os.remove(meta_path)  # a stale meta must not vouch for half-rewritten files
+    if dataset in DATASETS:
+        records = DATASETS[dataset]()
+    else:  # a text window leaves room for EOS, and for bytes that take more than one token
+        records = load_records(dataset, window_chars=min(TEXT_WINDOW_CHARS, (block_size - 1) * 3 // 4))
+    splits = {split: [r for r in records if split_of(r) == split] for split in ("train", "val")}
+    if not splits["val"] and len(splits["train"]) > 1:
+        splits["val"] = [splits["train"].pop()]  # a small file: keep one record for validation
+        print(f"{dataset}: no record hashed to the validation split; using the last one")
+    counts = {}
+    for split in ("train", "val"):
+        tokens, samples, skipped = _tokenize(splits[split], enc, block_size)
+        if len(samples) == 0:
+            raise ValueError(
+                f"{dataset}: the {split} split has no samples ({skipped} longer than "
+                f"block_size={block_size} were skipped, and about {VAL_PERCENT}% of records go to "
+                f"val); use a larger --block_size or a larger data file")
+        _write_atomic(os.path.join(data_dir, f"{split}.bin"), tokens.tofile)
+        _write_atomic(os.path.join(data_dir, f"{split}_samples.npy"), lambda f: np.save(f, samples))
+        counts[split] = {"samples": len(samples), "tokens": len(tokens), "skipped_too_long": skipped}
+        print(f"{split}: {len(samples):,} samples, {len(tokens):,} tokens, "
+              f"{skipped:,} skipped as longer than {block_size} tokens")
+    eos_id, mask_id, pad_id = special_ids(enc)
+    meta = dict(expected, eos_id=eos_id, mask_id=mask_id, pad_id=pad_id, counts=counts)
+    _write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))
+    return data_dir
+
+
+# -----------------------------------------------------------------------------
+# reading prepared data back
+
+
+class TokenDataset:
+    """One split of a prepared data dir: samples of prompt + response + EOS tokens."""
+
+    def __init__(self, data_dir: str, split: str):
+        names = ("meta.json", f"{split}.bin", f"{split}_samples.npy")
+        paths = [os.path.join(data_dir, fn) for fn in names]
+        for p in paths:
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"{p} not found; run data.prepare(...) or train.py "
+                                        "first to prepare the data")
+        with open(paths[0]) as f:
+            self.meta = json.load(f)
+        self.tokens = np.memmap(paths[1], dtype=np.uint16, mode="r")
+        self.samples = np.load(paths[2], allow_pickle=False)  # (N, 3): start, prompt_len, total_len
+        self.pad_id = self.meta["pad_id"]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def sample(self, i: int) -> tuple[list[int], list[int]]:
+        """(prompt_ids, response_ids) of sample i; the response ends with EOS."""
+        start, prompt_len, total_len = (int(x) for x in self.samples[i])
+        ids = self.tokens[start:start + total_len].tolist()
+        return ids[:prompt_len], ids[prompt_len:]
+
+    def get_batch(self, batch_size: int, rng: np.random.Generator, device="cpu"):
+        """get_batch_at for `batch_size` sample indices drawn uniformly (with replacement) by rng."""
+        return self.get_batch_at(rng.integers(0, len(self), size=batch_size), device)
+
+    def get_batch_at(self, indices, device="cpu"):
+        """
+        The samples at `indices`, right-padded with pad_id to the longest of them (T tokens):
+        tokens (B, T) int64, prompt_len (B,) int64, length (B,) int64 (tokens incl. EOS, no pad).
+        """
+        rows = self.samples[np.asarray(indices, dtype=np.int64)]  # (B, 3)
+        tokens = np.full((len(rows), int(rows[:, 2].max())), self.pad_id, dtype=np.int64)
+        for b, (start, _, total_len) in enumerate(rows):
+            tokens[b, :total_len] = self.tokens[start:start + total_len]
+        prompt_len, length = np.ascontiguousarray(rows[:, 1]), np.ascontiguousarray(rows[:, 2])
+        return tuple(torch.from_numpy(a).to(device) for a in (tokens, prompt_len, length))
+
+
+# -----------------------------------------------------------------------------
+# training inputs: what each objective feeds the model and what it asks it to predict
+
+IGNORE = -100  # label of a token that is not predicted (F.cross_entropy's ignore_index)
+
+
+@dataclass
+class Batch:
+    """One training batch, in the order the model sees it.
+
+    idx:          (B, T) int64 input tokens (mask ids where masked, pad_id after the sample).
+    position_ids: (B, T) int64 true position of every token (RoPE).
+    labels:       (B, T) int64 target at each input token, IGNORE where none.
+    mdm_weight:   (B, T) float32 1 / (p_mask * response length) where the label is a masked token's
+                  own token (masked-diffusion loss), 0 where it is a next token (autoregressive loss).
+    key_mask:     (B, T) bool, False on padding (used by bidirectional attention), or None.
+    """
+    idx: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    mdm_weight: torch.Tensor
+    key_mask: torch.Tensor | None = None
+
+
+def _p_mask(batch_size, eps, generator, device):
+    """p = (1 - eps) t + eps with t ~ U(0, 1): one masking probability per sample, (B,) float32."""
+    t = torch.rand(batch_size, generator=generator).to(device)
+    return (1 - eps) * t + eps
+
+
+def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator, eps=1e-3):
+    """ReFusion's slot reorganization of a batch (SPEC section 3; paper section 3.1).
+
+    tokens: (B, T) int64, each row prompt + response (ending with EOS), right-padded;
+    prompt_len, length: (B,) int64 (length counts EOS, not padding). Per sample, draws the slot size
+    S uniformly from slot_sizes, p_mask = (1 - eps) t + eps with t ~ U(0, 1), which slots are masked
+    (each with probability p_mask) and a random order of the clean slots, then lays the batch out
+    with layout_slots. All randomness comes from `generator` (a CPU torch.Generator), in that order.
+    Returns a Batch of the same (B, T). No Python loop over samples.
+    """
+    B, T = tokens.shape
+    dev = tokens.device
+    S = torch.tensor(slot_sizes)[torch.randint(len(slot_sizes), (B,), generator=generator)].to(dev)
+    p = _p_mask(B, eps, generator, dev)
+    slot_is_masked = torch.rand(B, T, generator=generator).to(dev) < p[:, None]      # indexed by slot id
+    slot_rank = torch.rand(B, T, generator=generator).argsort(dim=1).argsort(dim=1).to(dev)
+    return layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id)
+
+
+def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id):
+    """The deterministic half of reorganize_slots: build the buffer, labels and loss weights.
+
+    S: (B,) int64 slot size; p: (B,) float32 p_mask; slot_is_masked: (B, n) bool and slot_rank:
+    (B, n) int64 (a permutation), indexed by slot id (n >= number of slots; T always suffices).
+    Buffer: the prompt, then the clean slots in ascending slot_rank, then the masked slots (every
+    token the mask id) in their original order, then padding; every token keeps its true position.
+    Labels: a clean token's next token inside its own slot (none for the slot's last token); a masked
+    token's own token, with mdm_weight 1 / (p * response length); none for prompt and padding.
+    """
+    B, T = tokens.shape
+    pos = torch.arange(T, device=tokens.device).expand(B, T)
+    rel = pos - prompt_len[:, None]                          # position inside the response
+    in_response = (rel >= 0) & (pos < length[:, None])
+    slot = torch.where(in_response, rel // S[:, None], 0)    # (B, T) slot id of every response token
+    masked = in_response & slot_is_masked.gather(1, slot)
+    clean = in_response & ~masked
+
+    # physical order: prompt (group 0), clean slots by rank (1), masked slots (2), padding (3)
+    group = torch.where(pos < prompt_len[:, None], 0, torch.where(clean, 1, torch.where(masked, 2, 3)))
+    within = torch.where(clean, slot_rank.gather(1, slot) * T + pos, pos)
+    order = (group * T * (T + 1) + within).argsort(dim=1)    # (B, T) original index at each buffer place
+
+    next_in_slot = torch.zeros_like(in_response)
+    next_in_slot[:, :-1] = (slot[:, 1:] == slot[:, :-1]) & in_response[:, 1:]
+    next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+    labels = torch.where(masked, tokens, torch.where(clean & next_in_slot, next_tok, IGNORE))
+    weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)
+    idx = torch.where(masked, mask_id, tokens)
+    return Batch(*(x.gather(1, order) for x in (idx, pos, labels, weight)))
+
+
+def autoregressive_batch(tokens, prompt_len, length):
+    """The ARM baseline's batch: natural order, each token labelled with the next response token.
+
+    tokens (B, T), prompt_len (B,), length (B,) int64 as for reorganize_slots. Returns a Batch.
+    """
+    B, T = tokens.shape
+    pos = torch.arange(T, device=tokens.device).expand(B, T)
+    predicts_response = (pos + 1 >= prompt_len[:, None]) & (pos + 1 < length[:, None])
+    next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+    labels = torch.where(predicts_response, next_tok, IGNORE)
+    return Batch(tokens, pos, labels, torch.zeros(B, T, device=tokens.device))
+
+
+def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3):
+    """The LLaDA-style MDM baseline's batch: each response token masked independently with p_mask.
+
+    tokens (B, T), prompt_len (B,), length (B,) int64. Labels: a masked token's own token, weighted
+    1 / (p_mask * response length). key_mask hides padding from bidirectional attention. Returns a Batch.
+    """
+    B, T = tokens.shape
+    pos = torch.arange(T, device=tokens.device).expand(B, T)
+    p = _p_mask(B, eps, generator, tokens.device)
+    in_response = (pos >= prompt_len[:, None]) & (pos < length[:, None])
+    masked = in_response & (torch.rand(B, T, generator=generator).to(tokens.device) < p[:, None])
+    labels = torch.where(masked, tokens, IGNORE)
+    weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)
+    return Batch(torch.where(masked, mask_id, tokens), pos, labels, weight, key_mask=pos < length[:, None])

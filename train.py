@@ -1,0 +1,219 @@
+"""
+Train a ReFusion model (or one of the baselines) on prompt/response data.
+
+    python train.py                                   # small ReFusion model, stdlib corpus, CPU
+    python train.py config/train_stdlib.py --max_iters=500 --device=cuda
+
+The ReFusion objective (SPEC section 3; paper section 3.1): each response is cut into slots, some
+slots are masked, the clean ones are shuffled in front of the masked ones (keeping their true
+position ids), and one causal forward pass gives two losses: next-token prediction inside every
+clean slot (AR) and the masked tokens' own values, weighted by 1/p_mask (MDM).
+"""
+
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from configurator import parse_args
+from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, prepare, random_mask_batch, reorganize_slots
+from model import ModelConfig, Transformer
+
+# -----------------------------------------------------------------------------
+# default config: a small ReFusion model on the Python standard library, about 8 minutes on 2 CPU cores
+out_dir = "out"
+init_from = "scratch"     # 'scratch', 'resume' (continue out_dir), or a checkpoint path to start from
+objective = "refusion"    # 'refusion' (slots, hybrid loss), 'ar' (next token), 'mdm' (LLaDA-style)
+dataset = "stdlib"        # a built-in corpus name, or a path to a .json / .jsonl / text file
+tokenizer = "bytes"       # 'bytes' (offline) or 'gpt2' (needs the BPE file, see README)
+data_root = "data"
+slot_sizes = (4, 8)       # S is drawn per sample from these (the paper uses 4, 8, 16, 32)
+mask_eps = 1e-3           # p_mask = (1 - eps) t + eps
+# model
+n_layer = 4
+n_head = 4
+n_kv_head = 0             # 0: same as n_head
+n_embd = 128
+block_size = 384          # context (prompt + response tokens); longer samples are skipped
+qk_norm = True
+rope_theta = 10000.0
+# optimization
+batch_size = 16
+max_iters = 1500
+learning_rate = 2e-3
+min_lr = 2e-4
+warmup_iters = 50
+weight_decay = 0.1
+beta1, beta2 = 0.9, 0.95
+grad_clip = 1.0
+# evaluation and logging
+eval_interval = 250
+eval_iters = 10
+seed = 1337
+device = "cpu"
+compile = False
+# -----------------------------------------------------------------------------
+CONFIG_KEYS = [k for k, v in list(globals().items())
+               if not k.startswith("_") and k.islower() and isinstance(v, (int, float, bool, str, tuple))]
+DEFAULTS = {k: globals()[k] for k in CONFIG_KEYS}
+OBJECTIVES = ("refusion", "ar", "mdm")
+
+
+def make_batch(cfg, tokens, prompt_len, length, mask_id, generator):
+    """The objective's Batch (inputs, position ids, labels, loss weights) for raw samples (B, T)."""
+    if cfg["objective"] == "refusion":
+        return reorganize_slots(tokens, prompt_len, length, cfg["slot_sizes"], mask_id, generator, cfg["mask_eps"])
+    if cfg["objective"] == "mdm":
+        return random_mask_batch(tokens, prompt_len, length, mask_id, generator, cfg["mask_eps"])
+    return autoregressive_batch(tokens, prompt_len, length)
+
+
+def hybrid_loss(logits, batch):
+    """ReFusion's loss, AR_loss + MDM_loss (SPEC section 3, step 5); also serves both baselines.
+
+    logits: (B, T, V) float32. AR_loss: mean cross-entropy over next-token labels (0 if none).
+    MDM_loss: sum over masked tokens of CE * mdm_weight (= CE / (p_mask * response length)),
+    divided by B. Returns (loss, ar_loss, mdm_loss), scalar tensors.
+    """
+    B, T, V = logits.shape
+    ce = F.cross_entropy(logits.view(-1, V), batch.labels.view(-1), ignore_index=IGNORE,
+                         reduction="none").view(B, T)
+    is_ar = (batch.labels != IGNORE) & (batch.mdm_weight == 0)
+    ar_loss = (ce * is_ar).sum() / is_ar.sum().clamp(min=1)
+    mdm_loss = (ce * batch.mdm_weight).sum() / B
+    return ar_loss + mdm_loss, ar_loss, mdm_loss
+
+
+def get_lr(it, cfg):
+    """Linear warm-up, then cosine decay from learning_rate to min_lr at max_iters."""
+    if it < cfg["warmup_iters"]:
+        return cfg["learning_rate"] * (it + 1) / cfg["warmup_iters"]
+    ratio = min(1.0, (it - cfg["warmup_iters"]) / max(1, cfg["max_iters"] - cfg["warmup_iters"]))
+    return cfg["min_lr"] + 0.5 * (1 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
+
+
+def check_config(cfg):
+    """Refuse settings that cannot work, with the fix. Raises ValueError."""
+    if cfg["objective"] not in OBJECTIVES:
+        raise ValueError(f"--objective={cfg['objective']!r}: choose one of {', '.join(OBJECTIVES)}")
+    if cfg["tokenizer"] not in TOKENIZERS:
+        raise ValueError(f"--tokenizer={cfg['tokenizer']!r}: choose one of {', '.join(TOKENIZERS)}")
+    if not cfg["slot_sizes"] or any(not isinstance(s, int) or s <= 0 for s in cfg["slot_sizes"]):
+        raise ValueError(f"--slot_sizes={cfg['slot_sizes']}: give positive integers, e.g. --slot_sizes=(4,8)")
+    for key in ("batch_size", "max_iters", "n_layer", "n_head", "n_embd", "block_size", "eval_iters", "eval_interval"):
+        if cfg[key] <= 0:
+            raise ValueError(f"--{key}={cfg[key]}: must be positive")
+    if cfg["device"].startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device={cfg['device']}: no CUDA GPU is visible to torch here; use --device=cpu")
+
+
+@torch.no_grad()
+def estimate_loss(model, cfg, val_data, mask_id, autocast):
+    """Mean validation loss over eval_iters fixed batches (same samples and masks every call)."""
+    model.eval()
+    rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(cfg["eval_iters"]):
+        tokens, prompt_len, length = val_data.get_batch(cfg["batch_size"], rng, cfg["device"])
+        batch = make_batch(cfg, tokens, prompt_len, length, mask_id, gen)
+        with autocast:
+            logits = model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
+        losses.append(hybrid_loss(logits.float(), batch)[0].item())
+    model.train()
+    return float(np.mean(losses))
+
+
+def main(argv):
+    cfg = parse_args(DEFAULTS, argv)
+    check_config(cfg)
+    ckpt_file = checkpoint_path(cfg["out_dir"])
+    if cfg["init_from"] == "scratch" and os.path.exists(ckpt_file):
+        raise SystemExit(f"{ckpt_file} already exists: continue it with --init_from=resume, or choose another "
+                         "--out_dir (nothing was overwritten)")
+    torch.manual_seed(cfg["seed"])
+    data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"])
+    train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
+    meta = train_data.meta
+    mask_id = meta["mask_id"]
+
+    ckpt = None
+    if cfg["init_from"] == "resume":
+        ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
+        for key in ("objective", "tokenizer", "dataset"):
+            if ckpt["config"][key] != cfg[key]:
+                raise SystemExit(f"--{key}={cfg[key]} differs from the checkpoint's {ckpt['config'][key]!r}; "
+                                 "resume with the same setting")
+        model_args = ckpt["model_args"]
+    else:
+        model_args = dict(vocab_size=meta["vocab_size"], block_size=cfg["block_size"], n_layer=cfg["n_layer"],
+                          n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or cfg["n_head"], n_embd=cfg["n_embd"],
+                          qk_norm=cfg["qk_norm"], rope_theta=cfg["rope_theta"], causal=cfg["objective"] != "mdm")
+    model = Transformer(ModelConfig(**model_args))
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+    model.to(cfg["device"])
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]))
+    iter_num, best_val = 0, float("inf")
+    rng, gen = np.random.default_rng(cfg["seed"]), torch.Generator().manual_seed(cfg["seed"])
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
+        rng.bit_generator.state = ckpt["numpy_rng"]
+        gen.set_state(ckpt["torch_rng"])
+    forward_model = torch.compile(model) if cfg["compile"] else model
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg["device"].startswith("cuda") else nullcontext())
+
+    def checkpoint():
+        save_checkpoint(cfg["out_dir"], {
+            "model": model.state_dict(), "model_args": model_args, "optimizer": optimizer.state_dict(),
+            "iter_num": iter_num, "best_val_loss": best_val, "config": cfg, "meta": meta,
+            "numpy_rng": rng.bit_generator.state, "torch_rng": gen.get_state()})
+
+    print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
+          f"{len(train_data):,} training samples, device {cfg['device']}")
+    model.train()
+    bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"], desc="train")
+    t0, n_tokens = time.perf_counter(), 0
+    for iter_num in bar:
+        if iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"] - 1:
+            val_loss = estimate_loss(forward_model, cfg, val_data, mask_id, autocast)
+            best_val = min(best_val, val_loss)
+            tqdm.write(f"iter {iter_num}: val loss {val_loss:.4f}")
+            if iter_num > 0:
+                checkpoint()
+        lr = get_lr(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        tokens, prompt_len, length = train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
+        batch = make_batch(cfg, tokens, prompt_len, length, mask_id, gen)
+        with autocast:
+            logits = forward_model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
+        loss, ar_loss, mdm_loss = hybrid_loss(logits.float(), batch)
+        if not torch.isfinite(loss):
+            raise SystemExit(f"loss became {loss.item()} at iteration {iter_num}; the last good checkpoint in "
+                             f"{cfg['out_dir']} is kept. Lower --learning_rate or check the data")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        optimizer.step()
+        n_tokens += int(length.sum())
+        bar.set_postfix(loss=f"{loss.item():.3f}", ar=f"{ar_loss.item():.3f}", mdm=f"{mdm_loss.item():.3f}",
+                        tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
+    iter_num = cfg["max_iters"]
+    checkpoint()
+    print(f"saved {ckpt_file} (best val loss {best_val:.4f})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
