@@ -34,7 +34,8 @@ def load_checkpoint(path_or_dir, device="cpu"):
     Raises FileNotFoundError when there is none, ValueError when the file is not a readable
     checkpoint of this format (truncated, foreign, crafted to run code, or from another version).
     """
-    path = checkpoint_path(path_or_dir) if os.path.isdir(path_or_dir) else path_or_dir
+    is_file = path_or_dir.endswith(".pt") or os.path.isfile(path_or_dir)
+    path = path_or_dir if is_file else checkpoint_path(path_or_dir)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}: train one first with "
                                 f"`python train.py --out_dir={os.path.dirname(path) or '.'}`")

@@ -34,13 +34,14 @@ def _coerce(key, value, default):
 def _check_key(key, defaults, where):
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=3)
-        hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
+        hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else "."
         raise ConfigError(f"unknown config key {key!r} in {where}{hint} Known keys: {', '.join(sorted(defaults))}")
 
 
 def parse_args(defaults, argv):
     """Apply config files and --key=value flags in argv to a copy of defaults (a dict); return it.
 
+    A boolean key may be given bare (--json means --json=True).
     Raises ConfigError (a ValueError) naming the key and the fix for an unknown key, a wrong type,
     a malformed flag, or a missing config file.
     """
@@ -58,13 +59,23 @@ def parse_args(defaults, argv):
                 _check_key(key, defaults, arg)
                 config[key] = _coerce(key, value, defaults[key])
             continue
-        if "=" not in arg:
-            raise ConfigError(f"flag {arg!r} has no value: write it as {arg}=VALUE")
-        key, text = arg[2:].split("=", 1)
+        key, _, text = arg[2:].partition("=")
         _check_key(key, defaults, "the command line")
+        if "=" not in arg:
+            if not isinstance(defaults[key], bool):
+                raise ConfigError(f"flag {arg!r} has no value: write it as {arg}=VALUE")
+            text = "True"  # a bare boolean flag such as --json switches it on
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             value = text  # a bare word such as --device=cpu is a string
         config[key] = _coerce(key, value, defaults[key])
     return config
+
+
+def run_cli(main, argv):
+    """Run main(argv); a user's mistake (ValueError, FileNotFoundError) ends with its message, not a traceback."""
+    try:
+        main(argv)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise SystemExit(f"error: {e}") from None

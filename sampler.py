@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
-from configurator import parse_args
+from configurator import parse_args, run_cli
 from data import TokenDataset, decode, encode, get_tokenizer, prepare
 
 
@@ -415,4 +415,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main, sys.argv[1:])

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from configurator import parse_args
+from configurator import parse_args, run_cli
 from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, prepare, random_mask_batch, reorganize_slots
 from model import ModelConfig, Transformer
 
@@ -216,4 +216,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main, sys.argv[1:])
