@@ -16,10 +16,13 @@ import hashlib
 import json
 import os
 import platform
+import random
+import re
 import sysconfig
 import tempfile
 from dataclasses import dataclass
 from functools import cache
+from itertools import zip_longest
 
 import numpy as np
 import tiktoken
@@ -187,6 +190,115 @@ def stdlib_records(max_chars: int | None = None) -> list[dict]:
     return records
 
 # -----------------------------------------------------------------------------
+# the built-in arithmetic corpus: column-by-column worked solutions with a checkable final answer
+
+ARITH_DIGITS = (3, 6)  # operand digits; with the byte tokenizer responses are ~60 to ~125 tokens
+
+
+def _columns(n: int) -> list[int]:
+    """Decimal digits of n >= 0, least significant first."""
+    return [int(c) for c in reversed(str(n))]
+
+
+def _add_steps(a: int, b: int) -> list[str]:
+    """One line per column of a + b, e.g. "8+9+0=17 carry 1" (the first column has no carry in)."""
+    lines, carry = [], 0
+    for i, (x, y) in enumerate(zip_longest(_columns(a), _columns(b), fillvalue=0)):
+        s = x + y + carry
+        lines.append((f"{x}+{y}" if i == 0 else f"{x}+{y}+{carry}") + f"={s} carry {s // 10}")
+        carry = s // 10
+    return lines
+
+
+def _subtract_steps(a: int, b: int) -> list[str]:
+    """One line per column of a - b (a >= b), e.g. "12-3-1=8 borrow 1": the top digit is shown
+    with the 10 it borrowed, so every line is literally true."""
+    lines, borrow = [], 0
+    for i, (x, y) in enumerate(zip_longest(_columns(a), _columns(b), fillvalue=0)):
+        out = int(x - y - borrow < 0)
+        top = x + 10 * out
+        lines.append((f"{top}-{y}" if i == 0 else f"{top}-{y}-{borrow}") + f"={top - y - borrow} borrow {out}")
+        borrow = out
+    return lines
+
+
+def _multiply_steps(a: int, m: int) -> list[str]:
+    """One line per column of a * m (m one digit), e.g. "2*7+4=18 carry 1"."""
+    lines, carry = [], 0
+    for i, x in enumerate(_columns(a)):
+        s = x * m + carry
+        lines.append((f"{x}*{m}" if i == 0 else f"{x}*{m}+{carry}") + f"={s} carry {s // 10}")
+        carry = s // 10
+    return lines
+
+
+def _operand(rng: random.Random) -> int:
+    """A number whose digit count is uniform over ARITH_DIGITS (so short and long ones are equally common)."""
+    digits = rng.randint(*ARITH_DIGITS)
+    return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
+
+
+def _arith_problem(rng: random.Random) -> tuple[str, list[str], int]:
+    """(query, worked step lines, answer) of one problem: add, subtract or multiply by one digit."""
+    a, b = _operand(rng), _operand(rng)
+    op = rng.choice(("add", "subtract", "multiply"))
+    if op == "add":
+        return f"Add {a} and {b}.\n", _add_steps(a, b), a + b
+    if op == "subtract":
+        a, b = max(a, b), min(a, b)
+        return f"Subtract {b} from {a}.\n", _subtract_steps(a, b), a - b
+    m = rng.randint(2, 9)
+    return f"Multiply {a} by {m}.\n", _multiply_steps(a, m), a * m
+
+
+def arithmetic_records(n: int = 20000, seed: int = 0) -> list[dict]:
+    """
+    The built-in checkable corpus: n distinct multi-digit arithmetic problems, generated in code.
+
+    query    e.g. "Add 4821 and 937.\n", "Subtract 937 from 4821.\n", "Multiply 4821 by 7.\n"
+             (operands of 3 to 6 digits; the multiplier one digit, 2 to 9);
+    response one line per column, least significant first, then "answer: <n>\n", e.g.
+             "1+7=8 carry 0\n2+3+0=5 carry 0\n8+9+0=17 carry 1\n4+0+1=5 carry 0\nanswer: 5758\n".
+    module "arith", name the record's index. Deterministic for a given seed (random.Random(seed)).
+    """
+    rng = random.Random(seed)
+    records, seen = [], set()
+    while len(records) < n:
+        query, steps, answer = _arith_problem(rng)
+        if query in seen:
+            continue  # a repeated problem could land in both splits and leak its answer into val
+        seen.add(query)
+        response = "".join(line + "\n" for line in steps) + f"answer: {answer}\n"
+        records.append({"query": query, "response": response, "module": "arith", "name": str(len(records))})
+    return records
+
+
+ARITH_QUERIES = (  # (query pattern, the answer from its two numbers), independent of the generator
+    (re.compile(r"Add (\d+) and (\d+)\."), lambda a, b: a + b),
+    (re.compile(r"Subtract (\d+) from (\d+)\."), lambda b, a: a - b),
+    (re.compile(r"Multiply (\d+) by (\d+)\."), lambda a, b: a * b),
+)
+
+
+def arithmetic_expected(query: str) -> str:
+    """The correct answer to an arithmetic_records query, computed from its text with Python ints.
+
+    Raises ValueError if the query is not one of the three forms.
+    """
+    for pattern, op in ARITH_QUERIES:
+        match = pattern.fullmatch(query.strip())
+        if match:
+            return str(op(int(match[1]), int(match[2])))
+    raise ValueError(f"not an arithmetic query: {query!r}")
+
+
+def arithmetic_answer(text: str) -> str | None:
+    """The final answer in a (generated) response: the text after the last "answer: " up to the
+    line end, stripped; None when the text has no "answer: " (e.g. a truncated generation)."""
+    _, found, tail = text.rpartition("answer: ")
+    return tail.split("\n", 1)[0].strip() if found else None
+
+# -----------------------------------------------------------------------------
 # a user's own records
 
 FORMAT_HELP = ("expected a .json file holding a JSON list of objects with string 'query' and "
@@ -285,7 +397,7 @@ def load_records(path: str, window_chars: int = TEXT_WINDOW_CHARS) -> list[dict]
 # -----------------------------------------------------------------------------
 # prepare: records -> token files on disk
 
-DATASETS = {"stdlib": stdlib_records}  # built-in corpora; anything else is a path to a file
+DATASETS = {"stdlib": stdlib_records, "arith": arithmetic_records}  # built-in corpora; anything else is a path
 
 
 def _write_atomic(path: str, write) -> None:
@@ -340,7 +452,7 @@ def _is_prepared(data_dir: str, expected: dict) -> bool:
 
 def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "data") -> str:
     """
-    Tokenize `dataset` ("stdlib" or a path for load_records) once and return the data dir,
+    Tokenize `dataset` (a DATASETS name or a path for load_records) once and return the data dir,
     data_root/<name>-<tokenizer>-<block_size>. A finished, matching preparation is reused.
 
     Samples longer than block_size tokens (EOS included) are skipped and counted.

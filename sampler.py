@@ -8,6 +8,10 @@ ReFusion's plan-and-infill decoder (SPEC section 4), told as its named steps:
 
 Every committed token's keys/values are computed once and reused by every later forward pass: the
 buffer holds committed slots in commit order, the model sees their true positions through RoPE.
+
+The baselines of SPEC section 4 report the same Generation statistics: generate_ar (next-token
+decoding with the KV cache) and generate_mdm (LLaDA-style, the whole sequence recomputed each step).
+`python sampler.py --method=refusion|ar|mdm` picks one.
 """
 
 import json
@@ -15,6 +19,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -109,6 +114,21 @@ def check_context(model, prompt_len, gen_len):
     if prompt_len + gen_len > limit:
         raise ValueError(f"prompt ({prompt_len} tokens) + generation ({gen_len} tokens) exceeds the model's "
                          f"context of {limit} positions; shorten the prompt or lower max_new_tokens")
+
+
+def check_attention(model, method):
+    """Refuse a decoding method the model's attention was not trained for. Raises ValueError.
+
+    refusion and ar feed tokens after a KV cache, which needs causal attention; mdm recomputes a
+    sequence of masks, which needs bidirectional attention (SPEC section 4, "Baseline decoders").
+    Reads model.config.causal (False for a model trained with --objective=mdm).
+    """
+    if method == "mdm" and model.config.causal:
+        raise ValueError("this model was trained with a causal objective (refusion or ar), so it cannot "
+                         "denoise a sequence of masks bidirectionally; use --method=refusion or --method=ar")
+    if method != "mdm" and not model.config.causal:
+        raise ValueError(f"this model has bidirectional attention (trained with --objective=mdm), but "
+                         f"--method={method} decodes causally after a KV cache; use --method=mdm")
 
 
 def draft_tokens(logits, temperature, generator):
@@ -323,8 +343,10 @@ def generate_refusion(model, prompt, max_new_tokens, *, mask_id, eos_id, slot_si
     temperature: 0 for greedy drafts; > 0 samples plan drafts by Gumbel-max (float64) from
     `generator` (a torch.Generator on the model's device).
     Returns a Generation (tokens, nfe, seconds, tpf, tokens_per_s).
-    Raises ValueError for invalid settings or a prompt + generation longer than the context.
+    Raises ValueError for invalid settings, a bidirectional model, or a prompt + generation longer
+    than the context.
     """
+    check_attention(model, "refusion")
     gen_len, n_slots = validate_settings(max_new_tokens, slot_size, num_blocks, slot_threshold,
                                          token_threshold, temperature)
     check_context(model, len(prompt), gen_len)
@@ -344,6 +366,128 @@ def generate_refusion(model, prompt, max_new_tokens, *, mask_id, eos_id, slot_si
 
 
 # -----------------------------------------------------------------------------
+# baseline decoders (SPEC section 4, "Baseline decoders"): next-token (ar) and LLaDA-style (mdm)
+
+
+def check_length_and_temperature(max_new_tokens, temperature):
+    """The settings every baseline shares. Raises ValueError."""
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
+    if not (temperature >= 0):  # also catches NaN
+        raise ValueError(f"temperature={temperature}: use 0 for greedy decoding or a positive value to sample")
+
+
+def cut_after_eos(tokens, eos_id):
+    """tokens (list of ids) up to and including the first EOS (all of them if there is none)."""
+    return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+@torch.no_grad()
+def generate_ar(model, prompt, max_new_tokens, *, eos_id, temperature=0.0, generator=None):
+    """Plain next-token decoding with the KV cache: the ARM baseline.
+
+    One prefill forward of the prompt predicts the first token, then one forward per further token,
+    each feeding only the newest token after the cache; so NFE = number of generated tokens (TPF 1).
+    temperature 0: argmax; otherwise Gumbel-max in float64 from `generator` (draft_tokens).
+    Stops after EOS or max_new_tokens. Returns a Generation; its steps hold one (position, token)
+    pair per forward.
+    Raises ValueError for a bidirectional model, invalid settings, or a prompt + generation longer
+    than the context.
+    """
+    check_attention(model, "ar")
+    check_length_and_temperature(max_new_tokens, temperature)
+    check_context(model, len(prompt), max_new_tokens)
+    t0 = time.perf_counter()
+    cache = model.new_kv_cache(max_len=len(prompt) + max_new_tokens)
+    device = cache.kv.device
+    tokens = torch.tensor([prompt], device=device)                     # (1, P), the prefill
+    positions = torch.arange(len(prompt), device=device)[None]
+    out, steps = [], []
+    while True:
+        logits = model(tokens, positions, kv_cache=cache)[0, -1:]      # (1, V): the next token's
+        token, _ = draft_tokens(logits, temperature, generator)
+        out.append(int(token))
+        steps.append([(len(prompt) + len(out) - 1, out[-1])])
+        if out[-1] == eos_id or len(out) == max_new_tokens:
+            break
+        tokens, positions = token[None], positions[:, -1:] + 1         # (1, 1) each
+    return Generation(out, len(out), time.perf_counter() - t0, steps)
+
+
+def validate_mdm_settings(max_new_tokens, steps, block_length):
+    """LLaDA's schedule settings; returns (steps, block_length) with None filled in. Raises ValueError.
+
+    steps None: one token per step (steps = max_new_tokens); block_length None: one block.
+    """
+    steps = max_new_tokens if steps is None else steps
+    block_length = max_new_tokens if block_length is None else block_length
+    if steps <= 0 or block_length <= 0:
+        raise ValueError(f"steps={steps}, block_length={block_length}: both must be positive")
+    if max_new_tokens % block_length:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is not a multiple of block_length={block_length}; "
+                         f"pick a block_length dividing {max_new_tokens}")
+    n_blocks = max_new_tokens // block_length
+    if steps % n_blocks:
+        raise ValueError(f"steps={steps} cannot be shared equally by the {n_blocks} blocks of {block_length} "
+                         f"tokens; pick steps as a multiple of {n_blocks}")
+    if steps > max_new_tokens:
+        raise ValueError(f"steps={steps} > max_new_tokens={max_new_tokens}: some steps would commit no token; "
+                         f"use at most {max_new_tokens} steps (one token per step)")
+    return steps, block_length
+
+
+def tokens_per_step(n_masked, steps):
+    """LLaDA's schedule: n_masked tokens spread over `steps` steps as evenly as possible, the
+    remainder going to the first steps (10 over 4 steps: [3, 3, 2, 2]). Returns a list of ints."""
+    return [n_masked // steps + (i < n_masked % steps) for i in range(steps)]
+
+
+@torch.no_grad()
+def generate_mdm(model, prompt, max_new_tokens, *, mask_id, eos_id, steps=None, block_length=None,
+                 temperature=0.0, generator=None):
+    """LLaDA-style masked-diffusion decoding with low-confidence remasking: the MDM baseline.
+
+    The sequence starts as prompt + max_new_tokens mask ids and is recomputed whole at every step
+    (bidirectional attention, so no cache; NFE = steps). Each step predicts every masked position of
+    the current block (argmax, or Gumbel-max in float64 with temperature; the mask id itself is
+    never predicted, since a committed mask id would read as still masked) and commits the k most
+    confident ones (confidence: the softmax probability of the predicted token), k following
+    tokens_per_step. Blocks of block_length tokens go left to right, steps / n_blocks steps each.
+    Committed tokens never change. The result is cut after the first EOS.
+    Returns a Generation; its steps hold the (position, token) pairs committed at each step.
+    Raises ValueError for a causal model, invalid settings, or a prompt + generation longer than
+    the context.
+    """
+    check_attention(model, "mdm")
+    check_length_and_temperature(max_new_tokens, temperature)
+    steps, block_length = validate_mdm_settings(max_new_tokens, steps, block_length)
+    check_context(model, len(prompt), max_new_tokens)
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    P, n_blocks = len(prompt), max_new_tokens // block_length
+    x = torch.tensor([prompt + [mask_id] * max_new_tokens], device=device)   # (1, P + L)
+    positions = torch.arange(P + max_new_tokens, device=device)[None]
+    masked = torch.zeros(P + max_new_tokens, dtype=torch.bool, device=device)
+    masked[P:] = True
+    trace, nfe = [], 0
+    for b in range(n_blocks):
+        in_block = torch.zeros_like(masked)
+        in_block[P + b * block_length:P + (b + 1) * block_length] = True
+        for k in tokens_per_step(block_length, steps // n_blocks):
+            logits = model(x, positions)[0]                                 # (P + L, V)
+            nfe += 1
+            logits[:, mask_id] = -math.inf
+            where = (masked & in_block).nonzero()[:, 0]                      # masked positions of the block
+            drafts, confidence = draft_tokens(logits[where], temperature, generator)
+            best = confidence.topk(k).indices
+            x[0, where[best]] = drafts[best]
+            masked[where[best]] = False
+            trace.append(list(zip(where[best].tolist(), drafts[best].tolist())))
+    tokens = cut_after_eos(x[0, P:].tolist(), eos_id)
+    return Generation(tokens, nfe, time.perf_counter() - t0, trace)
+
+
+# -----------------------------------------------------------------------------
 # command line: decode prompts with a trained checkpoint
 
 DEFAULTS = dict(
@@ -353,14 +497,18 @@ DEFAULTS = dict(
     num_samples=3,            # ... or this many prompts from the validation split
     max_new_tokens=128,       # rounded up to a multiple of slot_size while decoding
     slot_size=8,
-    num_blocks=1,             # serial blocks; must divide max_new_tokens / slot_size
+    num_blocks=4,             # serial blocks; must divide max_new_tokens / slot_size
     slot_threshold=0.9,
     token_threshold=0.3,
     temperature=0.0,
     seed=1337,
     device="cpu",
     json=False,               # one JSON object per sample instead of text
+    method="refusion",        # 'refusion' (plan-and-infill), 'ar' (next token, cached), 'mdm' (LLaDA-style)
+    steps=0,                  # mdm: denoising steps; 0 = one token per step
+    block_length=0,           # mdm: semi-autoregressive block length; 0 = the whole generation
 )
+METHODS = ("refusion", "ar", "mdm")
 
 
 def load_prompts(cfg, enc, val_data, gen_len, block_size):
@@ -380,25 +528,46 @@ def load_prompts(cfg, enc, val_data, gen_len, block_size):
     return [(val_data.sample(i)[0], decode(enc, val_data.sample(i)[1])) for i in picks]
 
 
+def make_decoder(cfg, model, meta, generator):
+    """(decode: prompt ids -> Generation, generation length to leave room for) for cfg["method"].
+
+    Every setting is checked here, before any data is prepared. Raises ValueError for an unknown
+    method, a method the model's attention does not support, or invalid settings.
+    """
+    method, n, temperature = cfg["method"], cfg["max_new_tokens"], cfg["temperature"]
+    if method not in METHODS:
+        raise ValueError(f"--method={method!r}: choose one of {', '.join(METHODS)}")
+    check_attention(model, method)
+    common = dict(max_new_tokens=n, eos_id=meta["eos_id"], temperature=temperature, generator=generator)
+    if method == "ar":
+        check_length_and_temperature(n, temperature)
+        return partial(generate_ar, model, **common), n
+    if method == "mdm":
+        check_length_and_temperature(n, temperature)
+        steps, block_length = validate_mdm_settings(n, cfg["steps"] or None, cfg["block_length"] or None)
+        return partial(generate_mdm, model, mask_id=meta["mask_id"], steps=steps, block_length=block_length,
+                       **common), n
+    gen_len, _ = validate_settings(n, cfg["slot_size"], cfg["num_blocks"], cfg["slot_threshold"],
+                                   cfg["token_threshold"], temperature)
+    settings = {k: cfg[k] for k in ("slot_size", "num_blocks", "slot_threshold", "token_threshold")}
+    return partial(generate_refusion, model, mask_id=meta["mask_id"], **common, **settings), gen_len
+
+
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
     ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
     model, meta, tcfg = model_from_checkpoint(ckpt, cfg["device"]), ckpt["meta"], ckpt["config"]
     enc = get_tokenizer(meta["tokenizer"])
-    gen_len, _ = validate_settings(cfg["max_new_tokens"], cfg["slot_size"], cfg["num_blocks"],
-                                   cfg["slot_threshold"], cfg["token_threshold"], cfg["temperature"])
+    generator = torch.Generator(cfg["device"]).manual_seed(cfg["seed"])
+    run, gen_len = make_decoder(cfg, model, meta, generator)
+    if cfg["method"] == "ar" and tcfg["objective"] == "refusion":
+        print("note: a refusion model never learns a slot's first token as a next token (SPEC section 4, "
+              "known limit (a)), so plain next-token decoding does poorly; for left-to-right decoding use "
+              "--method=refusion --num_blocks=<number of slots>", file=sys.stderr)
     val_data = None
     if not (cfg["prompt"] or cfg["prompt_file"]):
         val_data = TokenDataset(prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["block_size"], tcfg["data_root"]), "val")
     prompts = load_prompts(cfg, enc, val_data, gen_len, model.config.block_size)
-    generator = torch.Generator(cfg["device"]).manual_seed(cfg["seed"])
-    settings = {k: cfg[k] for k in ("max_new_tokens", "slot_size", "num_blocks", "slot_threshold",
-                                    "token_threshold", "temperature")}
-
-    def run(prompt):
-        return generate_refusion(model, prompt, mask_id=meta["mask_id"], eos_id=meta["eos_id"],
-                                 generator=generator, **settings)
-
     run(prompts[0][0][:8])  # warm-up: the first forward passes pay one-time costs
     for prompt, reference in prompts:
         out = run(prompt)

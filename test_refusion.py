@@ -10,6 +10,7 @@ import json
 import json.decoder
 import math
 import os
+import re
 import textwrap
 from types import SimpleNamespace
 
@@ -21,7 +22,8 @@ import torch.nn as nn
 import data
 from kvcache import KVCache
 from model import ModelConfig, Transformer
-from sampler import generate_refusion
+from sampler import DEFAULTS, draft_tokens, generate_ar, generate_mdm, generate_refusion, make_decoder, \
+    tokens_per_step
 
 TOL = 1e-5
 
@@ -104,7 +106,7 @@ class OracleModel(nn.Module):
     def __init__(self, target, vocab_size, mask_id, confident=True):
         super().__init__()
         self.target, self.vocab_size, self.mask_id, self.confident = target, vocab_size, mask_id, confident
-        self.config = SimpleNamespace(block_size=len(target) + 1)
+        self.config = SimpleNamespace(block_size=len(target) + 1, causal=True)
         self.seen = []    # every (position, token) fed with a clean token
 
     def new_kv_cache(self, max_len, max_batch=1):
@@ -248,6 +250,132 @@ def test_parallel_infill_fills_every_selected_slot(eos_at):
     assert len(out.steps) == 1                       # one plan step commits every slot (up to EOS)
     if eos_at is None:
         assert out.nfe == 2 + 2 * (S - 1)            # plan + verify, then S - 1 draft/verify pairs
+
+
+# ----------------------------------------------------------------------------------------------
+# sampler.py: the baseline decoders (SPEC section 4, "Baseline decoders")
+
+@torch.no_grad()
+def naive_next_token_decode(model, prompt, max_new_tokens, eos_id, temperature, generator):
+    """Next-token decoding without a cache: the whole sequence is recomputed for every new token."""
+    toks = list(prompt)
+    while len(toks) - len(prompt) < max_new_tokens and eos_id not in toks[len(prompt):]:
+        logits = model(torch.tensor([toks]), torch.arange(len(toks))[None])[0, -1:]
+        toks.append(int(draft_tokens(logits, temperature, generator)[0][0]))
+    return toks[len(prompt):]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_ar_decode_with_cache_matches_no_cache_reference(temperature):
+    model = tiny_model(seed=4)
+    prompt = torch.randint(0, 36, (7,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = naive_next_token_decode(model, prompt, 20, -1, temperature, torch.Generator().manual_seed(0))
+    for eos in (-1, ref[len(ref) // 2]):    # an EOS the model never emits, then one it emits mid-way
+        ref = naive_next_token_decode(model, prompt, 20, eos, temperature, torch.Generator().manual_seed(0))
+        out = generate_ar(model, prompt, 20, eos_id=eos, temperature=temperature,
+                          generator=torch.Generator().manual_seed(0))
+        assert out.tokens == ref and len(ref) == (20 if eos == -1 else ref.index(eos) + 1)
+        # the prefill predicts the first token, then one forward per further token: TPF is exactly 1
+        assert out.nfe == len(out.tokens)
+
+
+class RecordingModel(nn.Module):
+    """Passes every call on to `model` and keeps a copy of its input tokens and output logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config, self.calls = model, model.config, []
+
+    def forward(self, idx, position_ids, kv_cache=None, key_mask=None):
+        logits = self.model(idx, position_ids, kv_cache, key_mask)
+        self.calls.append((idx[0].clone(), logits[0].clone()))
+        return logits
+
+
+@pytest.mark.parametrize("block_length", [None, 4])
+def test_mdm_commits_the_most_confident_token_each_step_and_never_changes_it(block_length):
+    P, L, M = 5, 12, 38
+    model = RecordingModel(tiny_model(seed=5, causal=False))
+    prompt = torch.randint(0, 36, (P,), generator=torch.Generator().manual_seed(5)).tolist()
+    out = generate_mdm(model, prompt, L, mask_id=M, eos_id=-1, steps=L, block_length=block_length)
+    assert out.nfe == len(model.calls) == L and len(out.tokens) == L
+    block = block_length or L
+    inputs = [idx for idx, _ in model.calls] + [torch.tensor(prompt + out.tokens)]
+    for step, (before, after) in enumerate(zip(inputs, inputs[1:])):
+        known = before != M
+        assert before[:P].tolist() == prompt and int(known.sum()) == P + step   # one more per call
+        assert torch.equal(after[known], before[known])                         # committed never change
+        new = ((after != M) & ~known).nonzero()[:, 0].tolist()
+        # low-confidence remasking: the new token is the most probable masked one of the current block
+        logits = model.calls[step][1].clone()
+        logits[:, M] = -math.inf
+        confidence, token = torch.softmax(logits, -1).max(-1)
+        start = P + step // block * block      # one token per step, so block b owns steps b*block ...
+        candidates = [p for p in range(start, start + block) if before[p] == M]
+        best = max(candidates, key=lambda p: float(confidence[p]))
+        assert new == [best] and int(after[best]) == int(token[best])
+        assert out.steps[step] == [(best, int(token[best]))]
+
+
+def test_mdm_schedule_spreads_each_blocks_tokens_evenly_over_its_steps():
+    assert tokens_per_step(10, 4) == [3, 3, 2, 2]
+    model = tiny_model(seed=6, causal=False)
+    P = 4
+    prompt = list(range(P))
+    for L, steps, block_length, per_step in [(12, 4, None, [3, 3, 3, 3]), (10, 4, None, [3, 3, 2, 2]),
+                                             (12, 6, 6, [2, 2, 2, 2, 2, 2]), (12, 4, 3, [3, 3, 3, 3])]:
+        out = generate_mdm(model, prompt, L, mask_id=38, eos_id=-1, steps=steps, block_length=block_length)
+        assert [len(s) for s in out.steps] == per_step and out.nfe == steps and len(out.tokens) == L
+        block, n_blocks = block_length or L, L // (block_length or L)
+        for b in range(n_blocks):                # block b is filled by its own steps, left to right
+            own = out.steps[b * steps // n_blocks:(b + 1) * steps // n_blocks]
+            assert sorted(p for s in own for p, _ in s) == list(range(P + b * block, P + (b + 1) * block))
+
+
+@pytest.mark.parametrize("steps, block_length, message", [
+    (12, 5, "max_new_tokens=12 is not a multiple of block_length=5"),
+    (5, 4, "steps=5 cannot be shared equally by the 3 blocks"),
+    (13, None, "steps=13 > max_new_tokens=12"),
+    (0, None, "must be positive"),
+])
+def test_mdm_settings_errors_say_what_to_change(steps, block_length, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        generate_mdm(tiny_model(causal=False), [1, 2], 12, mask_id=38, eos_id=39, steps=steps,
+                     block_length=block_length)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_only_the_bidirectional_model_sees_later_tokens(causal):
+    model = tiny_model(seed=7, causal=causal)
+    idx = torch.randint(0, 36, (1, 12), generator=torch.Generator().manual_seed(7))
+    changed = idx.clone()
+    changed[0, 9] = (idx[0, 9] + 1) % 36
+    pos = torch.arange(12)[None]
+    diff = float((model(idx, pos) - model(changed, pos))[0, :9].abs().max())   # positions before the change
+    assert diff <= 1e-6 if causal else diff > 1e-4
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_decoder_refuses_a_model_of_the_other_attention_with_the_fix(method):
+    model = tiny_model(causal=method == "mdm")      # the wrong kind of model for each method
+    generate = {"refusion": generate_refusion, "ar": generate_ar, "mdm": generate_mdm}[method]
+    ids = {"eos_id": 39} if method == "ar" else {"eos_id": 39, "mask_id": 38}
+    fix = ("trained with a causal objective.*use --method=refusion or --method=ar" if method == "mdm"
+           else "bidirectional attention.*use --method=mdm")
+    with pytest.raises(ValueError, match=fix):
+        generate(model, [1, 2, 3], 8, **ids)
+
+
+def test_cli_builds_each_decoder_and_refuses_an_unknown_method():
+    meta = {"eos_id": 39, "mask_id": 38}
+    for method, causal, gen_len in [("refusion", True, 16), ("ar", True, 10), ("mdm", False, 10)]:
+        cfg = dict(DEFAULTS, method=method, max_new_tokens=10, num_blocks=1)  # refusion: 10 -> 2 slots of 8
+        run, length = make_decoder(cfg, tiny_model(causal=causal), meta, torch.Generator())
+        out = run([1, 2, 3])
+        assert length == gen_len and 0 < len(out.tokens) <= 10 and out.nfe > 0
+    with pytest.raises(ValueError, match="--method='beam': choose one of refusion, ar, mdm"):
+        make_decoder(dict(DEFAULTS, method="beam"), tiny_model(), meta, torch.Generator())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -587,3 +715,81 @@ def test_hybrid_loss_is_ar_mean_plus_weighted_mdm_sum():
     # nothing clean, nothing masked: both parts are 0, never NaN
     empty = data.Batch(None, None, torch.full((2, 4), X), torch.zeros(2, 4))
     assert [x.item() for x in hybrid_loss(logits, empty)] == [0.0, 0.0, 0.0]
+
+# ----------------------------------------------------------------------------------------------
+# data.py: the built-in arithmetic corpus, whose answers can be checked exactly
+
+
+@pytest.fixture(scope="module")
+def arith():
+    return data.DATASETS["arith"]()    # what prepare() builds for --dataset=arith
+
+
+STEP = re.compile(r"(\d+)([+*-])(\d+)(?:([+-])(\d+))?=(\d+) (carry|borrow) (\d)")
+
+
+def check_step(line):
+    """Assert one worked step is arithmetically right; return (digit written, carry or borrow out)."""
+    match = STEP.fullmatch(line)
+    assert match, line
+    x, op, y, op2, z, value, word, out = match.groups()
+    x, y, value, out = int(x), int(y), int(value), int(out)
+    result = {"+": x + y, "-": x - y, "*": x * y}[op]
+    result += 0 if op2 is None else int(z) if op2 == "+" else -int(z)
+    assert result == value, line
+    if word == "carry":
+        assert op in "+*" and out == value // 10, line
+        return value % 10, out
+    # "12-3-1=8 borrow 1": the top digit shows the 10 it borrowed
+    assert op == "-" and 0 <= value <= 9 and out == int(x >= 10) and 0 <= x - 10 * out <= 9, line
+    return value, out
+
+
+def test_arith_answer_is_the_independently_computed_one(arith):
+    assert len(arith) == 20000
+    assert data.arithmetic_expected("Add 4821 and 937.\n") == "5758"
+    assert data.arithmetic_expected("Subtract 937 from 4821.\n") == "3884"
+    assert data.arithmetic_expected("Multiply 4821 by 7.\n") == "33747"
+    with pytest.raises(ValueError, match="not an arithmetic query"):
+        data.arithmetic_expected("Divide 4 by 2.\n")
+    assert {r["query"].split()[0] for r in arith} == {"Add", "Subtract", "Multiply"}
+    for r in arith:
+        assert data.arithmetic_answer(r["response"]) == data.arithmetic_expected(r["query"]), r
+
+
+def test_arith_answer_extraction_takes_the_last_answer_line():
+    assert data.arithmetic_answer("1+2=3 carry 0\nanswer: 12\nanswer: 345\n7") == "345"
+    assert data.arithmetic_answer("answer: 7") == "7"                  # a generation cut before "\n"
+    assert data.arithmetic_answer("1+2=3 carry 0\nansw") is None
+
+
+def test_arith_worked_steps_are_correct_and_spell_the_answer(arith):
+    assert data._add_steps(4821, 937) == ["1+7=8 carry 0", "2+3+0=5 carry 0", "8+9+0=17 carry 1",
+                                          "4+0+1=5 carry 0"]
+    assert data._subtract_steps(4821, 937) == ["11-7=4 borrow 1", "12-3-1=8 borrow 1", "18-9-1=8 borrow 1",
+                                               "4-0-1=3 borrow 0"]
+    for r in arith:
+        *steps, last = r["response"].removesuffix("\n").split("\n")
+        assert last.startswith("answer: ") and len(steps) >= 3
+        digits = []
+        for line in steps:                     # least significant column first
+            digit, out = check_step(line)
+            digits.append(digit)
+        if out:
+            digits.append(out)                 # a final carry is the leading digit (a final borrow is wrong)
+        spelled = "".join(map(str, reversed(digits))).lstrip("0") or "0"
+        assert spelled == data.arithmetic_expected(r["query"]), r
+
+
+def test_arith_responses_are_48_to_128_byte_tokens(arith):
+    lengths = [len(r["response"].encode("utf-8")) + 1 for r in arith]    # byte tokenizer, EOS included
+    assert sum(48 <= n <= 128 for n in lengths) >= 0.95 * len(lengths)
+
+
+def test_arith_is_deterministic_distinct_and_about_5_percent_val(arith):
+    assert data.arithmetic_records(n=300, seed=1) == data.arithmetic_records(n=300, seed=1)
+    assert data.arithmetic_records(n=300, seed=1) != data.arithmetic_records(n=300, seed=2)
+    assert data.arithmetic_records(n=300) == arith[:300]
+    assert len({r["name"] for r in arith}) == len({r["query"] for r in arith}) == len(arith)
+    assert {r["module"] for r in arith} == {"arith"}
+    assert 0.03 < [data.split_of(r) for r in arith].count("val") / len(arith) < 0.07

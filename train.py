@@ -183,7 +183,8 @@ def main(argv):
     print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
           f"{len(train_data):,} training samples, device {cfg['device']}")
     model.train()
-    bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"], desc="train")
+    bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"], desc="train",
+               mininterval=1.0)
     t0, n_tokens = time.perf_counter(), 0
     for iter_num in bar:
         if iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"] - 1:
