@@ -16,19 +16,23 @@ class ConfigError(ValueError):
 
 
 def _coerce(key, value, default):
-    """Check value against the default's type; ints are accepted for floats, lists for tuples."""
-    if default is None or value is None or isinstance(value, type(default)):
-        if isinstance(default, bool) != isinstance(value, bool) and default is not None and value is not None:
-            raise ConfigError(f"--{key}={value!r}: expected {type(default).__name__} like {default!r}")
+    """Check value against the default's type. Ints are accepted for floats; a list, a single value
+    or a comma-separated string for a tuple (--datasets=arith,stdlib). Raises ConfigError."""
+    if isinstance(default, tuple):
+        if isinstance(value, str):
+            value = tuple(ast.literal_eval(v) if v.strip().isdigit() else v.strip() for v in value.split(","))
+        value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        if default and any(type(v) is not type(default[0]) for v in value):
+            raise ConfigError(f"--{key}={value!r}: expected values like {default!r}")
         return value
-    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(default, float) and type(value) is int:
         return float(value)
-    if isinstance(default, tuple) and isinstance(value, (list, int)):
-        return tuple(value) if isinstance(value, list) else (value,)
-    if isinstance(default, str):
+    if isinstance(default, str) and not isinstance(value, str):
         return str(value)  # e.g. --dataset=123 names a file called 123
-    raise ConfigError(f"--{key}={value!r}: expected {type(default).__name__} like {default!r}, "
-                      f"got {type(value).__name__}")
+    if type(value) is not type(default):
+        raise ConfigError(f"--{key}={value!r}: expected {type(default).__name__} like {default!r}, "
+                          f"got {type(value).__name__}")
+    return value
 
 
 def _check_key(key, defaults, where):

@@ -62,7 +62,7 @@ class DecodeState:
     model (the prompt, until the first plan call feeds it together with the masks).
     """
 
-    def __init__(self, model, prompt, cache, mask_id, eos_id, temperature, generator):
+    def __init__(self, model, prompt, cache, mask_id, eos_id, temperature, generator, on_step=None):
         self.model, self.cache = model, cache
         self.mask_id, self.eos_id = mask_id, eos_id
         self.temperature, self.generator = temperature, generator
@@ -73,6 +73,7 @@ class DecodeState:
         self.nfe = 0
         self.response = {}   # true position -> committed token
         self.steps = []
+        self.on_step = on_step  # called with each step's committed (position, token) pairs
 
     def forward(self, tokens, positions):
         """One counted forward pass of (B, T) tokens at (B, T) positions after the cache."""
@@ -290,6 +291,8 @@ def commit_slots(state, starts, tokens, segments):
             step.append((start + i, t))
     state.ctx = state.cache.pos
     state.steps.append(step)
+    if state.on_step:
+        state.on_step(step)
 
 
 def decode_block(state, pool, slot_size, slot_threshold, token_threshold):
@@ -332,7 +335,7 @@ def decode_block(state, pool, slot_size, slot_threshold, token_threshold):
 
 @torch.no_grad()
 def generate_refusion(model, prompt, max_new_tokens, *, mask_id, eos_id, slot_size=8, num_blocks=1,
-                      slot_threshold=0.9, token_threshold=0.3, temperature=0.0, generator=None):
+                      slot_threshold=0.9, token_threshold=0.3, temperature=0.0, generator=None, on_step=None):
     """Generate a response with ReFusion's plan-and-infill decoding (SPEC section 4; paper section 3.2).
 
     model:  a causal Transformer (or any module with the same forward and new_kv_cache), in eval mode.
@@ -342,6 +345,7 @@ def generate_refusion(model, prompt, max_new_tokens, *, mask_id, eos_id, slot_si
     slot_threshold / token_threshold: probabilities compared with `>` (>= 1 means never).
     temperature: 0 for greedy drafts; > 0 samples plan drafts by Gumbel-max (float64) from
     `generator` (a torch.Generator on the model's device).
+    on_step: optional callable, given the (position, token) pairs each plan step commits (--show).
     Returns a Generation (tokens, nfe, seconds, tpf, tokens_per_s).
     Raises ValueError for invalid settings, a bidirectional model, or a prompt + generation longer
     than the context.
@@ -353,7 +357,7 @@ def generate_refusion(model, prompt, max_new_tokens, *, mask_id, eos_id, slot_si
     t0 = time.perf_counter()
     slots_per_block = n_slots // num_blocks
     cache = model.new_kv_cache(max_len=len(prompt) + gen_len, max_batch=slots_per_block)
-    state = DecodeState(model, prompt, cache, mask_id, eos_id, temperature, generator)
+    state = DecodeState(model, prompt, cache, mask_id, eos_id, temperature, generator, on_step)
     first = len(prompt)
     for b in range(num_blocks):
         pool = [first + (b * slots_per_block + i) * slot_size for i in range(slots_per_block)]
@@ -383,14 +387,14 @@ def cut_after_eos(tokens, eos_id):
 
 
 @torch.no_grad()
-def generate_ar(model, prompt, max_new_tokens, *, eos_id, temperature=0.0, generator=None):
+def generate_ar(model, prompt, max_new_tokens, *, eos_id, temperature=0.0, generator=None, on_step=None):
     """Plain next-token decoding with the KV cache: the ARM baseline.
 
     One prefill forward of the prompt predicts the first token, then one forward per further token,
     each feeding only the newest token after the cache; so NFE = number of generated tokens (TPF 1).
     temperature 0: argmax; otherwise Gumbel-max in float64 from `generator` (draft_tokens).
     Stops after EOS or max_new_tokens. Returns a Generation; its steps hold one (position, token)
-    pair per forward.
+    pair per forward (also given to on_step, if set, as it happens).
     Raises ValueError for a bidirectional model, invalid settings, or a prompt + generation longer
     than the context.
     """
@@ -408,6 +412,8 @@ def generate_ar(model, prompt, max_new_tokens, *, eos_id, temperature=0.0, gener
         token, _ = draft_tokens(logits, temperature, generator)
         out.append(int(token))
         steps.append([(len(prompt) + len(out) - 1, out[-1])])
+        if on_step:
+            on_step(steps[-1])
         if out[-1] == eos_id or len(out) == max_new_tokens:
             break
         tokens, positions = token[None], positions[:, -1:] + 1         # (1, 1) each
@@ -444,7 +450,7 @@ def tokens_per_step(n_masked, steps):
 
 @torch.no_grad()
 def generate_mdm(model, prompt, max_new_tokens, *, mask_id, eos_id, steps=None, block_length=None,
-                 temperature=0.0, generator=None):
+                 temperature=0.0, generator=None, on_step=None):
     """LLaDA-style masked-diffusion decoding with low-confidence remasking: the MDM baseline.
 
     The sequence starts as prompt + max_new_tokens mask ids and is recomputed whole at every step
@@ -454,7 +460,8 @@ def generate_mdm(model, prompt, max_new_tokens, *, mask_id, eos_id, steps=None, 
     confident ones (confidence: the softmax probability of the predicted token), k following
     tokens_per_step. Blocks of block_length tokens go left to right, steps / n_blocks steps each.
     Committed tokens never change. The result is cut after the first EOS.
-    Returns a Generation; its steps hold the (position, token) pairs committed at each step.
+    Returns a Generation; its steps hold the (position, token) pairs committed at each step (also
+    given to on_step, if set, as it happens).
     Raises ValueError for a causal model, invalid settings, or a prompt + generation longer than
     the context.
     """
@@ -483,6 +490,8 @@ def generate_mdm(model, prompt, max_new_tokens, *, mask_id, eos_id, steps=None, 
             x[0, where[best]] = drafts[best]
             masked[where[best]] = False
             trace.append(list(zip(where[best].tolist(), drafts[best].tolist())))
+            if on_step:
+                on_step(trace[-1])
     tokens = cut_after_eos(x[0, P:].tolist(), eos_id)
     return Generation(tokens, nfe, time.perf_counter() - t0, trace)
 
@@ -504,6 +513,7 @@ DEFAULTS = dict(
     seed=1337,
     device="cpu",
     json=False,               # one JSON object per sample instead of text
+    show=False,               # redraw the response after every decoding step (masked tokens as ░)
     method="refusion",        # 'refusion' (plan-and-infill), 'ar' (next token, cached), 'mdm' (LLaDA-style)
     steps=0,                  # mdm: denoising steps; 0 = one token per step
     block_length=0,           # mdm: semi-autoregressive block length; 0 = the whole generation
@@ -553,6 +563,33 @@ def make_decoder(cfg, model, meta, generator):
     return partial(generate_refusion, model, mask_id=meta["mask_id"], **common, **settings), gen_len
 
 
+class LiveTrace:
+    """--show: after every decoding step, redraw the response with still-masked tokens as '░'.
+
+    Called with each step's committed (position, token) pairs; positions are true positions, so a
+    ReFusion step fills its slots in place, out of order. On a terminal each frame replaces the last.
+    """
+
+    def __init__(self, enc, prompt, gen_len, delay=0.25):
+        self.enc, self.prompt, self.gen_len, self.delay = enc, prompt, gen_len, delay
+        self.tty = sys.stdout.isatty()
+        self.filled, self.step = {}, 0
+
+    def __call__(self, step):
+        self.step += 1
+        self.filled.update(step)
+        P = len(self.prompt)
+        spans = sorted(p - P for p, _ in step)
+        text = "".join(decode(self.enc, [self.filled[p]]) if p in self.filled else "░"
+                       for p in range(P, P + self.gen_len))
+        clear = "\033[H\033[J" if self.tty else ""
+        print(f"{clear}{decode(self.enc, self.prompt)}{text}\n"
+              f"step {self.step}: {len(step)} token(s) committed at response offsets {spans[0]}..{spans[-1]}"
+              f" ({len(self.filled)}/{self.gen_len} filled)\n", flush=True)
+        if self.tty:
+            time.sleep(self.delay)
+
+
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
     ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
@@ -570,7 +607,7 @@ def main(argv):
     prompts = load_prompts(cfg, enc, val_data, gen_len, model.config.block_size)
     run(prompts[0][0][:8])  # warm-up: the first forward passes pay one-time costs
     for prompt, reference in prompts:
-        out = run(prompt)
+        out = run(prompt, on_step=LiveTrace(enc, prompt, gen_len) if cfg["show"] else None)
         text = decode(enc, [t for t in out.tokens if t != meta["eos_id"]])
         if cfg["json"]:
             print(json.dumps({"prompt": decode(enc, prompt), "text": text, **out.stats()}))

@@ -115,6 +115,23 @@ def check_config(cfg):
 
 
 @torch.no_grad()
+def load_pretrained(model, ckpt):
+    """Copy a checkpoint's weights into model (--init_from=PATH); rows the checkpoint's vocabulary
+    lacks (e.g. a mask token it never had) start as the mean of its token embeddings.
+    Raises ValueError when any other shape differs."""
+    state = dict(ckpt["model"])
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        target = model.state_dict()[name]
+        if name in state and state[name].shape[0] < target.shape[0]:
+            old = state[name]
+            state[name] = torch.cat([old, old.mean(0, keepdim=True).expand(target.shape[0] - len(old), -1)])
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"--init_from checkpoint does not fit this model: {str(e).splitlines()[0]}") from None
+
+
+@torch.no_grad()
 def estimate_loss(model, cfg, val_data, mask_id, autocast):
     """Mean validation loss over eval_iters fixed batches (same samples and masks every call)."""
     model.eval()
@@ -143,7 +160,9 @@ def main(argv):
     meta = train_data.meta
     mask_id = meta["mask_id"]
 
-    ckpt = None
+    ckpt, init_ckpt = None, None
+    if cfg["init_from"] not in ("scratch", "resume"):
+        init_ckpt = load_checkpoint(cfg["init_from"], cfg["device"])
     if cfg["init_from"] == "resume":
         ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
         for key in ("objective", "tokenizer", "dataset"):
@@ -151,6 +170,10 @@ def main(argv):
                 raise SystemExit(f"--{key}={cfg[key]} differs from the checkpoint's {ckpt['config'][key]!r}; "
                                  "resume with the same setting")
         model_args = ckpt["model_args"]
+    elif init_ckpt is not None:
+        # the paper's recipe: start from a pretrained ARM (same shape), new objective, fresh optimizer
+        model_args = dict(init_ckpt["model_args"], causal=cfg["objective"] != "mdm",
+                          vocab_size=max(init_ckpt["model_args"]["vocab_size"], meta["vocab_size"]))
     else:
         model_args = dict(vocab_size=meta["vocab_size"], block_size=cfg["block_size"], n_layer=cfg["n_layer"],
                           n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or cfg["n_head"], n_embd=cfg["n_embd"],
@@ -158,6 +181,8 @@ def main(argv):
     model = Transformer(ModelConfig(**model_args))
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
+    if init_ckpt is not None:
+        load_pretrained(model, init_ckpt)
     model.to(cfg["device"])
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]

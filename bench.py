@@ -1,0 +1,202 @@
+"""
+The paper's comparison at small scale, in one run: ReFusion against an autoregressive model (ARM)
+and a LLaDA-style masked diffusion model (MDM), same size, same data, same training budget.
+
+    python bench.py                                  # CPU default, about 20 minutes on 2 cores
+    python bench.py --datasets=arith --max_iters=2000 --device=cuda
+
+For each data set it trains (or reuses, from out_dir) one model per objective plus a ReFusion
+model fine-tuned from the ARM (the paper's recipe; its extra budget is stated in its row), decodes
+the same validation prompts with every decoder and a small sweep of their speed knobs, and writes
+out_dir/bench.json, out_dir/bench.md and, when matplotlib is installed, out_dir/bench.png
+(quality against tokens/s, like the paper's Figure 1). Every figure comes from this run.
+"""
+
+import ast
+import json
+import os
+import shutil
+import sys
+
+import torch
+from tqdm import tqdm
+
+import train
+from checkpoint import load_checkpoint, model_from_checkpoint
+from configurator import parse_args, run_cli
+from data import TokenDataset, arithmetic_answer, arithmetic_expected, decode, get_tokenizer, prepare
+from sampler import DEFAULTS as SAMPLER_DEFAULTS, make_decoder
+
+DEFAULTS = dict(
+    out_dir="bench",
+    datasets=("arith", "stdlib"),
+    num_prompts=40,            # validation prompts decoded by every decoder
+    max_new_tokens=128,
+    slot_size=8,
+    max_iters=600,             # training budget of each model (iterations of batch_size samples)
+    finetune_iters=300,        # extra budget of the ReFusion model started from the ARM
+    batch_size=32,
+    n_layer=4,
+    n_head=4,
+    n_embd=128,
+    learning_rate=3e-3,
+    block_size=0,              # 0: 192 for arith, 256 for stdlib
+    device="cpu",
+    seed=1337,
+    retrain=False,             # train again even when out_dir holds the models
+)
+BLOCK_SIZE = {"arith": 192, "stdlib": 256}
+
+
+def train_model(cfg, dataset, name, objective, iters, init_from=None):
+    """Train one model into out_dir/<dataset>-<name> unless a finished one is there; return the dir."""
+    out = os.path.join(cfg["out_dir"], f"{dataset}-{name}")
+    ckpt_file = os.path.join(out, "ckpt.pt")
+    if os.path.exists(ckpt_file) and not cfg["retrain"]:
+        ckpt = load_checkpoint(ckpt_file)
+        if ckpt["iter_num"] == iters and ckpt["config"]["objective"] == objective:
+            return out
+    shutil.rmtree(out, ignore_errors=True)
+    flags = [f"--out_dir={out}", f"--dataset={dataset}", f"--objective={objective}", f"--max_iters={iters}",
+             f"--block_size={cfg['block_size'] or BLOCK_SIZE[dataset]}", f"--eval_interval={max(iters // 4, 1)}"]
+    flags += [f"--{k}={cfg[k]}" for k in ("batch_size", "n_layer", "n_head", "n_embd", "learning_rate",
+                                          "device", "seed")]
+    if init_from:
+        flags += [f"--init_from={init_from}", f"--warmup_iters={min(50, iters // 10)}"]
+    print(f"\n== training {dataset}-{name}: {' '.join(flags)}")
+    train.main(flags)
+    return out
+
+
+def quality(dataset, query, text):
+    """1.0 if the generation is right: arith, the exact answer; stdlib, the function parses."""
+    if dataset == "arith":
+        return float(arithmetic_answer(text) == arithmetic_expected(query))
+    try:
+        ast.parse(query + text)
+        return 1.0
+    except (SyntaxError, ValueError):
+        return 0.0
+
+
+def decoder_settings(cfg, n_slots):
+    """(row label, method, model name, decoder kwargs) for every row of the table."""
+    S = cfg["slot_size"]
+    L = n_slots * S
+    rows = [("ARM", "ar", "ar", {})]
+    for model in ("refusion", "refusion-ft"):
+        for blocks, slot_thr, token_thr in ((4, 0.9, 0.3), (4, 0.7, 0.1), (1, 0.9, 0.3)):
+            rows.append((f"ReFusion{'-ft' * (model != 'refusion')} B={blocks} slot>{slot_thr} token>{token_thr}",
+                         "refusion", model, dict(slot_size=S, num_blocks=blocks, slot_threshold=slot_thr,
+                                                 token_threshold=token_thr)))
+        rows.append((f"ReFusion{'-ft' * (model != 'refusion')} left-to-right (one slot per block)", "refusion",
+                     model, dict(slot_size=S, num_blocks=n_slots, slot_threshold=0.9, token_threshold=0.3)))
+    for steps, block in ((L, L), (L // 2, 32), (L // 4, 32)):
+        rows.append((f"MDM steps={steps} block={block}", "mdm", "mdm", dict(steps=steps, block_length=block)))
+    return rows
+
+
+def run_decoder(method, model, prompts, meta, max_new_tokens, settings):
+    """Decode every prompt with sampler's decoder for `method`; returns the texts and summed statistics."""
+    decode_fn, _ = make_decoder(dict(SAMPLER_DEFAULTS, method=method, max_new_tokens=max_new_tokens, **settings),
+                                model, meta, torch.Generator().manual_seed(0))
+    decode_fn(prompts[0])  # warm-up, untimed
+    outs = [decode_fn(p) for p in prompts]
+    texts = [[t for t in o.tokens if t != meta["eos_id"]] for o in outs]
+    tokens, nfe, seconds = sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs), sum(o.seconds for o in outs)
+    return texts, {"tokens": tokens, "nfe": nfe, "tpf": tokens / nfe, "seconds": seconds,
+                   "tokens_per_s": tokens / seconds}
+
+
+def bench_dataset(cfg, dataset):
+    iters, ft = cfg["max_iters"], cfg["finetune_iters"]
+    dirs = {name: train_model(cfg, dataset, name, name, iters) for name in ("ar", "refusion", "mdm")}
+    dirs["refusion-ft"] = train_model(cfg, dataset, "refusion-ft", "refusion", ft,
+                                      init_from=os.path.join(dirs["ar"], "ckpt.pt"))
+    ckpts = {name: load_checkpoint(d, cfg["device"]) for name, d in dirs.items()}
+    models = {name: model_from_checkpoint(c, cfg["device"]) for name, c in ckpts.items()}
+    meta, tcfg = ckpts["ar"]["meta"], ckpts["ar"]["config"]
+    val = TokenDataset(prepare(dataset, tcfg["tokenizer"], tcfg["block_size"], tcfg["data_root"]), "val")
+    n_slots = -(-cfg["max_new_tokens"] // cfg["slot_size"])
+    L = n_slots * cfg["slot_size"]
+    fits = [i for i in range(len(val)) if len(val.sample(i)[0]) + L <= tcfg["block_size"]][:cfg["num_prompts"]]
+    prompts = [val.sample(i)[0] for i in fits]
+    enc = get_tokenizer(meta["tokenizer"])
+    queries = [decode(enc, p) for p in prompts]
+    rows = []
+    for label, method, name, kwargs in tqdm(decoder_settings(cfg, n_slots), desc=f"decode {dataset}"):
+        texts, stats = run_decoder(method, models[name], prompts, meta, L, kwargs)
+        scores = [quality(dataset, q, decode(enc, t)) for q, t in zip(queries, texts)]
+        budget = iters + (ft if name == "refusion-ft" else 0)
+        rows.append({"dataset": dataset, "method": method, "model": name, "label": label, "settings": kwargs,
+                     "train_iters": budget, "val_loss": ckpts[name]["best_val_loss"],
+                     "quality": {"accuracy" if dataset == "arith" else "parse_rate": sum(scores) / len(scores)},
+                     **stats})
+    ar_speed = rows[0]["tokens_per_s"]
+    mdm_speed = next(r["tokens_per_s"] for r in rows if r["method"] == "mdm")
+    for r in rows:
+        r["speedup_vs_ar"], r["speedup_vs_mdm"] = r["tokens_per_s"] / ar_speed, r["tokens_per_s"] / mdm_speed
+    return rows
+
+
+def markdown_table(rows):
+    lines = ["| data | decoder | train iters | quality | tokens | NFE | TPF | tokens/s | vs ARM | vs MDM |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        (metric, q), = r["quality"].items()
+        lines.append(f"| {r['dataset']} | {r['label']} | {r['train_iters']} | {metric} {q:.1%} | {r['tokens']} | "
+                     f"{r['nfe']} | {r['tpf']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup_vs_ar']:.2f}x | "
+                     f"{r['speedup_vs_mdm']:.1f}x |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    """Quality against tokens/s per data set, one marker per decoder (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    datasets = sorted({r["dataset"] for r in rows})
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
+    colors = {"ar": "tab:blue", "refusion": "tab:red", "refusion-ft": "tab:purple", "mdm": "tab:green"}
+    for ax, ds in zip(axes[0], datasets):
+        ds_rows = [r for r in rows if r["dataset"] == ds]
+        markers = {}
+        for r in ds_rows:
+            markers[r["model"]] = ax.scatter(r["tokens_per_s"], next(iter(r["quality"].values())),
+                                             color=colors[r["model"]])
+        ax.legend(markers.values(), markers.keys())
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens/s (log scale)")
+        ax.set_ylabel(next(iter(ds_rows[0]["quality"])))
+        ax.set_title(ds)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def machine():
+    import platform
+    return {"python": platform.python_version(), "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
+            "processor": platform.processor() or platform.machine()}
+
+
+def main(argv):
+    cfg = parse_args(DEFAULTS, argv)
+    os.makedirs(cfg["out_dir"], exist_ok=True)
+    rows = [r for ds in cfg["datasets"] for r in bench_dataset(cfg, ds)]
+    table = markdown_table(rows)
+    with open(os.path.join(cfg["out_dir"], "bench.json"), "w") as f:
+        json.dump({"config": cfg, "machine": machine(), "rows": rows}, f, indent=2)
+    with open(os.path.join(cfg["out_dir"], "bench.md"), "w") as f:
+        f.write(table + "\n")
+    print("\n" + table)
+    if plot(rows, os.path.join(cfg["out_dir"], "bench.png")):
+        print(f"wrote {cfg['out_dir']}/bench.png")
+    print(f"wrote {cfg['out_dir']}/bench.json and {cfg['out_dir']}/bench.md")
+
+
+if __name__ == "__main__":
+    run_cli(main, sys.argv[1:])
