@@ -793,3 +793,75 @@ def test_arith_is_deterministic_distinct_and_about_5_percent_val(arith):
     assert len({r["name"] for r in arith}) == len({r["query"] for r in arith}) == len(arith)
     assert {r["module"] for r in arith} == {"arith"}
     assert 0.03 < [data.split_of(r) for r in arith].count("val") / len(arith) < 0.07
+
+
+# ----------------------------------------------------------------------------------------------
+# train.py, configurator.py: starting from a pretrained ARM, and flags
+
+def test_init_from_a_checkpoint_without_the_mask_token_adds_its_row():
+    from train import load_pretrained
+    small = tiny_model(seed=4, vocab_size=38)                 # an ARM whose vocabulary has no mask id
+    big = tiny_model(seed=5, vocab_size=40)
+    load_pretrained(big, {"model": small.state_dict()})
+    emb_small, emb_big = small.embed_tokens.weight, big.embed_tokens.weight
+    torch.testing.assert_close(emb_big[:38], emb_small, atol=0, rtol=0)
+    torch.testing.assert_close(emb_big[38:], emb_small.mean(0).expand(2, -1), atol=TOL, rtol=0)
+    for name, p in small.named_parameters():                  # every other weight copied exactly
+        if "embed_tokens" not in name and "lm_head" not in name:
+            torch.testing.assert_close(big.get_parameter(name), p, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="does not fit"):
+        load_pretrained(tiny_model(n_layer=3), {"model": small.state_dict()})
+
+
+def test_flags_override_defaults_with_type_checks():
+    from configurator import ConfigError, parse_args
+    d = dict(slot_sizes=(4, 8), datasets=("arith",), lr=1e-3, json=False, device="cpu", n_layer=4)
+    cfg = parse_args(d, ["--slot_sizes=(16,)", "--datasets=arith,stdlib", "--lr=1", "--json", "--device=cuda"])
+    assert cfg == dict(slot_sizes=(16,), datasets=("arith", "stdlib"), lr=1.0, json=True, device="cuda", n_layer=4)
+    assert parse_args(d, ["--slot_sizes=4,8"])["slot_sizes"] == (4, 8)
+    with pytest.raises(ConfigError, match="did you mean --n_layer"):
+        parse_args(d, ["--n_layers=2"])
+    with pytest.raises(ConfigError, match="expected int"):
+        parse_args(d, ["--n_layer=2.5"])
+    with pytest.raises(ConfigError, match="has no value"):
+        parse_args(d, ["--n_layer"])
+
+
+def test_on_step_sees_every_committed_step_as_it_happens():
+    P, L = 4, 16
+    target = oracle_target(P, L, seed=5)
+    seen = []
+    out = generate_refusion(OracleModel(target, V, MASK, confident=False), target[:P].tolist(), L, mask_id=MASK,
+                            eos_id=EOS, slot_size=4, on_step=seen.append)
+    assert seen == out.steps and len(seen) == L // 4
+
+
+def tiny_run_flags(tmp_path, qa_file, out, objective="refusion"):
+    return [f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / out}",
+            f"--objective={objective}", "--block_size=64", "--n_layer=1", "--n_head=2", "--n_embd=16",
+            "--batch_size=4", "--eval_interval=2", "--eval_iters=1", "--slot_sizes=2,4",
+            "--warmup_iters=10"]  # 6 steps inside warm-up: the learning rate does not depend on max_iters
+
+
+@pytest.mark.parametrize("objective", ["refusion", "mdm"])
+def test_resumed_training_matches_an_uninterrupted_run(tmp_path, qa_file, objective):
+    import train
+    from checkpoint import load_checkpoint
+    train.main(tiny_run_flags(tmp_path, qa_file, "straight", objective) + ["--max_iters=6"])
+    train.main(tiny_run_flags(tmp_path, qa_file, "resumed", objective) + ["--max_iters=3"])
+    train.main(tiny_run_flags(tmp_path, qa_file, "resumed", objective) + ["--max_iters=6", "--init_from=resume"])
+    a, b = load_checkpoint(str(tmp_path / "straight")), load_checkpoint(str(tmp_path / "resumed"))
+    assert a["iter_num"] == b["iter_num"] == 6
+    for name in a["model"]:
+        torch.testing.assert_close(a["model"][name], b["model"][name], atol=0, rtol=0)
+
+
+def test_training_never_overwrites_a_checkpoint_unless_resuming(tmp_path, qa_file):
+    import train
+    flags = tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"]
+    train.main(flags)
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    with pytest.raises(SystemExit, match="already exists.*--init_from=resume"):
+        train.main(flags)
+    assert ckpt.read_bytes() == before

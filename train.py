@@ -12,6 +12,7 @@ clean slot (AR) and the masked tokens' own values, weighted by 1/p_mask (MDM).
 
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -207,10 +208,15 @@ def main(argv):
 
     print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
           f"{len(train_data):,} training samples, device {cfg['device']}")
+    if iter_num >= cfg["max_iters"]:
+        raise SystemExit(f"{ckpt_file} is already trained for {iter_num} iterations; "
+                         f"raise --max_iters above {iter_num} to continue it")
     model.train()
     bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"], desc="train",
                mininterval=1.0)
     t0, n_tokens = time.perf_counter(), 0
+    interrupted = []  # Ctrl-C finishes the current step, then saves a checkpoint to resume from
+    previous_handler = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     for iter_num in bar:
         if iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"] - 1:
             val_loss = estimate_loss(forward_model, cfg, val_data, mask_id, autocast)
@@ -236,8 +242,15 @@ def main(argv):
         n_tokens += int(length.sum())
         bar.set_postfix(loss=f"{loss.item():.3f}", ar=f"{ar_loss.item():.3f}", mdm=f"{mdm_loss.item():.3f}",
                         tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
-    iter_num = cfg["max_iters"]
+        if interrupted:
+            break
+    signal.signal(signal.SIGINT, previous_handler)
+    iter_num += 1  # steps completed
     checkpoint()
+    if interrupted:
+        bar.close()
+        raise SystemExit(f"interrupted after {iter_num} iterations; saved {ckpt_file}. Continue with "
+                         f"`python train.py --out_dir={cfg['out_dir']} --init_from=resume` (and the same flags)")
     print(f"saved {ckpt_file} (best val loss {best_val:.4f})")
 
 
