@@ -25,7 +25,7 @@ import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import parse_args, run_cli
 from data import TokenDataset, arithmetic_answer, arithmetic_expected, decode, get_tokenizer, prepare
-from sampler import DEFAULTS as SAMPLER_DEFAULTS, make_decoder
+from sampler import DEFAULTS as SAMPLER_DEFAULTS, make_decoder, validate_mdm_settings, validate_settings
 
 DEFAULTS = dict(
     out_dir="bench",
@@ -33,6 +33,7 @@ DEFAULTS = dict(
     num_prompts=40,            # validation prompts decoded by every decoder
     max_new_tokens=128,
     slot_size=8,
+    num_blocks=4,              # serial blocks of the ReFusion rows (must divide the number of slots)
     max_iters=600,             # training budget of each model (iterations of batch_size samples)
     finetune_iters=300,        # extra budget of the ReFusion model started from the ARM
     batch_size=32,
@@ -69,14 +70,15 @@ def train_model(cfg, dataset, name, objective, iters, init_from=None):
 
 
 def quality(dataset, query, text):
-    """1.0 if the generation is right: arith, the exact answer; stdlib, the function parses."""
+    """1.0 if the generation is right: arith, the exact answer; stdlib, the function parses with at
+    least one statement after its docstring (the prompt alone already parses)."""
     if dataset == "arith":
         return float(arithmetic_answer(text) == arithmetic_expected(query))
     try:
-        ast.parse(query + text)
-        return 1.0
-    except (SyntaxError, ValueError):
+        function = ast.parse(query + text).body[0]
+    except (SyntaxError, ValueError, IndexError):
         return 0.0
+    return float(len(function.body) > 1)
 
 
 def decoder_settings(cfg, n_slots):
@@ -85,13 +87,15 @@ def decoder_settings(cfg, n_slots):
     L = n_slots * S
     rows = [("ARM", "ar", "ar", {})]
     for model in ("refusion", "refusion-ft"):
-        for blocks, slot_thr, token_thr in ((4, 0.9, 0.3), (4, 0.7, 0.1), (1, 0.9, 0.3)):
+        for blocks, slot_thr, token_thr in ((cfg["num_blocks"], 0.9, 0.3), (cfg["num_blocks"], 0.7, 0.1),
+                                            (1, 0.9, 0.3)):
             rows.append((f"ReFusion{'-ft' * (model != 'refusion')} B={blocks} slot>{slot_thr} token>{token_thr}",
                          "refusion", model, dict(slot_size=S, num_blocks=blocks, slot_threshold=slot_thr,
                                                  token_threshold=token_thr)))
         rows.append((f"ReFusion{'-ft' * (model != 'refusion')} left-to-right (one slot per block)", "refusion",
                      model, dict(slot_size=S, num_blocks=n_slots, slot_threshold=0.9, token_threshold=0.3)))
-    for steps, block in ((L, L), (L // 2, 32), (L // 4, 32)):
+    block = 32 if L % 32 == 0 else L      # LLaDA's semi-autoregressive blocks of 32 where they fit
+    for steps, block in ((L, L), (L // 2, block), (L // 4, block)):
         rows.append((f"MDM steps={steps} block={block}", "mdm", "mdm", dict(steps=steps, block_length=block)))
     return rows
 
@@ -183,8 +187,27 @@ def machine():
             "processor": platform.processor() or platform.machine()}
 
 
+def check_bench_config(cfg):
+    """Check every setting before any training starts. Raises ValueError with the fix."""
+    for ds in cfg["datasets"]:
+        if ds not in BLOCK_SIZE:
+            raise ValueError(f"--datasets={ds}: the benchmark knows {', '.join(BLOCK_SIZE)}")
+        block = cfg["block_size"] or BLOCK_SIZE[ds]
+        if cfg["max_new_tokens"] >= block:
+            raise ValueError(f"--max_new_tokens={cfg['max_new_tokens']} leaves no room for a prompt in the "
+                             f"context of {block} tokens; lower it or raise --block_size")
+    if cfg["num_prompts"] <= 0:
+        raise ValueError(f"--num_prompts={cfg['num_prompts']}: decode at least one prompt")
+    _, n_slots = validate_settings(cfg["max_new_tokens"], cfg["slot_size"], cfg["num_blocks"], 0.9, 0.3, 0.0)
+    L = n_slots * cfg["slot_size"]
+    for _, method, _, settings in decoder_settings(cfg, n_slots):
+        if method == "mdm":
+            validate_mdm_settings(L, settings["steps"], settings["block_length"])
+
+
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
+    check_bench_config(cfg)
     os.makedirs(cfg["out_dir"], exist_ok=True)
     rows = [r for ds in cfg["datasets"] for r in bench_dataset(cfg, ds)]
     table = markdown_table(rows)

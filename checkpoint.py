@@ -42,9 +42,9 @@ def load_checkpoint(path_or_dir, device="cpu"):
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # torch raises several types for truncated or unsafe files
-        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                         "it may be truncated, from another program, or contain code, which is never "
-                         "executed; retrain or point to another file") from None
+        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}); it may be truncated, "
+                         "from another program, or hold code (which is never executed); retrain it or "
+                         "point to another file") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise ValueError(f"{path} is not a checkpoint written by train.py (no model weights and config)")
     if ckpt.get("format") != FORMAT:

@@ -10,6 +10,8 @@ import ast
 import difflib
 import os
 
+import torch
+
 
 class ConfigError(ValueError):
     """A config file or flag that names an unknown key or gives a value of the wrong type."""
@@ -77,9 +79,20 @@ def parse_args(defaults, argv):
     return config
 
 
+def check_device(device):
+    """Refuse a device torch cannot use here, with the fix. Raises ConfigError."""
+    if device == "cpu" or (device == "mps" and torch.backends.mps.is_available()):
+        return
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device={device}: no CUDA GPU is visible to torch here; use --device=cpu")
+        return
+    raise ConfigError(f"--device={device}: use cpu, cuda (or cuda:N), or mps where available")
+
+
 def run_cli(main, argv):
     """Run main(argv); a user's mistake (ValueError, FileNotFoundError) ends with its message, not a traceback."""
     try:
         main(argv)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None

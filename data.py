@@ -50,7 +50,7 @@ def get_tokenizer(name: str = "bytes") -> tiktoken.Encoding:
              Built in code, needs no download: the offline default.
     "gpt2":  GPT-2's BPE (ids 0..50255) + EOS=50256, MASK=50257, PAD=50258; n_vocab = 50259.
              tiktoken downloads the BPE file once and caches it (see TIKTOKEN_CACHE_DIR).
-    Raises ValueError for an unknown name, RuntimeError if the GPT-2 BPE file cannot be had.
+    Raises ValueError for an unknown name, FileNotFoundError if the GPT-2 BPE file cannot be had.
     """
     if name == "bytes":
         ranks = {bytes([i]): i for i in range(256)}
@@ -60,7 +60,7 @@ def get_tokenizer(name: str = "bytes") -> tiktoken.Encoding:
         try:
             base = tiktoken.get_encoding("gpt2")
         except Exception as e:
-            raise RuntimeError(
+            raise FileNotFoundError(
                 "the GPT-2 BPE file could not be downloaded or found in tiktoken's cache "
                 "(set TIKTOKEN_CACHE_DIR to a directory that holds it); "
                 "use --tokenizer=bytes (the offline default) instead") from e
@@ -331,8 +331,9 @@ def _check_record(obj, where: str, path: str) -> dict:
         if not isinstance(obj[key], str):
             raise ValueError(f"{path}: {where}: {key!r} must be a string, "
                              f"not {type(obj[key]).__name__}")
-    if not obj["response"]:
-        raise ValueError(f"{path}: {where} has an empty response; remove it or fill it in")
+    for key in ("query", "response"):  # an empty query leaves nothing to condition on at decoding
+        if not obj[key]:
+            raise ValueError(f"{path}: {where} has an empty {key}; remove it or fill it in")
     return {"query": obj["query"], "response": obj["response"]}
 
 
@@ -486,11 +487,12 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
     counts = {}
     for split in ("train", "val"):
         tokens, samples, skipped = _tokenize(splits[split], enc, block_size)
+        if len(samples) == 0 and skipped:
+            raise ValueError(f"{dataset}: all {skipped} samples of the {split} split are longer than "
+                             f"block_size={block_size} tokens; use a larger --block_size")
         if len(samples) == 0:
-            raise ValueError(
-                f"{dataset}: the {split} split has no samples ({skipped} longer than "
-                f"block_size={block_size} were skipped, and about {VAL_PERCENT}% of records go to "
-                f"val); use a larger --block_size or a larger data file")
+            raise ValueError(f"{dataset}: too few records for a {split} split ({len(records)} in all); "
+                             "give at least two records")
         _write_atomic(os.path.join(data_dir, f"{split}.bin"), tokens.tofile)
         _write_atomic(os.path.join(data_dir, f"{split}_samples.npy"), lambda f: np.save(f, samples))
         counts[split] = {"samples": len(samples), "tokens": len(tokens), "skipped_too_long": skipped}

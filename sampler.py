@@ -16,6 +16,7 @@ decoding with the KV cache) and generate_mdm (LLaDA-style, the whole sequence re
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from functools import partial
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
-from configurator import parse_args, run_cli
+from configurator import check_device, parse_args, run_cli
 from data import TokenDataset, decode, encode, get_tokenizer, prepare
 
 
@@ -113,8 +114,9 @@ def check_context(model, prompt_len, gen_len):
         raise ValueError("the prompt is empty: give at least one token of context")
     limit = model.config.block_size
     if prompt_len + gen_len > limit:
-        raise ValueError(f"prompt ({prompt_len} tokens) + generation ({gen_len} tokens) exceeds the model's "
-                         f"context of {limit} positions; shorten the prompt or lower max_new_tokens")
+        raise ValueError(f"prompt ({prompt_len} tokens) + generation ({gen_len} tokens, max_new_tokens rounded up "
+                         f"to whole slots) exceeds the model's context of {limit} positions; shorten the prompt, "
+                         "lower max_new_tokens or use a smaller slot_size")
 
 
 def check_attention(model, method):
@@ -514,7 +516,7 @@ DEFAULTS = dict(
     device="cpu",
     json=False,               # one JSON object per sample instead of text
     show=False,               # redraw the response after every decoding step (masked tokens as ░)
-    method="refusion",        # 'refusion' (plan-and-infill), 'ar' (next token, cached), 'mdm' (LLaDA-style)
+    method="",                # refusion, ar or mdm; empty: the one the checkpoint was trained for
     steps=0,                  # mdm: denoising steps; 0 = one token per step
     block_length=0,           # mdm: semi-autoregressive block length; 0 = the whole generation
 )
@@ -590,20 +592,34 @@ class LiveTrace:
             time.sleep(self.delay)
 
 
+MISMATCH_NOTES = {
+    ("ar", "refusion"): "a refusion model never learns a slot's first token as a next token (SPEC section 4, "
+                        "known limit (a)), so plain next-token decoding does poorly; for left-to-right decoding "
+                        "use --method=refusion --num_blocks=<number of slots>",
+    ("refusion", "ar"): "an ar model was never trained to predict mask tokens, so its plan drafts are poor and "
+                        "ReFusion decoding falls back to about two forward passes per token; use --method=ar",
+}
+
+
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
+    check_device(cfg["device"])
+    if cfg["num_samples"] <= 0:
+        raise ValueError(f"--num_samples={cfg['num_samples']}: ask for at least one validation prompt")
     ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
     model, meta, tcfg = model_from_checkpoint(ckpt, cfg["device"]), ckpt["meta"], ckpt["config"]
+    cfg["method"] = cfg["method"] or tcfg["objective"]
     enc = get_tokenizer(meta["tokenizer"])
     generator = torch.Generator(cfg["device"]).manual_seed(cfg["seed"])
     run, gen_len = make_decoder(cfg, model, meta, generator)
-    if cfg["method"] == "ar" and tcfg["objective"] == "refusion":
-        print("note: a refusion model never learns a slot's first token as a next token (SPEC section 4, "
-              "known limit (a)), so plain next-token decoding does poorly; for left-to-right decoding use "
-              "--method=refusion --num_blocks=<number of slots>", file=sys.stderr)
+    if (cfg["method"], tcfg["objective"]) in MISMATCH_NOTES:
+        print("note: " + MISMATCH_NOTES[cfg["method"], tcfg["objective"]], file=sys.stderr)
     val_data = None
     if not (cfg["prompt"] or cfg["prompt_file"]):
-        val_data = TokenDataset(prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["block_size"], tcfg["data_root"]), "val")
+        data_dir = ckpt.get("data_dir", "")  # absolute, so the sampler works from any directory
+        if not os.path.isfile(os.path.join(data_dir, "meta.json")):
+            data_dir = prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["block_size"], tcfg["data_root"])
+        val_data = TokenDataset(data_dir, "val")
     prompts = load_prompts(cfg, enc, val_data, gen_len, model.config.block_size)
     run(prompts[0][0][:8])  # warm-up: the first forward passes pay one-time costs
     for prompt, reference in prompts:

@@ -420,7 +420,7 @@ def test_unknown_tokenizer_is_a_value_error_listing_the_choices():
 def test_gpt2_tokenizer_or_a_clear_offline_error():
     try:
         enc = data.get_tokenizer("gpt2")
-    except RuntimeError as e:
+    except FileNotFoundError as e:
         msg = str(e)
         assert "GPT-2 BPE" in msg and "TIKTOKEN_CACHE_DIR" in msg and "--tokenizer=bytes" in msg
         pytest.skip("GPT-2 BPE file not downloadable or cached here (offline); error message checked")
@@ -522,11 +522,11 @@ def write(tmp_path, name, content):
 
 
 def test_load_records_json_and_jsonl(tmp_path):
-    rows = [{"query": "2+2?", "response": "4", "extra": 1}, {"query": "", "response": "é"}]
+    rows = [{"query": "2+2?", "response": "4", "extra": 1}, {"query": "π", "response": "é"}]
     for path in (write(tmp_path, "a.json", json.dumps(rows)),
                  write(tmp_path, "a.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n\n")):
         records = data.load_records(path)
-        assert [(r["query"], r["response"]) for r in records] == [("2+2?", "4"), ("", "é")]
+        assert [(r["query"], r["response"]) for r in records] == [("2+2?", "4"), ("π", "é")]
         assert [r["name"] for r in records] == ["0", "1"]
         assert {r["module"] for r in records} == {os.path.basename(path)}
 
@@ -551,6 +551,7 @@ def test_load_records_plain_text_windows(tmp_path):
     ("int.jsonl", '{"query": 3, "response": "b"}', ValueError, "record 0 .*'query' must be a string"),
     ("emptyresp.json", '[{"query": "a", "response": "b"}, {"query": "a", "response": ""}]',
      ValueError, "record 1 has an empty response"),
+    ("emptyquery.jsonl", '{"query": "", "response": "b"}', ValueError, "record 0 .*has an empty query"),
     ("latin1.txt", b"ok caf\xe9", ValueError, "byte offset 6"),
 ])
 def test_load_records_errors_say_what_is_wrong(tmp_path, name, content, error, message):
@@ -862,6 +863,12 @@ def test_training_never_overwrites_a_checkpoint_unless_resuming(tmp_path, qa_fil
     train.main(flags)
     ckpt = tmp_path / "run" / "ckpt.pt"
     before = ckpt.read_bytes()
-    with pytest.raises(SystemExit, match="already exists.*--init_from=resume"):
-        train.main(flags)
+    for init in ([], [f"--init_from={ckpt}"]):                  # neither a fresh run nor a fine-tune
+        with pytest.raises(ValueError, match="already exists.*--init_from=resume"):
+            train.main(flags + init)
+    assert ckpt.read_bytes() == before
+    with pytest.raises(ValueError, match="--n_layer=2 differs from the checkpoint's 1"):
+        train.main(flags + ["--init_from=resume", "--n_layer=2", "--max_iters=4"])
+    with pytest.raises(ValueError, match="already trained for 2 iterations"):
+        train.main(flags + ["--init_from=resume"])
     assert ckpt.read_bytes() == before

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from configurator import parse_args, run_cli
+from configurator import check_device, parse_args, run_cli
 from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, prepare, random_mask_batch, reorganize_slots
 from model import ModelConfig, Transformer
 
@@ -65,6 +65,9 @@ CONFIG_KEYS = [k for k, v in list(globals().items())
                if not k.startswith("_") and k.islower() and isinstance(v, (int, float, bool, str, tuple))]
 DEFAULTS = {k: globals()[k] for k in CONFIG_KEYS}
 OBJECTIVES = ("refusion", "ar", "mdm")
+# settings a resumed run takes from its checkpoint (a flag that contradicts one is refused)
+RESUME_KEYS = ("objective", "dataset", "tokenizer", "data_root", "block_size", "n_layer", "n_head", "n_kv_head",
+               "n_embd", "qk_norm", "rope_theta", "slot_sizes")
 
 
 def make_batch(cfg, tokens, prompt_len, length, mask_id, generator):
@@ -111,8 +114,9 @@ def check_config(cfg):
     for key in ("batch_size", "max_iters", "n_layer", "n_head", "n_embd", "block_size", "eval_iters", "eval_interval"):
         if cfg[key] <= 0:
             raise ValueError(f"--{key}={cfg[key]}: must be positive")
-    if cfg["device"].startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device={cfg['device']}: no CUDA GPU is visible to torch here; use --device=cpu")
+    check_device(cfg["device"])
+    ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or None,
+                n_embd=cfg["n_embd"])  # raises for shapes that cannot work, before any data is prepared
 
 
 @torch.no_grad()
@@ -150,10 +154,11 @@ def estimate_loss(model, cfg, val_data, mask_id, autocast):
 
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
+    argv_keys = {a[2:].partition("=")[0] for a in argv if a.startswith("--")}
     check_config(cfg)
     ckpt_file = checkpoint_path(cfg["out_dir"])
-    if cfg["init_from"] == "scratch" and os.path.exists(ckpt_file):
-        raise SystemExit(f"{ckpt_file} already exists: continue it with --init_from=resume, or choose another "
+    if cfg["init_from"] != "resume" and os.path.exists(ckpt_file):
+        raise ValueError(f"{ckpt_file} already exists: continue it with --init_from=resume, or choose another "
                          "--out_dir (nothing was overwritten)")
     torch.manual_seed(cfg["seed"])
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"])
@@ -166,10 +171,11 @@ def main(argv):
         init_ckpt = load_checkpoint(cfg["init_from"], cfg["device"])
     if cfg["init_from"] == "resume":
         ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
-        for key in ("objective", "tokenizer", "dataset"):
-            if ckpt["config"][key] != cfg[key]:
-                raise SystemExit(f"--{key}={cfg[key]} differs from the checkpoint's {ckpt['config'][key]!r}; "
-                                 "resume with the same setting")
+        for key in RESUME_KEYS:
+            if key in argv_keys and ckpt["config"][key] != cfg[key]:
+                raise ValueError(f"--{key}={cfg[key]} differs from the checkpoint's {ckpt['config'][key]!r}; "
+                                 "a resumed run keeps its model, data and objective: drop the flag")
+            cfg[key] = ckpt["config"][key]
         model_args = ckpt["model_args"]
     elif init_ckpt is not None:
         # the paper's recipe: start from a pretrained ARM (same shape), new objective, fresh optimizer
@@ -204,12 +210,13 @@ def main(argv):
         save_checkpoint(cfg["out_dir"], {
             "model": model.state_dict(), "model_args": model_args, "optimizer": optimizer.state_dict(),
             "iter_num": iter_num, "best_val_loss": best_val, "config": cfg, "meta": meta,
+            "data_dir": os.path.abspath(data_dir),
             "numpy_rng": rng.bit_generator.state, "torch_rng": gen.get_state()})
 
     print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
           f"{len(train_data):,} training samples, device {cfg['device']}")
     if iter_num >= cfg["max_iters"]:
-        raise SystemExit(f"{ckpt_file} is already trained for {iter_num} iterations; "
+        raise ValueError(f"{ckpt_file} is already trained for {iter_num} iterations; "
                          f"raise --max_iters above {iter_num} to continue it")
     model.train()
     bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"], desc="train",
@@ -233,7 +240,7 @@ def main(argv):
             logits = forward_model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
         loss, ar_loss, mdm_loss = hybrid_loss(logits.float(), batch)
         if not torch.isfinite(loss):
-            raise SystemExit(f"loss became {loss.item()} at iteration {iter_num}; the last good checkpoint in "
+            raise SystemExit(f"error: loss became {loss.item()} at iteration {iter_num}; the last good checkpoint in "
                              f"{cfg['out_dir']} is kept. Lower --learning_rate or check the data")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
