@@ -17,13 +17,16 @@ import json
 import os
 import shutil
 import sys
+import time
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import parse_args, run_cli
+from model import ModelConfig, Transformer
 from data import TokenDataset, arithmetic_answer, arithmetic_expected, decode, get_tokenizer, prepare
 from sampler import DEFAULTS as SAMPLER_DEFAULTS, make_decoder, validate_mdm_settings, validate_settings
 
@@ -187,6 +190,36 @@ def machine():
             "processor": platform.processor() or platform.machine()}
 
 
+def training_step_times(cfg, dataset, steps=20):
+    """Seconds per training step (batch draw, the objective's batch layout, forward, backward,
+    AdamW) of the ReFusion and AR objectives on the same batches and model shape, interleaved so
+    both see the same machine load. Returns {"refusion": s, "ar": s, "ratio": refusion / ar}."""
+    block = cfg["block_size"] or BLOCK_SIZE[dataset]
+    data_dir = prepare(dataset, "bytes", block)
+    train_data, meta = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "train").meta
+    models, optims, times = {}, {}, {"refusion": 0.0, "ar": 0.0}
+    for objective in times:
+        torch.manual_seed(cfg["seed"])
+        models[objective] = Transformer(ModelConfig(vocab_size=meta["vocab_size"], block_size=block,
+                                                    n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"]))
+        optims[objective] = torch.optim.AdamW(models[objective].parameters(), lr=1e-4)
+    step_cfg = dict(train.DEFAULTS, slot_sizes=(4, 8))
+    for i in range(steps + 3):                                     # the first 3 rounds warm up, untimed
+        for objective in sorted(times, reverse=i % 2 == 1):         # alternate which one goes first
+            rng, gen = np.random.default_rng(i), torch.Generator().manual_seed(i)   # same batch for both
+            t0 = time.perf_counter()
+            tokens, prompt_len, length = train_data.get_batch(cfg["batch_size"], rng)
+            batch = train.make_batch(dict(step_cfg, objective=objective), tokens, prompt_len, length,
+                                     meta["mask_id"], gen)
+            loss = train.hybrid_loss(models[objective](batch.idx, batch.position_ids), batch)[0]
+            loss.backward()
+            optims[objective].step()
+            optims[objective].zero_grad(set_to_none=True)
+            if i >= 3:
+                times[objective] += (time.perf_counter() - t0) / steps
+    return dict(times, ratio=times["refusion"] / times["ar"])
+
+
 def check_bench_config(cfg):
     """Check every setting before any training starts. Raises ValueError with the fix."""
     for ds in cfg["datasets"]:
@@ -210,9 +243,13 @@ def main(argv):
     check_bench_config(cfg)
     os.makedirs(cfg["out_dir"], exist_ok=True)
     rows = [r for ds in cfg["datasets"] for r in bench_dataset(cfg, ds)]
-    table = markdown_table(rows)
+    step_times = {ds: training_step_times(cfg, ds) for ds in cfg["datasets"]}
+    table = markdown_table(rows) + "\n\n" + "\n".join(
+        f"Training step ({ds}, batch {cfg['batch_size']}): ReFusion {t['refusion'] * 1e3:.0f} ms, AR "
+        f"{t['ar'] * 1e3:.0f} ms, ratio {t['ratio']:.2f}x" for ds, t in step_times.items())
     with open(os.path.join(cfg["out_dir"], "bench.json"), "w") as f:
-        json.dump({"config": cfg, "machine": machine(), "rows": rows}, f, indent=2)
+        json.dump({"config": cfg, "machine": machine(), "rows": rows, "training_step_seconds": step_times}, f,
+                  indent=2)
     with open(os.path.join(cfg["out_dir"], "bench.md"), "w") as f:
         f.write(table + "\n")
     print("\n" + table)

@@ -872,3 +872,57 @@ def test_training_never_overwrites_a_checkpoint_unless_resuming(tmp_path, qa_fil
     with pytest.raises(ValueError, match="already trained for 2 iterations"):
         train.main(flags + ["--init_from=resume"])
     assert ckpt.read_bytes() == before
+
+
+def _ddp_worker(rank, flags, port):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import train
+    train.main(flags)
+
+
+def test_two_processes_match_one_with_gradient_accumulation(tmp_path, qa_file):
+    """torchrun's data parallelism (2 processes, gloo) equals 1 process accumulating the same global batch."""
+    import socket
+    import train
+    from checkpoint import load_checkpoint
+    steps = ["--max_iters=3", "--gradient_accumulation_steps=2"]
+    train.main(tiny_run_flags(tmp_path, qa_file, "one") + steps)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_ddp_worker, args=(tiny_run_flags(tmp_path, qa_file, "two") + steps, port), nprocs=2)
+    a, b = load_checkpoint(str(tmp_path / "one")), load_checkpoint(str(tmp_path / "two"))
+    assert a["iter_num"] == b["iter_num"] == 3
+    for name in a["model"]:
+        torch.testing.assert_close(b["model"][name], a["model"][name], atol=1e-5, rtol=0)
+
+
+def test_refusion_ar_loss_from_an_ar_model_equals_its_loss_without_slot_boundaries():
+    """An ARM loaded with --init_from into a ReFusion run: with nothing masked and the clean slots in
+    their original order, the AR part of the hybrid loss is the ARM's next-token loss over the
+    response, minus the labels that would cross a slot boundary."""
+    import torch.nn.functional as F
+    from train import hybrid_loss, load_pretrained
+    ar_model = tiny_model(seed=6)
+    refusion_model = tiny_model(seed=7)
+    load_pretrained(refusion_model, {"model": ar_model.state_dict()})
+    tokens, prompt_len, length = random_samples(8, B=4, T=40, vocab=36)
+    tokens[tokens == 258] = 39                                        # the tiny model's pad id
+    S = torch.tensor([4, 3, 8, 5])
+    B, T = tokens.shape
+    b = data.layout_slots(tokens, prompt_len, length, S, p=torch.full((B,), 0.5),
+                          slot_is_masked=torch.zeros(B, T, dtype=torch.bool),
+                          slot_rank=torch.arange(T).expand(B, T), mask_id=38)
+    assert torch.equal(b.idx, tokens)                                 # nothing moved, nothing masked
+    _, ar_part, mdm_part = hybrid_loss(refusion_model(b.idx, b.position_ids), b)
+    # the reference: the ARM's cross-entropy at every response label except those at slot boundaries
+    logits = ar_model(tokens, torch.arange(T).expand(B, T))
+    ce, kept = [], 0
+    for r in range(B):
+        P, n = int(prompt_len[r]), int(length[r])
+        for j in range(P, n - 1):                                     # position j predicts j + 1
+            if (j + 1 - P) % int(S[r]) != 0:                           # j + 1 starts no new slot
+                ce.append(F.cross_entropy(logits[r, j], tokens[r, j + 1]))
+    torch.testing.assert_close(ar_part, torch.stack(ce).mean(), atol=TOL, rtol=0)
+    assert mdm_part.item() == 0.0

@@ -46,7 +46,8 @@ block_size = 384          # context (prompt + response tokens); longer samples a
 qk_norm = True
 rope_theta = 10000.0
 # optimization
-batch_size = 16
+batch_size = 16           # samples per micro-batch (per process under torchrun)
+gradient_accumulation_steps = 1  # micro-batches per step, over all processes (divided among them)
 max_iters = 1500
 learning_rate = 2e-3
 min_lr = 2e-4
@@ -58,8 +59,9 @@ grad_clip = 1.0
 eval_interval = 250
 eval_iters = 10
 seed = 1337
-device = "cpu"
+device = "cpu"            # under torchrun with CUDA each process takes cuda:LOCAL_RANK
 compile = False
+peak_tflops = 312.0       # for the MFU estimate: bf16 peak of the GPU (A100: 312, H100 SXM: 989)
 # -----------------------------------------------------------------------------
 CONFIG_KEYS = [k for k, v in list(globals().items())
                if not k.startswith("_") and k.islower() and isinstance(v, (int, float, bool, str, tuple))]
@@ -93,6 +95,39 @@ def hybrid_loss(logits, batch):
     ar_loss = (ce * is_ar).sum() / is_ar.sum().clamp(min=1)
     mdm_loss = (ce * batch.mdm_weight).sum() / B
     return ar_loss + mdm_loss, ar_loss, mdm_loss
+
+
+def micro_batch_rng(cfg, iter_num, micro):
+    """The random streams of one micro-batch: (numpy Generator for sampling, torch Generator for
+    masking and slot order), seeded by (seed, iteration, global micro-batch index). So the data a
+    step sees does not depend on how many processes share it, and a resumed run continues exactly."""
+    key = [cfg["seed"], iter_num, micro]
+    return np.random.default_rng(key), torch.Generator().manual_seed(int(np.random.SeedSequence(key).generate_state(1)[0]))
+
+
+def setup_distributed(cfg):
+    """Join the process group when launched by torchrun (RANK set); returns (rank, world_size).
+
+    NCCL on CUDA, gloo on CPU. Each process handles gradient_accumulation_steps / world_size
+    micro-batches per step. Raises ValueError when they do not divide evenly.
+    """
+    if "RANK" not in os.environ:
+        return 0, 1
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if cfg["gradient_accumulation_steps"] % world:
+        raise ValueError(f"--gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple "
+                         f"of the {world} processes; each takes an equal share")
+    if cfg["device"].startswith("cuda"):
+        cfg["device"] = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(cfg["device"])
+    torch.distributed.init_process_group("nccl" if cfg["device"].startswith("cuda") else "gloo")
+    return rank, world
+
+
+def flops_per_token(model, T):
+    """Training FLOPs per token: 6 N for the weights plus 12 L H Q T for attention (nanoGPT's estimate)."""
+    c = model.config
+    return 6 * model.num_params() + 12 * c.n_layer * c.n_head * c.head_dim * T
 
 
 def get_lr(it, cfg):
@@ -160,6 +195,7 @@ def main(argv):
     if cfg["init_from"] != "resume" and os.path.exists(ckpt_file):
         raise ValueError(f"{ckpt_file} already exists: continue it with --init_from=resume, or choose another "
                          "--out_dir (nothing was overwritten)")
+    rank, world = setup_distributed(cfg)
     torch.manual_seed(cfg["seed"])
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"])
     train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
@@ -191,74 +227,91 @@ def main(argv):
     if init_ckpt is not None:
         load_pretrained(model, init_ckpt)
     model.to(cfg["device"])
+    if cfg["device"].startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
                                    {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]))
+                                  lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+                                  fused=cfg["device"].startswith("cuda"))
     iter_num, best_val = 0, float("inf")
-    rng, gen = np.random.default_rng(cfg["seed"]), torch.Generator().manual_seed(cfg["seed"])
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
-        rng.bit_generator.state = ckpt["numpy_rng"]
-        gen.set_state(ckpt["torch_rng"])
+    raw_model = model
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
     forward_model = torch.compile(model) if cfg["compile"] else model
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg["device"].startswith("cuda") else nullcontext())
+    micro_steps = cfg["gradient_accumulation_steps"] // world      # this process's share of each step
+    master = rank == 0                                             # only rank 0 logs and writes checkpoints
 
     def checkpoint():
-        save_checkpoint(cfg["out_dir"], {
-            "model": model.state_dict(), "model_args": model_args, "optimizer": optimizer.state_dict(),
-            "iter_num": iter_num, "best_val_loss": best_val, "config": cfg, "meta": meta,
-            "data_dir": os.path.abspath(data_dir),
-            "numpy_rng": rng.bit_generator.state, "torch_rng": gen.get_state()})
+        if master:
+            save_checkpoint(cfg["out_dir"], {
+                "model": raw_model.state_dict(), "model_args": model_args, "optimizer": optimizer.state_dict(),
+                "iter_num": iter_num, "best_val_loss": best_val, "config": cfg, "meta": meta,
+                "data_dir": os.path.abspath(data_dir)})
 
-    print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
-          f"{len(train_data):,} training samples, device {cfg['device']}")
+    if master:
+        print(f"{cfg['objective']} model: {raw_model.num_params() / 1e6:.2f}M parameters, "
+              f"{len(train_data):,} training samples, device {cfg['device']}, {world} process(es)")
     if iter_num >= cfg["max_iters"]:
         raise ValueError(f"{ckpt_file} is already trained for {iter_num} iterations; "
                          f"raise --max_iters above {iter_num} to continue it")
     model.train()
     bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"], desc="train",
-               mininterval=1.0)
-    t0, n_tokens = time.perf_counter(), 0
+               mininterval=1.0, disable=not master)
+    t0, n_tokens, flops = time.perf_counter(), 0, 0
     interrupted = []  # Ctrl-C finishes the current step, then saves a checkpoint to resume from
     previous_handler = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     for iter_num in bar:
         if iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"] - 1:
             val_loss = estimate_loss(forward_model, cfg, val_data, mask_id, autocast)
             best_val = min(best_val, val_loss)
-            tqdm.write(f"iter {iter_num}: val loss {val_loss:.4f}")
+            if master:
+                tqdm.write(f"iter {iter_num}: val loss {val_loss:.4f}")
             if iter_num > 0:
                 checkpoint()
-        lr = get_lr(iter_num, cfg)
         for group in optimizer.param_groups:
-            group["lr"] = lr
-        tokens, prompt_len, length = train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
-        batch = make_batch(cfg, tokens, prompt_len, length, mask_id, gen)
-        with autocast:
-            logits = forward_model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
-        loss, ar_loss, mdm_loss = hybrid_loss(logits.float(), batch)
-        if not torch.isfinite(loss):
-            raise SystemExit(f"error: loss became {loss.item()} at iteration {iter_num}; the last good checkpoint in "
-                             f"{cfg['out_dir']} is kept. Lower --learning_rate or check the data")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+            group["lr"] = get_lr(iter_num, cfg)
+        for micro in range(micro_steps):
+            rng, gen = micro_batch_rng(cfg, iter_num, rank * micro_steps + micro)
+            tokens, prompt_len, length = train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
+            batch = make_batch(cfg, tokens, prompt_len, length, mask_id, gen)
+            if world > 1:  # average gradients across processes only after the last micro-batch
+                model.require_backward_grad_sync = micro == micro_steps - 1
+            with autocast:
+                logits = forward_model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
+            loss, ar_loss, mdm_loss = hybrid_loss(logits.float(), batch)
+            if not torch.isfinite(loss):
+                raise SystemExit(f"error: loss became {loss.item()} at iteration {iter_num}; the last good "
+                                 f"checkpoint in {cfg['out_dir']} is kept. Lower --learning_rate or check the data")
+            (loss / micro_steps).backward()
+            n_tokens += int(length.sum())
+            flops += flops_per_token(raw_model, tokens.shape[1]) * tokens.numel()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         optimizer.step()
-        n_tokens += int(length.sum())
+        optimizer.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        tflops = flops * world / dt / 1e12
         bar.set_postfix(loss=f"{loss.item():.3f}", ar=f"{ar_loss.item():.3f}", mdm=f"{mdm_loss.item():.3f}",
-                        tok_s=f"{n_tokens / (time.perf_counter() - t0):.0f}")
+                        tok_s=f"{n_tokens * world / dt:.0f}", tflops=f"{tflops:.3f}",
+                        **({"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] else {}))
         if interrupted:
             break
     signal.signal(signal.SIGINT, previous_handler)
     iter_num += 1  # steps completed
     checkpoint()
+    if world > 1:
+        torch.distributed.destroy_process_group()
     if interrupted:
         bar.close()
         raise SystemExit(f"interrupted after {iter_num} iterations; saved {ckpt_file}. Continue with "
                          f"`python train.py --out_dir={cfg['out_dir']} --init_from=resume` (and the same flags)")
-    print(f"saved {ckpt_file} (best val loss {best_val:.4f})")
+    if master:
+        print(f"saved {ckpt_file} (best val loss {best_val:.4f})")
 
 
 if __name__ == "__main__":
