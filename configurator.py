@@ -29,6 +29,8 @@ def _coerce(key, value, default):
         return value
     if isinstance(default, float) and type(value) is int:
         return float(value)
+    if isinstance(default, float) and value in ("nan", "inf", "-inf"):
+        return float(value)
     if isinstance(default, str) and not isinstance(value, str):
         return str(value)  # e.g. --dataset=123 names a file called 123
     if type(value) is not type(default):

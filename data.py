@@ -414,14 +414,18 @@ def _write_atomic(path: str, write) -> None:
         raise
 
 
-def _tokenize(records: list[dict], enc, block_size: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(tokens (n,) uint16, samples (N, 3) int64, number of records skipped as too long)."""
+def _tokenize(records: list[dict], enc, block_size: int, too_long: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens (n,) uint16, samples (N, 3) int64, number of records skipped as too long).
+    too_long: "skip" such records, or "fail" (ValueError naming the record and the limit)."""
     eos_id = special_ids(enc)[0]
     chunks, samples, skipped, start = [], [], 0, 0
     for r in records:
         prompt = encode(enc, r["query"])
         ids = prompt + encode(enc, r["response"]) + [eos_id]
         if len(ids) > block_size:
+            if too_long == "fail":
+                raise ValueError(f"record {r['module']}:{r['name']} is {len(ids)} tokens, longer than "
+                                 f"block_size={block_size}; raise --block_size or pass --too_long=skip")
             skipped += 1
             continue
         chunks.append(np.array(ids, dtype=np.uint16))
@@ -451,12 +455,13 @@ def _is_prepared(data_dir: str, expected: dict) -> bool:
             and all(os.path.isfile(os.path.join(data_dir, fn)) for fn in files))
 
 
-def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "data") -> str:
+def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "data", too_long: str = "skip") -> str:
     """
     Tokenize `dataset` (a DATASETS name or a path for load_records) once and return the data dir,
     data_root/<name>-<tokenizer>-<block_size>. A finished, matching preparation is reused.
 
-    Samples longer than block_size tokens (EOS included) are skipped and counted.
+    Samples longer than block_size tokens (EOS included) are skipped and counted (too_long="skip")
+    or refused with a ValueError naming the first one (too_long="fail").
     Raises FileNotFoundError for an unknown dataset, ValueError if a split gets no samples.
     """
     if dataset not in DATASETS and not os.path.isfile(dataset):
@@ -467,7 +472,8 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
     enc = get_tokenizer(tokenizer)
     expected = {"format": FORMAT, "dataset": dataset, "tokenizer": tokenizer,
                 "vocab_size": enc.n_vocab, "block_size": block_size,
-                "python_version": platform.python_version(), "source_sha1": _source_sha1(dataset)}
+                "python_version": platform.python_version(), "source_sha1": _source_sha1(dataset),
+                "too_long": too_long}
     if _is_prepared(data_dir, expected):
         return data_dir
     assert enc.n_vocab <= 2**16, "token ids are stored as uint16"
@@ -486,7 +492,7 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
         print(f"{dataset}: no record hashed to the validation split; using the last one")
     counts = {}
     for split in ("train", "val"):
-        tokens, samples, skipped = _tokenize(splits[split], enc, block_size)
+        tokens, samples, skipped = _tokenize(splits[split], enc, block_size, too_long)
         if len(samples) == 0 and skipped:
             raise ValueError(f"{dataset}: all {skipped} samples of the {split} split are longer than "
                              f"block_size={block_size} tokens; use a larger --block_size")

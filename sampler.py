@@ -92,6 +92,9 @@ def validate_settings(max_new_tokens, slot_size, num_blocks, slot_threshold, tok
         raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
     if slot_size <= 0:
         raise ValueError(f"slot_size={slot_size}: a slot holds at least one token (the paper uses 4 to 32)")
+    if slot_size > max_new_tokens:
+        raise ValueError(f"slot_size={slot_size} is larger than max_new_tokens={max_new_tokens}; use a "
+                         f"slot_size of at most {max_new_tokens} (or ask for more tokens)")
     if num_blocks <= 0:
         raise ValueError(f"num_blocks={num_blocks}: use at least one serial block")
     for name, value in (("slot_threshold", slot_threshold), ("token_threshold", token_threshold)):

@@ -926,3 +926,116 @@ def test_refusion_ar_loss_from_an_ar_model_equals_its_loss_without_slot_boundari
                 ce.append(F.cross_entropy(logits[r, j], tokens[r, j + 1]))
     torch.testing.assert_close(ar_part, torch.stack(ce).mean(), atol=TOL, rtol=0)
     assert mdm_part.item() == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input gets a clear error and loses nothing
+
+@pytest.mark.parametrize("prompt,kwargs,message", [
+    ([], {}, "the prompt is empty"),
+    (list(range(120)), {}, r"prompt \(120 tokens\) \+ generation \(16 tokens.*exceeds the model's context of 128"),
+    ([1, 2], dict(max_new_tokens=0), "max_new_tokens=0: ask for at least one"),
+    ([1, 2], dict(slot_size=0), "slot_size=0: a slot holds at least one token"),
+    ([1, 2], dict(slot_size=32), "slot_size=32 is larger than max_new_tokens=16"),
+    ([1, 2], dict(num_blocks=3), "2 slots of 8 tokens .* cannot be cut into num_blocks=3"),
+    ([1, 2], dict(slot_threshold=-0.1), "slot_threshold=-0.1: thresholds are probabilities >= 0"),
+    ([1, 2], dict(token_threshold=float("nan")), "token_threshold=nan"),
+    ([1, 2], dict(temperature=-1.0), "temperature=-1.0: use 0 for greedy"),
+])
+def test_decoder_settings_errors_name_the_setting_and_the_fix(prompt, kwargs, message):
+    settings = dict(max_new_tokens=16, slot_size=8, mask_id=38, eos_id=39) | kwargs
+    with pytest.raises(ValueError, match=message):
+        generate_refusion(tiny_model(), prompt, **settings)
+
+
+def test_bad_checkpoints_are_refused_and_never_run_code(tmp_path, qa_file):
+    import pickle
+    import train
+    from checkpoint import load_checkpoint
+    with pytest.raises(FileNotFoundError, match="no checkpoint at .*ckpt.pt: train one first"):
+        load_checkpoint(str(tmp_path / "missing"))
+    train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"])
+    good = (tmp_path / "run" / "ckpt.pt").read_bytes()
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    cases = {"garbage.pt": b"not a checkpoint at all", "truncated.pt": good[:len(good) // 2], "empty.pt": b"",
+             "crafted.pt": pickle.dumps({"model": Payload(), "model_args": {}}, protocol=2)}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match="is not a readable checkpoint .*retrain it or point to another file"):
+            load_checkpoint(str(tmp_path / name))
+    assert not marker.exists()                                     # the crafted file's code never ran
+    old = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    old["format"] = 0
+    torch.save(old, tmp_path / "old.pt")
+    with pytest.raises(ValueError, match="has checkpoint format 0, this code reads format 1; retrain"):
+        load_checkpoint(str(tmp_path / "old.pt"))
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")
+    with pytest.raises(ValueError, match="not a checkpoint written by train.py"):
+        load_checkpoint(str(tmp_path / "foreign.pt"))
+    assert (tmp_path / "run" / "ckpt.pt").read_bytes() == good
+
+
+def test_training_input_errors_lose_nothing(tmp_path, qa_file):
+    import train
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    train.main(flags + ["--max_iters=2"])
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    other = tiny_run_flags(tmp_path, qa_file, "other")
+    for extra, message in [
+        (["--device=cuda"] if not torch.cuda.is_available() else ["--device=tpu"], "--device=.*use"),
+        (["--n_embd=20", "--n_head=4"], "head_dim=5 must be even"),
+        (["--too_long=truncate"], "--too_long='truncate': choose skip or fail"),
+        (["--block_size=24", "--too_long=fail"], "is .* tokens, longer than block_size=24; raise --block_size"),
+        ([f"--init_from={ckpt}", "--tokenizer=gpt2"], "tokenizer|BPE"),
+    ]:
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            train.main(other + extra + ["--max_iters=2"])
+    assert ckpt.read_bytes() == before and not (tmp_path / "other" / "ckpt.pt").exists()
+
+
+def test_a_loss_that_becomes_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, qa_file):
+    import train
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    train.main(flags + ["--max_iters=2"])
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    # a NaN clipping threshold turns the weights into NaN after one step, as a diverging run would
+    with pytest.raises(SystemExit, match="loss became nan at iteration 3; the last good checkpoint"):
+        train.main(flags + ["--max_iters=6", "--init_from=resume", "--grad_clip=nan"])
+    assert ckpt.read_bytes() == before
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, sig):
+    """Interrupted (Ctrl-C: saves at once) or killed (resumes from the last periodic checkpoint),
+    then resumed: the same final weights as a run that was never stopped."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from checkpoint import load_checkpoint
+    flags = tiny_run_flags(tmp_path, qa_file, "straight") + ["--max_iters=400", "--eval_interval=50"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "train.py"]
+    subprocess.run(cmd + flags, check=True, capture_output=True, env=env)
+    stopped = [f.replace("straight", "stopped") for f in flags]
+    proc = subprocess.Popen(cmd + stopped, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    ckpt = tmp_path / "stopped" / "ckpt.pt"
+    while not ckpt.exists() and proc.poll() is None:       # stop it after the first checkpoint
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=60)
+    if sig == "SIGINT":
+        assert proc.returncode == 1 and b"--init_from=resume" in err
+    stopped_at = load_checkpoint(str(ckpt))["iter_num"]
+    assert 0 < stopped_at < 400
+    subprocess.run(cmd + stopped + ["--init_from=resume"], check=True, capture_output=True, env=env)
+    a, b = load_checkpoint(str(tmp_path / "straight")), load_checkpoint(str(ckpt))
+    for name in a["model"]:
+        torch.testing.assert_close(b["model"][name], a["model"][name], atol=0, rtol=0)

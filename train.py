@@ -35,6 +35,7 @@ objective = "refusion"    # 'refusion' (slots, hybrid loss), 'ar' (next token), 
 dataset = "stdlib"        # a built-in corpus name, or a path to a .json / .jsonl / text file
 tokenizer = "bytes"       # 'bytes' (offline) or 'gpt2' (needs the BPE file, see README)
 data_root = "data"
+too_long = "skip"         # samples longer than block_size: 'skip' them (counted) or 'fail'
 slot_sizes = (4, 8)       # S is drawn per sample from these (the paper uses 4, 8, 16, 32)
 mask_eps = 1e-3           # p_mask = (1 - eps) t + eps
 # model
@@ -105,6 +106,19 @@ def micro_batch_rng(cfg, iter_num, micro):
     return np.random.default_rng(key), torch.Generator().manual_seed(int(np.random.SeedSequence(key).generate_state(1)[0]))
 
 
+def compile_model(model):
+    """torch.compile(model), or model itself with a warning where the compiler cannot run (it needs
+    a C compiler on CPU and a supported Python)."""
+    import shutil
+    import warnings
+    device = next(model.parameters()).device.type
+    if not torch._dynamo.is_dynamo_supported() or (device == "cpu" and not (shutil.which("cc") or shutil.which("gcc"))):
+        warnings.warn("--compile=True: torch.compile cannot run here (unsupported Python or no C compiler); "
+                      "training without it, which gives the same results more slowly")
+        return model
+    return torch.compile(model)
+
+
 def setup_distributed(cfg):
     """Join the process group when launched by torchrun (RANK set); returns (rank, world_size).
 
@@ -142,6 +156,8 @@ def check_config(cfg):
     """Refuse settings that cannot work, with the fix. Raises ValueError."""
     if cfg["objective"] not in OBJECTIVES:
         raise ValueError(f"--objective={cfg['objective']!r}: choose one of {', '.join(OBJECTIVES)}")
+    if cfg["too_long"] not in ("skip", "fail"):
+        raise ValueError(f"--too_long={cfg['too_long']!r}: choose skip or fail")
     if cfg["tokenizer"] not in TOKENIZERS:
         raise ValueError(f"--tokenizer={cfg['tokenizer']!r}: choose one of {', '.join(TOKENIZERS)}")
     if not cfg["slot_sizes"] or any(not isinstance(s, int) or s <= 0 for s in cfg["slot_sizes"]):
@@ -197,14 +213,21 @@ def main(argv):
                          "--out_dir (nothing was overwritten)")
     rank, world = setup_distributed(cfg)
     torch.manual_seed(cfg["seed"])
-    data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"])
+    data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"], cfg["too_long"])
     train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
+    if len(train_data) < cfg["batch_size"] and rank == 0:
+        print(f"warning: the training split has {len(train_data)} samples, fewer than one batch of "
+              f"{cfg['batch_size']}; batches draw samples with replacement, so they repeat", file=sys.stderr)
     meta = train_data.meta
     mask_id = meta["mask_id"]
 
     ckpt, init_ckpt = None, None
     if cfg["init_from"] not in ("scratch", "resume"):
         init_ckpt = load_checkpoint(cfg["init_from"], cfg["device"])
+        if init_ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
+            raise ValueError(f"--init_from={cfg['init_from']} was trained with the {init_ckpt['meta']['tokenizer']!r} "
+                             f"tokenizer but this run uses {meta['tokenizer']!r}; pass "
+                             f"--tokenizer={init_ckpt['meta']['tokenizer']}")
     if cfg["init_from"] == "resume":
         ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
         for key in RESUME_KEYS:
@@ -242,7 +265,7 @@ def main(argv):
     raw_model = model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    forward_model = torch.compile(model) if cfg["compile"] else model
+    forward_model = compile_model(model) if cfg["compile"] else model
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg["device"].startswith("cuda") else nullcontext())
     micro_steps = cfg["gradient_accumulation_steps"] // world      # this process's share of each step
     master = rank == 0                                             # only rank 0 logs and writes checkpoints
@@ -263,16 +286,19 @@ def main(argv):
     model.train()
     bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"], desc="train",
                mininterval=1.0, disable=not master)
-    t0, n_tokens, flops = time.perf_counter(), 0, 0
+    t0, n_tokens, flops, start_iter = time.perf_counter(), 0, 0, iter_num
     interrupted = []  # Ctrl-C finishes the current step, then saves a checkpoint to resume from
     previous_handler = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     for iter_num in bar:
         if iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"] - 1:
             val_loss = estimate_loss(forward_model, cfg, val_data, mask_id, autocast)
+            if not math.isfinite(val_loss):
+                raise SystemExit(f"error: validation loss became {val_loss} at iteration {iter_num}; the last good "
+                                 f"checkpoint in {cfg['out_dir']} is kept. Lower --learning_rate or check the data")
             best_val = min(best_val, val_loss)
             if master:
                 tqdm.write(f"iter {iter_num}: val loss {val_loss:.4f}")
-            if iter_num > 0:
+            if iter_num > start_iter:  # nothing new to save at the first step of a run
                 checkpoint()
         for group in optimizer.param_groups:
             group["lr"] = get_lr(iter_num, cfg)
