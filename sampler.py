@@ -527,20 +527,23 @@ METHODS = ("refusion", "ar", "mdm")
 
 
 def load_prompts(cfg, enc, val_data, gen_len, block_size):
-    """(prompt ids, reference text or None) pairs from --prompt, --prompt_file or the val split."""
+    """Prompts (lists of token ids) from --prompt, --prompt_file or evenly spread over the val split.
+    Raises ValueError / FileNotFoundError naming the problem."""
     if cfg["prompt"] and cfg["prompt_file"]:
         raise ValueError("give either --prompt or --prompt_file, not both")
     if cfg["prompt_file"]:
+        if not os.path.isfile(cfg["prompt_file"]):
+            raise FileNotFoundError(f"--prompt_file={cfg['prompt_file']}: no such file")
         with open(cfg["prompt_file"], encoding="utf-8") as f:
-            return [(encode(enc, f.read()), None)]
+            return [encode(enc, f.read())]
     if cfg["prompt"]:
-        return [(encode(enc, cfg["prompt"]), None)]
+        return [encode(enc, cfg["prompt"])]
     fits = [i for i in range(len(val_data)) if len(val_data.sample(i)[0]) + gen_len <= block_size]
     if not fits:
         raise ValueError(f"no validation prompt leaves room for {gen_len} new tokens in the context of "
                          f"{block_size}; lower --max_new_tokens")
     picks = [fits[int(j)] for j in torch.linspace(0, len(fits) - 1, min(cfg["num_samples"], len(fits)))]
-    return [(val_data.sample(i)[0], decode(enc, val_data.sample(i)[1])) for i in picks]
+    return [val_data.sample(i)[0] for i in picks]
 
 
 def make_decoder(cfg, model, meta, generator):
@@ -624,8 +627,8 @@ def main(argv):
             data_dir = prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["block_size"], tcfg["data_root"])
         val_data = TokenDataset(data_dir, "val")
     prompts = load_prompts(cfg, enc, val_data, gen_len, model.config.block_size)
-    run(prompts[0][0][:8])  # warm-up: the first forward passes pay one-time costs
-    for prompt, reference in prompts:
+    run(prompts[0][:8])  # warm-up: the first forward passes pay one-time costs
+    for prompt in prompts:
         out = run(prompt, on_step=LiveTrace(enc, prompt, gen_len) if cfg["show"] else None)
         text = decode(enc, [t for t in out.tokens if t != meta["eos_id"]])
         if cfg["json"]:

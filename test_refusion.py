@@ -1039,3 +1039,23 @@ def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, sig):
     a, b = load_checkpoint(str(tmp_path / "straight")), load_checkpoint(str(ckpt))
     for name in a["model"]:
         torch.testing.assert_close(b["model"][name], a["model"][name], atol=0, rtol=0)
+
+
+def test_sampler_cli_prints_one_json_object_per_sample(tmp_path, qa_file, capsys):
+    import sampler
+    import train
+    train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"])
+    capsys.readouterr()
+    out_dir = f"--out_dir={tmp_path / 'run'}"
+    sampler.main([out_dir, "--json", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4", "--num_blocks=1"])
+    sampler.main([out_dir, "--json", "--prompt=What is 7 + 7?", "--max_new_tokens=6", "--slot_size=4",
+                  "--num_blocks=2", "--method=refusion"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 3 and lines[2]["prompt"] == "What is 7 + 7?"
+    for row, limit in zip(lines, (8, 8, 6)):
+        assert {"text", "tokens", "nfe", "tpf", "seconds", "tokens_per_s"} <= set(row)
+        assert 0 < row["tokens"] <= limit and row["tpf"] == round(row["tokens"] / row["nfe"], 3)
+    for bad, message in [(["--num_samples=0"], "--num_samples=0"), (["--prompt_file=nope.txt"], "no such file"),
+                         (["--method=mdm"], "trained with a causal objective")]:
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            sampler.main([out_dir] + bad)
