@@ -992,7 +992,6 @@ def test_training_input_errors_lose_nothing(tmp_path, qa_file):
         (["--n_embd=20", "--n_head=4"], "head_dim=5 must be even"),
         (["--too_long=truncate"], "--too_long='truncate': choose skip or fail"),
         (["--block_size=24", "--too_long=fail"], "is .* tokens, longer than block_size=24; raise --block_size"),
-        ([f"--init_from={ckpt}", "--tokenizer=gpt2"], "tokenizer|BPE"),
     ]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             train.main(other + extra + ["--max_iters=2"])
@@ -1059,3 +1058,34 @@ def test_sampler_cli_prints_one_json_object_per_sample(tmp_path, qa_file, capsys
                          (["--method=mdm"], "trained with a causal objective")]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             sampler.main([out_dir] + bad)
+
+
+def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path, qa_file, monkeypatch):
+    import checkpoint
+    import train
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    train.main(flags + ["--max_iters=2"])
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    foreign = torch.load(ckpt, weights_only=True)                    # a checkpoint of another tokenizer
+    foreign["meta"]["tokenizer"] = "gpt2"
+    torch.save(foreign, tmp_path / "gpt2.pt")
+    with pytest.raises(ValueError, match="trained with the 'gpt2' tokenizer but this run uses 'bytes'"):
+        train.main(tiny_run_flags(tmp_path, qa_file, "ft") + [f"--init_from={tmp_path / 'gpt2.pt'}"])
+
+    def crash(obj, path):                                             # the disk fills up mid-write
+        open(path, "wb").write(b"partial")
+        raise OSError("No space left on device")
+    monkeypatch.setattr(checkpoint.torch, "save", crash)
+    with pytest.raises(OSError, match="No space left"):
+        train.main(flags + ["--init_from=resume", "--max_iters=4"])
+    assert ckpt.read_bytes() == before                                # the old checkpoint is intact
+
+
+def test_small_data_warns_and_compile_falls_back_where_it_cannot_run(tmp_path, qa_file, monkeypatch, capsys):
+    import shutil
+    import train
+    monkeypatch.setattr(shutil, "which", lambda name: None)           # no C compiler on this machine
+    with pytest.warns(UserWarning, match="torch.compile cannot run here"):
+        train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=1", "--compile=True", "--batch_size=200"])
+    assert "fewer than one batch of 200; batches draw samples with replacement" in capsys.readouterr().err
