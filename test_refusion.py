@@ -1083,9 +1083,8 @@ def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path,
 
 
 def test_small_data_warns_and_compile_falls_back_where_it_cannot_run(tmp_path, qa_file, monkeypatch, capsys):
-    import shutil
     import train
-    monkeypatch.setattr(shutil, "which", lambda name: None)           # no C compiler on this machine
+    monkeypatch.setattr(train.shutil, "which", lambda name: None)     # no C compiler on this machine
     with pytest.warns(UserWarning, match="torch.compile cannot run here"):
         train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=1", "--compile=True", "--batch_size=200"])
     assert "fewer than one batch of 200; batches draw samples with replacement" in capsys.readouterr().err

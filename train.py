@@ -12,9 +12,11 @@ clean slot (AR) and the masked tokens' own values, weighted by 1/p_mask (MDM).
 
 import math
 import os
+import shutil
 import signal
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 
 import numpy as np
@@ -103,14 +105,13 @@ def micro_batch_rng(cfg, iter_num, micro):
     masking and slot order), seeded by (seed, iteration, global micro-batch index). So the data a
     step sees does not depend on how many processes share it, and a resumed run continues exactly."""
     key = [cfg["seed"], iter_num, micro]
-    return np.random.default_rng(key), torch.Generator().manual_seed(int(np.random.SeedSequence(key).generate_state(1)[0]))
+    torch_seed = int(np.random.SeedSequence(key).generate_state(1)[0])
+    return np.random.default_rng(key), torch.Generator().manual_seed(torch_seed)
 
 
 def compile_model(model):
     """torch.compile(model), or model itself with a warning where the compiler cannot run (it needs
     a C compiler on CPU and a supported Python)."""
-    import shutil
-    import warnings
     device = next(model.parameters()).device.type
     if not torch._dynamo.is_dynamo_supported() or (device == "cpu" and not (shutil.which("cc") or shutil.which("gcc"))):
         warnings.warn("--compile=True: torch.compile cannot run here (unsupported Python or no C compiler); "
