@@ -1021,7 +1021,7 @@ def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, sig):
     from checkpoint import load_checkpoint
     flags = tiny_run_flags(tmp_path, qa_file, "straight") + ["--max_iters=400", "--eval_interval=50"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "train.py"]
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")]
     subprocess.run(cmd + flags, check=True, capture_output=True, env=env)
     stopped = [f.replace("straight", "stopped") for f in flags]
     proc = subprocess.Popen(cmd + stopped, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

@@ -139,10 +139,10 @@ def setup_distributed(cfg):
     return rank, world
 
 
-def flops_per_token(model, T):
-    """Training FLOPs per token: 6 N for the weights plus 12 L H Q T for attention (nanoGPT's estimate)."""
-    c = model.config
-    return 6 * model.num_params() + 12 * c.n_layer * c.n_head * c.head_dim * T
+def flops_per_token(n_params, config, T):
+    """Training FLOPs per token of a T-token sequence: 6 N for the N weights plus 12 L H Q T for
+    attention (nanoGPT's estimate, from the PaLM paper's appendix B)."""
+    return 6 * n_params + 12 * config.n_layer * config.n_head * config.head_dim * T
 
 
 def get_lr(it, cfg):
@@ -288,6 +288,7 @@ def main(argv):
     bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"], desc="train",
                mininterval=1.0, disable=not master)
     t0, n_tokens, flops, start_iter = time.perf_counter(), 0, 0, iter_num
+    n_params = raw_model.num_params()
     interrupted = []  # Ctrl-C finishes the current step, then saves a checkpoint to resume from
     previous_handler = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     for iter_num in bar:
@@ -317,7 +318,7 @@ def main(argv):
                                  f"checkpoint in {cfg['out_dir']} is kept. Lower --learning_rate or check the data")
             (loss / micro_steps).backward()
             n_tokens += int(length.sum())
-            flops += flops_per_token(raw_model, tokens.shape[1]) * tokens.numel()
+            flops += flops_per_token(n_params, raw_model.config, tokens.shape[1]) * tokens.numel()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
