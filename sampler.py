@@ -575,12 +575,13 @@ class LiveTrace:
     """--show: after every decoding step, redraw the response with still-masked tokens as '░'.
 
     Called with each step's committed (position, token) pairs; positions are true positions, so a
-    ReFusion step fills its slots in place, out of order. On a terminal each frame replaces the last.
+    ReFusion step fills its slots in place, out of order. Frames go to stderr (stdout keeps the
+    results, e.g. --json); on a terminal each frame replaces the last.
     """
 
     def __init__(self, enc, prompt, gen_len, delay=0.25):
         self.enc, self.prompt, self.gen_len, self.delay = enc, prompt, gen_len, delay
-        self.tty = sys.stdout.isatty()
+        self.tty = sys.stderr.isatty()
         self.filled, self.step = {}, 0
 
     def __call__(self, step):
@@ -593,7 +594,7 @@ class LiveTrace:
         clear = "\033[H\033[J" if self.tty else ""
         print(f"{clear}{decode(self.enc, self.prompt)}{text}\n"
               f"step {self.step}: {len(step)} token(s) committed at response offsets {spans[0]}..{spans[-1]}"
-              f" ({len(self.filled)}/{self.gen_len} filled)\n", flush=True)
+              f" ({len(self.filled)}/{self.gen_len} filled)\n", file=sys.stderr, flush=True)
         if self.tty:
             time.sleep(self.delay)
 

@@ -1088,3 +1088,19 @@ def test_small_data_warns_and_compile_falls_back_where_it_cannot_run(tmp_path, q
     with pytest.warns(UserWarning, match="torch.compile cannot run here"):
         train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=1", "--compile=True", "--batch_size=200"])
     assert "fewer than one batch of 200; batches draw samples with replacement" in capsys.readouterr().err
+
+
+def test_resume_takes_the_checkpoints_settings_and_init_from_its_shape(tmp_path, qa_file):
+    import train
+    from checkpoint import load_checkpoint
+    train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", "--batch_size=3"])
+    out = f"--out_dir={tmp_path / 'run'}"
+    train.main([out, "--init_from=resume", "--max_iters=4"])            # no other flag repeated
+    cfg = load_checkpoint(str(tmp_path / "run"))["config"]
+    assert (cfg["batch_size"], cfg["n_embd"], cfg["dataset"], cfg["max_iters"]) == (3, 16, qa_file[0], 4)
+    ft = tiny_run_flags(tmp_path, qa_file, "ft")
+    with pytest.raises(ValueError, match="--n_embd=32 differs from the checkpoint's 16; a fine-tune keeps"):
+        train.main(ft + [f"--init_from={tmp_path / 'run'}", "--n_embd=32"])
+    with pytest.raises(FileNotFoundError, match="--init_from=Resume: use 'scratch', 'resume', or the path"):
+        train.main(ft + ["--init_from=Resume"])
+    assert not (tmp_path / "ft").exists()

@@ -70,9 +70,10 @@ CONFIG_KEYS = [k for k, v in list(globals().items())
                if not k.startswith("_") and k.islower() and isinstance(v, (int, float, bool, str, tuple))]
 DEFAULTS = {k: globals()[k] for k in CONFIG_KEYS}
 OBJECTIVES = ("refusion", "ar", "mdm")
-# settings a resumed run takes from its checkpoint (a flag that contradicts one is refused)
-RESUME_KEYS = ("objective", "dataset", "tokenizer", "data_root", "block_size", "n_layer", "n_head", "n_kv_head",
-               "n_embd", "qk_norm", "rope_theta", "slot_sizes")
+# the model's shape, which --init_from=PATH takes from its checkpoint
+MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "qk_norm", "rope_theta")
+# settings a resumed run cannot change (a flag that contradicts one is refused)
+RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "data_root", "slot_sizes")
 
 
 def make_batch(cfg, tokens, prompt_len, length, mask_id, generator):
@@ -204,14 +205,38 @@ def estimate_loss(model, cfg, val_data, mask_id, autocast):
     return float(np.mean(losses))
 
 
+def inherit_settings(cfg, explicit, source, keys, what):
+    """Take `keys` from a checkpoint's config; a key set explicitly to another value is refused.
+    Raises ValueError naming the flag and the fix."""
+    for key in keys:
+        if key in explicit and source[key] != cfg[key]:
+            raise ValueError(f"--{key}={cfg[key]} differs from the checkpoint's {source[key]!r}; {what}: drop the flag")
+        cfg[key] = source[key]
+
+
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
-    argv_keys = {a[2:].partition("=")[0] for a in argv if a.startswith("--")}
+    # set by a flag or a config file (a config file's values differ from the defaults)
+    explicit = {a[2:].partition("=")[0] for a in argv if a.startswith("--")} | {
+        k for k in cfg if cfg[k] != DEFAULTS[k]}
     check_config(cfg)
     ckpt_file = checkpoint_path(cfg["out_dir"])
     if cfg["init_from"] != "resume" and os.path.exists(ckpt_file):
         raise ValueError(f"{ckpt_file} already exists: continue it with --init_from=resume, or choose another "
                          "--out_dir (nothing was overwritten)")
+    ckpt, init_ckpt = None, None
+    if cfg["init_from"] == "resume":
+        ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
+        # a resumed run is the same run: every setting comes from the checkpoint unless a flag says
+        # otherwise, and the model, data and objective cannot change
+        inherit_settings(cfg, explicit, ckpt["config"], RESUME_KEYS, "a resumed run keeps its model, data and objective")
+        cfg |= {k: v for k, v in ckpt["config"].items() if k in DEFAULTS and k not in explicit | {"device"}}
+    elif cfg["init_from"] != "scratch":
+        if not os.path.exists(cfg["init_from"]):
+            raise FileNotFoundError(f"--init_from={cfg['init_from']}: use 'scratch', 'resume', or the path of an "
+                                    "existing checkpoint (a ckpt.pt or the out_dir holding it)")
+        init_ckpt = load_checkpoint(cfg["init_from"], cfg["device"])
+        inherit_settings(cfg, explicit, init_ckpt["config"], MODEL_KEYS, "a fine-tune keeps the model's shape")
     rank, world = setup_distributed(cfg)
     torch.manual_seed(cfg["seed"])
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"], cfg["too_long"])
@@ -221,21 +246,11 @@ def main(argv):
               f"{cfg['batch_size']}; batches draw samples with replacement, so they repeat", file=sys.stderr)
     meta = train_data.meta
     mask_id = meta["mask_id"]
-
-    ckpt, init_ckpt = None, None
-    if cfg["init_from"] not in ("scratch", "resume"):
-        init_ckpt = load_checkpoint(cfg["init_from"], cfg["device"])
-        if init_ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
-            raise ValueError(f"--init_from={cfg['init_from']} was trained with the {init_ckpt['meta']['tokenizer']!r} "
-                             f"tokenizer but this run uses {meta['tokenizer']!r}; pass "
-                             f"--tokenizer={init_ckpt['meta']['tokenizer']}")
-    if cfg["init_from"] == "resume":
-        ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
-        for key in RESUME_KEYS:
-            if key in argv_keys and ckpt["config"][key] != cfg[key]:
-                raise ValueError(f"--{key}={cfg[key]} differs from the checkpoint's {ckpt['config'][key]!r}; "
-                                 "a resumed run keeps its model, data and objective: drop the flag")
-            cfg[key] = ckpt["config"][key]
+    if init_ckpt is not None and init_ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
+        raise ValueError(f"--init_from={cfg['init_from']} was trained with the {init_ckpt['meta']['tokenizer']!r} "
+                         f"tokenizer but this run uses {meta['tokenizer']!r}; pass "
+                         f"--tokenizer={init_ckpt['meta']['tokenizer']}")
+    if ckpt is not None:
         model_args = ckpt["model_args"]
     elif init_ckpt is not None:
         # the paper's recipe: start from a pretrained ARM (same shape), new objective, fresh optimizer
@@ -327,7 +342,11 @@ def main(argv):
         bar.set_postfix(loss=f"{loss.item():.3f}", ar=f"{ar_loss.item():.3f}", mdm=f"{mdm_loss.item():.3f}",
                         tok_s=f"{n_tokens * world / dt:.0f}", tflops=f"{tflops:.3f}",
                         **({"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] else {}))
-        if interrupted:
+        stop = torch.tensor(float(bool(interrupted)), device=cfg["device"])
+        if world > 1:  # every process stops after the same step, even if only one saw the Ctrl-C
+            torch.distributed.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
+        if stop.item():
+            interrupted.append(True)
             break
     signal.signal(signal.SIGINT, previous_handler)
     iter_num += 1  # steps completed
@@ -336,8 +355,9 @@ def main(argv):
         torch.distributed.destroy_process_group()
     if interrupted:
         bar.close()
+        launcher = "torchrun ... train.py" if world > 1 else "python train.py"
         raise SystemExit(f"interrupted after {iter_num} iterations; saved {ckpt_file}. Continue with "
-                         f"`python train.py --out_dir={cfg['out_dir']} --init_from=resume` (and the same flags)")
+                         f"`{launcher} --out_dir={cfg['out_dir']} --init_from=resume`" if master else 1)
     if master:
         print(f"saved {ckpt_file} (best val loss {best_val:.4f})")
 
