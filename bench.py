@@ -116,6 +116,9 @@ def run_decoder(method, model, prompts, meta, max_new_tokens, settings):
 
 
 def bench_dataset(cfg, dataset):
+    """Train or reuse the four models of one data set, decode its validation prompts with every
+    decoder setting, and return one row (dict) per setting with quality, tokens, NFE, TPF,
+    seconds, tokens/s and the speed-ups over the ARM and the default MDM."""
     iters, ft = cfg["max_iters"], cfg["finetune_iters"]
     dirs = {name: train_model(cfg, dataset, name, name, iters) for name in ("ar", "refusion", "mdm")}
     dirs["refusion-ft"] = train_model(cfg, dataset, "refusion-ft", "refusion", ft,
@@ -147,6 +150,7 @@ def bench_dataset(cfg, dataset):
 
 
 def markdown_table(rows):
+    """The rows as a markdown table, one line per decoder setting."""
     lines = ["| data | decoder | train iters | quality | tokens | NFE | TPF | tokens/s | vs ARM | vs MDM |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -185,6 +189,7 @@ def plot(rows, path):
 
 
 def machine():
+    """What the figures were measured on."""
     import platform
     return {"python": platform.python_version(), "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
             "processor": platform.processor() or platform.machine()}

@@ -16,6 +16,7 @@ FORMAT = 1  # bumped when the layout changes; older files are refused with a mes
 
 
 def checkpoint_path(out_dir):
+    """out_dir/ckpt.pt, the one checkpoint file of a run."""
     return os.path.join(out_dir, "ckpt.pt")
 
 

@@ -49,9 +49,11 @@ class Generation:
 
     @property
     def tokens_per_s(self):
+        """Generated tokens per second of wall-clock decode time."""
         return len(self.tokens) / max(self.seconds, 1e-9)
 
     def stats(self):
+        """The statistics as a dict of plain numbers (tokens, nfe, tpf, seconds, tokens_per_s), for --json."""
         return {"tokens": len(self.tokens), "nfe": self.nfe, "tpf": round(self.tpf, 3),
                 "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2)}
 
