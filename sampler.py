@@ -84,14 +84,26 @@ class DecodeState:
         return self.model(tokens, positions, kv_cache=self.cache)
 
 
+def check_length_and_temperature(max_new_tokens, temperature):
+    """The settings every decoder shares. Raises ValueError."""
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
+    if not (temperature >= 0):  # also catches NaN
+        raise ValueError(f"temperature={temperature}: use 0 for greedy decoding or a positive value to sample")
+
+
+def cut_after_eos(tokens, eos_id):
+    """tokens (list of ids) up to and including the first EOS (all of them if there is none)."""
+    return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
 def validate_settings(max_new_tokens, slot_size, num_blocks, slot_threshold, token_threshold, temperature):
     """Check decoder settings; returns (generation length L, number of slots). Raises ValueError.
 
     Thresholds are probabilities compared with `>`: any value >= 0 is accepted, and a value of 1
     or more means "never" (one slot per plan step / only forced tokens accepted).
     """
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
+    check_length_and_temperature(max_new_tokens, temperature)
     if slot_size <= 0:
         raise ValueError(f"slot_size={slot_size}: a slot holds at least one token (the paper uses 4 to 32)")
     if slot_size > max_new_tokens:
@@ -102,8 +114,6 @@ def validate_settings(max_new_tokens, slot_size, num_blocks, slot_threshold, tok
     for name, value in (("slot_threshold", slot_threshold), ("token_threshold", token_threshold)):
         if not (value >= 0):  # also catches NaN
             raise ValueError(f"{name}={value}: thresholds are probabilities >= 0 (a value >= 1 means never)")
-    if not (temperature >= 0):
-        raise ValueError(f"temperature={temperature}: use 0 for greedy decoding or a positive value to sample")
     gen_len = slot_size * math.ceil(max_new_tokens / slot_size)
     n_slots = gen_len // slot_size
     if n_slots % num_blocks:
@@ -371,26 +381,12 @@ def generate_refusion(model, prompt, max_new_tokens, *, mask_id, eos_id, slot_si
         if decode_block(state, pool, slot_size, slot_threshold, token_threshold):
             break
     tokens = [state.response[p] for p in sorted(state.response)]
-    if eos_id in tokens:
-        tokens = tokens[:tokens.index(eos_id) + 1]
+    tokens = cut_after_eos(tokens, eos_id)
     return Generation(tokens[:max_new_tokens], state.nfe, time.perf_counter() - t0, state.steps)
 
 
 # -----------------------------------------------------------------------------
 # baseline decoders (SPEC section 4, "Baseline decoders"): next-token (ar) and LLaDA-style (mdm)
-
-
-def check_length_and_temperature(max_new_tokens, temperature):
-    """The settings every baseline shares. Raises ValueError."""
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
-    if not (temperature >= 0):  # also catches NaN
-        raise ValueError(f"temperature={temperature}: use 0 for greedy decoding or a positive value to sample")
-
-
-def cut_after_eos(tokens, eos_id):
-    """tokens (list of ids) up to and including the first EOS (all of them if there is none)."""
-    return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
 
 
 @torch.no_grad()
