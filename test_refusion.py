@@ -928,6 +928,21 @@ def test_refusion_ar_loss_from_an_ar_model_equals_its_loss_without_slot_boundari
     assert mdm_part.item() == 0.0
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_flops_per_token_is_what_torch_counts_for_a_training_step(tie):
+    """The FLOP/s and MFU in the progress bar: flops_per_token x tokens equals the matrix-multiply
+    FLOPs PyTorch's own counter sees in one forward + backward (dense attention kernel)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    from train import flops_per_token
+    model = tiny_model(seed=9, tie_embeddings=tie).train()
+    B, T = 3, 48
+    idx = torch.randint(0, 40, (B, T))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(idx, torch.arange(T).expand(B, T)).sum().backward()
+    assert flops_per_token(model, T) * B * T == counter.get_total_flops()
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input gets a clear error and loses nothing
 

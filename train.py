@@ -140,10 +140,17 @@ def setup_distributed(cfg):
     return rank, world
 
 
-def flops_per_token(n_params, config, T):
-    """Training FLOPs per token of a T-token sequence: 6 N for the N weights plus 12 L H Q T for
-    attention (nanoGPT's estimate, from the PaLM paper's appendix B)."""
-    return 6 * n_params + 12 * config.n_layer * config.n_head * config.head_dim * T
+def flops_per_token(model, T):
+    """
+    Training FLOPs (forward + backward) per token of a T-token sequence, as nanoGPT estimates them
+    (PaLM paper, appendix B): 6 per weight that multiplies an activation, plus 12 L H D T for the
+    attention scores and their weighted sum (counted over all T keys, as a dense kernel computes
+    them). An untied input embedding is a lookup and norm weights are elementwise; neither counts.
+    """
+    c = model.config
+    weights = sum(p.numel() for name, p in model.named_parameters()
+                  if p.dim() >= 2 and not (name.startswith("embed_tokens") and not c.tie_embeddings))
+    return 6 * weights + 12 * c.n_layer * c.n_head * c.head_dim * T
 
 
 def get_lr(it, cfg):
@@ -303,7 +310,6 @@ def main(argv):
     bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"], desc="train",
                mininterval=1.0, disable=not master)
     t0, n_tokens, flops, start_iter = time.perf_counter(), 0, 0, iter_num
-    n_params = raw_model.num_params()
     interrupted = []  # Ctrl-C finishes the current step, then saves a checkpoint to resume from
     previous_handler = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     for iter_num in bar:
@@ -333,7 +339,7 @@ def main(argv):
                                  f"checkpoint in {cfg['out_dir']} is kept. Lower --learning_rate or check the data")
             (loss / micro_steps).backward()
             n_tokens += int(length.sum())
-            flops += flops_per_token(n_params, raw_model.config, tokens.shape[1]) * tokens.numel()
+            flops += flops_per_token(raw_model, tokens.shape[1]) * tokens.numel()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
