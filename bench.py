@@ -46,25 +46,28 @@ DEFAULTS = dict(
     learning_rate=3e-3,
     block_size=0,              # 0: 192 for arith, 256 for stdlib
     device="cpu",
+    compile=False,             # torch.compile the training forward pass (GPU runs)
     seed=1337,
     retrain=False,             # train again even when out_dir holds the models
 )
-BLOCK_SIZE = {"arith": 192, "stdlib": 256}
+BLOCK_SIZE = {"arith": 192, "arith-1m": 192, "stdlib": 256}
+ANSWERED = ("arith", "arith-1m")  # data sets whose responses end in an answer that can be checked
 
 
 def train_model(cfg, dataset, name, objective, iters, init_from=None):
     """Train one model into out_dir/<dataset>-<name> unless a finished one is there; return the dir."""
     out = os.path.join(cfg["out_dir"], f"{dataset}-{name}")
     ckpt_file = os.path.join(out, "ckpt.pt")
+    settings = dict(dataset=dataset, objective=objective, max_iters=iters, eval_interval=max(iters // 4, 1),
+                    block_size=cfg["block_size"] or BLOCK_SIZE[dataset],
+                    **{k: cfg[k] for k in ("batch_size", "n_layer", "n_head", "n_embd", "learning_rate", "seed")})
     if os.path.exists(ckpt_file) and not cfg["retrain"]:
         ckpt = load_checkpoint(ckpt_file)
-        if ckpt["iter_num"] == iters and ckpt["config"]["objective"] == objective:
-            return out
+        if ckpt["iter_num"] == iters and all(ckpt["config"].get(k) == v for k, v in settings.items()):
+            return out  # the same model, already trained
     shutil.rmtree(out, ignore_errors=True)
-    flags = [f"--out_dir={out}", f"--dataset={dataset}", f"--objective={objective}", f"--max_iters={iters}",
-             f"--block_size={cfg['block_size'] or BLOCK_SIZE[dataset]}", f"--eval_interval={max(iters // 4, 1)}"]
-    flags += [f"--{k}={cfg[k]}" for k in ("batch_size", "n_layer", "n_head", "n_embd", "learning_rate",
-                                          "device", "seed")]
+    flags = [f"--out_dir={out}", f"--device={cfg['device']}", f"--compile={cfg['compile']}"]
+    flags += [f"--{k}={v}" for k, v in settings.items()]
     if init_from:
         flags += [f"--init_from={init_from}", f"--warmup_iters={min(50, iters // 10)}"]
     print(f"\n== training {dataset}-{name}: {' '.join(flags)}")
@@ -75,7 +78,7 @@ def train_model(cfg, dataset, name, objective, iters, init_from=None):
 def quality(dataset, query, text):
     """1.0 if the generation is right: arith, the exact answer; stdlib, the function parses with at
     least one statement after its docstring (the prompt alone already parses)."""
-    if dataset == "arith":
+    if dataset in ANSWERED:
         return float(arithmetic_answer(text) == arithmetic_expected(query))
     try:
         function = ast.parse(query + text).body[0]
@@ -140,7 +143,7 @@ def bench_dataset(cfg, dataset):
         budget = iters + (ft if name == "refusion-ft" else 0)
         rows.append({"dataset": dataset, "method": method, "model": name, "label": label, "settings": kwargs,
                      "train_iters": budget, "val_loss": ckpts[name]["best_val_loss"],
-                     "quality": {"accuracy" if dataset == "arith" else "parse_rate": sum(scores) / len(scores)},
+                     "quality": {"accuracy" if dataset in ANSWERED else "parse_rate": sum(scores) / len(scores)},
                      **stats})
     ar_speed = rows[0]["tokens_per_s"]
     mdm_speed = next(r["tokens_per_s"] for r in rows if r["method"] == "mdm")
@@ -199,27 +202,32 @@ def training_step_times(cfg, dataset, steps=20):
     """Seconds per training step (batch draw, the objective's batch layout, forward, backward,
     AdamW) of the ReFusion and AR objectives on the same batches and model shape, interleaved so
     both see the same machine load. Returns {"refusion": s, "ar": s, "ratio": refusion / ar}."""
-    block = cfg["block_size"] or BLOCK_SIZE[dataset]
+    block, device = cfg["block_size"] or BLOCK_SIZE[dataset], cfg["device"]
     data_dir = prepare(dataset, "bytes", block)
     train_data, meta = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "train").meta
     models, optims, times = {}, {}, {"refusion": 0.0, "ar": 0.0}
     for objective in times:
         torch.manual_seed(cfg["seed"])
         models[objective] = Transformer(ModelConfig(vocab_size=meta["vocab_size"], block_size=block,
-                                                    n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"]))
+                                                    n_layer=cfg["n_layer"], n_head=cfg["n_head"],
+                                                    n_embd=cfg["n_embd"])).to(device)
         optims[objective] = torch.optim.AdamW(models[objective].parameters(), lr=1e-4)
     step_cfg = dict(train.DEFAULTS, slot_sizes=(4, 8))
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)  # wait for queued GPU work
     for i in range(steps + 3):                                     # the first 3 rounds warm up, untimed
         for objective in sorted(times, reverse=i % 2 == 1):         # alternate which one goes first
             rng, gen = np.random.default_rng(i), torch.Generator().manual_seed(i)   # same batch for both
+            sync()
             t0 = time.perf_counter()
-            tokens, prompt_len, length = train_data.get_batch(cfg["batch_size"], rng)
+            tokens, prompt_len, length = train_data.get_batch(cfg["batch_size"], rng, device)
             batch = train.make_batch(dict(step_cfg, objective=objective), tokens, prompt_len, length,
                                      meta["mask_id"], gen)
-            loss = train.hybrid_loss(models[objective](batch.idx, batch.position_ids), batch)[0]
-            loss.backward()
+            with train.autocast_for(device):
+                logits = models[objective](batch.idx, batch.position_ids, key_mask=batch.key_mask)
+            train.hybrid_loss(logits.float(), batch)[0].backward()
             optims[objective].step()
             optims[objective].zero_grad(set_to_none=True)
+            sync()
             if i >= 3:
                 times[objective] += (time.perf_counter() - t0) / steps
     return dict(times, ratio=times["refusion"] / times["ar"])

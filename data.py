@@ -20,9 +20,15 @@ import random
 import re
 import sysconfig
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from itertools import zip_longest
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 import numpy as np
 import tiktoken
@@ -398,7 +404,10 @@ def load_records(path: str, window_chars: int = TEXT_WINDOW_CHARS) -> list[dict]
 # -----------------------------------------------------------------------------
 # prepare: records -> token files on disk
 
-DATASETS = {"stdlib": stdlib_records, "arith": arithmetic_records}  # built-in corpora; anything else is a path
+# built-in corpora; anything else is a path. "arith-1m" holds 1,000,000 problems (about 118M byte
+# tokens) for GPU runs; its first 20,000 are "arith"'s, in the same splits.
+DATASETS = {"stdlib": stdlib_records, "arith": arithmetic_records,
+            "arith-1m": lambda: arithmetic_records(1_000_000)}
 
 
 def _write_atomic(path: str, write) -> None:
@@ -477,8 +486,25 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
     if _is_prepared(data_dir, expected):
         return data_dir
     assert enc.n_vocab <= 2**16, "token ids are stored as uint16"
-
     os.makedirs(data_dir, exist_ok=True)
+    with _exclusive(os.path.join(data_dir, ".lock")):  # torchrun's processes: one prepares, the rest wait
+        if not _is_prepared(data_dir, expected):
+            _write_splits(dataset, enc, data_dir, block_size, too_long, expected)
+    return data_dir
+
+
+@contextmanager
+def _exclusive(lock_path: str):
+    """Hold an exclusive lock on lock_path (an empty file) while the block runs; processes that ask
+    for it meanwhile wait. Without fcntl (Windows) there is no lock: run one process at a time."""
+    with open(lock_path, "a") as f:
+        if fcntl is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> None:
+    """Tokenize the records into data_dir's train/val .bin and _samples.npy, then write meta.json last."""
     meta_path = os.path.join(data_dir, "meta.json")
     if os.path.exists(meta_path):
         os.remove(meta_path)  # a stale meta must not vouch for half-rewritten files
@@ -507,7 +533,6 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
     eos_id, mask_id, pad_id = special_ids(enc)
     meta = dict(expected, eos_id=eos_id, mask_id=mask_id, pad_id=pad_id, counts=counts)
     _write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))
-    return data_dir
 
 
 # -----------------------------------------------------------------------------

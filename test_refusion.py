@@ -12,6 +12,7 @@ import math
 import os
 import re
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,6 +27,7 @@ from sampler import DEFAULTS, draft_tokens, generate_ar, generate_mdm, generate_
     tokens_per_step
 
 TOL = 1e-5
+ROOT = Path(__file__).resolve().parent
 
 
 def tiny_model(seed=0, causal=True, **overrides):
@@ -607,6 +609,31 @@ def test_prepare_reuses_a_finished_preparation_and_redoes_an_unfinished_one(tmp_
     assert not [f for f in os.listdir(data_dir) if f.startswith(".tmp")]
 
 
+@pytest.mark.skipif(data.fcntl is None, reason="no fcntl file locks on this platform")
+def test_prepare_waits_while_another_process_prepares_the_same_data(tmp_path, qa_file):
+    """torchrun starts every process at once: while one holds the data dir's lock, another one's
+    prepare() writes nothing, then finds the finished preparation and reuses it as it is."""
+    import multiprocessing
+    import shutil
+    import time
+    path, _ = qa_file
+    finished = data.prepare(path, "bytes", 64, data_root=str(tmp_path / "elsewhere"))
+    root = str(tmp_path / "data")
+    data_dir = os.path.join(root, os.path.basename(finished))         # data/sums-bytes-64
+    os.makedirs(data_dir)
+    child = multiprocessing.get_context("spawn").Process(target=data.prepare, args=(path, "bytes", 64, root))
+    with data._exclusive(os.path.join(data_dir, ".lock")):            # as if another process were preparing
+        child.start()
+        time.sleep(3)                                                 # time to start and reach the lock
+        assert child.is_alive() and os.listdir(data_dir) == [".lock"]  # waiting, nothing written
+        for name in os.listdir(finished):                             # the other process finishes
+            shutil.copy2(os.path.join(finished, name), data_dir)
+        stamps = {f: os.stat(os.path.join(data_dir, f)).st_mtime_ns for f in os.listdir(data_dir)}
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert stamps == {f: os.stat(os.path.join(data_dir, f)).st_mtime_ns for f in os.listdir(data_dir)}
+
+
 def test_prepare_with_block_size_too_small_says_what_to_change(tmp_path, qa_file):
     with pytest.raises(ValueError, match="block_size"):
         data.prepare(qa_file[0], "bytes", 8, data_root=str(tmp_path / "data"))
@@ -790,7 +817,8 @@ def test_arith_responses_are_48_to_128_byte_tokens(arith):
 def test_arith_is_deterministic_distinct_and_about_5_percent_val(arith):
     assert data.arithmetic_records(n=300, seed=1) == data.arithmetic_records(n=300, seed=1)
     assert data.arithmetic_records(n=300, seed=1) != data.arithmetic_records(n=300, seed=2)
-    assert data.arithmetic_records(n=300) == arith[:300]
+    assert data.arithmetic_records(n=300) == arith[:300]   # a prefix: arith-1m starts with arith's records,
+    # and split_of depends on the record alone, so they keep their splits there
     assert len({r["name"] for r in arith}) == len({r["query"] for r in arith}) == len(arith)
     assert {r["module"] for r in arith} == {"arith"}
     assert 0.03 < [data.split_of(r) for r in arith].count("val") / len(arith) < 0.07
@@ -826,6 +854,18 @@ def test_flags_override_defaults_with_type_checks():
         parse_args(d, ["--n_layer=2.5"])
     with pytest.raises(ConfigError, match="has no value"):
         parse_args(d, ["--n_layer"])
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "config").glob("*.py")))
+def test_every_config_file_names_known_keys_and_passes_the_scripts_checks(path):
+    """config/train_*.py are read by train.py and config/bench_*.py by bench.py; a GPU config is
+    checked as if on CPU, since this machine may have no GPU."""
+    import bench
+    import train
+    from configurator import parse_args
+    script, check = (train, train.check_config) if path.startswith("train_") else (bench, bench.check_bench_config)
+    cfg = parse_args(script.DEFAULTS, [str(ROOT / "config" / path), "--device=cpu"])
+    check(cfg)                                                        # raises on a setting that cannot work
 
 
 def test_on_step_sees_every_committed_step_as_it_happens():
@@ -941,6 +981,34 @@ def test_flops_per_token_is_what_torch_counts_for_a_training_step(tie):
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(idx, torch.arange(T).expand(B, T)).sum().backward()
     assert flops_per_token(model, T) * B * T == counter.get_total_flops()
+
+
+def test_bench_at_toy_size_reuses_only_models_trained_with_the_same_settings(tmp_path, monkeypatch):
+    """bench.py end to end: every row's TPF is its tokens / NFE and its speed-ups are over the ARM
+    row and the first MDM row; a second run reuses the trained models, and a changed setting
+    (here the learning rate) retrains them instead of reusing ones that no longer match."""
+    import bench
+    from configurator import parse_args
+    monkeypatch.chdir(tmp_path)                                       # data/ and bench/ land here
+    flags = ["--datasets=arith", "--max_iters=2", "--finetune_iters=2", "--num_prompts=2", "--batch_size=4",
+             "--n_layer=1", "--n_head=2", "--n_embd=32", "--max_new_tokens=32", "--num_blocks=2"]
+    bench.main(flags)
+    rows = json.loads((tmp_path / "bench" / "bench.json").read_text())["rows"]
+    ar_row, mdm_row = rows[0], next(r for r in rows if r["method"] == "mdm")
+    assert ar_row["label"] == "ARM" and ar_row["nfe"] == ar_row["tokens"]     # one token per forward
+    for r in rows:
+        assert r["tpf"] == r["tokens"] / r["nfe"]
+        assert r["speedup_vs_ar"] == r["tokens_per_s"] / ar_row["tokens_per_s"]
+        assert r["speedup_vs_mdm"] == r["tokens_per_s"] / mdm_row["tokens_per_s"]
+        assert 0.0 <= r["quality"]["accuracy"] <= 1.0
+    ckpts = sorted((tmp_path / "bench").glob("*/ckpt.pt"))
+    assert [p.parent.name for p in ckpts] == ["arith-ar", "arith-mdm", "arith-refusion", "arith-refusion-ft"]
+    stamps = [p.stat().st_mtime_ns for p in ckpts]
+    cfg = parse_args(bench.DEFAULTS, flags)
+    assert bench.train_model(cfg, "arith", "ar", "ar", 2) == os.path.join("bench", "arith-ar")
+    assert ckpts[0].stat().st_mtime_ns == stamps[0]                   # same settings: reused
+    bench.train_model(dict(cfg, learning_rate=1e-3), "arith", "ar", "ar", 2)
+    assert ckpts[0].stat().st_mtime_ns != stamps[0]                   # another learning rate: retrained
 
 
 # ----------------------------------------------------------------------------------------------

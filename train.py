@@ -110,6 +110,12 @@ def micro_batch_rng(cfg, iter_num, micro):
     return np.random.default_rng(key), torch.Generator().manual_seed(torch_seed)
 
 
+def autocast_for(device):
+    """The mixed-precision context of a training forward pass: bf16 autocast on CUDA (weights,
+    gradients and optimizer state stay float32), nothing on CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
+
+
 def compile_model(model):
     """torch.compile(model), or model itself with a warning where the compiler cannot run (it needs
     a C compiler on CPU and a supported Python)."""
@@ -289,7 +295,7 @@ def main(argv):
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     forward_model = compile_model(model) if cfg["compile"] else model
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg["device"].startswith("cuda") else nullcontext())
+    autocast = autocast_for(cfg["device"])
     micro_steps = cfg["gradient_accumulation_steps"] // world      # this process's share of each step
     master = rank == 0                                             # only rank 0 logs and writes checkpoints
 
