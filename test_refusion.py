@@ -983,6 +983,31 @@ def test_flops_per_token_is_what_torch_counts_for_a_training_step(tie):
     assert flops_per_token(model, T) * B * T == counter.get_total_flops()
 
 
+def test_compile_never_changes_the_loss_or_the_gradients():
+    """--compile=True (torch.compile) on a ReFusion batch: the same hybrid loss and gradients as eager."""
+    import warnings
+    from train import compile_model, hybrid_loss
+    model = tiny_model(seed=10).train()
+    tokens, prompt_len, length = random_samples(11, B=4, T=40, vocab=36)
+    tokens[tokens == 258] = 39                                        # the tiny model's pad id
+    batch = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 38, torch.Generator().manual_seed(0))
+
+    def loss_and_grads(forward):
+        model.zero_grad()
+        loss = hybrid_loss(forward(batch.idx, batch.position_ids, key_mask=batch.key_mask), batch)[0]
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    eager = loss_and_grads(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = compile_model(model)
+    if compiled is model:
+        pytest.skip(f"torch.compile cannot run here: {caught[0].message}")
+    for a, b in zip(loss_and_grads(compiled), eager, strict=True):
+        torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+
+
 def test_bench_at_toy_size_reuses_only_models_trained_with_the_same_settings(tmp_path, monkeypatch):
     """bench.py end to end: every row's TPF is its tokens / NFE and its speed-ups are over the ARM
     row and the first MDM row; a second run reuses the trained models, and a changed setting
