@@ -9,6 +9,7 @@ default, and every value must have the default's type, so a typo fails loudly in
 import ast
 import difflib
 import os
+import traceback
 
 import torch
 
@@ -17,24 +18,23 @@ class ConfigError(ValueError):
     """A config file or flag that names an unknown key or gives a value of the wrong type."""
 
 
-def _coerce(key, value, default):
+def _coerce(key, value, default, where="the command line"):
     """Check value against the default's type. Ints are accepted for floats; a list, a single value
     or a comma-separated string for a tuple (--datasets=arith,stdlib). Raises ConfigError."""
+    shown = f"--{key}={value!r}" if where == "the command line" else f"{key} = {value!r} in {where}"
     if isinstance(default, tuple):
         if isinstance(value, str):
             value = tuple(ast.literal_eval(v) if v.strip().isdigit() else v.strip() for v in value.split(","))
         value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
         if default and any(type(v) is not type(default[0]) for v in value):
-            raise ConfigError(f"--{key}={value!r}: expected values like {default!r}")
+            raise ConfigError(f"{shown}: expected values like {default!r}")
         return value
     if isinstance(default, float) and type(value) is int:
         return float(value)
     if isinstance(default, float) and value in ("nan", "inf", "-inf"):
         return float(value)
-    if isinstance(default, str) and not isinstance(value, str):
-        return str(value)  # e.g. --dataset=123 names a file called 123
     if type(value) is not type(default):
-        raise ConfigError(f"--{key}={value!r}: expected {type(default).__name__} like {default!r}, "
+        raise ConfigError(f"{shown}: expected {type(default).__name__} like {default!r}, "
                           f"got {type(value).__name__}")
     return value
 
@@ -59,13 +59,20 @@ def parse_args(defaults, argv):
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file {arg!r} not found (flags are written --key=value)")
             namespace = {}
-            with open(arg) as f:
-                exec(compile(f.read(), arg, "exec"), namespace)  # a config file is the user's own code
+            try:
+                with open(arg, encoding="utf-8") as f:
+                    exec(compile(f.read(), arg, "exec"), namespace)  # a config file is the user's own code
+            except Exception as e:  # any error in the user's file: say which file and line
+                lineno = ([f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
+                          or [getattr(e, "lineno", None)])[-1]            # a SyntaxError has no frame
+                line = f", line {lineno}" if lineno else ""
+                raise ConfigError(f"config file {arg}{line}: {type(e).__name__}: {e}; a config file holds "
+                                  "plain assignments such as max_iters = 300") from None
             for key, value in namespace.items():
-                if key.startswith("_") or type(value).__name__ == "module":
-                    continue
+                if key.startswith("_") or callable(value) or type(value).__name__ == "module":
+                    continue  # imports and helpers are not settings
                 _check_key(key, defaults, arg)
-                config[key] = _coerce(key, value, defaults[key])
+                config[key] = _coerce(key, value, defaults[key], arg)
             continue
         key, _, text = arg[2:].partition("=")
         _check_key(key, defaults, "the command line")
@@ -73,10 +80,13 @@ def parse_args(defaults, argv):
             if not isinstance(defaults[key], bool):
                 raise ConfigError(f"flag {arg!r} has no value: write it as {arg}=VALUE")
             text = "True"  # a bare boolean flag such as --json switches it on
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text  # a bare word such as --device=cpu is a string
+        if isinstance(defaults[key], str):
+            value = text  # taken as written: --out_dir=1e1 is the directory "1e1", --prompt='x' keeps its quotes
+        else:
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text  # not a Python literal: the type check below says what was expected
         config[key] = _coerce(key, value, defaults[key])
     return config
 

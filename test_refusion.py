@@ -854,6 +854,27 @@ def test_flags_override_defaults_with_type_checks():
         parse_args(d, ["--n_layer=2.5"])
     with pytest.raises(ConfigError, match="has no value"):
         parse_args(d, ["--n_layer"])
+    for text in ("1e1", "'quoted'", "3,4", "0x1F", '"""doc"""'):                  # text keys keep the text as written
+        assert parse_args(d, [f"--device={text}"])["device"] == text
+
+
+@pytest.mark.parametrize("content, message", [
+    ("from math import sqrt\nn_layer = int(sqrt(4))\n", None),                      # an import is no setting
+    ("n_layer = (2\n", r"config file .*bad.py, line 1: SyntaxError"),
+    ("n_layer = undefined_name\n", r"config file .*bad.py, line 1: NameError"),
+    ("n_layer = '3'\n", r"n_layer = '3' in .*bad.py: expected int like 4, got str"),
+    (b"device = '\xff'\n", r"config file .*bad.py: UnicodeDecodeError"),
+])
+def test_config_file_errors_name_the_file_and_line(tmp_path, content, message):
+    from configurator import ConfigError, parse_args
+    path = tmp_path / "bad.py"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    d = dict(n_layer=4, device="cpu")
+    if message is None:
+        assert parse_args(d, [str(path)]) == dict(n_layer=2, device="cpu")
+    else:
+        with pytest.raises(ConfigError, match=message):
+            parse_args(d, [str(path)])
 
 
 @pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "config").glob("*.py")))
@@ -882,6 +903,34 @@ def tiny_run_flags(tmp_path, qa_file, out, objective="refusion"):
             f"--objective={objective}", "--block_size=64", "--n_layer=1", "--n_head=2", "--n_embd=16",
             "--batch_size=4", "--eval_interval=2", "--eval_iters=1", "--slot_sizes=2,4",
             "--warmup_iters=10"]  # 6 steps inside warm-up: the learning rate does not depend on max_iters
+
+
+def test_learning_rate_schedule_and_a_resume_with_more_iterations_holds_min_lr(tmp_path, qa_file):
+    """Warm-up, cosine to min_lr at lr_decay_iters (default: max_iters, fixed when the run starts),
+    then min_lr: resuming with a larger --max_iters continues at min_lr instead of jumping back up."""
+    import train
+    from checkpoint import load_checkpoint
+    cfg = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=2, lr_decay_iters=12)
+    assert [train.get_lr(it, cfg) for it in (0, 1, 2, 7, 12, 20)] == pytest.approx(
+        [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)), 0.1, 0.1])
+    flags = tiny_run_flags(tmp_path, qa_file, "run") + ["--warmup_iters=1", "--learning_rate=0.01", "--min_lr=0.001"]
+    train.main(flags + ["--max_iters=3"])
+    assert load_checkpoint(str(tmp_path / "run"))["config"]["lr_decay_iters"] == 3
+    train.main(flags + ["--max_iters=5", "--init_from=resume"])
+    ckpt = load_checkpoint(str(tmp_path / "run"))
+    assert ckpt["iter_num"] == 5 and ckpt["config"]["lr_decay_iters"] == 3
+    assert [g["lr"] for g in ckpt["optimizer"]["param_groups"]] == pytest.approx([0.001, 0.001])
+
+
+def test_grad_clip_zero_means_no_clipping(tmp_path, qa_file):
+    """--grad_clip=0 trains unclipped (as in nanoGPT), the same as a clip far above any gradient norm."""
+    import train
+    from checkpoint import load_checkpoint
+    for name, clip in (("none", "0.0"), ("huge", "1e9")):
+        train.main(tiny_run_flags(tmp_path, qa_file, name) + ["--max_iters=2", f"--grad_clip={clip}"])
+    a, b = load_checkpoint(str(tmp_path / "none")), load_checkpoint(str(tmp_path / "huge"))
+    for name in a["model"]:
+        torch.testing.assert_close(a["model"][name], b["model"][name], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("objective", ["refusion", "mdm"])
@@ -1100,6 +1149,10 @@ def test_training_input_errors_lose_nothing(tmp_path, qa_file):
         (["--n_embd=20", "--n_head=4"], "head_dim=5 must be even"),
         (["--too_long=truncate"], "--too_long='truncate': choose skip or fail"),
         (["--block_size=24", "--too_long=fail"], "is .* tokens, longer than block_size=24; raise --block_size"),
+        (["--gradient_accumulation_steps=0"], "--gradient_accumulation_steps=0: must be positive"),
+        (["--n_kv_head=-2"], "--n_kv_head=-2: must be 0 or more"),
+        (["--grad_clip=-1.0"], "--grad_clip=-1.0: must be 0 or more"),
+        (["--mask_eps=2.0"], r"--mask_eps=2.0: must be in \[0, 1\)"),
     ]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             train.main(other + extra + ["--max_iters=2"])
@@ -1112,9 +1165,9 @@ def test_a_loss_that_becomes_nan_stops_and_keeps_the_last_good_checkpoint(tmp_pa
     train.main(flags + ["--max_iters=2"])
     ckpt = tmp_path / "run" / "ckpt.pt"
     before = ckpt.read_bytes()
-    # a NaN clipping threshold turns the weights into NaN after one step, as a diverging run would
-    with pytest.raises(SystemExit, match="loss became nan at iteration 3; the last good checkpoint"):
-        train.main(flags + ["--max_iters=6", "--init_from=resume", "--grad_clip=nan"])
+    # an absurd learning rate overflows the weights after one step, as a diverging run would
+    with pytest.raises(SystemExit, match=r"loss became nan at iteration \d; the last good checkpoint"):
+        train.main(flags + ["--max_iters=6", "--init_from=resume", "--learning_rate=1e30", "--grad_clip=0"])
     assert ckpt.read_bytes() == before
 
 

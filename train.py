@@ -54,10 +54,11 @@ gradient_accumulation_steps = 1  # micro-batches per step, over all processes (d
 max_iters = 1500
 learning_rate = 2e-3
 min_lr = 2e-4
+lr_decay_iters = 0        # the cosine reaches min_lr here and stays; 0: max_iters (a resumed run keeps it)
 warmup_iters = 50
 weight_decay = 0.1
 beta1, beta2 = 0.9, 0.95
-grad_clip = 1.0
+grad_clip = 1.0           # clip the gradient norm to this; 0: no clipping
 # evaluation and logging
 eval_interval = 250
 eval_iters = 10
@@ -160,10 +161,10 @@ def flops_per_token(model, T):
 
 
 def get_lr(it, cfg):
-    """Linear warm-up, then cosine decay from learning_rate to min_lr at max_iters."""
+    """Linear warm-up, then cosine decay from learning_rate to min_lr at lr_decay_iters, then min_lr."""
     if it < cfg["warmup_iters"]:
         return cfg["learning_rate"] * (it + 1) / cfg["warmup_iters"]
-    ratio = min(1.0, (it - cfg["warmup_iters"]) / max(1, cfg["max_iters"] - cfg["warmup_iters"]))
+    ratio = min(1.0, (it - cfg["warmup_iters"]) / max(1, cfg["lr_decay_iters"] - cfg["warmup_iters"]))
     return cfg["min_lr"] + 0.5 * (1 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
 
 
@@ -177,9 +178,15 @@ def check_config(cfg):
         raise ValueError(f"--tokenizer={cfg['tokenizer']!r}: choose one of {', '.join(TOKENIZERS)}")
     if not cfg["slot_sizes"] or any(not isinstance(s, int) or s <= 0 for s in cfg["slot_sizes"]):
         raise ValueError(f"--slot_sizes={cfg['slot_sizes']}: give positive integers, e.g. --slot_sizes=(4,8)")
-    for key in ("batch_size", "max_iters", "n_layer", "n_head", "n_embd", "block_size", "eval_iters", "eval_interval"):
-        if cfg[key] <= 0:
+    for key in ("batch_size", "gradient_accumulation_steps", "max_iters", "n_layer", "n_head", "n_embd",
+                "block_size", "eval_iters", "eval_interval", "learning_rate"):
+        if not cfg[key] > 0:
             raise ValueError(f"--{key}={cfg[key]}: must be positive")
+    for key in ("n_kv_head", "min_lr", "lr_decay_iters", "warmup_iters", "weight_decay", "grad_clip"):
+        if not cfg[key] >= 0:
+            raise ValueError(f"--{key}={cfg[key]}: must be 0 or more")
+    if not 0 <= cfg["mask_eps"] < 1:
+        raise ValueError(f"--mask_eps={cfg['mask_eps']}: must be in [0, 1) (p_mask = (1 - eps) t + eps)")
     check_device(cfg["device"])
     ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or None,
                 n_embd=cfg["n_embd"])  # raises for shapes that cannot work, before any data is prepared
@@ -239,7 +246,7 @@ def main(argv):
                          "--out_dir (nothing was overwritten)")
     ckpt, init_ckpt = None, None
     if cfg["init_from"] == "resume":
-        ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
+        ckpt = load_checkpoint(cfg["out_dir"], "cpu")  # to the right GPU with the model, below
         # a resumed run is the same run: every setting comes from the checkpoint unless a flag says
         # otherwise, and the model, data and objective cannot change
         inherit_settings(cfg, explicit, ckpt["config"], RESUME_KEYS, "a resumed run keeps its model, data and objective")
@@ -248,8 +255,9 @@ def main(argv):
         if not os.path.exists(cfg["init_from"]):
             raise FileNotFoundError(f"--init_from={cfg['init_from']}: use 'scratch', 'resume', or the path of an "
                                     "existing checkpoint (a ckpt.pt or the out_dir holding it)")
-        init_ckpt = load_checkpoint(cfg["init_from"], cfg["device"])
+        init_ckpt = load_checkpoint(cfg["init_from"], "cpu")
         inherit_settings(cfg, explicit, init_ckpt["config"], MODEL_KEYS, "a fine-tune keeps the model's shape")
+    cfg["lr_decay_iters"] = cfg["lr_decay_iters"] or cfg["max_iters"]
     rank, world = setup_distributed(cfg)
     torch.manual_seed(cfg["seed"])
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"], cfg["too_long"])
@@ -289,8 +297,9 @@ def main(argv):
                                   fused=cfg["device"].startswith("cuda"))
     iter_num, best_val = 0, float("inf")
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        optimizer.load_state_dict(ckpt["optimizer"])  # moves its state to the parameters' device
         iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
+    del ckpt, init_ckpt  # free the loaded copies for the whole run
     raw_model = model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -346,7 +355,8 @@ def main(argv):
             (loss / micro_steps).backward()
             n_tokens += int(length.sum())
             flops += flops_per_token(raw_model, tokens.shape[1]) * tokens.numel()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        if cfg["grad_clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
@@ -364,6 +374,7 @@ def main(argv):
     iter_num += 1  # steps completed
     checkpoint()
     if world > 1:
+        torch.distributed.barrier()  # no process exits (ending the others) before rank 0 has saved
         torch.distributed.destroy_process_group()
     if interrupted:
         bar.close()
