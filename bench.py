@@ -55,18 +55,27 @@ ANSWERED = ("arith", "arith-1m")  # data sets whose responses end in an answer t
 
 
 def train_model(cfg, dataset, name, objective, iters, init_from=None):
-    """Train one model into out_dir/<dataset>-<name> unless a finished one is there; return the dir."""
+    """Train one model into out_dir/<dataset>-<name> and return the dir. A finished model trained
+    with the same settings (and, for a fine-tune, after the checkpoint it starts from) is reused;
+    one interrupted part-way is resumed; anything else is trained again from the start."""
     out = os.path.join(cfg["out_dir"], f"{dataset}-{name}")
     ckpt_file = os.path.join(out, "ckpt.pt")
     settings = dict(dataset=dataset, objective=objective, max_iters=iters, eval_interval=max(iters // 4, 1),
                     block_size=cfg["block_size"] or BLOCK_SIZE[dataset],
                     **{k: cfg[k] for k in ("batch_size", "n_layer", "n_head", "n_embd", "learning_rate", "seed")})
+    flags = [f"--out_dir={out}", f"--device={cfg['device']}", f"--compile={cfg['compile']}"]
     if os.path.exists(ckpt_file) and not cfg["retrain"]:
         ckpt = load_checkpoint(ckpt_file)
-        if ckpt["iter_num"] == iters and all(ckpt["config"].get(k) == v for k, v in settings.items()):
-            return out  # the same model, already trained
+        same = (all(ckpt["config"].get(k) == v for k, v in settings.items())
+                and not (init_from and os.path.getmtime(init_from) > os.path.getmtime(ckpt_file)))
+        if same and ckpt["iter_num"] == iters:
+            print(f"== reusing {out}: trained for {iters} iterations with the same settings")
+            return out
+        if same:
+            print(f"== resuming {out} at iteration {ckpt['iter_num']} of {iters}")
+            train.main(flags + ["--init_from=resume"])
+            return out
     shutil.rmtree(out, ignore_errors=True)
-    flags = [f"--out_dir={out}", f"--device={cfg['device']}", f"--compile={cfg['compile']}"]
     flags += [f"--{k}={v}" for k, v in settings.items()]
     if init_from:
         flags += [f"--init_from={init_from}", f"--warmup_iters={min(50, iters // 10)}"]
@@ -118,6 +127,25 @@ def run_decoder(method, model, prompts, meta, max_new_tokens, settings):
                    "tokens_per_s": tokens / seconds}
 
 
+def validation_prompts(cfg, dataset):
+    """The first num_prompts validation prompts (lists of token ids) that leave room in the context
+    for the generation, and the generation's number of slots. Raises ValueError when none fits."""
+    block = cfg["block_size"] or BLOCK_SIZE[dataset]
+    n_slots = -(-cfg["max_new_tokens"] // cfg["slot_size"])
+    val = TokenDataset(prepare(dataset, "bytes", block), "val")
+    prompts = []
+    for i in range(len(val)):
+        prompt = val.sample(i)[0]
+        if len(prompt) + n_slots * cfg["slot_size"] <= block:
+            prompts.append(prompt)
+        if len(prompts) == cfg["num_prompts"]:
+            break
+    if not prompts:
+        raise ValueError(f"no {dataset} validation prompt leaves room for {n_slots * cfg['slot_size']} new tokens "
+                         f"in the context of {block}; lower --max_new_tokens or raise --block_size")
+    return prompts, n_slots
+
+
 def bench_dataset(cfg, dataset):
     """Train or reuse the four models of one data set, decode its validation prompts with every
     decoder setting, and return one row (dict) per setting with quality, tokens, NFE, TPF,
@@ -128,12 +156,9 @@ def bench_dataset(cfg, dataset):
                                       init_from=os.path.join(dirs["ar"], "ckpt.pt"))
     ckpts = {name: load_checkpoint(d, cfg["device"]) for name, d in dirs.items()}
     models = {name: model_from_checkpoint(c, cfg["device"]) for name, c in ckpts.items()}
-    meta, tcfg = ckpts["ar"]["meta"], ckpts["ar"]["config"]
-    val = TokenDataset(prepare(dataset, tcfg["tokenizer"], tcfg["block_size"], tcfg["data_root"]), "val")
-    n_slots = -(-cfg["max_new_tokens"] // cfg["slot_size"])
+    meta = ckpts["ar"]["meta"]
+    prompts, n_slots = validation_prompts(cfg, dataset)
     L = n_slots * cfg["slot_size"]
-    fits = [i for i in range(len(val)) if len(val.sample(i)[0]) + L <= tcfg["block_size"]][:cfg["num_prompts"]]
-    prompts = [val.sample(i)[0] for i in fits]
     enc = get_tokenizer(meta["tokenizer"])
     queries = [decode(enc, p) for p in prompts]
     rows = []
@@ -238,10 +263,6 @@ def check_bench_config(cfg):
     for ds in cfg["datasets"]:
         if ds not in BLOCK_SIZE:
             raise ValueError(f"--datasets={ds}: the benchmark knows {', '.join(BLOCK_SIZE)}")
-        block = cfg["block_size"] or BLOCK_SIZE[ds]
-        if cfg["max_new_tokens"] >= block:
-            raise ValueError(f"--max_new_tokens={cfg['max_new_tokens']} leaves no room for a prompt in the "
-                             f"context of {block} tokens; lower it or raise --block_size")
     if cfg["num_prompts"] <= 0:
         raise ValueError(f"--num_prompts={cfg['num_prompts']}: decode at least one prompt")
     _, n_slots = validate_settings(cfg["max_new_tokens"], cfg["slot_size"], cfg["num_blocks"], 0.9, 0.3, 0.0)
@@ -249,6 +270,8 @@ def check_bench_config(cfg):
     for _, method, _, settings in decoder_settings(cfg, n_slots):
         if method == "mdm":
             validate_mdm_settings(L, settings["steps"], settings["block_length"])
+    for ds in cfg["datasets"]:
+        validation_prompts(cfg, ds)  # prepares the data; raises if no prompt fits
 
 
 def main(argv):
