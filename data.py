@@ -36,7 +36,7 @@ import torch
 
 EOS, MASK, PAD = "<|endoftext|>", "<|mask|>", "<|pad|>"
 TOKENIZERS = ("bytes", "gpt2")
-TEXT_WINDOW_CHARS = 1024  # plain-text files are cut into windows of at most this many characters
+TEXT_WINDOW_BYTES = 1024  # plain-text files are cut into windows of at most this many UTF-8 bytes
 VAL_PERCENT = 5  # share of records that go to the validation split
 FORMAT = 1  # version of the prepared-data layout, stored in meta.json
 
@@ -367,24 +367,33 @@ def _parse_jsonl(text: str, path: str) -> list[dict]:
     return records
 
 
-def _parse_text(text: str, window_chars: int) -> list[dict]:
-    """Consecutive windows of window_chars characters; the first quarter of each is the query."""
-    records = []
-    for start in range(0, len(text), window_chars):
-        window = text[start:start + window_chars]
+def _parse_text(text: str, window_bytes: int) -> list[dict]:
+    """Consecutive windows of at most window_bytes UTF-8 bytes, cut between characters (a byte is
+    a token of the byte tokenizer, and every GPT-2 token is at least one byte, so a window never
+    exceeds window_bytes tokens, whatever the script); the first quarter of a window's characters
+    is the query. Raises ValueError when a single character does not fit."""
+    raw, records, start = text.encode("utf-8"), [], 0
+    while start < len(raw):
+        end = min(start + window_bytes, len(raw))
+        while end < len(raw) and raw[end] & 0xC0 == 0x80:  # a continuation byte: back to the character's start
+            end -= 1
+        if end == start:
+            raise ValueError(f"a window of {window_bytes} bytes cannot hold one character; raise --block_size")
+        window = raw[start:end].decode("utf-8")
         cut = len(window) // 4
         records.append({"query": window[:cut], "response": window[cut:]})
+        start = end
     return records
 
 
-def load_records(path: str, window_chars: int = TEXT_WINDOW_CHARS) -> list[dict]:
+def load_records(path: str, window_bytes: int = TEXT_WINDOW_BYTES) -> list[dict]:
     """
     A user's records from `path`, as {"query", "response", "module": file name, "name": index}.
 
     .json:  a JSON list of {"query": str, "response": str, ...} (the ReFusion release's format);
     .jsonl: one such object per line;
-    other:  plain text, cut into windows of window_chars characters, each window's first
-            quarter the query and the rest the response.
+    other:  plain text, cut into windows of at most window_bytes UTF-8 bytes, each window's
+            first quarter the query and the rest the response.
     Raises FileNotFoundError for a missing file and ValueError (naming the record, line, column
     or byte offset) for an empty file, bad UTF-8, bad JSON, or a malformed record.
     """
@@ -395,7 +404,7 @@ def load_records(path: str, window_chars: int = TEXT_WINDOW_CHARS) -> list[dict]
     elif ext == ".jsonl":
         records = _parse_jsonl(text, path)
     else:
-        records = _parse_text(text, window_chars)
+        records = _parse_text(text, window_bytes)
     if not records:
         raise ValueError(f"{path}: holds no records; {FORMAT_HELP}")
     module = os.path.basename(path)
@@ -404,8 +413,8 @@ def load_records(path: str, window_chars: int = TEXT_WINDOW_CHARS) -> list[dict]
 # -----------------------------------------------------------------------------
 # prepare: records -> token files on disk
 
-# built-in corpora; anything else is a path. "arith-1m" holds 1,000,000 problems (about 118M byte
-# tokens) for GPU runs; its first 20,000 are "arith"'s, in the same splits.
+# built-in corpora; anything else is a path. "arith-1m" holds 1,000,000 problems (116M byte tokens
+# of training data) for GPU runs; its first 20,000 are "arith"'s, in the same splits.
 DATASETS = {"stdlib": stdlib_records, "arith": arithmetic_records,
             "arith-1m": lambda: arithmetic_records(1_000_000)}
 
@@ -452,22 +461,38 @@ def _source_sha1(dataset: str) -> str | None:
         return hashlib.sha1(f.read()).hexdigest()
 
 
+def _damaged_file(data_dir: str, meta: dict, split: str) -> str | None:
+    """The path of the first of a split's files that is missing or does not hold as many tokens or
+    samples as meta.json counts (e.g. cut short by a full disk), or None when both are whole."""
+    counts = meta.get("counts", {}).get(split, {})
+    bin_path, samples_path = (os.path.join(data_dir, f"{split}{end}") for end in (".bin", "_samples.npy"))
+    if not os.path.isfile(bin_path) or os.path.getsize(bin_path) != 2 * counts.get("tokens", -1):
+        return bin_path
+    try:
+        if len(np.load(samples_path, mmap_mode="r", allow_pickle=False)) != counts.get("samples"):
+            return samples_path
+    except (OSError, ValueError):
+        return samples_path
+    return None
+
+
 def _is_prepared(data_dir: str, expected: dict) -> bool:
-    """True if data_dir holds a finished preparation made with the same settings."""
+    """True if data_dir holds a finished, whole preparation made with the same settings."""
     try:
         with open(os.path.join(data_dir, "meta.json")) as f:
             meta = json.load(f)
     except (OSError, json.JSONDecodeError):
         return False
-    files = [f"{s}.bin" for s in ("train", "val")] + [f"{s}_samples.npy" for s in ("train", "val")]
     return (all(meta.get(k) == v for k, v in expected.items())
-            and all(os.path.isfile(os.path.join(data_dir, fn)) for fn in files))
+            and not any(_damaged_file(data_dir, meta, split) for split in ("train", "val")))
 
 
 def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "data", too_long: str = "skip") -> str:
     """
     Tokenize `dataset` (a DATASETS name or a path for load_records) once and return the data dir,
-    data_root/<name>-<tokenizer>-<block_size>. A finished, matching preparation is reused.
+    data_root/<name>-<tokenizer>-<block_size>, where a file's name is its base name and the first 8
+    hex digits of its content's SHA-1 (e.g. data/qa-1f0c9e2a-bytes-384). A finished, matching
+    preparation is reused.
 
     Samples longer than block_size tokens (EOS included) are skipped and counted (too_long="skip")
     or refused with a ValueError naming the first one (too_long="fail").
@@ -476,13 +501,14 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
     if dataset not in DATASETS and not os.path.isfile(dataset):
         raise FileNotFoundError(f"no built-in dataset or file named {dataset!r}; "
                                 f"built-ins: {sorted(DATASETS)}, or give a path to a data file")
-    name = dataset if dataset in DATASETS else os.path.splitext(os.path.basename(dataset))[0]
+    sha1 = _source_sha1(dataset)
+    # a file's name carries its content's hash, so two files both called train.json never share a dir
+    name = dataset if dataset in DATASETS else f"{os.path.splitext(os.path.basename(dataset))[0]}-{sha1[:8]}"
     data_dir = os.path.join(data_root, f"{name}-{tokenizer}-{block_size}")
     enc = get_tokenizer(tokenizer)
     expected = {"format": FORMAT, "dataset": dataset, "tokenizer": tokenizer,
                 "vocab_size": enc.n_vocab, "block_size": block_size,
-                "python_version": platform.python_version(), "source_sha1": _source_sha1(dataset),
-                "too_long": too_long}
+                "python_version": platform.python_version(), "source_sha1": sha1, "too_long": too_long}
     if _is_prepared(data_dir, expected):
         return data_dir
     assert enc.n_vocab <= 2**16, "token ids are stored as uint16"
@@ -510,8 +536,8 @@ def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> Non
         os.remove(meta_path)  # a stale meta must not vouch for half-rewritten files
     if dataset in DATASETS:
         records = DATASETS[dataset]()
-    else:  # a text window leaves room for EOS, and for bytes that take more than one token
-        records = load_records(dataset, window_chars=min(TEXT_WINDOW_CHARS, (block_size - 1) * 3 // 4))
+    else:  # a text window leaves room for EOS
+        records = load_records(dataset, window_bytes=min(TEXT_WINDOW_BYTES, block_size - 1))
     splits = {split: [r for r in records if split_of(r) == split] for split in ("train", "val")}
     if not splits["val"] and len(splits["train"]) > 1:
         splits["val"] = [splits["train"].pop()]  # a small file: keep one record for validation
@@ -551,6 +577,10 @@ class TokenDataset:
                                         "first to prepare the data")
         with open(paths[0]) as f:
             self.meta = json.load(f)
+        damaged = _damaged_file(data_dir, self.meta, split)
+        if damaged:
+            raise ValueError(f"{damaged} does not hold what {paths[0]} counts: the prepared data is damaged; "
+                             f"delete {data_dir} and run train.py again to prepare it anew")
         self.tokens = np.memmap(paths[1], dtype=np.uint16, mode="r")
         self.samples = np.load(paths[2], allow_pickle=False)  # (N, 3): start, prompt_len, total_len
         self.pad_id = self.meta["pad_id"]

@@ -65,9 +65,10 @@ class DecodeState:
     model (the prompt, until the first plan call feeds it together with the masks).
     """
 
-    def __init__(self, model, prompt, cache, mask_id, eos_id, temperature, generator, on_step=None):
+    def __init__(self, model, prompt, cache, mask_id, eos_id, temperature, generator, on_step=None, banned_ids=()):
         self.model, self.cache = model, cache
         self.mask_id, self.eos_id = mask_id, eos_id
+        self.banned = [mask_id, *banned_ids]  # never written into the response
         self.temperature, self.generator = temperature, generator
         self.device = cache.kv.device
         self.pending = list(prompt)
@@ -79,9 +80,19 @@ class DecodeState:
         self.on_step = on_step  # called with each step's committed (position, token) pairs
 
     def forward(self, tokens, positions):
-        """One counted forward pass of (B, T) tokens at (B, T) positions after the cache."""
+        """One counted forward pass of (B, T) tokens at (B, T) positions after the cache; returns
+        logits (B, T, V) float32 in which the mask id and the banned ids can never be chosen."""
         self.nfe += 1
-        return self.model(tokens, positions, kv_cache=self.cache)
+        return ban(self.model(tokens, positions, kv_cache=self.cache), self.banned)
+
+
+def ban(logits, token_ids):
+    """Set logits[..., id] = -inf for each id, in place, and return logits: those tokens get
+    probability 0 and are never drafted. ReFusion and the MDM always ban the mask id (in the
+    response it would read as a still-masked position); the CLI bans the mask and pad ids for
+    every decoder, since no training label is either."""
+    logits[..., list(token_ids)] = -math.inf
+    return logits
 
 
 def check_length_and_temperature(max_new_tokens, temperature):
@@ -352,7 +363,8 @@ def decode_block(state, pool, slot_size, slot_threshold, token_threshold):
 
 @torch.no_grad()
 def generate_refusion(model, prompt, max_new_tokens, *, mask_id, eos_id, slot_size=8, num_blocks=1,
-                      slot_threshold=0.9, token_threshold=0.3, temperature=0.0, generator=None, on_step=None):
+                      slot_threshold=0.9, token_threshold=0.3, temperature=0.0, generator=None, on_step=None,
+                      banned_ids=()):
     """Generate a response with ReFusion's plan-and-infill decoding (SPEC section 4; paper section 3.2).
 
     model:  a causal Transformer (or any module with the same forward and new_kv_cache), in eval mode.
@@ -363,6 +375,7 @@ def generate_refusion(model, prompt, max_new_tokens, *, mask_id, eos_id, slot_si
     temperature: 0 for greedy drafts; > 0 samples plan drafts by Gumbel-max (float64) from
     `generator` (a torch.Generator on the model's device).
     on_step: optional callable, given the (position, token) pairs each plan step commits (--show).
+    banned_ids: token ids never generated besides the mask id (the CLI adds the pad id).
     Returns a Generation (tokens, nfe, seconds, tpf, tokens_per_s).
     Raises ValueError for invalid settings, a bidirectional model, or a prompt + generation longer
     than the context.
@@ -374,7 +387,7 @@ def generate_refusion(model, prompt, max_new_tokens, *, mask_id, eos_id, slot_si
     t0 = time.perf_counter()
     slots_per_block = n_slots // num_blocks
     cache = model.new_kv_cache(max_len=len(prompt) + gen_len, max_batch=slots_per_block)
-    state = DecodeState(model, prompt, cache, mask_id, eos_id, temperature, generator, on_step)
+    state = DecodeState(model, prompt, cache, mask_id, eos_id, temperature, generator, on_step, banned_ids)
     first = len(prompt)
     for b in range(num_blocks):
         pool = [first + (b * slots_per_block + i) * slot_size for i in range(slots_per_block)]
@@ -390,13 +403,15 @@ def generate_refusion(model, prompt, max_new_tokens, *, mask_id, eos_id, slot_si
 
 
 @torch.no_grad()
-def generate_ar(model, prompt, max_new_tokens, *, eos_id, temperature=0.0, generator=None, on_step=None):
+def generate_ar(model, prompt, max_new_tokens, *, eos_id, temperature=0.0, generator=None, on_step=None,
+                banned_ids=()):
     """Plain next-token decoding with the KV cache: the ARM baseline.
 
     One prefill forward of the prompt predicts the first token, then one forward per further token,
     each feeding only the newest token after the cache; so NFE = number of generated tokens (TPF 1).
     temperature 0: argmax; otherwise Gumbel-max in float64 from `generator` (draft_tokens).
-    Stops after EOS or max_new_tokens. Returns a Generation; its steps hold one (position, token)
+    banned_ids are never generated (the CLI passes the mask and pad ids). Stops after EOS or
+    max_new_tokens. Returns a Generation; its steps hold one (position, token)
     pair per forward (also given to on_step, if set, as it happens).
     Raises ValueError for a bidirectional model, invalid settings, or a prompt + generation longer
     than the context.
@@ -411,7 +426,7 @@ def generate_ar(model, prompt, max_new_tokens, *, eos_id, temperature=0.0, gener
     positions = torch.arange(len(prompt), device=device)[None]
     out, steps = [], []
     while True:
-        logits = model(tokens, positions, kv_cache=cache)[0, -1:]      # (1, V): the next token's
+        logits = ban(model(tokens, positions, kv_cache=cache)[0, -1:], banned_ids)  # (1, V): the next token's
         token, _ = draft_tokens(logits, temperature, generator)
         out.append(int(token))
         steps.append([(len(prompt) + len(out) - 1, out[-1])])
@@ -453,13 +468,13 @@ def tokens_per_step(n_masked, steps):
 
 @torch.no_grad()
 def generate_mdm(model, prompt, max_new_tokens, *, mask_id, eos_id, steps=None, block_length=None,
-                 temperature=0.0, generator=None, on_step=None):
+                 temperature=0.0, generator=None, on_step=None, banned_ids=()):
     """LLaDA-style masked-diffusion decoding with low-confidence remasking: the MDM baseline.
 
     The sequence starts as prompt + max_new_tokens mask ids and is recomputed whole at every step
     (bidirectional attention, so no cache; NFE = steps). Each step predicts every masked position of
-    the current block (argmax, or Gumbel-max in float64 with temperature; the mask id itself is
-    never predicted, since a committed mask id would read as still masked) and commits the k most
+    the current block (argmax, or Gumbel-max in float64 with temperature; neither the mask id nor
+    banned_ids are ever predicted: see ban) and commits the k most
     confident ones (confidence: the softmax probability of the predicted token), k following
     tokens_per_step. Blocks of block_length tokens go left to right, steps / n_blocks steps each.
     Committed tokens never change. The result is cut after the first EOS.
@@ -484,9 +499,8 @@ def generate_mdm(model, prompt, max_new_tokens, *, mask_id, eos_id, steps=None, 
         in_block = torch.zeros_like(masked)
         in_block[P + b * block_length:P + (b + 1) * block_length] = True
         for k in tokens_per_step(block_length, steps // n_blocks):
-            logits = model(x, positions)[0]                                 # (P + L, V)
+            logits = ban(model(x, positions)[0], [mask_id, *banned_ids])    # (P + L, V)
             nfe += 1
-            logits[:, mask_id] = -math.inf
             where = (masked & in_block).nonzero()[:, 0]                      # masked positions of the block
             drafts, confidence = draft_tokens(logits[where], temperature, generator)
             best = confidence.topk(k).indices
@@ -554,7 +568,8 @@ def make_decoder(cfg, model, meta, generator):
     if method not in METHODS:
         raise ValueError(f"--method={method!r}: choose one of {', '.join(METHODS)}")
     check_attention(model, method)
-    common = dict(max_new_tokens=n, eos_id=meta["eos_id"], temperature=temperature, generator=generator)
+    common = dict(max_new_tokens=n, eos_id=meta["eos_id"], temperature=temperature, generator=generator,
+                  banned_ids=(meta["mask_id"], meta["pad_id"]))
     if method == "ar":
         check_length_and_temperature(n, temperature)
         return partial(generate_ar, model, **common), n
@@ -623,7 +638,8 @@ def main(argv):
     if not (cfg["prompt"] or cfg["prompt_file"]):
         data_dir = ckpt.get("data_dir", "")  # absolute, so the sampler works from any directory
         if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-            data_dir = prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["block_size"], tcfg["data_root"])
+            data_dir = prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["block_size"], tcfg["data_root"],
+                               tcfg.get("too_long", "skip"))
         val_data = TokenDataset(data_dir, "val")
     prompts = load_prompts(cfg, enc, val_data, gen_len, model.config.block_size)
     run(prompts[0][:8])  # warm-up: the first forward passes pay one-time costs

@@ -183,8 +183,10 @@ def naive_one_slot_decode(model, prompt, gen_len, slot_size, num_blocks, accept_
     toks, poss = list(prompt), list(range(len(prompt)))
     response, nfe = {}, 0
 
-    def logits_after(extra_toks, extra_pos):
-        return model(torch.tensor([toks + extra_toks]), torch.tensor([poss + extra_pos]))[0, len(toks):]
+    def logits_after(extra_toks, extra_pos):                          # the mask id is never drafted
+        logits = model(torch.tensor([toks + extra_toks]), torch.tensor([poss + extra_pos]))[0, len(toks):]
+        logits[:, mask_id] = -math.inf
+        return logits
 
     n_block = gen_len // slot_size // num_blocks
     for b in range(num_blocks):
@@ -369,8 +371,40 @@ def test_decoder_refuses_a_model_of_the_other_attention_with_the_fix(method):
         generate(model, [1, 2, 3], 8, **ids)
 
 
+class PrefersSpecialIds(nn.Module):
+    """A tiny model whose logits favour some ids by +50 (an undertrained model that drafts masks)."""
+
+    def __init__(self, model, ids):
+        super().__init__()
+        self.model, self.ids, self.config = model, ids, model.config
+
+    def new_kv_cache(self, max_len, max_batch=1):
+        return self.model.new_kv_cache(max_len, max_batch)
+
+    def forward(self, idx, position_ids, kv_cache=None):
+        logits = self.model(idx, position_ids, kv_cache=kv_cache)
+        logits[..., self.ids] += 50.0
+        return logits
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_no_decoder_writes_the_mask_or_pad_id(method):
+    """No training label is the mask or the pad id, so the CLI's decoders never write either, even
+    from a model that prefers them; the mask id would read as a position still to be decoded."""
+    meta = {"eos_id": 39, "mask_id": 38, "pad_id": 37}
+    model = PrefersSpecialIds(tiny_model(causal=method != "mdm"), [37, 38])
+    assert set(model(torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]])).argmax(-1)[0].tolist()) <= {37, 38}
+    cfg = dict(DEFAULTS, method=method, max_new_tokens=16, num_blocks=1, slot_threshold=0.5, token_threshold=0.0)
+    run, _ = make_decoder(cfg, model, meta, torch.Generator())
+    out = run([1, 2, 3]).tokens
+    assert len(out) > 0 and not {37, 38} & set(out)
+    favoured = {"refusion": generate_refusion, "ar": generate_ar, "mdm": generate_mdm}[method]
+    kwargs = dict(eos_id=39) | ({} if method == "ar" else dict(mask_id=38))
+    assert 37 in favoured(model, [1, 2, 3], 16, **kwargs).tokens      # without the ban, the pad id wins
+
+
 def test_cli_builds_each_decoder_and_refuses_an_unknown_method():
-    meta = {"eos_id": 39, "mask_id": 38}
+    meta = {"eos_id": 39, "mask_id": 38, "pad_id": 37}
     for method, causal, gen_len in [("refusion", True, 16), ("ar", True, 10), ("mdm", False, 10)]:
         cfg = dict(DEFAULTS, method=method, max_new_tokens=10, num_blocks=1)  # refusion: 10 -> 2 slots of 8
         run, length = make_decoder(cfg, tiny_model(causal=causal), meta, torch.Generator())
@@ -541,6 +575,19 @@ def test_load_records_plain_text_windows(tmp_path):
     assert "".join(r["query"] + r["response"] for r in records) == text
 
 
+@pytest.mark.parametrize("block_size", [64, 384])
+def test_text_in_any_script_prepares_into_windows_that_fit_the_context(tmp_path, block_size):
+    """Windows are measured in UTF-8 bytes, so Chinese or Cyrillic text (3 or 2 bytes a character)
+    fits block_size as well as ASCII does, and no character is split."""
+    text = "".join(("漢字の文章。", "Кириллица. ", "ascii text. ", "emoji \U0001f600. ")[i % 4] for i in range(400))
+    data_dir = data.prepare(write(tmp_path, "mixed.txt", text), "bytes", block_size, data_root=str(tmp_path))
+    meta = json.load(open(os.path.join(data_dir, "meta.json")))
+    assert meta["counts"]["train"]["skipped_too_long"] == meta["counts"]["val"]["skipped_too_long"] == 0
+    records = data.load_records(str(tmp_path / "mixed.txt"), window_bytes=block_size - 1)
+    assert "".join(r["query"] + r["response"] for r in records) == text
+    assert all(len((r["query"] + r["response"]).encode()) <= block_size - 1 for r in records)
+
+
 @pytest.mark.parametrize("name, content, error, message", [
     ("missing.json", None, FileNotFoundError, "does not exist"),
     ("empty.json", "", ValueError, "empty"),
@@ -577,7 +624,9 @@ def test_prepare_round_trips_tokens_and_skips_too_long(tmp_path, qa_file):
     path, rows = qa_file
     enc = data.get_tokenizer("bytes")
     data_dir = data.prepare(path, "bytes", 64, data_root=str(tmp_path / "data"))
-    assert data_dir == str(tmp_path / "data" / "sums-bytes-64")
+    import hashlib
+    digest = hashlib.sha1(open(path, "rb").read()).hexdigest()[:8]
+    assert data_dir == str(tmp_path / "data" / f"sums-{digest}-bytes-64")    # name + content hash
     meta = json.load(open(os.path.join(data_dir, "meta.json")))
     assert (meta["vocab_size"], meta["eos_id"], meta["mask_id"], meta["pad_id"]) == (259, 256, 257, 258)
     counts = meta["counts"]
@@ -619,7 +668,7 @@ def test_prepare_waits_while_another_process_prepares_the_same_data(tmp_path, qa
     path, _ = qa_file
     finished = data.prepare(path, "bytes", 64, data_root=str(tmp_path / "elsewhere"))
     root = str(tmp_path / "data")
-    data_dir = os.path.join(root, os.path.basename(finished))         # data/sums-bytes-64
+    data_dir = os.path.join(root, os.path.basename(finished))         # data/sums-<hash>-bytes-64
     os.makedirs(data_dir)
     child = multiprocessing.get_context("spawn").Process(target=data.prepare, args=(path, "bytes", 64, root))
     with data._exclusive(os.path.join(data_dir, ".lock")):            # as if another process were preparing
@@ -632,6 +681,37 @@ def test_prepare_waits_while_another_process_prepares_the_same_data(tmp_path, qa
     child.join(timeout=60)
     assert child.exitcode == 0
     assert stamps == {f: os.stat(os.path.join(data_dir, f)).st_mtime_ns for f in os.listdir(data_dir)}
+
+
+def test_two_data_files_with_the_same_name_never_share_a_prepared_dir(tmp_path, qa_file):
+    """Runs on a/train.json and b/train.json keep their own prepared data: a sampler reading one
+    run's validation prompts never gets the other file's."""
+    rows = qa_file[1]
+    dirs = []
+    for sub, text in (("a", "first"), ("b", "second")):
+        (tmp_path / sub).mkdir()
+        path = write(tmp_path / sub, "train.json", json.dumps([dict(r, response=f" {text}") for r in rows]))
+        dirs.append(data.prepare(path, "bytes", 64, data_root=str(tmp_path / "data")))
+    assert dirs[0] != dirs[1]
+    first = data.TokenDataset(dirs[0], "val")
+    assert data.decode(data.get_tokenizer("bytes"), first.sample(0)[1]).startswith(" first")
+
+
+@pytest.mark.parametrize("name", ["train.bin", "val_samples.npy"])
+def test_damaged_prepared_data_is_named_and_prepared_anew(tmp_path, qa_file, name):
+    """A prepared file cut short (a full disk, a copy stopped half-way): reading it names the file
+    and the fix, and prepare() sees the damage and writes the data again."""
+    root = str(tmp_path / "data")
+    data_dir = data.prepare(qa_file[0], "bytes", 64, data_root=root)
+    path = os.path.join(data_dir, name)
+    whole = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(whole[:-6])
+    split = name.split(".")[0].split("_")[0]
+    with pytest.raises(ValueError, match=f"{re.escape(path)} does not hold what .*meta.json counts: .*delete"):
+        data.TokenDataset(data_dir, split)
+    assert data.prepare(qa_file[0], "bytes", 64, data_root=root) == data_dir
+    assert open(path, "rb").read() == whole and len(data.TokenDataset(data_dir, split)) > 0
 
 
 def test_prepare_with_block_size_too_small_says_what_to_change(tmp_path, qa_file):

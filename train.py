@@ -74,7 +74,7 @@ OBJECTIVES = ("refusion", "ar", "mdm")
 # the model's shape, which --init_from=PATH takes from its checkpoint
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "qk_norm", "rope_theta")
 # settings a resumed run cannot change (a flag that contradicts one is refused)
-RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "data_root", "slot_sizes")
+RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "slot_sizes")  # data_root may move
 
 
 def make_batch(cfg, tokens, prompt_len, length, mask_id, generator):
