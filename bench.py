@@ -259,7 +259,8 @@ def training_step_times(cfg, dataset, steps=20):
 
 
 def check_bench_config(cfg):
-    """Check every setting before any training starts. Raises ValueError with the fix."""
+    """Check every setting (not the data: see validation_prompts) before any training starts.
+    Raises ValueError with the fix."""
     for ds in cfg["datasets"]:
         if ds not in BLOCK_SIZE:
             raise ValueError(f"--datasets={ds}: the benchmark knows {', '.join(BLOCK_SIZE)}")
@@ -270,13 +271,13 @@ def check_bench_config(cfg):
     for _, method, _, settings in decoder_settings(cfg, n_slots):
         if method == "mdm":
             validate_mdm_settings(L, settings["steps"], settings["block_length"])
-    for ds in cfg["datasets"]:
-        validation_prompts(cfg, ds)  # prepares the data; raises if no prompt fits
 
 
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
     check_bench_config(cfg)
+    for ds in cfg["datasets"]:
+        validation_prompts(cfg, ds)  # prepares the data; raises before any training if no prompt fits
     os.makedirs(cfg["out_dir"], exist_ok=True)
     rows = [r for ds in cfg["datasets"] for r in bench_dataset(cfg, ds)]
     step_times = {ds: training_step_times(cfg, ds) for ds in cfg["datasets"]}

@@ -20,6 +20,7 @@ import random
 import re
 import sysconfig
 import tempfile
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -506,9 +507,10 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
     name = dataset if dataset in DATASETS else f"{os.path.splitext(os.path.basename(dataset))[0]}-{sha1[:8]}"
     data_dir = os.path.join(data_root, f"{name}-{tokenizer}-{block_size}")
     enc = get_tokenizer(tokenizer)
-    expected = {"format": FORMAT, "dataset": dataset, "tokenizer": tokenizer,
-                "vocab_size": enc.n_vocab, "block_size": block_size,
+    expected = {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "block_size": block_size,
                 "python_version": platform.python_version(), "source_sha1": sha1, "too_long": too_long}
+    if dataset in DATASETS:  # a file is known by its content (source_sha1), however its path is written
+        expected["dataset"] = dataset
     if _is_prepared(data_dir, expected):
         return data_dir
     assert enc.n_vocab <= 2**16, "token ids are stored as uint16"
@@ -522,10 +524,14 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
 @contextmanager
 def _exclusive(lock_path: str):
     """Hold an exclusive lock on lock_path (an empty file) while the block runs; processes that ask
-    for it meanwhile wait. Without fcntl (Windows) there is no lock: run one process at a time."""
+    for it meanwhile wait. Without fcntl (Windows), or on a file system without locks, there is no
+    lock: start one process at a time."""
     with open(lock_path, "a") as f:
         if fcntl is not None:
-            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+            except OSError as e:  # a file system without locks (some network mounts)
+                warnings.warn(f"cannot lock {lock_path} ({e}); start one process at a time")
         yield
 
 
@@ -557,7 +563,7 @@ def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> Non
         print(f"{split}: {len(samples):,} samples, {len(tokens):,} tokens, "
               f"{skipped:,} skipped as longer than {block_size} tokens")
     eos_id, mask_id, pad_id = special_ids(enc)
-    meta = dict(expected, eos_id=eos_id, mask_id=mask_id, pad_id=pad_id, counts=counts)
+    meta = dict(expected, dataset=dataset, eos_id=eos_id, mask_id=mask_id, pad_id=pad_id, counts=counts)
     _write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))
 
 
@@ -580,7 +586,7 @@ class TokenDataset:
         damaged = _damaged_file(data_dir, self.meta, split)
         if damaged:
             raise ValueError(f"{damaged} does not hold what {paths[0]} counts: the prepared data is damaged; "
-                             f"delete {data_dir} and run train.py again to prepare it anew")
+                             "data.prepare() writes it anew, as train.py and sampler.py do when they start")
         self.tokens = np.memmap(paths[1], dtype=np.uint16, mode="r")
         self.samples = np.load(paths[2], allow_pickle=False)  # (N, 3): start, prompt_len, total_len
         self.pad_id = self.meta["pad_id"]

@@ -80,19 +80,20 @@ class DecodeState:
         self.on_step = on_step  # called with each step's committed (position, token) pairs
 
     def forward(self, tokens, positions):
-        """One counted forward pass of (B, T) tokens at (B, T) positions after the cache; returns
-        logits (B, T, V) float32 in which the mask id and the banned ids can never be chosen."""
+        """One counted forward pass of (B, T) tokens at (B, T) positions after the cache."""
         self.nfe += 1
-        return ban(self.model(tokens, positions, kv_cache=self.cache), self.banned)
+        return self.model(tokens, positions, kv_cache=self.cache)
 
 
-def ban(logits, token_ids):
-    """Set logits[..., id] = -inf for each id, in place, and return logits: those tokens get
-    probability 0 and are never drafted. ReFusion and the MDM always ban the mask id (in the
-    response it would read as a still-masked position); the CLI bans the mask and pad ids for
-    every decoder, since no training label is either."""
-    logits[..., list(token_ids)] = -math.inf
-    return logits
+def ban(scores, token_ids):
+    """Set scores[..., id] = -inf for each id, in place, and return scores (logits or probabilities
+    (..., V) about to be maximized), so that no banned token is ever chosen. Only the choice is
+    affected: confidences stay the raw softmax probabilities (SPEC section 4), so a ban changes no
+    threshold decision. ReFusion and the MDM always ban the mask id (in the response it would read
+    as a still-masked position); make_decoder bans the mask and pad ids for every decoder, since no
+    training label is either."""
+    scores[..., list(token_ids)] = -math.inf
+    return scores
 
 
 def check_length_and_temperature(max_new_tokens, temperature):
@@ -160,19 +161,20 @@ def check_attention(model, method):
                          f"--method={method} decodes causally after a KV cache; use --method=mdm")
 
 
-def draft_tokens(logits, temperature, generator):
+def draft_tokens(logits, temperature, generator, banned=()):
     """Draft a token at each row of logits (N, V) float32; returns (tokens (N,) int64, probs (N,) float32).
 
-    temperature 0: argmax; otherwise Gumbel-max sampling in float64. The probability is the raw
-    softmax probability of the drafted token (temperature does not scale it; SPEC section 4).
+    temperature 0: argmax; otherwise Gumbel-max sampling in float64. Tokens in `banned` are never
+    drafted (ban). The probability is the raw softmax probability of the drafted token
+    (temperature does not scale it; SPEC section 4).
     """
     probs = torch.softmax(logits.float(), dim=-1)
     if temperature == 0:
-        tokens = probs.argmax(dim=-1)
+        tokens = ban(probs.clone(), banned).argmax(dim=-1)
     else:
         u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-        tokens = (logits.double() / temperature + gumbel).argmax(dim=-1)
+        tokens = (ban(logits.double(), banned) / temperature + gumbel).argmax(dim=-1)
     return tokens, probs.gather(-1, tokens[:, None])[:, 0]
 
 
@@ -210,7 +212,7 @@ def plan_slots(state, pool, slot_size, slot_threshold):
     state.ctx += n_pending                                              # the prompt's KV stays cached
     state.pending, state.pending_pos = [], []
     state.cache.crop(state.ctx)
-    drafts, probs = draft_tokens(logits, state.temperature, state.generator)
+    drafts, probs = draft_tokens(logits, state.temperature, state.generator, state.banned)
     drafts, probs = drafts.view(len(pool), slot_size), probs.view(len(pool), slot_size)
     scores = probs[:, 0]
     selected = (scores > slot_threshold).nonzero()[:, 0].tolist() or [int(scores.argmax())]
@@ -267,7 +269,7 @@ def infill_slots(state, starts, drafts, accepted, token_threshold):
         window[masked] = state.mask_id
         logits = state.forward(window, pos[:, shared:])
         state.cache.crop(base)
-        tokens[:, shared:][masked] = logits[masked].argmax(dim=-1)
+        tokens[:, shared:][masked] = ban(logits[masked], state.banned).argmax(dim=-1)
         # (b) verify: accept the first unaccepted token, then while the next-token probability passes
         window = tokens[:, shared:]
         probs = next_token_probs(state.forward(window, pos[:, shared:]), window)
@@ -426,8 +428,8 @@ def generate_ar(model, prompt, max_new_tokens, *, eos_id, temperature=0.0, gener
     positions = torch.arange(len(prompt), device=device)[None]
     out, steps = [], []
     while True:
-        logits = ban(model(tokens, positions, kv_cache=cache)[0, -1:], banned_ids)  # (1, V): the next token's
-        token, _ = draft_tokens(logits, temperature, generator)
+        logits = model(tokens, positions, kv_cache=cache)[0, -1:]      # (1, V): the next token's
+        token, _ = draft_tokens(logits, temperature, generator, banned_ids)
         out.append(int(token))
         steps.append([(len(prompt) + len(out) - 1, out[-1])])
         if on_step:
@@ -499,10 +501,10 @@ def generate_mdm(model, prompt, max_new_tokens, *, mask_id, eos_id, steps=None, 
         in_block = torch.zeros_like(masked)
         in_block[P + b * block_length:P + (b + 1) * block_length] = True
         for k in tokens_per_step(block_length, steps // n_blocks):
-            logits = ban(model(x, positions)[0], [mask_id, *banned_ids])    # (P + L, V)
+            logits = model(x, positions)[0]                                 # (P + L, V)
             nfe += 1
             where = (masked & in_block).nonzero()[:, 0]                      # masked positions of the block
-            drafts, confidence = draft_tokens(logits[where], temperature, generator)
+            drafts, confidence = draft_tokens(logits[where], temperature, generator, [mask_id, *banned_ids])
             best = confidence.topk(k).indices
             x[0, where[best]] = drafts[best]
             masked[where[best]] = False
@@ -637,10 +639,12 @@ def main(argv):
     val_data = None
     if not (cfg["prompt"] or cfg["prompt_file"]):
         data_dir = ckpt.get("data_dir", "")  # absolute, so the sampler works from any directory
-        if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-            data_dir = prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["block_size"], tcfg["data_root"],
-                               tcfg.get("too_long", "skip"))
-        val_data = TokenDataset(data_dir, "val")
+        try:
+            val_data = TokenDataset(data_dir, "val")
+        except (FileNotFoundError, ValueError):  # moved or damaged: prepare it as training did
+            data_root = os.path.dirname(data_dir) if os.path.isdir(data_dir) else tcfg["data_root"]
+            val_data = TokenDataset(prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["block_size"], data_root,
+                                            tcfg.get("too_long", "skip")), "val")
     prompts = load_prompts(cfg, enc, val_data, gen_len, model.config.block_size)
     run(prompts[0][:8])  # warm-up: the first forward passes pay one-time costs
     for prompt in prompts:

@@ -183,10 +183,11 @@ def naive_one_slot_decode(model, prompt, gen_len, slot_size, num_blocks, accept_
     toks, poss = list(prompt), list(range(len(prompt)))
     response, nfe = {}, 0
 
-    def logits_after(extra_toks, extra_pos):                          # the mask id is never drafted
-        logits = model(torch.tensor([toks + extra_toks]), torch.tensor([poss + extra_pos]))[0, len(toks):]
-        logits[:, mask_id] = -math.inf
-        return logits
+    def logits_after(extra_toks, extra_pos):
+        return model(torch.tensor([toks + extra_toks]), torch.tensor([poss + extra_pos]))[0, len(toks):]
+
+    def pick(probs):                                                  # the mask id is never drafted
+        return probs.clone().index_fill_(-1, torch.tensor([mask_id]), -1.0).argmax(-1)
 
     n_block = gen_len // slot_size // num_blocks
     for b in range(num_blocks):
@@ -195,8 +196,8 @@ def naive_one_slot_decode(model, prompt, gen_len, slot_size, num_blocks, accept_
         while pool:
             pos = [p + i for p in pool for i in range(slot_size)]
             probs = torch.softmax(logits_after([mask_id] * len(pos), pos), -1).view(len(pool), slot_size, -1)
-            drafts = probs.argmax(-1)
-            best = int(probs.max(-1).values[:, 0].argmax())
+            drafts = pick(probs)
+            best = int(probs[:, 0].gather(-1, drafts[:, :1])[:, 0].argmax())   # raw probability of each first draft
             start = pool[best]
             if accept_all:
                 slot = drafts[best].tolist()
@@ -207,7 +208,7 @@ def naive_one_slot_decode(model, prompt, gen_len, slot_size, num_blocks, accept_
                 while len(slot) < slot_size and eos_id not in slot:
                     j = len(slot)
                     fed = slot + [mask_id] * (slot_size - j)
-                    slot.append(int(logits_after(fed, list(range(start, start + slot_size)))[j].argmax()))
+                    slot.append(int(pick(logits_after(fed, list(range(start, start + slot_size)))[j])))
                     nfe += 2
             if eos_id in slot:
                 slot = slot[:slot.index(eos_id) + 1]
@@ -651,6 +652,7 @@ def test_prepare_reuses_a_finished_preparation_and_redoes_an_unfinished_one(tmp_
     bin_path = os.path.join(data_dir, "train.bin")
     os.utime(bin_path, (0, 0))
     assert data.prepare(path, "bytes", 64, data_root=root) == data_dir
+    assert data.prepare(os.path.relpath(path), "bytes", 64, data_root=root) == data_dir  # the same file
     assert os.stat(bin_path).st_mtime == 0  # not rewritten
     os.remove(os.path.join(data_dir, "meta.json"))  # as if interrupted before the last write
     data.prepare(path, "bytes", 64, data_root=root)
@@ -708,7 +710,7 @@ def test_damaged_prepared_data_is_named_and_prepared_anew(tmp_path, qa_file, nam
     with open(path, "wb") as f:
         f.write(whole[:-6])
     split = name.split(".")[0].split("_")[0]
-    with pytest.raises(ValueError, match=f"{re.escape(path)} does not hold what .*meta.json counts: .*delete"):
+    with pytest.raises(ValueError, match=f"{re.escape(path)} does not hold what .*meta.json counts: .*writes it anew"):
         data.TokenDataset(data_dir, split)
     assert data.prepare(qa_file[0], "bytes", 64, data_root=root) == data_dir
     assert open(path, "rb").read() == whole and len(data.TokenDataset(data_dir, split)) > 0
@@ -989,7 +991,7 @@ def test_learning_rate_schedule_and_a_resume_with_more_iterations_holds_min_lr(t
     """Warm-up, cosine to min_lr at lr_decay_iters (default: max_iters, fixed when the run starts),
     then min_lr: resuming with a larger --max_iters continues at min_lr instead of jumping back up."""
     import train
-    from checkpoint import load_checkpoint
+    from checkpoint import load_checkpoint, save_checkpoint
     cfg = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=2, lr_decay_iters=12)
     assert [train.get_lr(it, cfg) for it in (0, 1, 2, 7, 12, 20)] == pytest.approx(
         [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)), 0.1, 0.1])
@@ -999,6 +1001,12 @@ def test_learning_rate_schedule_and_a_resume_with_more_iterations_holds_min_lr(t
     train.main(flags + ["--max_iters=5", "--init_from=resume"])
     ckpt = load_checkpoint(str(tmp_path / "run"))
     assert ckpt["iter_num"] == 5 and ckpt["config"]["lr_decay_iters"] == 3
+    assert [g["lr"] for g in ckpt["optimizer"]["param_groups"]] == pytest.approx([0.001, 0.001])
+    del ckpt["config"]["lr_decay_iters"]                              # a checkpoint from before the setting:
+    save_checkpoint(str(tmp_path / "run"), ckpt)                      # its decay ended at its max_iters (5)
+    train.main(flags + ["--max_iters=7", "--init_from=resume"])
+    ckpt = load_checkpoint(str(tmp_path / "run"))
+    assert ckpt["config"]["lr_decay_iters"] == 5
     assert [g["lr"] for g in ckpt["optimizer"]["param_groups"]] == pytest.approx([0.001, 0.001])
 
 
@@ -1112,6 +1120,7 @@ def test_flops_per_token_is_what_torch_counts_for_a_training_step(tie):
     assert flops_per_token(model, T) * B * T == counter.get_total_flops()
 
 
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # CPU autocast's rms_norm
 @pytest.mark.parametrize("objective", ["refusion", "ar", "mdm"])
 def test_bf16_autocast_trains_every_objective_close_to_float32(objective):
     """On CUDA training runs under bf16 autocast; the same code under CPU autocast (a stand-in for
@@ -1331,6 +1340,18 @@ def test_sampler_cli_prints_one_json_object_per_sample(tmp_path, qa_file, capsys
                          (["--method=mdm"], "trained with a causal objective")]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             sampler.main([out_dir] + bad)
+
+
+def test_sampler_prepares_damaged_validation_data_anew(tmp_path, qa_file, capsys):
+    import sampler
+    import train
+    train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"])
+    val_bin = next((tmp_path / "data").glob("*/val.bin"))
+    whole = val_bin.read_bytes()
+    val_bin.write_bytes(whole[:-4])                                   # cut short
+    sampler.main([f"--out_dir={tmp_path / 'run'}", "--num_samples=1", "--max_new_tokens=8", "--num_blocks=1", "--json"])
+    assert val_bin.read_bytes() == whole
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] >= 1
 
 
 def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path, qa_file, monkeypatch):

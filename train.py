@@ -251,6 +251,8 @@ def main(argv):
         # otherwise, and the model, data and objective cannot change
         inherit_settings(cfg, explicit, ckpt["config"], RESUME_KEYS, "a resumed run keeps its model, data and objective")
         cfg |= {k: v for k, v in ckpt["config"].items() if k in DEFAULTS and k not in explicit | {"device"}}
+        if "lr_decay_iters" not in ckpt["config"] and "lr_decay_iters" not in explicit:  # an older checkpoint
+            cfg["lr_decay_iters"] = ckpt["config"]["max_iters"]
     elif cfg["init_from"] != "scratch":
         if not os.path.exists(cfg["init_from"]):
             raise FileNotFoundError(f"--init_from={cfg['init_from']}: use 'scratch', 'resume', or the path of an "
