@@ -146,10 +146,11 @@ def validation_prompts(cfg, dataset):
     return prompts, n_slots
 
 
-def bench_dataset(cfg, dataset):
-    """Train or reuse the four models of one data set, decode its validation prompts with every
-    decoder setting, and return one row (dict) per setting with quality, tokens, NFE, TPF,
-    seconds, tokens/s and the speed-ups over the ARM and the default MDM."""
+def bench_dataset(cfg, dataset, prompts, n_slots):
+    """Train or reuse the four models of one data set, decode its validation prompts (from
+    validation_prompts, with the generation's number of slots) with every decoder setting, and
+    return one row (dict) per setting with quality, tokens, NFE, TPF, seconds, tokens/s and the
+    speed-ups over the ARM and the default MDM."""
     iters, ft = cfg["max_iters"], cfg["finetune_iters"]
     dirs = {name: train_model(cfg, dataset, name, name, iters) for name in ("ar", "refusion", "mdm")}
     dirs["refusion-ft"] = train_model(cfg, dataset, "refusion-ft", "refusion", ft,
@@ -157,7 +158,6 @@ def bench_dataset(cfg, dataset):
     ckpts = {name: load_checkpoint(d, cfg["device"]) for name, d in dirs.items()}
     models = {name: model_from_checkpoint(c, cfg["device"]) for name, c in ckpts.items()}
     meta = ckpts["ar"]["meta"]
-    prompts, n_slots = validation_prompts(cfg, dataset)
     L = n_slots * cfg["slot_size"]
     enc = get_tokenizer(meta["tokenizer"])
     queries = [decode(enc, p) for p in prompts]
@@ -229,7 +229,8 @@ def training_step_times(cfg, dataset, steps=20):
     both see the same machine load. Returns {"refusion": s, "ar": s, "ratio": refusion / ar}."""
     block, device = cfg["block_size"] or BLOCK_SIZE[dataset], cfg["device"]
     data_dir = prepare(dataset, "bytes", block)
-    train_data, meta = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "train").meta
+    train_data = TokenDataset(data_dir, "train")
+    meta = train_data.meta
     models, optims, times = {}, {}, {"refusion": 0.0, "ar": 0.0}
     for objective in times:
         torch.manual_seed(cfg["seed"])
@@ -276,10 +277,10 @@ def check_bench_config(cfg):
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
     check_bench_config(cfg)
-    for ds in cfg["datasets"]:
-        validation_prompts(cfg, ds)  # prepares the data; raises before any training if no prompt fits
+    # prepares the data and raises before any training if no prompt fits
+    prompts = {ds: validation_prompts(cfg, ds) for ds in cfg["datasets"]}
     os.makedirs(cfg["out_dir"], exist_ok=True)
-    rows = [r for ds in cfg["datasets"] for r in bench_dataset(cfg, ds)]
+    rows = [r for ds in cfg["datasets"] for r in bench_dataset(cfg, ds, *prompts[ds])]
     step_times = {ds: training_step_times(cfg, ds) for ds in cfg["datasets"]}
     table = markdown_table(rows) + "\n\n" + "\n".join(
         f"Training step ({ds}, batch {cfg['batch_size']}): ReFusion {t['refusion'] * 1e3:.0f} ms, AR "

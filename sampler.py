@@ -413,8 +413,8 @@ def generate_ar(model, prompt, max_new_tokens, *, eos_id, temperature=0.0, gener
     each feeding only the newest token after the cache; so NFE = number of generated tokens (TPF 1).
     temperature 0: argmax; otherwise Gumbel-max in float64 from `generator` (draft_tokens).
     banned_ids are never generated (the CLI passes the mask and pad ids). Stops after EOS or
-    max_new_tokens. Returns a Generation; its steps hold one (position, token)
-    pair per forward (also given to on_step, if set, as it happens).
+    max_new_tokens. Returns a Generation; its steps hold one (position, token) pair per forward
+    (also given to on_step, if set, as it happens).
     Raises ValueError for a bidirectional model, invalid settings, or a prompt + generation longer
     than the context.
     """
@@ -476,9 +476,8 @@ def generate_mdm(model, prompt, max_new_tokens, *, mask_id, eos_id, steps=None, 
     The sequence starts as prompt + max_new_tokens mask ids and is recomputed whole at every step
     (bidirectional attention, so no cache; NFE = steps). Each step predicts every masked position of
     the current block (argmax, or Gumbel-max in float64 with temperature; neither the mask id nor
-    banned_ids are ever predicted: see ban) and commits the k most
-    confident ones (confidence: the softmax probability of the predicted token), k following
-    tokens_per_step. Blocks of block_length tokens go left to right, steps / n_blocks steps each.
+    banned_ids are ever predicted: see ban) and commits the k most confident ones (confidence: the
+    softmax probability of the predicted token), k following tokens_per_step. Blocks of block_length tokens go left to right, steps / n_blocks steps each.
     Committed tokens never change. The result is cut after the first EOS.
     Returns a Generation; its steps hold the (position, token) pairs committed at each step (also
     given to on_step, if set, as it happens).

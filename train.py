@@ -247,12 +247,12 @@ def main(argv):
     ckpt, init_ckpt = None, None
     if cfg["init_from"] == "resume":
         ckpt = load_checkpoint(cfg["out_dir"], "cpu")  # to the right GPU with the model, below
+        # a checkpoint from before lr_decay_iters existed decayed to min_lr at its own max_iters
+        ckpt["config"].setdefault("lr_decay_iters", ckpt["config"]["max_iters"])
         # a resumed run is the same run: every setting comes from the checkpoint unless a flag says
         # otherwise, and the model, data and objective cannot change
         inherit_settings(cfg, explicit, ckpt["config"], RESUME_KEYS, "a resumed run keeps its model, data and objective")
         cfg |= {k: v for k, v in ckpt["config"].items() if k in DEFAULTS and k not in explicit | {"device"}}
-        if "lr_decay_iters" not in ckpt["config"] and "lr_decay_iters" not in explicit:  # an older checkpoint
-            cfg["lr_decay_iters"] = ckpt["config"]["max_iters"]
     elif cfg["init_from"] != "scratch":
         if not os.path.exists(cfg["init_from"]):
             raise FileNotFoundError(f"--init_from={cfg['init_from']}: use 'scratch', 'resume', or the path of an "
@@ -366,10 +366,12 @@ def main(argv):
         bar.set_postfix(loss=f"{loss.item():.3f}", ar=f"{ar_loss.item():.3f}", mdm=f"{mdm_loss.item():.3f}",
                         tok_s=f"{n_tokens * world / dt:.0f}", tflops=f"{tflops:.3f}",
                         **({"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] else {}))
-        stop = torch.tensor(float(bool(interrupted)), device=cfg["device"])
+        stop = bool(interrupted)
         if world > 1:  # every process stops after the same step, even if only one saw the Ctrl-C
-            torch.distributed.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
-        if stop.item():
+            flag = torch.tensor(float(stop), device=cfg["device"])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            stop = bool(flag.item())
+        if stop:
             interrupted.append(True)
             break
     signal.signal(signal.SIGINT, previous_handler)
