@@ -25,31 +25,36 @@ from tqdm import tqdm
 
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
-from configurator import parse_args, run_cli
+from configurator import parse_args, run_cli, settings_in
+from corpora import arithmetic_answer, arithmetic_expected
+from data import TokenDataset, decode, get_tokenizer
+from generate import MDMSettings, RefusionSettings
 from model import ModelConfig, Transformer
-from data import TokenDataset, arithmetic_answer, arithmetic_expected, decode, get_tokenizer, prepare
-from sampler import DEFAULTS as SAMPLER_DEFAULTS, make_decoder, validate_mdm_settings, validate_settings
+from prepare import prepare
+from sampler import make_decoder
 
-DEFAULTS = dict(
-    out_dir="bench",
-    datasets=("arith", "stdlib"),
-    num_prompts=40,            # validation prompts decoded by every decoder
-    max_new_tokens=128,
-    slot_size=8,
-    num_blocks=4,              # serial blocks of the ReFusion rows (must divide the number of slots)
-    max_iters=600,             # training budget of each model (iterations of batch_size samples)
-    finetune_iters=600,        # extra budget of the ReFusion model started from the ARM
-    batch_size=32,
-    n_layer=4,
-    n_head=4,
-    n_embd=128,
-    learning_rate=3e-3,
-    block_size=0,              # 0: 192 for arith, 256 for stdlib
-    device="cpu",
-    compile=False,             # torch.compile the training forward pass (GPU runs)
-    seed=1337,
-    retrain=False,             # train again even when out_dir holds the models
-)
+# -----------------------------------------------------------------------------
+# default config
+out_dir = "bench"
+datasets = ("arith", "stdlib")
+num_prompts = 40           # validation prompts decoded by every decoder
+max_new_tokens = 128
+slot_size = 8
+num_blocks = 4             # serial blocks of the ReFusion rows (must divide the number of slots)
+max_iters = 600            # training budget of each model (iterations of batch_size samples)
+finetune_iters = 600       # extra budget of the ReFusion model started from the ARM
+batch_size = 32
+n_layer = 4
+n_head = 4
+n_embd = 128
+learning_rate = 3e-3
+block_size = 0             # 0: 192 for arith, 256 for stdlib
+device = "cpu"
+compile = False            # torch.compile the training forward pass (GPU runs)
+seed = 1337
+retrain = False            # train again even when out_dir holds the models
+# -----------------------------------------------------------------------------
+DEFAULTS = settings_in(globals())
 BLOCK_SIZE = {"arith": 192, "arith-1m": 192, "stdlib": 256}
 ANSWERED = ("arith", "arith-1m")  # data sets whose responses end in an answer that can be checked
 
@@ -117,8 +122,9 @@ def decoder_settings(cfg, n_slots):
 
 def run_decoder(method, model, prompts, meta, max_new_tokens, settings):
     """Decode every prompt with sampler's decoder for `method`; returns the texts and summed statistics."""
-    decode_fn, _ = make_decoder(dict(SAMPLER_DEFAULTS, method=method, max_new_tokens=max_new_tokens, **settings),
-                                model, meta, torch.Generator().manual_seed(0))
+    cfg = {"temperature": 0.0, "steps": 0, "block_length": 0, **settings, "method": method,
+           "max_new_tokens": max_new_tokens}
+    decode_fn, _ = make_decoder(cfg, model, meta, torch.Generator().manual_seed(0))
     decode_fn(prompts[0])  # warm-up, untimed
     outs = [decode_fn(p) for p in prompts]
     texts = [[t for t in o.tokens if t != meta["eos_id"]] for o in outs]
@@ -267,11 +273,10 @@ def check_bench_config(cfg):
             raise ValueError(f"--datasets={ds}: the benchmark knows {', '.join(BLOCK_SIZE)}")
     if cfg["num_prompts"] <= 0:
         raise ValueError(f"--num_prompts={cfg['num_prompts']}: decode at least one prompt")
-    _, n_slots = validate_settings(cfg["max_new_tokens"], cfg["slot_size"], cfg["num_blocks"], 0.9, 0.3, 0.0)
-    L = n_slots * cfg["slot_size"]
-    for _, method, _, settings in decoder_settings(cfg, n_slots):
+    refusion = RefusionSettings(cfg["max_new_tokens"], slot_size=cfg["slot_size"], num_blocks=cfg["num_blocks"])
+    for _, method, _, settings in decoder_settings(cfg, refusion.n_slots):
         if method == "mdm":
-            validate_mdm_settings(L, settings["steps"], settings["block_length"])
+            MDMSettings(refusion.gen_len, **settings)
 
 
 def main(argv):

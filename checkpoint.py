@@ -46,11 +46,18 @@ def load_checkpoint(path_or_dir, device="cpu"):
         raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}); it may be truncated, "
                          "from another program, or hold code (which is never executed); retrain it or "
                          "point to another file") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
+    if not isinstance(ckpt, dict) or not {"model", "model_args", "config"} <= ckpt.keys():
         raise ValueError(f"{path} is not a checkpoint written by train.py (no model weights and config)")
     if ckpt.get("format") != FORMAT:
         raise ValueError(f"{path} has checkpoint format {ckpt.get('format')!r}, this code reads format "
                          f"{FORMAT}; retrain it with this version of train.py")
+    return upgrade(ckpt)
+
+
+def upgrade(ckpt):
+    """Fill in the settings added since a checkpoint was written, with the values that reproduce its
+    run: a checkpoint from before lr_decay_iters existed decayed to min_lr at its own max_iters."""
+    ckpt["config"].setdefault("lr_decay_iters", ckpt["config"]["max_iters"])
     return ckpt
 
 

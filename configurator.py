@@ -14,6 +14,14 @@ import traceback
 import torch
 
 
+def settings_in(namespace):
+    """The settings a script declares as module-level assignments (lowercase names holding an int,
+    float, bool, str or tuple, in the order written), as a dict of defaults: `settings_in(globals())`
+    right after the block of defaults, as nanoGPT's train.py does."""
+    return {k: v for k, v in namespace.items()
+            if not k.startswith("_") and k.islower() and isinstance(v, (int, float, bool, str, tuple))}
+
+
 class ConfigError(ValueError):
     """A config file or flag that names an unknown key or gives a value of the wrong type."""
 

@@ -1,35 +1,16 @@
 """
-Everything about turning text into token batches.
+Token batches: the tokenizer, one split of prepared data, and what each objective feeds the model.
 
-    text records {"query", "response"}  ->  prepare()  ->  data/<name>-<tokenizer>-<block_size>/
-        train.bin, val.bin                 all samples' tokens, uint16, back to back
-        train_samples.npy, val_samples.npy (N, 3) int64: [start in .bin, prompt_len, total_len]
-        meta.json                          tokenizer, special ids, counts; written last
-    TokenDataset(data_dir, split).get_batch(...)  ->  right-padded (B, T) int64 batches
-
-A sample is the query's tokens (the prompt, never predicted) followed by the response's tokens
-and one EOS. As in nanoGPT, tokenization happens once, in prepare(); training reads memmaps.
+    get_tokenizer / encode / decode   text <-> token ids (tiktoken)
+    TokenDataset(data_dir, split)     a split written by prepare.py, as right-padded (B, T) batches
+    reorganize_slots                  ReFusion's training layout (SPEC section 3)
+    autoregressive_batch, random_mask_batch   the ARM and MDM baselines' layouts
 """
 
-import ast
-import hashlib
 import json
 import os
-import platform
-import random
-import re
-import sysconfig
-import tempfile
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
-from itertools import zip_longest
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
 
 import numpy as np
 import tiktoken
@@ -37,9 +18,6 @@ import torch
 
 EOS, MASK, PAD = "<|endoftext|>", "<|mask|>", "<|pad|>"
 TOKENIZERS = ("bytes", "gpt2")
-TEXT_WINDOW_BYTES = 1024  # plain-text files are cut into windows of at most this many UTF-8 bytes
-VAL_PERCENT = 5  # share of records that go to the validation split
-FORMAT = 1  # version of the prepared-data layout, stored in meta.json
 
 # -----------------------------------------------------------------------------
 # tokenizer
@@ -92,483 +70,7 @@ def decode(enc: tiktoken.Encoding, ids) -> str:
     return enc.decode([int(i) for i in ids], errors="replace")
 
 # -----------------------------------------------------------------------------
-# records: {"query": str, "response": str, "module": str, "name": str}
-
-
-def split_of(record: dict) -> str:
-    """
-    "train" or "val" for a record, from a stable hash of f"{module}:{name}" (VAL_PERCENT% val).
-    The same record lands in the same split on every machine and every run.
-    """
-    digest = hashlib.sha1(f"{record['module']}:{record['name']}".encode()).digest()
-    # 8 bytes, not 1: a single byte % 100 would favour 0..55 and give ~5.9% val
-    return "val" if int.from_bytes(digest[:8], "big") % 100 < VAL_PERCENT else "train"
-
-
-SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages"}
-
-
-def _stdlib_files(root: str) -> list[tuple[str, str]]:
-    """(path, dotted module name) of the non-test .py files under `root`, in sorted order."""
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-        for fn in sorted(filenames):
-            if not fn.endswith(".py") or fn.startswith("test_"):
-                continue
-            rel = os.path.relpath(os.path.join(dirpath, fn), root)[:-len(".py")]
-            parts = rel.split(os.sep)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            files.append((os.path.join(dirpath, fn), ".".join(parts)))
-    return sorted(files)
-
-
-def _functions(tree: ast.AST, prefix: str = ""):
-    """Yield (qualified name, node) for every (async) function, methods and nested ones included."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            name = prefix + node.name
-            if not isinstance(node, ast.ClassDef):
-                yield name, node
-            yield from _functions(node, name + ".")
-        else:
-            yield from _functions(node, prefix)  # defs under if/try/with keep the same prefix
-
-
-def _dedent(lines: list[str], indent: str) -> list[str]:
-    """
-    Remove the `def` line's `indent` from each line; whitespace-only lines become empty.
-
-    Not textwrap.dedent: one string literal written at column 0 would stop it dedenting anything.
-    Lines that do not start with `indent` (inside such literals) stay as written.
-    """
-    return [line.removeprefix(indent) if line.strip() else "" for line in lines]
-
-
-def function_records(source: str, module: str, max_chars: int | None = None) -> list[dict]:
-    """
-    Records of the documented functions in one module's `source` (newlines already '\\n').
-
-    query    = the lines from `def` (decorators excluded) to the docstring's last line;
-    response = the remaining lines of the body. Both end with "\\n" and lose the `def` line's
-    indentation; query + response is the function's source so dedented. Functions whose body
-    is only a docstring, or whose query + response exceeds `max_chars`, are left out.
-    Raises SyntaxError if `source` does not parse.
-    """
-    lines = source.split("\n")
-    records = []
-    for name, node in _functions(ast.parse(source)):
-        if ast.get_docstring(node, clean=False) is None:
-            continue
-        # node.lineno is the `def` line; decorators have their own lines before it
-        indent = lines[node.lineno - 1][:node.col_offset]
-        body = _dedent(lines[node.lineno - 1:node.end_lineno], indent)
-        head = node.body[0].end_lineno - node.lineno + 1  # lines up to the docstring's end
-        query, response = "\n".join(body[:head]) + "\n", "\n".join(body[head:]) + "\n"
-        too_long = max_chars is not None and len(query) + len(response) > max_chars
-        if not response.strip() or too_long:
-            continue
-        records.append({"query": query, "response": response, "module": module, "name": name})
-    return records
-
-
-def stdlib_records(max_chars: int | None = None) -> list[dict]:
-    """
-    The built-in real corpus: every documented function of the running interpreter's standard
-    library, as {"query": signature + docstring, "response": rest of the body, "module", "name"}.
-
-    Test packages and site-packages are skipped; so are files that are not UTF-8 or do not parse
-    (their count is printed). The result depends on the Python version (stored in meta.json).
-    """
-    root = sysconfig.get_paths()["stdlib"]
-    records, unreadable = [], 0
-    for path, module in _stdlib_files(root):
-        with open(path, "rb") as f:
-            raw = f.read()
-        try:
-            # ast counts \r\n and \r as line ends too; normalise so our line numbers agree
-            source = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
-            records += function_records(source, module, max_chars)
-        except (UnicodeDecodeError, SyntaxError, ValueError):
-            unreadable += 1
-    if unreadable:
-        print(f"stdlib_records: skipped {unreadable} files that are not UTF-8 or do not parse")
-    return records
-
-# -----------------------------------------------------------------------------
-# the built-in arithmetic corpus: column-by-column worked solutions with a checkable final answer
-
-ARITH_DIGITS = (3, 6)  # operand digits; with the byte tokenizer responses are ~60 to ~125 tokens
-
-
-def _columns(n: int) -> list[int]:
-    """Decimal digits of n >= 0, least significant first."""
-    return [int(c) for c in reversed(str(n))]
-
-
-def _add_steps(a: int, b: int) -> list[str]:
-    """One line per column of a + b, e.g. "8+9+0=17 carry 1" (the first column has no carry in)."""
-    lines, carry = [], 0
-    for i, (x, y) in enumerate(zip_longest(_columns(a), _columns(b), fillvalue=0)):
-        s = x + y + carry
-        lines.append((f"{x}+{y}" if i == 0 else f"{x}+{y}+{carry}") + f"={s} carry {s // 10}")
-        carry = s // 10
-    return lines
-
-
-def _subtract_steps(a: int, b: int) -> list[str]:
-    """One line per column of a - b (a >= b), e.g. "12-3-1=8 borrow 1": the top digit is shown
-    with the 10 it borrowed, so every line is literally true."""
-    lines, borrow = [], 0
-    for i, (x, y) in enumerate(zip_longest(_columns(a), _columns(b), fillvalue=0)):
-        out = int(x - y - borrow < 0)
-        top = x + 10 * out
-        lines.append((f"{top}-{y}" if i == 0 else f"{top}-{y}-{borrow}") + f"={top - y - borrow} borrow {out}")
-        borrow = out
-    return lines
-
-
-def _multiply_steps(a: int, m: int) -> list[str]:
-    """One line per column of a * m (m one digit), e.g. "2*7+4=18 carry 1"."""
-    lines, carry = [], 0
-    for i, x in enumerate(_columns(a)):
-        s = x * m + carry
-        lines.append((f"{x}*{m}" if i == 0 else f"{x}*{m}+{carry}") + f"={s} carry {s // 10}")
-        carry = s // 10
-    return lines
-
-
-def _operand(rng: random.Random) -> int:
-    """A number whose digit count is uniform over ARITH_DIGITS (so short and long ones are equally common)."""
-    digits = rng.randint(*ARITH_DIGITS)
-    return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
-
-
-def _arith_problem(rng: random.Random) -> tuple[str, list[str], int]:
-    """(query, worked step lines, answer) of one problem: add, subtract or multiply by one digit."""
-    a, b = _operand(rng), _operand(rng)
-    op = rng.choice(("add", "subtract", "multiply"))
-    if op == "add":
-        return f"Add {a} and {b}.\n", _add_steps(a, b), a + b
-    if op == "subtract":
-        a, b = max(a, b), min(a, b)
-        return f"Subtract {b} from {a}.\n", _subtract_steps(a, b), a - b
-    m = rng.randint(2, 9)
-    return f"Multiply {a} by {m}.\n", _multiply_steps(a, m), a * m
-
-
-def arithmetic_records(n: int = 20000, seed: int = 0) -> list[dict]:
-    """
-    The built-in checkable corpus: n distinct multi-digit arithmetic problems, generated in code.
-
-    query    e.g. "Add 4821 and 937.\n", "Subtract 937 from 4821.\n", "Multiply 4821 by 7.\n"
-             (operands of 3 to 6 digits; the multiplier one digit, 2 to 9);
-    response one line per column, least significant first, then "answer: <n>\n", e.g.
-             "1+7=8 carry 0\n2+3+0=5 carry 0\n8+9+0=17 carry 1\n4+0+1=5 carry 0\nanswer: 5758\n".
-    module "arith", name the record's index. Deterministic for a given seed (random.Random(seed)).
-    """
-    rng = random.Random(seed)
-    records, seen = [], set()
-    while len(records) < n:
-        query, steps, answer = _arith_problem(rng)
-        if query in seen:
-            continue  # a repeated problem could land in both splits and leak its answer into val
-        seen.add(query)
-        response = "".join(line + "\n" for line in steps) + f"answer: {answer}\n"
-        records.append({"query": query, "response": response, "module": "arith", "name": str(len(records))})
-    return records
-
-
-ARITH_QUERIES = (  # (query pattern, the answer from its two numbers), independent of the generator
-    (re.compile(r"Add (\d+) and (\d+)\."), lambda a, b: a + b),
-    (re.compile(r"Subtract (\d+) from (\d+)\."), lambda b, a: a - b),
-    (re.compile(r"Multiply (\d+) by (\d+)\."), lambda a, b: a * b),
-)
-
-
-def arithmetic_expected(query: str) -> str:
-    """The correct answer to an arithmetic_records query, computed from its text with Python ints.
-
-    Raises ValueError if the query is not one of the three forms.
-    """
-    for pattern, op in ARITH_QUERIES:
-        match = pattern.fullmatch(query.strip())
-        if match:
-            return str(op(int(match[1]), int(match[2])))
-    raise ValueError(f"not an arithmetic query: {query!r}")
-
-
-def arithmetic_answer(text: str) -> str | None:
-    """The final answer in a (generated) response: the text after the last "answer: " up to the
-    line end, stripped; None when the text has no "answer: " (e.g. a truncated generation)."""
-    _, found, tail = text.rpartition("answer: ")
-    return tail.split("\n", 1)[0].strip() if found else None
-
-# -----------------------------------------------------------------------------
-# a user's own records
-
-FORMAT_HELP = ("expected a .json file holding a JSON list of objects with string 'query' and "
-               "'response' fields, a .jsonl file with one such object per line, or plain text")
-
-
-def _read_text(path: str) -> str:
-    """The file's text. Raises FileNotFoundError, or ValueError if empty or not UTF-8."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path!r} does not exist; check the path")
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not valid UTF-8 at byte offset {e.start}; "
-                         "re-save the file as UTF-8") from None
-    if not text.strip():
-        raise ValueError(f"{path}: the file is empty; {FORMAT_HELP}")
-    return text
-
-
-def _check_record(obj, where: str, path: str) -> dict:
-    """The query/response of one JSON record, or a ValueError that says which record is wrong."""
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: {where} is a {type(obj).__name__}, not an object; {FORMAT_HELP}")
-    for key in ("query", "response"):
-        if key not in obj:
-            raise ValueError(f"{path}: {where} has no {key!r} field; {FORMAT_HELP}")
-        if not isinstance(obj[key], str):
-            raise ValueError(f"{path}: {where}: {key!r} must be a string, "
-                             f"not {type(obj[key]).__name__}")
-    for key in ("query", "response"):  # an empty query leaves nothing to condition on at decoding
-        if not obj[key]:
-            raise ValueError(f"{path}: {where} has an empty {key}; remove it or fill it in")
-    return {"query": obj["query"], "response": obj["response"]}
-
-
-def _parse_json(text: str, path: str) -> list[dict]:
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, "
-                         f"column {e.colno}: {e.msg}") from None
-    if not isinstance(rows, list):
-        raise ValueError(f"{path}: top level is a {type(rows).__name__}, not a list; {FORMAT_HELP}")
-    return [_check_record(obj, f"record {i}", path) for i, obj in enumerate(rows)]
-
-
-def _parse_jsonl(text: str, path: str) -> list[dict]:
-    records = []
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue  # blank lines, e.g. a trailing newline, are not records
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON on line {lineno}: {e.msg}") from None
-        records.append(_check_record(obj, f"record {len(records)} (line {lineno})", path))
-    return records
-
-
-def _parse_text(text: str, window_bytes: int) -> list[dict]:
-    """Consecutive windows of at most window_bytes UTF-8 bytes, cut between characters (a byte is
-    a token of the byte tokenizer, and every GPT-2 token is at least one byte, so a window never
-    exceeds window_bytes tokens, whatever the script); the first quarter of a window's characters
-    is the query. Raises ValueError when a single character does not fit."""
-    raw, records, start = text.encode("utf-8"), [], 0
-    while start < len(raw):
-        end = min(start + window_bytes, len(raw))
-        while end < len(raw) and raw[end] & 0xC0 == 0x80:  # a continuation byte: back to the character's start
-            end -= 1
-        if end == start:
-            raise ValueError(f"a window of {window_bytes} bytes cannot hold one character; raise --block_size")
-        window = raw[start:end].decode("utf-8")
-        cut = len(window) // 4
-        records.append({"query": window[:cut], "response": window[cut:]})
-        start = end
-    return records
-
-
-def load_records(path: str, window_bytes: int = TEXT_WINDOW_BYTES) -> list[dict]:
-    """
-    A user's records from `path`, as {"query", "response", "module": file name, "name": index}.
-
-    .json:  a JSON list of {"query": str, "response": str, ...} (the ReFusion release's format);
-    .jsonl: one such object per line;
-    other:  plain text, cut into windows of at most window_bytes UTF-8 bytes, each window's
-            first quarter the query and the rest the response.
-    Raises FileNotFoundError for a missing file and ValueError (naming the record, line, column
-    or byte offset) for an empty file, bad UTF-8, bad JSON, or a malformed record.
-    """
-    text = _read_text(path)
-    ext = os.path.splitext(path)[1].lower()
-    if ext == ".json":
-        records = _parse_json(text, path)
-    elif ext == ".jsonl":
-        records = _parse_jsonl(text, path)
-    else:
-        records = _parse_text(text, window_bytes)
-    if not records:
-        raise ValueError(f"{path}: holds no records; {FORMAT_HELP}")
-    module = os.path.basename(path)
-    return [dict(r, module=module, name=str(i)) for i, r in enumerate(records)]
-
-# -----------------------------------------------------------------------------
-# prepare: records -> token files on disk
-
-# built-in corpora; anything else is a path. "arith-1m" holds 1,000,000 problems (116M byte tokens
-# of training data) for GPU runs; its first 20,000 are "arith"'s, in the same splits.
-DATASETS = {"stdlib": stdlib_records, "arith": arithmetic_records,
-            "arith-1m": lambda: arithmetic_records(1_000_000)}
-
-
-def _write_atomic(path: str, write) -> None:
-    """Call write(file) on a temp file in path's directory, then rename it to `path`."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.chmod(tmp, 0o644)  # mkstemp makes files private; these are ordinary data files
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def _tokenize(records: list[dict], enc, block_size: int, too_long: str) -> tuple[np.ndarray, np.ndarray, int]:
-    """(tokens (n,) uint16, samples (N, 3) int64, number of records skipped as too long).
-    too_long: "skip" such records, or "fail" (ValueError naming the record and the limit)."""
-    eos_id = special_ids(enc)[0]
-    chunks, samples, skipped, start = [], [], 0, 0
-    for r in records:
-        prompt = encode(enc, r["query"])
-        ids = prompt + encode(enc, r["response"]) + [eos_id]
-        if len(ids) > block_size:
-            if too_long == "fail":
-                raise ValueError(f"record {r['module']}:{r['name']} is {len(ids)} tokens, longer than "
-                                 f"block_size={block_size}; raise --block_size or pass --too_long=skip")
-            skipped += 1
-            continue
-        chunks.append(np.array(ids, dtype=np.uint16))
-        samples.append((start, len(prompt), len(ids)))
-        start += len(ids)
-    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
-    return tokens, np.array(samples, dtype=np.int64).reshape(-1, 3), skipped
-
-
-def _source_sha1(dataset: str) -> str | None:
-    """Hash of a user's data file, so an edited file is prepared again; None for built-ins."""
-    if dataset in DATASETS:
-        return None
-    with open(dataset, "rb") as f:
-        return hashlib.sha1(f.read()).hexdigest()
-
-
-def _damaged_file(data_dir: str, meta: dict, split: str) -> str | None:
-    """The path of the first of a split's files that is missing or does not hold as many tokens or
-    samples as meta.json counts (e.g. cut short by a full disk), or None when both are whole."""
-    counts = meta.get("counts", {}).get(split, {})
-    bin_path, samples_path = (os.path.join(data_dir, f"{split}{end}") for end in (".bin", "_samples.npy"))
-    if not os.path.isfile(bin_path) or os.path.getsize(bin_path) != 2 * counts.get("tokens", -1):
-        return bin_path
-    try:
-        if len(np.load(samples_path, mmap_mode="r", allow_pickle=False)) != counts.get("samples"):
-            return samples_path
-    except (OSError, ValueError):
-        return samples_path
-    return None
-
-
-def _is_prepared(data_dir: str, expected: dict) -> bool:
-    """True if data_dir holds a finished, whole preparation made with the same settings."""
-    try:
-        with open(os.path.join(data_dir, "meta.json")) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return False
-    return (all(meta.get(k) == v for k, v in expected.items())
-            and not any(_damaged_file(data_dir, meta, split) for split in ("train", "val")))
-
-
-def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "data", too_long: str = "skip") -> str:
-    """
-    Tokenize `dataset` (a DATASETS name or a path for load_records) once and return the data dir,
-    data_root/<name>-<tokenizer>-<block_size>, where a file's name is its base name and the first 8
-    hex digits of its content's SHA-1 (e.g. data/qa-1f0c9e2a-bytes-384). A finished, matching
-    preparation is reused.
-
-    Samples longer than block_size tokens (EOS included) are skipped and counted (too_long="skip")
-    or refused with a ValueError naming the first one (too_long="fail").
-    Raises FileNotFoundError for an unknown dataset, ValueError if a split gets no samples.
-    """
-    if dataset not in DATASETS and not os.path.isfile(dataset):
-        raise FileNotFoundError(f"no built-in dataset or file named {dataset!r}; "
-                                f"built-ins: {sorted(DATASETS)}, or give a path to a data file")
-    sha1 = _source_sha1(dataset)
-    # a file's name carries its content's hash, so two files both called train.json never share a dir
-    name = dataset if dataset in DATASETS else f"{os.path.splitext(os.path.basename(dataset))[0]}-{sha1[:8]}"
-    data_dir = os.path.join(data_root, f"{name}-{tokenizer}-{block_size}")
-    enc = get_tokenizer(tokenizer)
-    expected = {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "block_size": block_size,
-                "python_version": platform.python_version(), "source_sha1": sha1, "too_long": too_long}
-    if dataset in DATASETS:  # a file is known by its content (source_sha1), however its path is written
-        expected["dataset"] = dataset
-    if _is_prepared(data_dir, expected):
-        return data_dir
-    assert enc.n_vocab <= 2**16, "token ids are stored as uint16"
-    os.makedirs(data_dir, exist_ok=True)
-    with _exclusive(os.path.join(data_dir, ".lock")):  # torchrun's processes: one prepares, the rest wait
-        if not _is_prepared(data_dir, expected):
-            _write_splits(dataset, enc, data_dir, block_size, too_long, expected)
-    return data_dir
-
-
-@contextmanager
-def _exclusive(lock_path: str):
-    """Hold an exclusive lock on lock_path (an empty file) while the block runs; processes that ask
-    for it meanwhile wait. Without fcntl (Windows), or on a file system without locks, there is no
-    lock: start one process at a time."""
-    with open(lock_path, "a") as f:
-        if fcntl is not None:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
-            except OSError as e:  # a file system without locks (some network mounts)
-                warnings.warn(f"cannot lock {lock_path} ({e}); start one process at a time")
-        yield
-
-
-def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> None:
-    """Tokenize the records into data_dir's train/val .bin and _samples.npy, then write meta.json last."""
-    meta_path = os.path.join(data_dir, "meta.json")
-    if os.path.exists(meta_path):
-        os.remove(meta_path)  # a stale meta must not vouch for half-rewritten files
-    if dataset in DATASETS:
-        records = DATASETS[dataset]()
-    else:  # a text window leaves room for EOS
-        records = load_records(dataset, window_bytes=min(TEXT_WINDOW_BYTES, block_size - 1))
-    splits = {split: [r for r in records if split_of(r) == split] for split in ("train", "val")}
-    if not splits["val"] and len(splits["train"]) > 1:
-        splits["val"] = [splits["train"].pop()]  # a small file: keep one record for validation
-        print(f"{dataset}: no record hashed to the validation split; using the last one")
-    counts = {}
-    for split in ("train", "val"):
-        tokens, samples, skipped = _tokenize(splits[split], enc, block_size, too_long)
-        if len(samples) == 0 and skipped:
-            raise ValueError(f"{dataset}: all {skipped} samples of the {split} split are longer than "
-                             f"block_size={block_size} tokens; use a larger --block_size")
-        if len(samples) == 0:
-            raise ValueError(f"{dataset}: too few records for a {split} split ({len(records)} in all); "
-                             "give at least two records")
-        _write_atomic(os.path.join(data_dir, f"{split}.bin"), tokens.tofile)
-        _write_atomic(os.path.join(data_dir, f"{split}_samples.npy"), lambda f: np.save(f, samples))
-        counts[split] = {"samples": len(samples), "tokens": len(tokens), "skipped_too_long": skipped}
-        print(f"{split}: {len(samples):,} samples, {len(tokens):,} tokens, "
-              f"{skipped:,} skipped as longer than {block_size} tokens")
-    eos_id, mask_id, pad_id = special_ids(enc)
-    meta = dict(expected, dataset=dataset, eos_id=eos_id, mask_id=mask_id, pad_id=pad_id, counts=counts)
-    _write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))
-
-
-# -----------------------------------------------------------------------------
-# reading prepared data back
+# reading prepared data back (prepare.py writes it)
 
 
 class TokenDataset:
@@ -579,14 +81,14 @@ class TokenDataset:
         paths = [os.path.join(data_dir, fn) for fn in names]
         for p in paths:
             if not os.path.isfile(p):
-                raise FileNotFoundError(f"{p} not found; run data.prepare(...) or train.py "
+                raise FileNotFoundError(f"{p} not found; run prepare.prepare(...) or train.py "
                                         "first to prepare the data")
         with open(paths[0]) as f:
             self.meta = json.load(f)
-        damaged = _damaged_file(data_dir, self.meta, split)
+        damaged = damaged_file(data_dir, self.meta, split)
         if damaged:
             raise ValueError(f"{damaged} does not hold what {paths[0]} counts: the prepared data is damaged; "
-                             "data.prepare() writes it anew, as train.py and sampler.py do when they start")
+                             "prepare.prepare() writes it anew, as train.py and sampler.py do when they start")
         self.tokens = np.memmap(paths[1], dtype=np.uint16, mode="r")
         self.samples = np.load(paths[2], allow_pickle=False)  # (N, 3): start, prompt_len, total_len
         self.pad_id = self.meta["pad_id"]
@@ -615,6 +117,22 @@ class TokenDataset:
             tokens[b, :total_len] = self.tokens[start:start + total_len]
         prompt_len, length = np.ascontiguousarray(rows[:, 1]), np.ascontiguousarray(rows[:, 2])
         return tuple(torch.from_numpy(a).to(device) for a in (tokens, prompt_len, length))
+
+
+
+def damaged_file(data_dir: str, meta: dict, split: str) -> str | None:
+    """The path of the first of a split's files that is missing or does not hold as many tokens or
+    samples as meta.json counts (e.g. cut short by a full disk), or None when both are whole."""
+    counts = meta.get("counts", {}).get(split, {})
+    bin_path, samples_path = (os.path.join(data_dir, f"{split}{end}") for end in (".bin", "_samples.npy"))
+    if not os.path.isfile(bin_path) or os.path.getsize(bin_path) != 2 * counts.get("tokens", -1):
+        return bin_path
+    try:
+        if len(np.load(samples_path, mmap_mode="r", allow_pickle=False)) != counts.get("samples"):
+            return samples_path
+    except (OSError, ValueError):
+        return samples_path
+    return None
 
 
 # -----------------------------------------------------------------------------

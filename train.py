@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,9 +26,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from configurator import check_device, parse_args, run_cli
-from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, prepare, random_mask_batch, reorganize_slots
+from configurator import check_device, parse_args, run_cli, settings_in
+from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, get_tokenizer, random_mask_batch, reorganize_slots
 from model import ModelConfig, Transformer
+from prepare import prepare
 
 # -----------------------------------------------------------------------------
 # default config: a small ReFusion model on the Python standard library, about 8 minutes on 2 CPU cores
@@ -67,9 +69,7 @@ device = "cpu"            # under torchrun with CUDA each process takes cuda:LOC
 compile = False
 peak_tflops = 312.0       # for the MFU estimate: bf16 peak of the GPU (A100: 312, H100 SXM: 989)
 # -----------------------------------------------------------------------------
-CONFIG_KEYS = [k for k, v in list(globals().items())
-               if not k.startswith("_") and k.islower() and isinstance(v, (int, float, bool, str, tuple))]
-DEFAULTS = {k: globals()[k] for k in CONFIG_KEYS}
+DEFAULTS = settings_in(globals())
 OBJECTIVES = ("refusion", "ar", "mdm")
 # the model's shape, which --init_from=PATH takes from its checkpoint
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "qk_norm", "rope_theta")
@@ -193,9 +193,9 @@ def check_config(cfg):
 
 
 @torch.no_grad()
-def load_pretrained(model, ckpt):
-    """Copy a checkpoint's weights into model (--init_from=PATH); rows the checkpoint's vocabulary
-    lacks (e.g. a mask token it never had) start as the mean of its token embeddings.
+def load_weights(model, ckpt):
+    """Copy a checkpoint's weights into model. Rows the checkpoint's vocabulary lacks (e.g. a mask
+    token a pretrained ARM never had) start as the mean of its token embeddings.
     Raises ValueError when any other shape differs."""
     state = dict(ckpt["model"])
     for name in ("embed_tokens.weight", "lm_head.weight"):
@@ -225,6 +225,21 @@ def estimate_loss(model, cfg, val_data, mask_id, autocast):
     return float(np.mean(losses))
 
 
+# -----------------------------------------------------------------------------
+# where a run starts: one function per --init_from mode
+
+
+@dataclass
+class Start:
+    """How a run begins: the model's shape, the checkpoint whose weights it loads (load_weights),
+    and, when resuming, the optimizer state and counters to continue from."""
+    model_args: dict
+    weights: dict | None = None
+    optimizer: dict | None = None
+    iter_num: int = 0
+    best_val_loss: float = math.inf
+
+
 def inherit_settings(cfg, explicit, source, keys, what):
     """Take `keys` from a checkpoint's config; a key set explicitly to another value is refused.
     Raises ValueError naming the flag and the fix."""
@@ -232,6 +247,156 @@ def inherit_settings(cfg, explicit, source, keys, what):
         if key in explicit and source[key] != cfg[key]:
             raise ValueError(f"--{key}={cfg[key]} differs from the checkpoint's {source[key]!r}; {what}: drop the flag")
         cfg[key] = source[key]
+
+
+def start_from_scratch(cfg, explicit):
+    """--init_from=scratch: a new model of the configured shape, randomly initialised."""
+    return Start(dict(vocab_size=get_tokenizer(cfg["tokenizer"]).n_vocab, block_size=cfg["block_size"],
+                      n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or cfg["n_head"],
+                      n_embd=cfg["n_embd"], qk_norm=cfg["qk_norm"], rope_theta=cfg["rope_theta"],
+                      causal=cfg["objective"] != "mdm"))
+
+
+def resume_from_checkpoint(cfg, explicit):
+    """--init_from=resume: the run in out_dir continues exactly. Every setting comes from its
+    checkpoint unless a flag says otherwise; the model, data and objective cannot change."""
+    ckpt = load_checkpoint(cfg["out_dir"], "cpu")  # to the right GPU with the model, later
+    inherit_settings(cfg, explicit, ckpt["config"], RESUME_KEYS, "a resumed run keeps its model, data and objective")
+    cfg |= {k: v for k, v in ckpt["config"].items() if k in DEFAULTS and k not in explicit | {"device"}}
+    return Start(ckpt["model_args"], ckpt, ckpt["optimizer"], ckpt["iter_num"], ckpt["best_val_loss"])
+
+
+def start_from_pretrained(cfg, explicit):
+    """--init_from=PATH, the paper's recipe: a pretrained model (e.g. an ARM) of the same shape and
+    tokenizer, trained on with this run's objective and a fresh optimizer.
+    Raises FileNotFoundError for a missing path, ValueError for a contradicting flag."""
+    if not os.path.exists(cfg["init_from"]):
+        raise FileNotFoundError(f"--init_from={cfg['init_from']}: use 'scratch', 'resume', or the path of an "
+                                "existing checkpoint (a ckpt.pt or the out_dir holding it)")
+    ckpt = load_checkpoint(cfg["init_from"], "cpu")
+    inherit_settings(cfg, explicit, ckpt["config"], MODEL_KEYS, "a fine-tune keeps the model's shape")
+    if ckpt["meta"]["tokenizer"] != cfg["tokenizer"]:
+        raise ValueError(f"--init_from={cfg['init_from']} was trained with the {ckpt['meta']['tokenizer']!r} "
+                         f"tokenizer but this run uses {cfg['tokenizer']!r}; pass "
+                         f"--tokenizer={ckpt['meta']['tokenizer']}")
+    vocab_size = max(ckpt["model_args"]["vocab_size"], get_tokenizer(cfg["tokenizer"]).n_vocab)
+    return Start(dict(ckpt["model_args"], causal=cfg["objective"] != "mdm", vocab_size=vocab_size), ckpt)
+
+
+START_MODES = {"scratch": start_from_scratch, "resume": resume_from_checkpoint}  # anything else: a checkpoint's path
+
+# -----------------------------------------------------------------------------
+# the run
+
+
+def make_optimizer(cfg, model):
+    """AdamW with weight decay on matrices only (not norms); fused on CUDA."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+                             fused=cfg["device"].startswith("cuda"))
+
+
+@dataclass
+class Run:
+    """What a training run carries from step to step; iter_num counts the steps completed."""
+    cfg: dict
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    model_args: dict
+    train_data: TokenDataset
+    val_data: TokenDataset
+    data_dir: str
+    rank: int
+    world: int
+    iter_num: int
+    best_val_loss: float
+
+    def save(self):
+        """Write the resumable checkpoint (rank 0 only; atomically, see checkpoint.save_checkpoint)."""
+        if self.rank == 0:
+            save_checkpoint(self.cfg["out_dir"], {
+                "model": self.model.state_dict(), "model_args": self.model_args,
+                "optimizer": self.optimizer.state_dict(), "iter_num": self.iter_num,
+                "best_val_loss": self.best_val_loss, "config": self.cfg, "meta": self.train_data.meta,
+                "data_dir": os.path.abspath(self.data_dir)})
+
+
+def train(run):
+    """The training loop from run.iter_num to max_iters: evaluate and save every eval_interval
+    steps, then one optimizer step of gradient_accumulation_steps micro-batches (shared among the
+    processes). Ctrl-C finishes the current step and saves. Returns True when interrupted.
+    Raises SystemExit when a loss stops being finite (the last checkpoint is kept)."""
+    cfg, model, optimizer, world = run.cfg, run.model, run.optimizer, run.world
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    forward_model = compile_model(model) if cfg["compile"] else model
+    autocast = autocast_for(cfg["device"])
+    micro_steps = cfg["gradient_accumulation_steps"] // world      # this process's share of each step
+    mask_id = run.train_data.meta["mask_id"]
+    model.train()
+    bar = tqdm(range(run.iter_num, cfg["max_iters"]), initial=run.iter_num, total=cfg["max_iters"], desc="train",
+               mininterval=1.0, disable=run.rank != 0)
+    t0, n_tokens, flops, start_iter = time.perf_counter(), 0, 0, run.iter_num
+    interrupted = False  # Ctrl-C finishes the current step, then saves a checkpoint to resume from
+
+    def on_interrupt(*_):
+        nonlocal interrupted
+        interrupted = True
+    previous_handler = signal.signal(signal.SIGINT, on_interrupt)
+    for it in bar:
+        run.iter_num = it
+        if it % cfg["eval_interval"] == 0 or it == cfg["max_iters"] - 1:
+            val_loss = estimate_loss(forward_model, cfg, run.val_data, mask_id, autocast)
+            if not math.isfinite(val_loss):
+                raise SystemExit(f"error: validation loss became {val_loss} at iteration {it}; the last good "
+                                 f"checkpoint in {cfg['out_dir']} is kept. Lower --learning_rate or check the data")
+            run.best_val_loss = min(run.best_val_loss, val_loss)
+            if run.rank == 0:
+                tqdm.write(f"iter {it}: val loss {val_loss:.4f}")
+            if it > start_iter:  # nothing new to save at the first step of a run
+                run.save()
+        for group in optimizer.param_groups:
+            group["lr"] = get_lr(it, cfg)
+        for micro in range(micro_steps):
+            rng, gen = micro_batch_rng(cfg, it, run.rank * micro_steps + micro)
+            tokens, prompt_len, length = run.train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
+            batch = make_batch(cfg, tokens, prompt_len, length, mask_id, gen)
+            if world > 1:  # average gradients across processes only after the last micro-batch
+                model.require_backward_grad_sync = micro == micro_steps - 1
+            with autocast:
+                logits = forward_model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
+            loss, ar_loss, mdm_loss = hybrid_loss(logits.float(), batch)
+            if not torch.isfinite(loss):
+                raise SystemExit(f"error: loss became {loss.item()} at iteration {it}; the last good "
+                                 f"checkpoint in {cfg['out_dir']} is kept. Lower --learning_rate or check the data")
+            (loss / micro_steps).backward()
+            n_tokens += int(length.sum())
+            flops += flops_per_token(run.model, tokens.shape[1]) * tokens.numel()
+        if cfg["grad_clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        tflops = flops * world / dt / 1e12
+        bar.set_postfix(loss=f"{loss.item():.3f}", ar=f"{ar_loss.item():.3f}", mdm=f"{mdm_loss.item():.3f}",
+                        tok_s=f"{n_tokens * world / dt:.0f}", tflops=f"{tflops:.3f}",
+                        **({"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] else {}))
+        stop = interrupted
+        if world > 1:  # every process stops after the same step, even if only one saw the Ctrl-C
+            flag = torch.tensor(float(stop), device=cfg["device"])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            stop = bool(flag.item())
+        if stop:
+            interrupted = True
+            break
+    signal.signal(signal.SIGINT, previous_handler)
+    run.iter_num += 1  # steps completed
+    run.save()
+    bar.close()
+    return interrupted
 
 
 def main(argv):
@@ -244,22 +409,11 @@ def main(argv):
     if cfg["init_from"] != "resume" and os.path.exists(ckpt_file):
         raise ValueError(f"{ckpt_file} already exists: continue it with --init_from=resume, or choose another "
                          "--out_dir (nothing was overwritten)")
-    ckpt, init_ckpt = None, None
-    if cfg["init_from"] == "resume":
-        ckpt = load_checkpoint(cfg["out_dir"], "cpu")  # to the right GPU with the model, below
-        # a checkpoint from before lr_decay_iters existed decayed to min_lr at its own max_iters
-        ckpt["config"].setdefault("lr_decay_iters", ckpt["config"]["max_iters"])
-        # a resumed run is the same run: every setting comes from the checkpoint unless a flag says
-        # otherwise, and the model, data and objective cannot change
-        inherit_settings(cfg, explicit, ckpt["config"], RESUME_KEYS, "a resumed run keeps its model, data and objective")
-        cfg |= {k: v for k, v in ckpt["config"].items() if k in DEFAULTS and k not in explicit | {"device"}}
-    elif cfg["init_from"] != "scratch":
-        if not os.path.exists(cfg["init_from"]):
-            raise FileNotFoundError(f"--init_from={cfg['init_from']}: use 'scratch', 'resume', or the path of an "
-                                    "existing checkpoint (a ckpt.pt or the out_dir holding it)")
-        init_ckpt = load_checkpoint(cfg["init_from"], "cpu")
-        inherit_settings(cfg, explicit, init_ckpt["config"], MODEL_KEYS, "a fine-tune keeps the model's shape")
+    start = START_MODES.get(cfg["init_from"], start_from_pretrained)(cfg, explicit)
     cfg["lr_decay_iters"] = cfg["lr_decay_iters"] or cfg["max_iters"]
+    if start.iter_num >= cfg["max_iters"]:
+        raise ValueError(f"{ckpt_file} is already trained for {start.iter_num} iterations; "
+                         f"raise --max_iters above {start.iter_num} to continue it")
     rank, world = setup_distributed(cfg)
     torch.manual_seed(cfg["seed"])
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"], cfg["too_long"])
@@ -267,126 +421,29 @@ def main(argv):
     if len(train_data) < cfg["batch_size"] and rank == 0:
         print(f"warning: the training split has {len(train_data)} samples, fewer than one batch of "
               f"{cfg['batch_size']}; batches draw samples with replacement, so they repeat", file=sys.stderr)
-    meta = train_data.meta
-    mask_id = meta["mask_id"]
-    if init_ckpt is not None and init_ckpt["meta"]["tokenizer"] != meta["tokenizer"]:
-        raise ValueError(f"--init_from={cfg['init_from']} was trained with the {init_ckpt['meta']['tokenizer']!r} "
-                         f"tokenizer but this run uses {meta['tokenizer']!r}; pass "
-                         f"--tokenizer={init_ckpt['meta']['tokenizer']}")
-    if ckpt is not None:
-        model_args = ckpt["model_args"]
-    elif init_ckpt is not None:
-        # the paper's recipe: start from a pretrained ARM (same shape), new objective, fresh optimizer
-        model_args = dict(init_ckpt["model_args"], causal=cfg["objective"] != "mdm",
-                          vocab_size=max(init_ckpt["model_args"]["vocab_size"], meta["vocab_size"]))
-    else:
-        model_args = dict(vocab_size=meta["vocab_size"], block_size=cfg["block_size"], n_layer=cfg["n_layer"],
-                          n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or cfg["n_head"], n_embd=cfg["n_embd"],
-                          qk_norm=cfg["qk_norm"], rope_theta=cfg["rope_theta"], causal=cfg["objective"] != "mdm")
-    model = Transformer(ModelConfig(**model_args))
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-    if init_ckpt is not None:
-        load_pretrained(model, init_ckpt)
+    model = Transformer(ModelConfig(**start.model_args))
+    if start.weights is not None:
+        load_weights(model, start.weights)
     model.to(cfg["device"])
-    if cfg["device"].startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
-                                  fused=cfg["device"].startswith("cuda"))
-    iter_num, best_val = 0, float("inf")
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])  # moves its state to the parameters' device
-        iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
-    del ckpt, init_ckpt  # free the loaded copies for the whole run
-    raw_model = model
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    forward_model = compile_model(model) if cfg["compile"] else model
-    autocast = autocast_for(cfg["device"])
-    micro_steps = cfg["gradient_accumulation_steps"] // world      # this process's share of each step
-    master = rank == 0                                             # only rank 0 logs and writes checkpoints
-
-    def checkpoint():
-        if master:
-            save_checkpoint(cfg["out_dir"], {
-                "model": raw_model.state_dict(), "model_args": model_args, "optimizer": optimizer.state_dict(),
-                "iter_num": iter_num, "best_val_loss": best_val, "config": cfg, "meta": meta,
-                "data_dir": os.path.abspath(data_dir)})
-
-    if master:
-        print(f"{cfg['objective']} model: {raw_model.num_params() / 1e6:.2f}M parameters, "
+    optimizer = make_optimizer(cfg, model)
+    if start.optimizer is not None:
+        optimizer.load_state_dict(start.optimizer)  # moves its state to the parameters' device
+    run = Run(cfg, model, optimizer, start.model_args, train_data, val_data, data_dir, rank, world,
+              start.iter_num, start.best_val_loss)
+    del start  # free the loaded checkpoint for the whole run
+    if rank == 0:
+        print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
               f"{len(train_data):,} training samples, device {cfg['device']}, {world} process(es)")
-    if iter_num >= cfg["max_iters"]:
-        raise ValueError(f"{ckpt_file} is already trained for {iter_num} iterations; "
-                         f"raise --max_iters above {iter_num} to continue it")
-    model.train()
-    bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"], desc="train",
-               mininterval=1.0, disable=not master)
-    t0, n_tokens, flops, start_iter = time.perf_counter(), 0, 0, iter_num
-    interrupted = []  # Ctrl-C finishes the current step, then saves a checkpoint to resume from
-    previous_handler = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
-    for iter_num in bar:
-        if iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"] - 1:
-            val_loss = estimate_loss(forward_model, cfg, val_data, mask_id, autocast)
-            if not math.isfinite(val_loss):
-                raise SystemExit(f"error: validation loss became {val_loss} at iteration {iter_num}; the last good "
-                                 f"checkpoint in {cfg['out_dir']} is kept. Lower --learning_rate or check the data")
-            best_val = min(best_val, val_loss)
-            if master:
-                tqdm.write(f"iter {iter_num}: val loss {val_loss:.4f}")
-            if iter_num > start_iter:  # nothing new to save at the first step of a run
-                checkpoint()
-        for group in optimizer.param_groups:
-            group["lr"] = get_lr(iter_num, cfg)
-        for micro in range(micro_steps):
-            rng, gen = micro_batch_rng(cfg, iter_num, rank * micro_steps + micro)
-            tokens, prompt_len, length = train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
-            batch = make_batch(cfg, tokens, prompt_len, length, mask_id, gen)
-            if world > 1:  # average gradients across processes only after the last micro-batch
-                model.require_backward_grad_sync = micro == micro_steps - 1
-            with autocast:
-                logits = forward_model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
-            loss, ar_loss, mdm_loss = hybrid_loss(logits.float(), batch)
-            if not torch.isfinite(loss):
-                raise SystemExit(f"error: loss became {loss.item()} at iteration {iter_num}; the last good "
-                                 f"checkpoint in {cfg['out_dir']} is kept. Lower --learning_rate or check the data")
-            (loss / micro_steps).backward()
-            n_tokens += int(length.sum())
-            flops += flops_per_token(raw_model, tokens.shape[1]) * tokens.numel()
-        if cfg["grad_clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        tflops = flops * world / dt / 1e12
-        bar.set_postfix(loss=f"{loss.item():.3f}", ar=f"{ar_loss.item():.3f}", mdm=f"{mdm_loss.item():.3f}",
-                        tok_s=f"{n_tokens * world / dt:.0f}", tflops=f"{tflops:.3f}",
-                        **({"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] else {}))
-        stop = bool(interrupted)
-        if world > 1:  # every process stops after the same step, even if only one saw the Ctrl-C
-            flag = torch.tensor(float(stop), device=cfg["device"])
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            stop = bool(flag.item())
-        if stop:
-            interrupted.append(True)
-            break
-    signal.signal(signal.SIGINT, previous_handler)
-    iter_num += 1  # steps completed
-    checkpoint()
+    interrupted = train(run)
     if world > 1:
         torch.distributed.barrier()  # no process exits (ending the others) before rank 0 has saved
         torch.distributed.destroy_process_group()
     if interrupted:
-        bar.close()
         launcher = "torchrun ... train.py" if world > 1 else "python train.py"
-        raise SystemExit(f"interrupted after {iter_num} iterations; saved {ckpt_file}. Continue with "
-                         f"`{launcher} --out_dir={cfg['out_dir']} --init_from=resume`" if master else 1)
-    if master:
-        print(f"saved {ckpt_file} (best val loss {best_val:.4f})")
+        raise SystemExit(f"interrupted after {run.iter_num} iterations; saved {ckpt_file}. Continue with "
+                         f"`{launcher} --out_dir={cfg['out_dir']} --init_from=resume`" if rank == 0 else 1)
+    if rank == 0:
+        print(f"saved {ckpt_file} (best val loss {run.best_val_loss:.4f})")
 
 
 if __name__ == "__main__":

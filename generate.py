@@ -1,0 +1,563 @@
+"""
+ReFusion's plan-and-infill decoder (SPEC section 4), told as its named steps:
+
+    plan_slots     step 1  one diffusion step over the masked slots: draft them, pick the confident ones
+    verify_drafts  step 2  one causal pass over the picked drafts: accept their longest confident prefix
+    infill_slots   step 3  finish the picked slots in parallel, each one left to right, one row each
+    commit_slots   step 4  append the finished slots (tokens, true positions, keys/values) to the buffer
+
+Every committed token's keys/values are computed once and reused by every later forward pass: the
+buffer holds committed slots in commit order, the model sees their true positions through RoPE.
+
+The baselines of SPEC section 4 report the same Generation statistics: generate_ar (next-token
+decoding with the KV cache) and generate_mdm (LLaDA-style, the whole sequence recomputed each step).
+Each decoder takes a settings object, checked once when it is built.
+"""
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Generation:
+    """The result of one decode and its statistics (SPEC section 4, "Statistics").
+
+    tokens:  generated response ids, in position order, cut after the first EOS (EOS included).
+    nfe:     model forward calls (a batched call counts once; the prompt prefill counts).
+    seconds: wall-clock decode time in seconds.
+    trace:   per decoding step, the (position, token) pairs it committed.
+    """
+    tokens: list[int]
+    nfe: int
+    seconds: float
+    trace: list = field(default_factory=list, repr=False)
+
+    @property
+    def tpf(self):
+        """Tokens per forward over the whole generation: tokens / NFE."""
+        return len(self.tokens) / max(self.nfe, 1)
+
+    @property
+    def tokens_per_s(self):
+        """Generated tokens per second of wall-clock decode time."""
+        return len(self.tokens) / max(self.seconds, 1e-9)
+
+    def stats(self):
+        """The statistics as a dict of plain numbers (tokens, nfe, tpf, seconds, tokens_per_s), for --json."""
+        return {"tokens": len(self.tokens), "nfe": self.nfe, "tpf": round(self.tpf, 3),
+                "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2)}
+
+# -----------------------------------------------------------------------------
+# settings, checked once when built
+
+
+@dataclass
+class DecodeSettings:
+    """What every decoder needs: how many tokens to generate and how to pick them.
+
+    max_new_tokens: at most this many tokens are returned (> 0).
+    temperature: 0 for argmax; > 0 samples by Gumbel-max in float64 (SPEC section 4).
+    Raises ValueError when a value cannot work. The ARM baseline needs nothing more.
+    """
+    max_new_tokens: int
+    temperature: float = 0.0
+
+    def __post_init__(self):
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: ask for at least one new token")
+        if not (self.temperature >= 0):  # also catches NaN
+            raise ValueError(f"temperature={self.temperature}: use 0 for greedy decoding or a positive value "
+                             "to sample")
+
+    @property
+    def gen_len(self):
+        """Positions the generation occupies in the context (tokens)."""
+        return self.max_new_tokens
+
+
+@dataclass
+class RefusionSettings(DecodeSettings):
+    """ReFusion's knobs (SPEC section 4): slot size S, serial blocks B and the two thresholds.
+
+    The generation length is max_new_tokens rounded up to whole slots; B must divide the number of
+    slots. Thresholds are probabilities compared with `>`: any value >= 0 is accepted, and a value
+    of 1 or more means "never" (one slot per plan step / only forced tokens accepted).
+    Raises ValueError naming the setting and the fix.
+    """
+    slot_size: int = 8
+    num_blocks: int = 1
+    slot_threshold: float = 0.9
+    token_threshold: float = 0.3
+
+    def __post_init__(self):
+        super().__post_init__()
+        S = self.slot_size
+        if S <= 0:
+            raise ValueError(f"slot_size={S}: a slot holds at least one token (the paper uses 4 to 32)")
+        if S > self.max_new_tokens:
+            raise ValueError(f"slot_size={S} is larger than max_new_tokens={self.max_new_tokens}; use a "
+                             f"slot_size of at most {self.max_new_tokens} (or ask for more tokens)")
+        if self.num_blocks <= 0:
+            raise ValueError(f"num_blocks={self.num_blocks}: use at least one serial block")
+        for name in ("slot_threshold", "token_threshold"):
+            if not (getattr(self, name) >= 0):  # also catches NaN
+                raise ValueError(f"{name}={getattr(self, name)}: thresholds are probabilities >= 0 "
+                                 "(a value >= 1 means never)")
+        if self.n_slots % self.num_blocks:
+            raise ValueError(f"{self.n_slots} slots of {S} tokens (max_new_tokens={self.max_new_tokens} rounded "
+                             f"up to {self.gen_len}) cannot be cut into num_blocks={self.num_blocks} equal "
+                             f"blocks; pick num_blocks dividing {self.n_slots}")
+
+    @property
+    def n_slots(self):
+        """Slots in the whole generation."""
+        return math.ceil(self.max_new_tokens / self.slot_size)
+
+    @property
+    def gen_len(self):
+        """max_new_tokens rounded up to a multiple of slot_size (tokens)."""
+        return self.n_slots * self.slot_size
+
+
+@dataclass
+class MDMSettings(DecodeSettings):
+    """LLaDA's schedule: `steps` denoising steps over blocks of `block_length` tokens.
+
+    steps None: one token per step (steps = max_new_tokens); block_length None: one block.
+    block_length must divide max_new_tokens, the number of blocks must divide steps, and
+    steps <= max_new_tokens. Raises ValueError naming the setting and the fix.
+    """
+    steps: int | None = None
+    block_length: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        n = self.max_new_tokens
+        self.steps = n if self.steps is None else self.steps
+        self.block_length = n if self.block_length is None else self.block_length
+        if self.steps <= 0 or self.block_length <= 0:
+            raise ValueError(f"steps={self.steps}, block_length={self.block_length}: both must be positive")
+        if n % self.block_length:
+            raise ValueError(f"max_new_tokens={n} is not a multiple of block_length={self.block_length}; "
+                             f"pick a block_length dividing {n}")
+        if self.steps % self.n_blocks:
+            raise ValueError(f"steps={self.steps} cannot be shared equally by the {self.n_blocks} blocks of "
+                             f"{self.block_length} tokens; pick steps as a multiple of {self.n_blocks}")
+        if self.steps > n:
+            raise ValueError(f"steps={self.steps} > max_new_tokens={n}: some steps would commit no token; "
+                             f"use at most {n} steps (one token per step)")
+
+    @property
+    def n_blocks(self):
+        """Semi-autoregressive blocks, decoded left to right."""
+        return self.max_new_tokens // self.block_length
+
+
+def check_context(model, prompt_len, gen_len):
+    """Refuse a prompt + generation that does not fit the model's positions. Raises ValueError."""
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty: give at least one token of context")
+    limit = model.config.block_size
+    if prompt_len + gen_len > limit:
+        raise ValueError(f"prompt ({prompt_len} tokens) + generation ({gen_len} tokens, max_new_tokens rounded up "
+                         f"to whole slots) exceeds the model's context of {limit} positions; shorten the prompt, "
+                         "lower max_new_tokens or use a smaller slot_size")
+
+
+def check_attention(model, method):
+    """Refuse a decoding method the model's attention was not trained for. Raises ValueError.
+
+    refusion and ar feed tokens after a KV cache, which needs causal attention; mdm recomputes a
+    sequence of masks, which needs bidirectional attention (SPEC section 4, "Baseline decoders").
+    Reads model.config.causal (False for a model trained with --objective=mdm).
+    """
+    if method == "mdm" and model.config.causal:
+        raise ValueError("this model was trained with a causal objective (refusion or ar), so it cannot "
+                         "denoise a sequence of masks bidirectionally; use --method=refusion or --method=ar")
+    if method != "mdm" and not model.config.causal:
+        raise ValueError(f"this model has bidirectional attention (trained with --objective=mdm), but "
+                         f"--method={method} decodes causally after a KV cache; use --method=mdm")
+
+# -----------------------------------------------------------------------------
+# choosing tokens
+
+
+def ban(scores, token_ids):
+    """Set scores[..., id] = -inf for each id, in place, and return scores (logits or probabilities
+    (..., V) about to be maximized), so that no banned token is ever chosen. Only the choice is
+    affected: confidences stay the raw softmax probabilities (SPEC section 4), so a ban changes no
+    threshold decision. ReFusion and the MDM always ban the mask id (in the response it would read
+    as a still-masked position); the command line bans the mask and pad ids for every decoder,
+    since no training label is either."""
+    scores[..., list(token_ids)] = -math.inf
+    return scores
+
+
+def draft_tokens(logits, temperature, generator, banned=()):
+    """Draft a token at each row of logits (N, V) float32; returns (tokens (N,) int64, probs (N,) float32).
+
+    temperature 0: argmax; otherwise Gumbel-max sampling in float64. Tokens in `banned` are never
+    drafted (ban). The probability is the raw softmax probability of the drafted token
+    (temperature does not scale it; SPEC section 4).
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    if temperature == 0:
+        tokens = ban(probs.clone(), banned).argmax(dim=-1)
+    else:
+        u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+        tokens = (ban(logits.double(), banned) / temperature + gumbel).argmax(dim=-1)
+    return tokens, probs.gather(-1, tokens[:, None])[:, 0]
+
+
+def next_token_probs(logits, tokens):
+    """Probability of each token given everything before it (causal next-token prediction).
+
+    logits: (B, T, V) for the tokens (B, T) fed in one pass. Returns (B, T) float32 where column j
+    is softmax(logits[:, j - 1])[tokens[:, j]]; column 0 has no prediction in this pass and is 0.
+    """
+    probs = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    probs[:, 1:] = torch.softmax(logits[:, :-1].float(), dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return probs
+
+
+def leading_true(x):
+    """Length of the run of True at the start of each row of x (B, T) bool; returns (B,) int64."""
+    return x.long().cumprod(dim=1).sum(dim=1)
+
+
+def cut_after_eos(tokens, eos_id):
+    """tokens (list of ids) up to and including the first EOS (all of them if there is none)."""
+    return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+# -----------------------------------------------------------------------------
+# ReFusion: plan, verify, infill, commit
+
+
+class DecodeState:
+    """What the decoder carries between steps: the model, its cache and the committed buffer.
+
+    The cache row 0 holds `ctx` committed tokens; `pending` are committed tokens not yet fed to the
+    model (the prompt, until the first plan call feeds it together with the masks).
+    """
+
+    def __init__(self, model, prompt, cache, mask_id, eos_id, temperature, generator, on_step=None, banned_ids=()):
+        self.model, self.cache = model, cache
+        self.mask_id, self.eos_id = mask_id, eos_id
+        self.banned = [mask_id, *banned_ids]  # never written into the response
+        self.temperature, self.generator = temperature, generator
+        self.device = cache.kv.device
+        self.pending = list(prompt)
+        self.pending_pos = list(range(len(prompt)))
+        self.ctx = 0
+        self.nfe = 0
+        self.response = {}   # true position -> committed token
+        self.trace = []
+        self.on_step = on_step  # called with each step's committed (position, token) pairs
+
+    def forward(self, tokens, positions):
+        """One counted forward pass of (B, T) tokens at (B, T) positions after the cache."""
+        self.nfe += 1
+        return self.model(tokens, positions, kv_cache=self.cache)
+
+
+@dataclass
+class Commit:
+    """Finished slots, as verify_drafts or infill_slots hand them to commit_slots (SPEC step 4).
+
+    starts:   true start positions of the slots, ascending.
+    tokens:   one list of ids per slot, cut after EOS.
+    segments: per slot, the cache (row, length) holding its keys/values from token `ctx` on
+              (row 0 after a verify pass, one row per slot after infill).
+    eos:      True when the last slot ends with EOS: every later slot of the block is dropped and
+              no later block starts.
+    """
+    starts: list[int]
+    tokens: list[list[int]]
+    segments: list[tuple[int, int]]
+    eos: bool = False
+
+    def __len__(self):
+        return len(self.starts)
+
+
+def plan_slots(state, pool, slot_size, slot_threshold):
+    """Step 1, plan: one diffusion step over every still-masked slot of the block.
+
+    pool: ascending start positions of the masked slots. Feeds (after the cache, and after the
+    pending prompt on the first call) each slot as slot_size mask ids at its true positions, drafts
+    every masked position, scores each slot by its first token's probability and selects those
+    above slot_threshold (else the single best). The masks' keys/values are discarded.
+    Returns (starts: ascending start positions of the selected slots,
+             drafts: (len(starts), slot_size) int64).
+    """
+    n_pending = len(state.pending)
+    masks = [state.mask_id] * (slot_size * len(pool))
+    positions = [p + i for p in pool for i in range(slot_size)]
+    tokens = torch.tensor([state.pending + masks], device=state.device)
+    pos = torch.tensor([state.pending_pos + positions], device=state.device)
+    logits = state.forward(tokens, pos)[0, n_pending:]                 # (n_slots * S, V)
+    state.ctx += n_pending                                              # the prompt's KV stays cached
+    state.pending, state.pending_pos = [], []
+    state.cache.crop(state.ctx)
+    drafts, probs = draft_tokens(logits, state.temperature, state.generator, state.banned)
+    drafts, probs = drafts.view(len(pool), slot_size), probs.view(len(pool), slot_size)
+    scores = probs[:, 0]
+    selected = (scores > slot_threshold).nonzero()[:, 0].tolist() or [int(scores.argmax())]
+    return [pool[i] for i in selected], drafts[selected]
+
+
+def verify_drafts(state, starts, drafts, token_threshold):
+    """Step 2, global verify: one causal pass over the selected drafts, concatenated in slot order.
+
+    starts: true start positions of the selected slots; drafts: (k, S) int64.
+    A slot's first token is accepted as drafted; every other token passes when its next-token
+    probability (given all drafts before it) exceeds token_threshold. The longest all-passing
+    prefix of the concatenation decides:
+      - it holds EOS: a Commit of the slots up to the first EOS (that slot cut after it), eos=True;
+      - it covers whole slots: a Commit of those slots, with the keys/values this pass computed;
+      - otherwise: an empty Commit, and infill_slots finishes every selected slot.
+    Returns (commit, accepted: (k,) int64 each slot's own accepted prefix, for infill_slots).
+    """
+    k, S = drafts.shape
+    tokens = drafts.reshape(1, k * S)
+    pos = torch.tensor([[p + i for p in starts for i in range(S)]], device=state.device)
+    probs = next_token_probs(state.forward(tokens, pos), tokens)       # (1, k * S)
+    passed = (probs > token_threshold).view(k, S)
+    passed[:, 0] = True
+    prefix = drafts.view(-1)[:int(leading_true(passed.view(1, -1))[0])].tolist()
+    eos = state.eos_id in prefix
+    n = prefix.index(state.eos_id) + 1 if eos else len(prefix) // S * S   # tokens to commit
+    slots = [prefix[i:min(i + S, n)] for i in range(0, n, S)]
+    commit = Commit(starts[:len(slots)], slots, [(0, n)] if n else [], eos)
+    return commit, leading_true(passed)
+
+
+def infill_slots(state, starts, drafts, accepted, token_threshold):
+    """Step 3, parallel autoregressive infill: finish each selected slot in its own batch row.
+
+    starts: (k,) true start positions; drafts: (k, S) int64 tokens from the plan step;
+    accepted: (k,) int64 length of each slot's accepted prefix (at least 1). The verify pass's
+    keys/values are dropped, then each iteration (a) drafts every unaccepted token by feeding it as
+    a mask id, then (b) verifies: the first unaccepted token of each row is accepted (it was
+    predicted from an accepted prefix), later ones while their next-token probability exceeds
+    token_threshold. (c) A row whose accepted tokens contain EOS ends there and every later row is
+    dropped (end_rows_at_eos). (d) The prefix accepted in every row is kept in the cache (never
+    recomputed). At most S iterations.
+    Returns a Commit of the k' <= k finished slots; the cache is left with k' rows, row i holding
+    slot i's keys/values after the shared prefix.
+    """
+    k, S = drafts.shape
+    state.cache.crop(state.ctx)
+    tokens, accepted = drafts.clone(), accepted.clone()
+    pos = torch.tensor(starts, device=state.device)[:, None] + torch.arange(S, device=state.device)
+    cols = torch.arange(S, device=state.device)
+    state.cache.repeat_prefix(k)
+    tokens, accepted, lengths, eos = end_rows_at_eos(state, tokens, accepted, torch.full_like(accepted, S))
+    pos = pos[:len(tokens)]
+    shared = 0                                     # slot tokens [0, shared) of every row are cached
+    for _ in range(S):                             # each iteration accepts >= 1 token of every unfinished row
+        if bool((accepted >= lengths).all()):
+            break
+        base = state.ctx + shared
+        # (a) draft: unaccepted tokens become mask ids; each masked position predicts itself
+        window = tokens[:, shared:].clone()
+        masked = cols[shared:] >= accepted[:, None]
+        window[masked] = state.mask_id
+        logits = state.forward(window, pos[:, shared:])
+        state.cache.crop(base)
+        tokens[:, shared:][masked] = ban(logits[masked], state.banned).argmax(dim=-1)
+        # (b) verify: accept the first unaccepted token, then while the next-token probability passes
+        window = tokens[:, shared:]
+        probs = next_token_probs(state.forward(window, pos[:, shared:]), window)
+        passed = (probs > token_threshold) | (cols[shared:] == accepted[:, None])
+        passed |= cols[shared:] < accepted[:, None]
+        accepted = torch.minimum(shared + leading_true(passed), lengths)
+        # (c) EOS ends its slot and the decode after it
+        tokens, accepted, lengths, row_eos = end_rows_at_eos(state, tokens, accepted, lengths)
+        eos, pos = eos or row_eos, pos[:len(tokens)]
+        # (d) keep the keys/values of the prefix accepted in every row (all of it once all are done)
+        shared = S if bool((accepted >= lengths).all()) else int(accepted.min())
+        state.cache.crop(state.ctx + shared)
+    lengths = lengths.tolist()
+    return Commit(starts[:len(tokens)], [row[:n] for row, n in zip(tokens.tolist(), lengths)],
+                  list(enumerate(lengths)), eos)
+
+
+def end_rows_at_eos(state, tokens, accepted, lengths):
+    """SPEC step 3c: the first row whose accepted tokens hold EOS ends after it; later rows go.
+
+    tokens (k, S), accepted (k,), lengths (k,). Returns the (possibly fewer) rows and lengths, and
+    whether an EOS was found; drops the cache rows of removed slots.
+    """
+    S = tokens.shape[1]
+    is_eos = (tokens == state.eos_id) & (torch.arange(S, device=tokens.device) < accepted[:, None])
+    rows = is_eos.any(dim=1).nonzero()[:, 0]
+    if len(rows) == 0:
+        return tokens, accepted, lengths, False
+    r = int(rows[0])
+    end = int(is_eos[r].long().argmax()) + 1
+    lengths = lengths[:r + 1].clone()
+    lengths[r] = end
+    if r + 1 < state.cache.batch:
+        state.cache.keep_rows(list(range(r + 1)))
+    return tokens[:r + 1], torch.minimum(accepted[:r + 1], lengths), lengths, True
+
+
+def commit_slots(state, commit):
+    """Step 4, commit: append finished slots to the buffer and their keys/values to the cache.
+
+    commit: a Commit from verify_drafts or infill_slots. Its cache segments are laid one after
+    another from token ctx on (KVCache.commit_rows), each token is recorded at its true position,
+    and the step is reported to on_step.
+    """
+    state.cache.commit_rows(commit.segments, state.ctx)
+    step = []
+    for start, ids in zip(commit.starts, commit.tokens):
+        for i, t in enumerate(ids):
+            assert start + i not in state.response, "a position was committed twice"
+            state.response[start + i] = t
+            step.append((start + i, t))
+    state.ctx = state.cache.pos
+    state.trace.append(step)
+    if state.on_step:
+        state.on_step(step)
+
+
+def decode_block(state, pool, settings):
+    """Decode one serial block until none of its slots is masked (SPEC section 4, steps 1-4).
+
+    pool: ascending start positions of the block's slots. Returns True when EOS ended the block
+    (the slots before the EOS slot are still decoded; no later block starts).
+    """
+    eos = False
+    while pool:
+        starts, drafts = plan_slots(state, pool, settings.slot_size, settings.slot_threshold)
+        commit, accepted = verify_drafts(state, starts, drafts, settings.token_threshold)
+        if not commit:  # not even one whole slot passed verify: finish every selected slot in parallel
+            commit = infill_slots(state, starts, drafts, accepted, settings.token_threshold)
+        commit_slots(state, commit)
+        eos = eos or commit.eos
+        pool = [p for p in pool if p not in commit.starts and not (commit.eos and p > commit.starts[-1])]
+    return eos
+
+
+@torch.no_grad()
+def generate_refusion(model, prompt, settings, *, mask_id, eos_id, generator=None, on_step=None, banned_ids=()):
+    """Generate a response with ReFusion's plan-and-infill decoding (SPEC section 4; paper section 3.2).
+
+    model:    a causal Transformer (or any module with the same forward and new_kv_cache), in eval mode.
+    prompt:   list of token ids (at least one).
+    settings: RefusionSettings (slot size, serial blocks, thresholds, temperature, max_new_tokens).
+    generator: torch.Generator on the model's device, for temperature > 0 (plan drafts only).
+    on_step:  optional callable, given the (position, token) pairs each step commits (--show).
+    banned_ids: token ids never generated besides the mask id (the command line adds the pad id).
+    Returns a Generation of at most settings.max_new_tokens tokens.
+    Raises ValueError for a bidirectional model, or a prompt + generation longer than the context.
+    """
+    check_attention(model, "refusion")
+    check_context(model, len(prompt), settings.gen_len)
+    t0 = time.perf_counter()
+    S, slots_per_block = settings.slot_size, settings.n_slots // settings.num_blocks
+    cache = model.new_kv_cache(max_len=len(prompt) + settings.gen_len, max_batch=slots_per_block)
+    state = DecodeState(model, prompt, cache, mask_id, eos_id, settings.temperature, generator, on_step, banned_ids)
+    for b in range(settings.num_blocks):
+        first = len(prompt) + b * slots_per_block * S
+        if decode_block(state, [first + i * S for i in range(slots_per_block)], settings):
+            break
+    tokens = cut_after_eos([state.response[p] for p in sorted(state.response)], eos_id)
+    return Generation(tokens[:settings.max_new_tokens], state.nfe, time.perf_counter() - t0, state.trace)
+
+# -----------------------------------------------------------------------------
+# baseline decoders (SPEC section 4, "Baseline decoders"): next-token (ar) and LLaDA-style (mdm)
+
+
+@torch.no_grad()
+def generate_ar(model, prompt, settings, *, eos_id, generator=None, on_step=None, banned_ids=()):
+    """Plain next-token decoding with the KV cache: the ARM baseline.
+
+    settings: DecodeSettings (max_new_tokens, temperature). One prefill forward of the prompt
+    predicts the first token, then one forward per further token, each feeding only the newest
+    token after the cache; so NFE = number of generated tokens (TPF 1). temperature 0: argmax;
+    otherwise Gumbel-max in float64 from `generator` (draft_tokens). banned_ids are never generated
+    (the command line passes the mask and pad ids). Stops after EOS or max_new_tokens. Returns a Generation; its trace holds one
+    (position, token) pair per forward (also given to on_step, if set, as it happens).
+    Raises ValueError for a bidirectional model or a prompt + generation longer than the context.
+    """
+    check_attention(model, "ar")
+    check_context(model, len(prompt), settings.gen_len)
+    t0 = time.perf_counter()
+    cache = model.new_kv_cache(max_len=len(prompt) + settings.max_new_tokens)
+    device = cache.kv.device
+    tokens = torch.tensor([prompt], device=device)                     # (1, P), the prefill
+    positions = torch.arange(len(prompt), device=device)[None]
+    out, trace = [], []
+    while True:
+        logits = model(tokens, positions, kv_cache=cache)[0, -1:]      # (1, V): the next token's
+        token, _ = draft_tokens(logits, settings.temperature, generator, banned_ids)
+        out.append(int(token))
+        trace.append([(len(prompt) + len(out) - 1, out[-1])])
+        if on_step:
+            on_step(trace[-1])
+        if out[-1] == eos_id or len(out) == settings.max_new_tokens:
+            break
+        tokens, positions = token[None], positions[:, -1:] + 1         # (1, 1) each
+    return Generation(out, len(out), time.perf_counter() - t0, trace)
+
+
+def tokens_per_step(n_masked, steps):
+    """LLaDA's schedule: n_masked tokens spread over `steps` steps as evenly as possible, the
+    remainder going to the first steps (10 over 4 steps: [3, 3, 2, 2]). Returns a list of ints."""
+    return [n_masked // steps + (i < n_masked % steps) for i in range(steps)]
+
+
+@torch.no_grad()
+def generate_mdm(model, prompt, settings, *, mask_id, eos_id, generator=None, on_step=None, banned_ids=()):
+    """LLaDA-style masked-diffusion decoding with low-confidence remasking: the MDM baseline.
+
+    settings: MDMSettings (max_new_tokens, steps, block_length, temperature). The sequence starts
+    as prompt + max_new_tokens mask ids and is recomputed whole at every step (bidirectional
+    attention, so no cache; NFE = steps). Each step predicts every masked position of the current
+    block (argmax, or Gumbel-max in float64 with temperature; neither the mask id nor banned_ids are
+    ever predicted: see ban) and commits the k most confident ones (confidence: the softmax
+    probability of the predicted token), k following tokens_per_step. Blocks of block_length tokens
+    go left to right, steps / n_blocks steps each. Committed tokens never change. The result is cut
+    after the first EOS. Returns a Generation; its trace holds the (position, token) pairs committed
+    at each step (also given to on_step, if set, as it happens).
+    Raises ValueError for a causal model or a prompt + generation longer than the context.
+    """
+    check_attention(model, "mdm")
+    check_context(model, len(prompt), settings.gen_len)
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    P, L, n_blocks = len(prompt), settings.max_new_tokens, settings.n_blocks
+    x = torch.tensor([prompt + [mask_id] * L], device=device)          # (1, P + L)
+    positions = torch.arange(P + L, device=device)[None]
+    masked = torch.zeros(P + L, dtype=torch.bool, device=device)
+    masked[P:] = True
+    trace, nfe = [], 0
+    for b in range(n_blocks):
+        in_block = torch.zeros_like(masked)
+        in_block[P + b * settings.block_length:P + (b + 1) * settings.block_length] = True
+        for k in tokens_per_step(settings.block_length, settings.steps // n_blocks):
+            logits = model(x, positions)[0]                                 # (P + L, V)
+            nfe += 1
+            where = (masked & in_block).nonzero()[:, 0]                      # masked positions of the block
+            drafts, confidence = draft_tokens(logits[where], settings.temperature, generator,
+                                              [mask_id, *banned_ids])
+            best = confidence.topk(k).indices
+            x[0, where[best]] = drafts[best]
+            masked[where[best]] = False
+            trace.append(list(zip(where[best].tolist(), drafts[best].tolist())))
+            if on_step:
+                on_step(trace[-1])
+    tokens = cut_after_eos(x[0, P:].tolist(), eos_id)
+    return Generation(tokens, nfe, time.perf_counter() - t0, trace)
+
+
+# the decoder and its settings for each --method
+DECODERS = {"refusion": (generate_refusion, RefusionSettings), "ar": (generate_ar, DecodeSettings),
+            "mdm": (generate_mdm, MDMSettings)}

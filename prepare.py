@@ -1,0 +1,157 @@
+"""
+Tokenize a corpus once into files that training reads back as memmaps (as nanoGPT's prepare.py):
+
+    records {"query", "response"}  ->  prepare()  ->  data/<name>-<tokenizer>-<block_size>/
+        train.bin, val.bin                 all samples' tokens, uint16, back to back
+        train_samples.npy, val_samples.npy (N, 3) int64: [start in .bin, prompt_len, total_len]
+        meta.json                          tokenizer, special ids, counts; written last
+
+A sample is the query's tokens (the prompt, never predicted) followed by the response's tokens
+and one EOS. data.TokenDataset reads a split back.
+"""
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+
+import numpy as np
+from filelock import FileLock
+
+from corpora import DATASETS, TEXT_WINDOW_BYTES, load_records
+from data import damaged_file, encode, get_tokenizer, special_ids
+
+VAL_PERCENT = 5  # share of records that go to the validation split
+FORMAT = 1  # version of the prepared-data layout, stored in meta.json
+
+
+def split_of(record: dict) -> str:
+    """
+    "train" or "val" for a record, from a stable hash of f"{module}:{name}" (VAL_PERCENT% val).
+    The same record lands in the same split on every machine and every run.
+    """
+    digest = hashlib.sha1(f"{record['module']}:{record['name']}".encode()).digest()
+    # 8 bytes, not 1: a single byte % 100 would favour 0..55 and give ~5.9% val
+    return "val" if int.from_bytes(digest[:8], "big") % 100 < VAL_PERCENT else "train"
+
+
+
+def _write_atomic(path: str, write) -> None:
+    """Call write(file) on a temp file in path's directory, then rename it to `path`."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp, 0o644)  # mkstemp makes files private; these are ordinary data files
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _tokenize(records: list[dict], enc, block_size: int, too_long: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens (n,) uint16, samples (N, 3) int64, number of records skipped as too long).
+    too_long: "skip" such records, or "fail" (ValueError naming the record and the limit)."""
+    eos_id = special_ids(enc)[0]
+    chunks, samples, skipped, start = [], [], 0, 0
+    for r in records:
+        prompt = encode(enc, r["query"])
+        ids = prompt + encode(enc, r["response"]) + [eos_id]
+        if len(ids) > block_size:
+            if too_long == "fail":
+                raise ValueError(f"record {r['module']}:{r['name']} is {len(ids)} tokens, longer than "
+                                 f"block_size={block_size}; raise --block_size or pass --too_long=skip")
+            skipped += 1
+            continue
+        chunks.append(np.array(ids, dtype=np.uint16))
+        samples.append((start, len(prompt), len(ids)))
+        start += len(ids)
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
+    return tokens, np.array(samples, dtype=np.int64).reshape(-1, 3), skipped
+
+
+def _source_sha1(dataset: str) -> str | None:
+    """Hash of a user's data file, so an edited file is prepared again; None for built-ins."""
+    if dataset in DATASETS:
+        return None
+    with open(dataset, "rb") as f:
+        return hashlib.sha1(f.read()).hexdigest()
+
+
+def _is_prepared(data_dir: str, expected: dict) -> bool:
+    """True if data_dir holds a finished, whole preparation made with the same settings."""
+    try:
+        with open(os.path.join(data_dir, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return False
+    return (all(meta.get(k) == v for k, v in expected.items())
+            and not any(damaged_file(data_dir, meta, split) for split in ("train", "val")))
+
+
+
+def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "data", too_long: str = "skip") -> str:
+    """
+    Tokenize `dataset` (a DATASETS name or a path for load_records) once and return the data dir,
+    data_root/<name>-<tokenizer>-<block_size>, where a file's name is its base name and the first 8
+    hex digits of its content's SHA-1 (e.g. data/qa-1f0c9e2a-bytes-384). A finished, matching
+    preparation is reused.
+
+    Samples longer than block_size tokens (EOS included) are skipped and counted (too_long="skip")
+    or refused with a ValueError naming the first one (too_long="fail").
+    Raises FileNotFoundError for an unknown dataset, ValueError if a split gets no samples.
+    """
+    if dataset not in DATASETS and not os.path.isfile(dataset):
+        raise FileNotFoundError(f"no built-in dataset or file named {dataset!r}; "
+                                f"built-ins: {sorted(DATASETS)}, or give a path to a data file")
+    sha1 = _source_sha1(dataset)
+    # a file's name carries its content's hash, so two files both called train.json never share a dir
+    name = dataset if dataset in DATASETS else f"{os.path.splitext(os.path.basename(dataset))[0]}-{sha1[:8]}"
+    data_dir = os.path.join(data_root, f"{name}-{tokenizer}-{block_size}")
+    enc = get_tokenizer(tokenizer)
+    expected = {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "block_size": block_size,
+                "python_version": platform.python_version(), "source_sha1": sha1, "too_long": too_long}
+    if dataset in DATASETS:  # a file is known by its content (source_sha1), however its path is written
+        expected["dataset"] = dataset
+    if _is_prepared(data_dir, expected):
+        return data_dir
+    assert enc.n_vocab <= 2**16, "token ids are stored as uint16"
+    os.makedirs(data_dir, exist_ok=True)
+    with FileLock(os.path.join(data_dir, ".lock")):  # torchrun's processes: one prepares, the rest wait
+        if not _is_prepared(data_dir, expected):
+            _write_splits(dataset, enc, data_dir, block_size, too_long, expected)
+    return data_dir
+
+
+
+def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> None:
+    """Tokenize the records into data_dir's train/val .bin and _samples.npy, then write meta.json last."""
+    meta_path = os.path.join(data_dir, "meta.json")
+    if os.path.exists(meta_path):
+        os.remove(meta_path)  # a stale meta must not vouch for half-rewritten files
+    if dataset in DATASETS:
+        records = DATASETS[dataset]()
+    else:  # a text window leaves room for EOS
+        records = load_records(dataset, window_bytes=min(TEXT_WINDOW_BYTES, block_size - 1))
+    splits = {split: [r for r in records if split_of(r) == split] for split in ("train", "val")}
+    if not splits["val"] and len(splits["train"]) > 1:
+        splits["val"] = [splits["train"].pop()]  # a small file: keep one record for validation
+        print(f"{dataset}: no record hashed to the validation split; using the last one")
+    counts = {}
+    for split in ("train", "val"):
+        tokens, samples, skipped = _tokenize(splits[split], enc, block_size, too_long)
+        if len(samples) == 0 and skipped:
+            raise ValueError(f"{dataset}: all {skipped} samples of the {split} split are longer than "
+                             f"block_size={block_size} tokens; use a larger --block_size")
+        if len(samples) == 0:
+            raise ValueError(f"{dataset}: too few records for a {split} split ({len(records)} in all); "
+                             "give at least two records")
+        _write_atomic(os.path.join(data_dir, f"{split}.bin"), tokens.tofile)
+        _write_atomic(os.path.join(data_dir, f"{split}_samples.npy"), lambda f: np.save(f, samples))
+        counts[split] = {"samples": len(samples), "tokens": len(tokens), "skipped_too_long": skipped}
+        print(f"{split}: {len(samples):,} samples, {len(tokens):,} tokens, "
+              f"{skipped:,} skipped as longer than {block_size} tokens")
+    eos_id, mask_id, pad_id = special_ids(enc)
+    meta = dict(expected, dataset=dataset, eos_id=eos_id, mask_id=mask_id, pad_id=pad_id, counts=counts)
+    _write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))

@@ -1,0 +1,32 @@
+"""Fixtures shared by the tests under tests/; the repository's modules are imported from its root."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+import corpora  # noqa: E402  (needs the path above)
+from helpers import write  # noqa: E402
+
+
+@pytest.fixture
+def qa_file(tmp_path):
+    """100 small records plus 3 too long for block_size=64 with the byte tokenizer."""
+    rows = [{"query": f"What is {i} + {i}?", "response": f" {2 * i}"} for i in range(100)]
+    rows += [{"query": "long " * 20, "response": "answer"} for _ in range(3)]
+    return write(tmp_path, "sums.json", json.dumps(rows)), rows
+
+
+@pytest.fixture(scope="session")
+def stdlib():
+    """The records of the built-in stdlib corpus (built once per test session)."""
+    return corpora.stdlib_records()
+
+
+@pytest.fixture(scope="session")
+def arith():
+    """What prepare() builds for --dataset=arith (built once per test session)."""
+    return corpora.DATASETS["arith"]()

@@ -1,0 +1,91 @@
+"""Decoder settings, the choice of tokens and the step trace (generate.py), beyond the specification."""
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+from generate import DECODERS, MDMSettings, RefusionSettings, generate_refusion
+from helpers import tiny_model
+from sampler import DEFAULTS, make_decoder
+from test_refusion import EOS, MASK, V, OracleModel, oracle_target
+
+class PrefersSpecialIds(nn.Module):
+    """A tiny model whose logits favour some ids by +50 (an undertrained model that drafts masks)."""
+
+    def __init__(self, model, ids):
+        super().__init__()
+        self.model, self.ids, self.config = model, ids, model.config
+
+    def new_kv_cache(self, max_len, max_batch=1):
+        return self.model.new_kv_cache(max_len, max_batch)
+
+    def forward(self, idx, position_ids, kv_cache=None):
+        logits = self.model(idx, position_ids, kv_cache=kv_cache)
+        logits[..., self.ids] += 50.0
+        return logits
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_no_decoder_writes_the_mask_or_pad_id(method):
+    """No training label is the mask or the pad id, so the CLI's decoders never write either, even
+    from a model that prefers them; the mask id would read as a position still to be decoded."""
+    meta = {"eos_id": 39, "mask_id": 38, "pad_id": 37}
+    model = PrefersSpecialIds(tiny_model(causal=method != "mdm"), [37, 38])
+    assert set(model(torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]])).argmax(-1)[0].tolist()) <= {37, 38}
+    cfg = dict(DEFAULTS, method=method, max_new_tokens=16, num_blocks=1, slot_threshold=0.5, token_threshold=0.0)
+    run, _ = make_decoder(cfg, model, meta, torch.Generator())
+    out = run([1, 2, 3]).tokens
+    assert len(out) > 0 and not {37, 38} & set(out)
+    generate, Settings = DECODERS[method]
+    kwargs = dict(eos_id=39) | ({} if method == "ar" else dict(mask_id=38))
+    assert 37 in generate(model, [1, 2, 3], Settings(16), **kwargs).tokens   # without the ban, the pad id wins
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_decoder_refuses_a_model_of_the_other_attention_with_the_fix(method):
+    model = tiny_model(causal=method == "mdm")      # the wrong kind of model for each method
+    generate, Settings = DECODERS[method]
+    ids = {"eos_id": 39} if method == "ar" else {"eos_id": 39, "mask_id": 38}
+    fix = ("trained with a causal objective.*use --method=refusion or --method=ar" if method == "mdm"
+           else "bidirectional attention.*use --method=mdm")
+    with pytest.raises(ValueError, match=fix):
+        generate(model, [1, 2, 3], Settings(8), **ids)
+
+
+@pytest.mark.parametrize("prompt,kwargs,message", [
+    ([], {}, "the prompt is empty"),
+    (list(range(120)), {}, r"prompt \(120 tokens\) \+ generation \(16 tokens.*exceeds the model's context of 128"),
+    ([1, 2], dict(max_new_tokens=0), "max_new_tokens=0: ask for at least one"),
+    ([1, 2], dict(slot_size=0), "slot_size=0: a slot holds at least one token"),
+    ([1, 2], dict(slot_size=32), "slot_size=32 is larger than max_new_tokens=16"),
+    ([1, 2], dict(num_blocks=3), "2 slots of 8 tokens .* cannot be cut into num_blocks=3"),
+    ([1, 2], dict(slot_threshold=-0.1), "slot_threshold=-0.1: thresholds are probabilities >= 0"),
+    ([1, 2], dict(token_threshold=float("nan")), "token_threshold=nan"),
+    ([1, 2], dict(temperature=-1.0), "temperature=-1.0: use 0 for greedy"),
+])
+def test_decoder_settings_errors_name_the_setting_and_the_fix(prompt, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        settings = RefusionSettings(**(dict(max_new_tokens=16, slot_size=8) | kwargs))
+        generate_refusion(tiny_model(), prompt, settings, mask_id=38, eos_id=39)
+
+
+@pytest.mark.parametrize("steps, block_length, message", [
+    (12, 5, "max_new_tokens=12 is not a multiple of block_length=5"),
+    (5, 4, "steps=5 cannot be shared equally by the 3 blocks"),
+    (13, None, "steps=13 > max_new_tokens=12"),
+    (0, None, "must be positive"),
+])
+def test_mdm_settings_errors_say_what_to_change(steps, block_length, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        MDMSettings(12, steps=steps, block_length=block_length)
+
+
+def test_on_step_sees_every_committed_step_as_it_happens():
+    P, L = 4, 16
+    target = oracle_target(P, L, seed=5)
+    seen = []
+    out = generate_refusion(OracleModel(target, V, MASK, confident=False), target[:P].tolist(),
+                            RefusionSettings(L, slot_size=4), mask_id=MASK, eos_id=EOS, on_step=seen.append)
+    assert seen == out.trace and len(seen) == L // 4

@@ -1,0 +1,268 @@
+"""Training runs: start modes, schedule, resume, distributed, precision (train.py)."""
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import checkpoint
+import data
+import train
+from checkpoint import load_checkpoint, save_checkpoint
+from helpers import ROOT, TOL, tiny_model, tiny_run_flags
+from test_refusion import random_samples
+from train import compile_model, flops_per_token, hybrid_loss, load_weights, make_batch
+
+
+
+def test_init_from_a_checkpoint_without_the_mask_token_adds_its_row():
+    small = tiny_model(seed=4, vocab_size=38)                 # an ARM whose vocabulary has no mask id
+    big = tiny_model(seed=5, vocab_size=40)
+    load_weights(big, {"model": small.state_dict()})
+    emb_small, emb_big = small.embed_tokens.weight, big.embed_tokens.weight
+    torch.testing.assert_close(emb_big[:38], emb_small, atol=0, rtol=0)
+    torch.testing.assert_close(emb_big[38:], emb_small.mean(0).expand(2, -1), atol=TOL, rtol=0)
+    for name, p in small.named_parameters():                  # every other weight copied exactly
+        if "embed_tokens" not in name and "lm_head" not in name:
+            torch.testing.assert_close(big.get_parameter(name), p, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="does not fit"):
+        load_weights(tiny_model(n_layer=3), {"model": small.state_dict()})
+
+
+def test_learning_rate_schedule_and_a_resume_with_more_iterations_holds_min_lr(tmp_path, qa_file):
+    """Warm-up, cosine to min_lr at lr_decay_iters (default: max_iters, fixed when the run starts),
+    then min_lr: resuming with a larger --max_iters continues at min_lr instead of jumping back up."""
+    cfg = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=2, lr_decay_iters=12)
+    assert [train.get_lr(it, cfg) for it in (0, 1, 2, 7, 12, 20)] == pytest.approx(
+        [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)), 0.1, 0.1])
+    flags = tiny_run_flags(tmp_path, qa_file, "run") + ["--warmup_iters=1", "--learning_rate=0.01", "--min_lr=0.001"]
+    train.main(flags + ["--max_iters=3"])
+    assert load_checkpoint(str(tmp_path / "run"))["config"]["lr_decay_iters"] == 3
+    train.main(flags + ["--max_iters=5", "--init_from=resume"])
+    ckpt = load_checkpoint(str(tmp_path / "run"))
+    assert ckpt["iter_num"] == 5 and ckpt["config"]["lr_decay_iters"] == 3
+    assert [g["lr"] for g in ckpt["optimizer"]["param_groups"]] == pytest.approx([0.001, 0.001])
+    del ckpt["config"]["lr_decay_iters"]                              # a checkpoint from before the setting:
+    save_checkpoint(str(tmp_path / "run"), ckpt)                      # its decay ended at its max_iters (5)
+    train.main(flags + ["--max_iters=7", "--init_from=resume"])
+    ckpt = load_checkpoint(str(tmp_path / "run"))
+    assert ckpt["config"]["lr_decay_iters"] == 5
+    assert [g["lr"] for g in ckpt["optimizer"]["param_groups"]] == pytest.approx([0.001, 0.001])
+
+
+def test_grad_clip_zero_means_no_clipping(tmp_path, qa_file):
+    """--grad_clip=0 trains unclipped (as in nanoGPT), the same as a clip far above any gradient norm."""
+    for name, clip in (("none", "0.0"), ("huge", "1e9")):
+        train.main(tiny_run_flags(tmp_path, qa_file, name) + ["--max_iters=2", f"--grad_clip={clip}"])
+    a, b = load_checkpoint(str(tmp_path / "none")), load_checkpoint(str(tmp_path / "huge"))
+    for name in a["model"]:
+        torch.testing.assert_close(a["model"][name], b["model"][name], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("objective", ["refusion", "mdm"])
+def test_resumed_training_matches_an_uninterrupted_run(tmp_path, qa_file, objective):
+    train.main(tiny_run_flags(tmp_path, qa_file, "straight", objective) + ["--max_iters=6"])
+    train.main(tiny_run_flags(tmp_path, qa_file, "resumed", objective) + ["--max_iters=3"])
+    train.main(tiny_run_flags(tmp_path, qa_file, "resumed", objective) + ["--max_iters=6", "--init_from=resume"])
+    a, b = load_checkpoint(str(tmp_path / "straight")), load_checkpoint(str(tmp_path / "resumed"))
+    assert a["iter_num"] == b["iter_num"] == 6
+    for name in a["model"]:
+        torch.testing.assert_close(a["model"][name], b["model"][name], atol=0, rtol=0)
+
+
+def test_training_never_overwrites_a_checkpoint_unless_resuming(tmp_path, qa_file):
+    flags = tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"]
+    train.main(flags)
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    for init in ([], [f"--init_from={ckpt}"]):                  # neither a fresh run nor a fine-tune
+        with pytest.raises(ValueError, match="already exists.*--init_from=resume"):
+            train.main(flags + init)
+    assert ckpt.read_bytes() == before
+    with pytest.raises(ValueError, match="--n_layer=2 differs from the checkpoint's 1"):
+        train.main(flags + ["--init_from=resume", "--n_layer=2", "--max_iters=4"])
+    with pytest.raises(ValueError, match="already trained for 2 iterations"):
+        train.main(flags + ["--init_from=resume"])
+    assert ckpt.read_bytes() == before
+
+
+def _ddp_worker(rank, flags, port):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    train.main(flags)
+
+
+def test_two_processes_match_one_with_gradient_accumulation(tmp_path, qa_file):
+    """torchrun's data parallelism (2 processes, gloo) equals 1 process accumulating the same global batch."""
+    steps = ["--max_iters=3", "--gradient_accumulation_steps=2"]
+    train.main(tiny_run_flags(tmp_path, qa_file, "one") + steps)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_ddp_worker, args=(tiny_run_flags(tmp_path, qa_file, "two") + steps, port), nprocs=2)
+    a, b = load_checkpoint(str(tmp_path / "one")), load_checkpoint(str(tmp_path / "two"))
+    assert a["iter_num"] == b["iter_num"] == 3
+    for name in a["model"]:
+        torch.testing.assert_close(b["model"][name], a["model"][name], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_flops_per_token_is_what_torch_counts_for_a_training_step(tie):
+    """The FLOP/s and MFU in the progress bar: flops_per_token x tokens equals the matrix-multiply
+    FLOPs PyTorch's own counter sees in one forward + backward (dense attention kernel)."""
+    model = tiny_model(seed=9, tie_embeddings=tie).train()
+    B, T = 3, 48
+    idx = torch.randint(0, 40, (B, T))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(idx, torch.arange(T).expand(B, T)).sum().backward()
+    assert flops_per_token(model, T) * B * T == counter.get_total_flops()
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # CPU autocast's rms_norm
+@pytest.mark.parametrize("objective", ["refusion", "ar", "mdm"])
+def test_bf16_autocast_trains_every_objective_close_to_float32(objective):
+    """On CUDA training runs under bf16 autocast; the same code under CPU autocast (a stand-in for
+    a GPU here) gives float32 logits, a loss within 1% and gradients for every weight."""
+    model = tiny_model(seed=12, causal=objective != "mdm").train()
+    tokens, prompt_len, length = random_samples(13, B=4, T=40, vocab=36)
+    tokens[tokens == 258] = 39                                        # the tiny model's pad id
+    cfg = dict(train.DEFAULTS, objective=objective)
+    batch = make_batch(cfg, tokens, prompt_len, length, 38, torch.Generator().manual_seed(0))
+    reference = hybrid_loss(model(batch.idx, batch.position_ids, key_mask=batch.key_mask), batch)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
+    assert logits.dtype == torch.float32
+    loss = hybrid_loss(logits, batch)[0]
+    loss.backward()
+    assert abs(loss.item() - reference.item()) < 0.01 * reference.item()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_compile_never_changes_the_loss_or_the_gradients():
+    """--compile=True (torch.compile) on a ReFusion batch: the same hybrid loss and gradients as eager."""
+    model = tiny_model(seed=10).train()
+    tokens, prompt_len, length = random_samples(11, B=4, T=40, vocab=36)
+    tokens[tokens == 258] = 39                                        # the tiny model's pad id
+    batch = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 38, torch.Generator().manual_seed(0))
+
+    def loss_and_grads(forward):
+        model.zero_grad()
+        loss = hybrid_loss(forward(batch.idx, batch.position_ids, key_mask=batch.key_mask), batch)[0]
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    eager = loss_and_grads(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = compile_model(model)
+    if compiled is model:
+        pytest.skip(f"torch.compile cannot run here: {caught[0].message}")
+    for a, b in zip(loss_and_grads(compiled), eager, strict=True):
+        torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+
+
+def test_training_input_errors_lose_nothing(tmp_path, qa_file):
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    train.main(flags + ["--max_iters=2"])
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    other = tiny_run_flags(tmp_path, qa_file, "other")
+    for extra, message in [
+        (["--device=cuda"] if not torch.cuda.is_available() else ["--device=tpu"], "--device=.*use"),
+        (["--n_embd=20", "--n_head=4"], "head_dim=5 must be even"),
+        (["--too_long=truncate"], "--too_long='truncate': choose skip or fail"),
+        (["--block_size=24", "--too_long=fail"], "is .* tokens, longer than block_size=24; raise --block_size"),
+        (["--gradient_accumulation_steps=0"], "--gradient_accumulation_steps=0: must be positive"),
+        (["--n_kv_head=-2"], "--n_kv_head=-2: must be 0 or more"),
+        (["--grad_clip=-1.0"], "--grad_clip=-1.0: must be 0 or more"),
+        (["--mask_eps=2.0"], r"--mask_eps=2.0: must be in \[0, 1\)"),
+    ]:
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            train.main(other + extra + ["--max_iters=2"])
+    assert ckpt.read_bytes() == before and not (tmp_path / "other" / "ckpt.pt").exists()
+
+
+def test_a_loss_that_becomes_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, qa_file):
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    train.main(flags + ["--max_iters=2"])
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    # an absurd learning rate overflows the weights after one step, as a diverging run would
+    with pytest.raises(SystemExit, match=r"loss became nan at iteration \d; the last good checkpoint"):
+        train.main(flags + ["--max_iters=6", "--init_from=resume", "--learning_rate=1e30", "--grad_clip=0"])
+    assert ckpt.read_bytes() == before
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, sig):
+    """Interrupted (Ctrl-C: saves at once) or killed (resumes from the last periodic checkpoint),
+    then resumed: the same final weights as a run that was never stopped."""
+    flags = tiny_run_flags(tmp_path, qa_file, "straight") + ["--max_iters=400", "--eval_interval=50"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(ROOT / "train.py")]
+    subprocess.run(cmd + flags, check=True, capture_output=True, env=env)
+    stopped = [f.replace("straight", "stopped") for f in flags]
+    proc = subprocess.Popen(cmd + stopped, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    ckpt = tmp_path / "stopped" / "ckpt.pt"
+    while not ckpt.exists() and proc.poll() is None:       # stop it after the first checkpoint
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=60)
+    if sig == "SIGINT":
+        assert proc.returncode == 1 and b"--init_from=resume" in err
+    stopped_at = load_checkpoint(str(ckpt))["iter_num"]
+    assert 0 < stopped_at < 400
+    subprocess.run(cmd + stopped + ["--init_from=resume"], check=True, capture_output=True, env=env)
+    a, b = load_checkpoint(str(tmp_path / "straight")), load_checkpoint(str(ckpt))
+    for name in a["model"]:
+        torch.testing.assert_close(b["model"][name], a["model"][name], atol=0, rtol=0)
+
+
+def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path, qa_file, monkeypatch):
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    train.main(flags + ["--max_iters=2"])
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    foreign = torch.load(ckpt, weights_only=True)                    # a checkpoint of another tokenizer
+    foreign["meta"]["tokenizer"] = "gpt2"
+    torch.save(foreign, tmp_path / "gpt2.pt")
+    with pytest.raises(ValueError, match="trained with the 'gpt2' tokenizer but this run uses 'bytes'"):
+        train.main(tiny_run_flags(tmp_path, qa_file, "ft") + [f"--init_from={tmp_path / 'gpt2.pt'}"])
+
+    def crash(obj, path):                                             # the disk fills up mid-write
+        open(path, "wb").write(b"partial")
+        raise OSError("No space left on device")
+    monkeypatch.setattr(checkpoint.torch, "save", crash)
+    with pytest.raises(OSError, match="No space left"):
+        train.main(flags + ["--init_from=resume", "--max_iters=4"])
+    assert ckpt.read_bytes() == before                                # the old checkpoint is intact
+
+
+def test_small_data_warns_and_compile_falls_back_where_it_cannot_run(tmp_path, qa_file, monkeypatch, capsys):
+    monkeypatch.setattr(train.shutil, "which", lambda name: None)     # no C compiler on this machine
+    with pytest.warns(UserWarning, match="torch.compile cannot run here"):
+        train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=1", "--compile=True", "--batch_size=200"])
+    assert "fewer than one batch of 200; batches draw samples with replacement" in capsys.readouterr().err
+
+
+def test_resume_takes_the_checkpoints_settings_and_init_from_its_shape(tmp_path, qa_file):
+    train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", "--batch_size=3"])
+    out = f"--out_dir={tmp_path / 'run'}"
+    train.main([out, "--init_from=resume", "--max_iters=4"])            # no other flag repeated
+    cfg = load_checkpoint(str(tmp_path / "run"))["config"]
+    assert (cfg["batch_size"], cfg["n_embd"], cfg["dataset"], cfg["max_iters"]) == (3, 16, qa_file[0], 4)
+    ft = tiny_run_flags(tmp_path, qa_file, "ft")
+    with pytest.raises(ValueError, match="--n_embd=32 differs from the checkpoint's 16; a fine-tune keeps"):
+        train.main(ft + [f"--init_from={tmp_path / 'run'}", "--n_embd=32"])
+    with pytest.raises(FileNotFoundError, match="--init_from=Resume: use 'scratch', 'resume', or the path"):
+        train.main(ft + ["--init_from=Resume"])
+    assert not (tmp_path / "ft").exists()
