@@ -1,0 +1,6 @@
+"""Tests under tests/ import the project's modules (model, data, sampler) from the repository root."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
