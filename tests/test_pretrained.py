@@ -1,0 +1,349 @@
+"""
+Released checkpoints and tokenizers in Hugging Face's layout.
+
+Transformer.from_pretrained is checked against transformers' own Qwen3 on tiny random models (logits,
+greedy decoding), and on folders written here for its error messages. hf_tokenizer is checked against
+a reference tokenizer built by the `tokenizers` library from Qwen's real vocabulary.
+
+Run: python -m pytest -q tests/test_pretrained.py   (needs requirements-test.txt; skips what is missing)
+"""
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import unicodedata
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import data
+from model import ModelConfig, Transformer
+from generate import DecodeSettings, RefusionSettings, generate_ar, generate_refusion
+
+TOL = 1e-5
+VOCAB = 300
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+
+
+# ----------------------------------------------------------------------------------------------
+# from_pretrained against transformers
+
+
+def save_hf_qwen3(folder, tied, sharded):
+    """A tiny random transformers Qwen3ForCausalLM, saved to folder by save_pretrained; returns it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                      tie_word_embeddings=tied, attn_implementation="eager")
+    hf = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # every weight random, norms included, so a tensor loaded into the wrong place shows
+        for p in hf.parameters():
+            p.normal_(1.0 if p.ndim == 1 else 0.0, 0.1)
+    hf.save_pretrained(folder, safe_serialization=True, max_shard_size="20KB" if sharded else "1GB")
+    shards = list(folder.glob("*.safetensors"))
+    assert len(shards) > 2 if sharded else [s.name for s in shards] == ["model.safetensors"]
+    return hf
+
+
+@pytest.fixture(scope="module", params=[(False, False), (True, False), (False, True), (True, True)],
+                ids=["untied", "tied", "untied-sharded", "tied-sharded"])
+def qwen3_pair(request, tmp_path_factory):
+    """(transformers' Qwen3ForCausalLM, our Transformer loaded from its save_pretrained folder)."""
+    folder = tmp_path_factory.mktemp("qwen3")
+    hf = save_hf_qwen3(folder, *request.param)
+    return hf, Transformer.from_pretrained(str(folder))
+
+
+def position_layout(name, B, T):
+    """(B, T) int64 position ids of a buffer in physical order."""
+    if name == "contiguous":
+        return torch.arange(T).expand(B, T)
+    if name == "slots-permuted":  # prompt 0..3, then 4-token slots in a random order (SPEC section 2)
+        slots = torch.arange(4, T).view(-1, 4)
+        return torch.stack([torch.cat([torch.arange(4), slots[torch.randperm(len(slots))].flatten()])
+                            for _ in range(B)])
+    if name == "gapped":  # increasing, with holes, not starting at 0
+        return torch.stack([torch.randperm(100)[:T].sort().values + 20 for _ in range(B)])
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "slots-permuted", "gapped"])
+def test_logits_match_transformers(qwen3_pair, layout):
+    hf, ours = qwen3_pair
+    torch.manual_seed(1)
+    idx = torch.randint(0, VOCAB, (2, 16))
+    pos = position_layout(layout, 2, 16)
+    with torch.no_grad():
+        # The all-ones attention_mask keeps transformers' mask causal over the physical order: without it,
+        # position ids that do not step by 1 are read as packed sequences that cannot see each other.
+        expected = hf(input_ids=idx, position_ids=pos, attention_mask=torch.ones_like(idx)).logits
+        got = ours(idx, pos)
+    assert got.dtype == torch.float32 and got.shape == (2, 16, VOCAB)
+    assert torch.allclose(got, expected, atol=TOL, rtol=0), (got - expected).abs().max()
+
+
+def test_greedy_generate_ar_matches_transformers(qwen3_pair):
+    hf, ours = qwen3_pair
+    prompt = [5, 17, 42, 99, 3]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        free = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert generate_ar(ours, prompt, DecodeSettings(24), eos_id=VOCAB).tokens == free  # VOCAB: an EOS never produced
+        eos = free[12]  # now a token it does produce: both must stop at its first occurrence
+        stopped = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                              eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+    assert generate_ar(ours, prompt, DecodeSettings(24), eos_id=eos).tokens == stopped == free[:free.index(eos) + 1]
+
+
+def test_refusion_decode_runs_on_loaded_model(qwen3_pair):
+    _, ours = qwen3_pair
+    mask_id, eos_id = VOCAB - 1, VOCAB - 2
+    settings = RefusionSettings(16, slot_size=4, num_blocks=2, slot_threshold=0.5, token_threshold=0.1)
+    out = generate_refusion(ours, [5, 17, 42, 99, 3], settings, mask_id=mask_id, eos_id=eos_id)
+    assert 1 <= len(out.tokens) <= 16 and out.nfe >= 1
+    assert all(0 <= t < VOCAB and t != mask_id for t in out.tokens)
+
+
+def test_missing_shard_is_named(tmp_path):
+    save_hf_qwen3(tmp_path, tied=False, sharded=True)
+    shard = sorted(tmp_path.glob("*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"{shard.name} not found"):
+        Transformer.from_pretrained(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# from_pretrained on folders written here (no transformers needed)
+
+
+def save_released_layout(folder, tied=True):
+    """A random tiny Transformer saved as the released checkpoints are: config.json in transformers 4's
+    spelling (rope_theta, rope_scaling null) and model.safetensors with Hugging Face's tensor names."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=VOCAB, block_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                                    head_dim=16, intermediate_size=128, rope_theta=1e6, tie_embeddings=tied)).eval()
+    config = {**TINY, "model_type": "qwen3", "rope_theta": 1e6, "rope_scaling": None, "rms_norm_eps": 1e-6,
+              "attention_bias": False, "hidden_act": "silu", "use_sliding_window": False, "tie_word_embeddings": tied}
+    os.makedirs(folder, exist_ok=True)
+    Path(folder, "config.json").write_text(json.dumps(config))
+    save_file({("" if n == "lm_head.weight" else "model.") + n: t.clone() for n, t in model.state_dict().items()
+               if not (tied and n == "lm_head.weight")}, os.path.join(folder, "model.safetensors"))
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_released_layout_loads_exactly(tmp_path, tied):
+    saved = save_released_layout(tmp_path, tied)
+    loaded = Transformer.from_pretrained(str(tmp_path))
+    assert (loaded.lm_head.weight is loaded.embed_tokens.weight) == tied
+    assert not loaded.training and loaded.config.block_size == 128 and loaded.config.rope_theta == 1e6
+    idx, pos = torch.randint(0, VOCAB, (1, 10)), torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(idx, pos), saved(idx, pos))
+
+
+def test_bfloat16_load_keeps_the_weights_rounded(tmp_path):
+    saved = save_released_layout(tmp_path)
+    loaded = Transformer.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    w = loaded.layers[1].mlp.up_proj.weight
+    assert torch.equal(w, saved.layers[1].mlp.up_proj.weight.to(torch.bfloat16))
+
+
+def edit_config(**changes):
+    def edit(folder):
+        config = json.loads((folder / "config.json").read_text())
+        config.update(changes)
+        (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v != "DELETE"}))
+    return edit
+
+
+def edit_tensors(keep=lambda name: True, add=()):
+    def edit(folder):
+        tensors = {n: t for n, t in load_file(folder / "model.safetensors").items() if keep(n)}
+        save_file(tensors | {n: torch.zeros(64) for n in add}, folder / "model.safetensors")
+    return edit
+
+
+@pytest.mark.parametrize("edit, error, message", [
+    (lambda f: shutil.rmtree(f), FileNotFoundError, "config.json not found"),
+    (lambda f: (f / "config.json").unlink(), FileNotFoundError, "config.json not found"),
+    (lambda f: (f / "model.safetensors").unlink(), FileNotFoundError, "model.safetensors not found"),
+    (edit_config(model_type="llama"), ValueError, "model_type='llama' is not implemented"),
+    (edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ValueError, "rope_scaling=.*yarn"),
+    (edit_config(attention_bias=True), ValueError, "attention_bias=True is not implemented"),
+    (edit_config(head_dim="DELETE"), ValueError, "has no 'head_dim'"),
+    (edit_config(vocab_size=301), ValueError,
+     r"wrongly shaped tensors: model\.embed_tokens\.weight \[300, 64\] \(config.json implies \[301, 64\]\)"),
+    (edit_tensors(keep=lambda n: n != "model.layers.1.mlp.up_proj.weight"), ValueError,
+     r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight\."),
+    (edit_tensors(add=["model.layers.0.self_attn.q_proj.bias"]), ValueError,
+     r"unexpected tensors: model\.layers\.0\.self_attn\.q_proj\.bias\."),
+    (edit_tensors(keep=lambda n: "layers" not in n), ValueError,  # 22 missing: five named, then a count
+     r"missing tensors: (model\.layers\.[^,]*, ){4}model\.layers\.[^,]* and 17 more\."),
+], ids=["no-folder", "no-config", "no-weights", "model-type", "rope-scaling", "attention-bias", "no-head-dim",
+        "wrong-shape", "missing-tensor", "unexpected-tensor", "many-missing"])
+def test_from_pretrained_errors_name_the_problem(tmp_path, edit, error, message):
+    folder = tmp_path / "model"
+    save_released_layout(folder)
+    edit(folder)
+    with pytest.raises(error, match=message):
+        Transformer.from_pretrained(str(folder))
+
+
+# ----------------------------------------------------------------------------------------------
+# hf_tokenizer against Qwen's real vocabulary
+
+# Qwen3's added tokens, ids 151643.. in order (as its tokenizer.json lists them), then ReFusion's two
+QWEN3_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+               "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+               "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
+               "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+               "<tool_response>", "</tool_response>", "<think>", "</think>"]
+REFUSION_ADDED = ["<|beginoftext|>", "<|mask|>"]
+
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. It's 5 o'clock; they'll say I'M late!",
+    "def f(x):\n    if x:\n        return x * 2\n\treturn None\n\n\nclass A_b(object):  # note\n    pass\n",
+    "量子计算机使用量子比特。日本語のテキストと、한국어 문장도 있습니다.",
+    "emoji 🙂🚀 and a family 👩‍👩‍👧 and a flag 🇫🇷!",
+    "a" + " " * 17 + "b\n\n\n   \n\t\t  x" + " " * 40,
+    "12345 + 678 = 13023, pi is 3.14159 and 1e-5",
+    "line one\r\nline two\r\n\r\n  indented\r\n",
+    "café, cafe\u0301 and Å (A + ring) A\u030a",
+    "URL: https://example.com/a_b?c=1&d=2 <b>bold</b> {\"k\": [1, 2]}",
+    "ÀÉÎõü ß ΑΒΓ αβγ Привет, мир! שלום مرحبا नमस्ते",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizers(tmp_path_factory):
+    """(reference tokenizers.Tokenizer, folder with ReFusion's tokenizer.json, folder with Qwen3's).
+
+    Source of the vocabulary: the `dashscope` package (Alibaba's DashScope SDK) ships Qwen's 151,643
+    BPE ranks as dashscope/resources/qwen.tiktoken (shared by Qwen1, 2 and 3) and Qwen's regex as
+    dashscope.tokenizers.qwen_tokenizer.PAT_STR. From them transformers' TikTokenConverter builds a
+    `tokenizers` byte-level BPE (its own byte alphabet, vocab and merges); NFC normalization and the
+    added tokens are set as in Qwen's tokenizer.json. That tokenizer, saved, is what hf_tokenizer reads,
+    and the same object, a Rust BPE that applies merges, is the reference it must agree with.
+    """
+    spec = importlib.util.find_spec("dashscope")
+    if spec is None:
+        pytest.skip("dashscope is not installed (it ships Qwen's vocabulary): pip install -r requirements-test.txt")
+    pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from dashscope.tokenizers.qwen_tokenizer import PAT_STR
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks_file = os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")
+    reference = TikTokenConverter(vocab_file=ranks_file, pattern=PAT_STR).converted()
+    reference.normalizer = tokenizers.normalizers.NFC()
+    reference.model.ignore_merges = False  # every token built by merges, no whole-word lookup: unlike tiktoken
+    reference.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                                  for t in QWEN3_ADDED + REFUSION_ADDED])
+    assert reference.get_vocab_size() == 151671 and reference.token_to_id("<|mask|>") == 151670
+    refusion, qwen3 = tmp_path_factory.mktemp("refusion"), tmp_path_factory.mktemp("qwen3")
+    reference.save(str(refusion / "tokenizer.json"))
+    spec_json = json.loads((refusion / "tokenizer.json").read_text(encoding="utf-8"))
+    spec_json["added_tokens"] = [t for t in spec_json["added_tokens"] if t["content"] not in REFUSION_ADDED]
+    (qwen3 / "tokenizer.json").write_text(json.dumps(spec_json), encoding="utf-8")
+    return reference, refusion, qwen3
+
+
+def test_hf_tokenizer_matches_reference_on_qwen_vocabulary(qwen_tokenizers):
+    reference, folder, _ = qwen_tokenizers
+    enc = data.get_tokenizer(f"hf:{folder}")
+    assert enc.n_vocab == 151671
+    for text in TEXTS:
+        assert data.encode(enc, text) == reference.encode(text, add_special_tokens=False).ids, text
+
+
+def test_qwen_ids_of_known_text(qwen_tokenizers):
+    enc = data.hf_tokenizer(str(qwen_tokenizers[1]))
+    assert data.encode(enc, "Hello world") == [9707, 1879]
+    assert data.encode(enc, "12345") == [16, 17, 18, 19, 20]  # Qwen splits numbers into single digits
+    assert data.encode(enc, "cafe\u0301") == data.encode(enc, "café")  # NFC first, as tokenizer.json says
+
+
+def test_decode_inverts_encode_and_writes_special_tokens(qwen_tokenizers):
+    enc = data.hf_tokenizer(str(qwen_tokenizers[1]))
+    for text in TEXTS:
+        assert data.decode(enc, data.encode(enc, text)) == unicodedata.normalize("NFC", text)
+    assert data.decode(enc, [151645, 151669, 151670]) == "<|im_end|><|beginoftext|><|mask|>"
+
+
+def test_special_token_text_in_input_stays_plain_text(qwen_tokenizers):
+    reference, folder, _ = qwen_tokenizers
+    enc = data.hf_tokenizer(str(folder))
+    as_text = type(reference).from_str(reference.to_str())
+    as_text.encode_special_tokens = True  # the reference's switch for "special-token strings are plain text"
+    for text in ["<|im_end|>", "user: <|mask|><|endoftext|> done", "<think>\nok\n</think>"]:
+        ids = data.encode(enc, text)
+        assert ids == as_text.encode(text, add_special_tokens=False).ids
+        assert max(ids) < 151643
+    assert reference.encode("<|im_end|>", add_special_tokens=False).ids == [151645]  # what was avoided
+
+
+def test_hf_special_ids(qwen_tokenizers, tmp_path):
+    _, refusion, qwen3 = qwen_tokenizers
+    assert data.hf_special_ids(str(refusion)) == ((151645, 151643), 151670, 151643)
+    assert data.hf_special_ids(str(qwen3)) == ((151645, 151643), None, 151643)
+    shutil.copy(qwen3 / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "config.json").write_text(json.dumps({"mask_token_id": 151660, "pad_token_id": 151662}))
+    assert data.hf_special_ids(str(tmp_path)) == ((151645, 151643), 151660, 151662)
+
+
+# ----------------------------------------------------------------------------------------------
+# hf_tokenizer's errors (hand-written files, no package needed)
+
+
+def write_tokenizer_json(folder, **changes):
+    """A Qwen-style tokenizer.json with five tokens ("Ġ" is the byte-level spelling of a space)."""
+    qwen_pre = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": data.QWEN2_PAT}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    spec = {"normalizer": {"type": "NFC"}, "pre_tokenizer": qwen_pre,
+            "added_tokens": [{"id": 5, "content": "<|endoftext|>"}],
+            "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4},
+                      "merges": [["a", "b"], ["Ġ", "a"]]}}
+    Path(folder, "tokenizer.json").write_text(json.dumps(spec | changes), encoding="utf-8")
+
+
+def test_hf_tokenizer_reads_a_qwen_style_file(tmp_path):
+    write_tokenizer_json(tmp_path)
+    enc = data.hf_tokenizer(str(tmp_path))
+    assert data.encode(enc, " abba") == [2, 3, 1, 0] and data.encode(enc, " a") == [4]  # "ab" ranks before " a"
+    assert data.decode(enc, [4, 5]) == " a<|endoftext|>"
+    assert data.special_ids(data.get_tokenizer("bytes")) == (256, 257, 258)  # our own tokenizers unchanged
+    with pytest.raises(ValueError, match="use hf_special_ids"):
+        data.special_ids(enc)
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (None, FileNotFoundError, "no tokenizer.json"),
+    ({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}}, ValueError,
+     "not Qwen2/3's tokenizer"),
+    ({"normalizer": None}, ValueError, "not Qwen2/3's tokenizer"),
+    ({"model": {"type": "Unigram", "vocab": []}}, ValueError, "not Qwen2/3's tokenizer"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0, "\x00": 1}}}, ValueError, "outside the byte-level alphabet"),
+    ({"added_tokens": [{"id": 1, "content": "<|endoftext|>"}]}, ValueError, "reuse ids"),
+], ids=["no-file", "gpt2-pre-tokenizer", "no-normalizer", "unigram", "not-byte-level", "id-clash"])
+def test_hf_tokenizer_errors(tmp_path, changes, error, message):
+    if changes is not None:
+        write_tokenizer_json(tmp_path, **changes)
+    with pytest.raises(error, match=message):
+        data.hf_tokenizer(str(tmp_path))
+
+
+def test_hf_special_ids_needs_an_eos_token(tmp_path):
+    write_tokenizer_json(tmp_path, added_tokens=[{"id": 5, "content": "<|mask|>"}])
+    with pytest.raises(ValueError, match=re.escape("neither <|im_end|> nor <|endoftext|>")):
+        data.hf_special_ids(str(tmp_path))
