@@ -229,9 +229,21 @@ def leading_true(x):
     return x.long().cumprod(dim=1).sum(dim=1)
 
 
+def eos_ids_of(eos_id):
+    """The EOS ids as a tuple: eos_id is one id, or several (a chat model ends with <|im_end|> or
+    <|endoftext|>); any of them ends a response."""
+    return (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+
+
+def first_eos(tokens, eos_id):
+    """Index of the first EOS (any of eos_ids_of(eos_id)) in tokens (list of ids), or None."""
+    return next((i for i, t in enumerate(tokens) if t in eos_ids_of(eos_id)), None)
+
+
 def cut_after_eos(tokens, eos_id):
     """tokens (list of ids) up to and including the first EOS (all of them if there is none)."""
-    return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+    i = first_eos(tokens, eos_id)
+    return tokens if i is None else tokens[:i + 1]
 
 # -----------------------------------------------------------------------------
 # ReFusion: plan, verify, infill, commit
@@ -246,7 +258,7 @@ class DecodeState:
 
     def __init__(self, model, prompt, cache, mask_id, eos_id, temperature, generator, on_step=None, banned_ids=()):
         self.model, self.cache = model, cache
-        self.mask_id, self.eos_id = mask_id, eos_id
+        self.mask_id, self.eos_ids = mask_id, eos_ids_of(eos_id)
         self.banned = [mask_id, *banned_ids]  # never written into the response
         self.temperature, self.generator = temperature, generator
         self.device = cache.kv.device
@@ -329,8 +341,9 @@ def verify_drafts(state, starts, drafts, token_threshold):
     passed = (probs > token_threshold).view(k, S)
     passed[:, 0] = True
     prefix = drafts.view(-1)[:int(leading_true(passed.view(1, -1))[0])].tolist()
-    eos = state.eos_id in prefix
-    n = prefix.index(state.eos_id) + 1 if eos else len(prefix) // S * S   # tokens to commit
+    eos_at = first_eos(prefix, state.eos_ids)
+    eos = eos_at is not None
+    n = eos_at + 1 if eos else len(prefix) // S * S                   # tokens to commit
     slots = [prefix[i:min(i + S, n)] for i in range(0, n, S)]
     commit = Commit(starts[:len(slots)], slots, [(0, n)] if n else [], eos)
     return commit, leading_true(passed)
@@ -394,7 +407,8 @@ def end_rows_at_eos(state, tokens, accepted, lengths):
     whether an EOS was found; drops the cache rows of removed slots.
     """
     S = tokens.shape[1]
-    is_eos = (tokens == state.eos_id) & (torch.arange(S, device=tokens.device) < accepted[:, None])
+    is_eos = torch.isin(tokens, torch.tensor(state.eos_ids, device=tokens.device))
+    is_eos &= torch.arange(S, device=tokens.device) < accepted[:, None]
     rows = is_eos.any(dim=1).nonzero()[:, 0]
     if len(rows) == 0:
         return tokens, accepted, lengths, False
@@ -452,6 +466,7 @@ def generate_refusion(model, prompt, settings, *, mask_id, eos_id, generator=Non
     model:    a causal Transformer (or any module with the same forward and new_kv_cache), in eval mode.
     prompt:   list of token ids (at least one).
     settings: RefusionSettings (slot size, serial blocks, thresholds, temperature, max_new_tokens).
+    mask_id:  the id fed at still-masked positions; eos_id: the EOS id, or a tuple of them (any ends it).
     generator: torch.Generator on the model's device, for temperature > 0 (plan drafts only).
     on_step:  optional callable, given the (position, token) pairs each step commits (--show).
     banned_ids: token ids never generated besides the mask id (the command line adds the pad id).
@@ -502,7 +517,7 @@ def generate_ar(model, prompt, settings, *, eos_id, generator=None, on_step=None
         trace.append([(len(prompt) + len(out) - 1, out[-1])])
         if on_step:
             on_step(trace[-1])
-        if out[-1] == eos_id or len(out) == settings.max_new_tokens:
+        if out[-1] in eos_ids_of(eos_id) or len(out) == settings.max_new_tokens:
             break
         tokens, positions = token[None], positions[:, -1:] + 1         # (1, 1) each
     return Generation(out, len(out), time.perf_counter() - t0, trace)

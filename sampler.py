@@ -4,6 +4,7 @@ Decode prompts with a trained checkpoint, and print each response with its speed
     python sampler.py --num_samples=3                    # prompts from the validation split
     python sampler.py --prompt_file=my_prompt.txt --json
     python sampler.py --show --num_samples=1             # watch the slots fill in, step by step
+    python sampler.py --init_from=ReFusion --chat --prompt="Write a function that ..."  # the released model
 
 The decoders themselves are in generate.py; this file only loads, chooses and prints.
 """
@@ -19,13 +20,17 @@ import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import check_device, parse_args, run_cli, settings_in
-from data import TokenDataset, decode, encode, get_tokenizer
-from generate import DECODERS, check_attention
+from data import TokenDataset, decode, encode, get_tokenizer, hf_special_ids
+from generate import DECODERS, check_attention, eos_ids_of
+from model import Transformer
 from prepare import prepare
 
 # -----------------------------------------------------------------------------
 # default config
-out_dir = "out"            # directory holding ckpt.pt (written by train.py)
+out_dir = "out"            # directory holding ckpt.pt (written by train.py) ...
+init_from = ""             # ... or a Hugging Face model folder (Qwen3, the ReFusion release) to decode with
+dtype = "float32"          # a folder's weights in float32 or bfloat16 (half the memory)
+chat = False               # wrap the prompt in Qwen's chat template (user turn, then the assistant header)
 prompt = ""                # decode this text ...
 prompt_file = ""           # ... or the text of this file ...
 num_samples = 3            # ... or this many prompts from the validation split
@@ -46,39 +51,84 @@ show = False               # redraw the response after every decoding step (mask
 DEFAULTS = settings_in(globals())
 
 
-def make_decoder(cfg, model, meta, generator):
+def load_model(cfg):
+    """The model to decode with: --init_from=FOLDER (Transformer.from_pretrained) or out_dir's checkpoint.
+
+    Returns (model in eval mode on cfg["device"], tokenizer, ids {"eos_id", "mask_id", "pad_id"},
+    the objective it was trained with, the checkpoint dict or None for a folder). A folder's
+    eos_id is a tuple (<|im_end|>, <|endoftext|>) and its objective "refusion" when it has a mask
+    token, else "ar" (a plain Qwen3). Raises FileNotFoundError / ValueError naming the problem.
+    """
+    if cfg["init_from"]:
+        if cfg["dtype"] not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype={cfg['dtype']!r}: choose float32 or bfloat16")
+        folder = cfg["init_from"]
+        model = Transformer.from_pretrained(folder, dtype=getattr(torch, cfg["dtype"])).to(cfg["device"])
+        eos_ids, mask_id, pad_id = hf_special_ids(folder)
+        ids = {"eos_id": eos_ids, "mask_id": mask_id, "pad_id": pad_id}
+        return model, get_tokenizer(f"hf:{folder}"), ids, "ar" if mask_id is None else "refusion", None
+    ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
+    meta = ckpt["meta"]
+    ids = {k: meta[k] for k in ("eos_id", "mask_id", "pad_id")}
+    return (model_from_checkpoint(ckpt, cfg["device"]), get_tokenizer(meta["tokenizer"]), ids,
+            ckpt["config"]["objective"], ckpt)
+
+
+def make_decoder(cfg, model, ids, generator):
     """(decode: prompt ids -> Generation, its settings) for cfg["method"] and cfg's knobs.
 
-    The settings object checks every knob when it is built, before any data is prepared.
-    Raises ValueError for an unknown method, a method the model's attention does not support, or
-    invalid settings.
+    ids: {"eos_id": an id or a tuple of them, "mask_id", "pad_id"}. The settings object checks
+    every knob when it is built, before any data is prepared. The mask and pad ids are never
+    generated (unless the pad id is an EOS, as Qwen's <|endoftext|> is).
+    Raises ValueError for an unknown method, a method the model's attention does not support, a
+    ReFusion decode without a mask token, or invalid settings.
     """
     if cfg["method"] not in DECODERS:
         raise ValueError(f"--method={cfg['method']!r}: choose one of {', '.join(DECODERS)}")
     check_attention(model, cfg["method"])
+    if cfg["method"] != "ar" and ids["mask_id"] is None:
+        raise ValueError(f"--method={cfg['method']}: this model has no mask token (a plain Qwen3 was never "
+                         "trained to fill masks); use --method=ar, or fine-tune it with train.py first")
     generate, Settings = DECODERS[cfg["method"]]
     knobs = {f.name: cfg[f.name] for f in fields(Settings)}
     if cfg["method"] == "mdm":  # 0: one token per step, one block
         knobs.update(steps=cfg["steps"] or None, block_length=cfg["block_length"] or None)
     settings = Settings(**knobs)
-    ids = dict(eos_id=meta["eos_id"], banned_ids=(meta["mask_id"], meta["pad_id"]))
+    banned = tuple(i for i in (ids["mask_id"], ids["pad_id"]) if i is not None and i not in eos_ids_of(ids["eos_id"]))
+    kwargs = dict(eos_id=ids["eos_id"], banned_ids=banned)
     if cfg["method"] != "ar":
-        ids["mask_id"] = meta["mask_id"]
-    return partial(generate, model, settings=settings, generator=generator, **ids), settings
+        kwargs["mask_id"] = ids["mask_id"]
+    return partial(generate, model, settings=settings, generator=generator, **kwargs), settings
+
+
+def chat_prompt(enc, text):
+    """Token ids of Qwen's chat template around `text`: a user turn, then the assistant header, as
+    the ReFusion release's evaluation builds its prompts (apply_chat_template with
+    add_generation_prompt). The template's markers are special ids; `text` stays plain text.
+    Raises ValueError for a tokenizer without <|im_start|> and <|im_end|> (not a chat model's)."""
+    try:
+        start, end = enc.encode_single_token("<|im_start|>"), enc.encode_single_token("<|im_end|>")
+    except KeyError:
+        raise ValueError("--chat needs a chat model's tokenizer (with <|im_start|> and <|im_end|>), e.g. "
+                         "--init_from=FOLDER of Qwen3 or the ReFusion release") from None
+    return [start, *encode(enc, "user\n" + text), end, *encode(enc, "\n"), start, *encode(enc, "assistant\n")]
 
 
 def load_prompts(cfg, enc, val_data, gen_len, block_size):
-    """Prompts (lists of token ids) from --prompt, --prompt_file or evenly spread over the val split.
-    Raises ValueError / FileNotFoundError naming the problem."""
+    """Prompts (lists of token ids) from --prompt, --prompt_file (in the chat template with --chat)
+    or evenly spread over the val split. Raises ValueError / FileNotFoundError naming the problem."""
     if cfg["prompt"] and cfg["prompt_file"]:
         raise ValueError("give either --prompt or --prompt_file, not both")
+    wrap = partial(chat_prompt, enc) if cfg["chat"] else partial(encode, enc)
     if cfg["prompt_file"]:
         if not os.path.isfile(cfg["prompt_file"]):
             raise FileNotFoundError(f"--prompt_file={cfg['prompt_file']}: no such file")
         with open(cfg["prompt_file"], encoding="utf-8") as f:
-            return [encode(enc, f.read())]
+            return [wrap(f.read())]
     if cfg["prompt"]:
-        return [encode(enc, cfg["prompt"])]
+        return [wrap(cfg["prompt"])]
+    if val_data is None:
+        raise ValueError("--init_from=FOLDER has no validation split: give --prompt or --prompt_file")
     fits = [i for i in range(len(val_data)) if len(val_data.sample(i)[0]) + gen_len <= block_size]
     if not fits:
         raise ValueError(f"no validation prompt leaves room for {gen_len} new tokens in the context of "
@@ -141,20 +191,18 @@ def main(argv):
     check_device(cfg["device"])
     if cfg["num_samples"] <= 0:
         raise ValueError(f"--num_samples={cfg['num_samples']}: ask for at least one validation prompt")
-    ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
-    model, meta, objective = model_from_checkpoint(ckpt, cfg["device"]), ckpt["meta"], ckpt["config"]["objective"]
+    model, enc, ids, objective, ckpt = load_model(cfg)
     cfg["method"] = cfg["method"] or objective
-    enc = get_tokenizer(meta["tokenizer"])
     generator = torch.Generator(cfg["device"]).manual_seed(cfg["seed"])
-    run, settings = make_decoder(cfg, model, meta, generator)
+    run, settings = make_decoder(cfg, model, ids, generator)
     if (cfg["method"], objective) in MISMATCH_NOTES:
         print("note: " + MISMATCH_NOTES[cfg["method"], objective], file=sys.stderr)
-    val_data = None if cfg["prompt"] or cfg["prompt_file"] else validation_split(ckpt)
+    val_data = None if cfg["prompt"] or cfg["prompt_file"] or ckpt is None else validation_split(ckpt)
     prompts = load_prompts(cfg, enc, val_data, settings.gen_len, model.config.block_size)
     run(prompts[0][:8])  # warm-up: the first forward passes pay one-time costs
     for prompt in prompts:
         out = run(prompt, on_step=LiveTrace(enc, prompt, settings.gen_len) if cfg["show"] else None)
-        text = decode(enc, [t for t in out.tokens if t != meta["eos_id"]])
+        text = decode(enc, [t for t in out.tokens if t not in eos_ids_of(ids["eos_id"])])
         if cfg["json"]:
             print(dumps({"prompt": decode(enc, prompt), "text": text, **out.stats()}))
             continue
