@@ -145,13 +145,22 @@ def hf_special_ids(folder: str) -> tuple[tuple[int, ...], int | None, int]:
 
 
 def special_ids(enc: tiktoken.Encoding) -> tuple[int, int, int]:
-    """(eos_id, mask_id, pad_id) of a tokenizer from get_tokenizer ("bytes" or "gpt2").
+    """(eos_id, mask_id, pad_id) that training appends, masks with and pads with.
 
-    Raises ValueError for a Hugging Face tokenizer (hf:FOLDER), whose ids hf_special_ids gives.
+    bytes / gpt2: EOS, MASK and PAD of get_tokenizer. hf:FOLDER (hf_special_ids): the first EOS id
+    (<|im_end|> for Qwen3), <|mask|>, or for a folder without one (a plain Qwen3, fine-tuned into a
+    ReFusion model) the first id after the tokenizer's own, and the pad id. Raises what
+    hf_special_ids raises.
     """
     if enc.name.startswith("hf:"):
-        raise ValueError(f"{enc.name} has its own special tokens: use hf_special_ids(folder), not special_ids")
+        eos_ids, mask_id, pad_id = hf_special_ids(enc.name[len("hf:"):])
+        return eos_ids[0], enc.n_vocab if mask_id is None else mask_id, pad_id
     return enc.encode_single_token(EOS), enc.encode_single_token(MASK), enc.encode_single_token(PAD)
+
+
+def vocab_size(enc: tiktoken.Encoding) -> int:
+    """Rows a model's embedding needs for this tokenizer: every id, the mask id of special_ids included."""
+    return max(enc.n_vocab, max(special_ids(enc)) + 1)
 
 
 def encode(enc: tiktoken.Encoding, text: str) -> list[int]:
@@ -189,7 +198,7 @@ class TokenDataset:
         if damaged:
             raise ValueError(f"{damaged} does not hold what {paths[0]} counts: the prepared data is damaged; "
                              "prepare.prepare() writes it anew, as train.py and sampler.py do when they start")
-        self.tokens = np.memmap(paths[1], dtype=np.uint16, mode="r")
+        self.tokens = np.memmap(paths[1], dtype=self.meta.get("token_dtype", "uint16"), mode="r")
         self.samples = np.load(paths[2], allow_pickle=False)  # (N, 3): start, prompt_len, total_len
         self.pad_id = self.meta["pad_id"]
 
@@ -225,7 +234,8 @@ def damaged_file(data_dir: str, meta: dict, split: str) -> str | None:
     samples as meta.json counts (e.g. cut short by a full disk), or None when both are whole."""
     counts = meta.get("counts", {}).get(split, {})
     bin_path, samples_path = (os.path.join(data_dir, f"{split}{end}") for end in (".bin", "_samples.npy"))
-    if not os.path.isfile(bin_path) or os.path.getsize(bin_path) != 2 * counts.get("tokens", -1):
+    itemsize = np.dtype(meta.get("token_dtype", "uint16")).itemsize
+    if not os.path.isfile(bin_path) or os.path.getsize(bin_path) != itemsize * counts.get("tokens", -1):
         return bin_path
     try:
         if len(np.load(samples_path, mmap_mode="r", allow_pickle=False)) != counts.get("samples"):

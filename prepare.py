@@ -2,7 +2,7 @@
 Tokenize a corpus once into files that training reads back as memmaps (as nanoGPT's prepare.py):
 
     records {"query", "response"}  ->  prepare()  ->  data/<name>-<tokenizer>-<block_size>/
-        train.bin, val.bin                 all samples' tokens, uint16, back to back
+        train.bin, val.bin                 all samples' tokens, uint16 (uint32 past 65,536 ids), back to back
         train_samples.npy, val_samples.npy (N, 3) int64: [start in .bin, prompt_len, total_len]
         meta.json                          tokenizer, special ids, counts; written last
 
@@ -20,7 +20,7 @@ import numpy as np
 from filelock import FileLock
 
 from corpora import DATASETS, TEXT_WINDOW_BYTES, load_records
-from data import damaged_file, encode, get_tokenizer, special_ids
+from data import damaged_file, encode, get_tokenizer, special_ids, vocab_size
 
 VAL_PERCENT = 5  # share of records that go to the validation split
 FORMAT = 1  # version of the prepared-data layout, stored in meta.json
@@ -50,10 +50,16 @@ def _write_atomic(path: str, write) -> None:
         raise
 
 
+def token_dtype(enc) -> str:
+    """How token ids are stored: uint16 while the vocabulary (mask id included) fits, else uint32."""
+    return "uint16" if vocab_size(enc) <= 2**16 else "uint32"
+
+
 def _tokenize(records: list[dict], enc, block_size: int, too_long: str) -> tuple[np.ndarray, np.ndarray, int]:
-    """(tokens (n,) uint16, samples (N, 3) int64, number of records skipped as too long).
+    """(tokens (n,) uint16 or uint32, samples (N, 3) int64, number of records skipped as too long).
     too_long: "skip" such records, or "fail" (ValueError naming the record and the limit)."""
     eos_id = special_ids(enc)[0]
+    dtype = token_dtype(enc)
     chunks, samples, skipped, start = [], [], 0, 0
     for r in records:
         prompt = encode(enc, r["query"])
@@ -64,10 +70,10 @@ def _tokenize(records: list[dict], enc, block_size: int, too_long: str) -> tuple
                                  f"block_size={block_size}; raise --block_size or pass --too_long=skip")
             skipped += 1
             continue
-        chunks.append(np.array(ids, dtype=np.uint16))
+        chunks.append(np.array(ids, dtype=dtype))
         samples.append((start, len(prompt), len(ids)))
         start += len(ids)
-    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
     return tokens, np.array(samples, dtype=np.int64).reshape(-1, 3), skipped
 
 
@@ -108,15 +114,16 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
     sha1 = _source_sha1(dataset)
     # a file's name carries its content's hash, so two files both called train.json never share a dir
     name = dataset if dataset in DATASETS else f"{os.path.splitext(os.path.basename(dataset))[0]}-{sha1[:8]}"
-    data_dir = os.path.join(data_root, f"{name}-{tokenizer}-{block_size}")
+    # a Hugging Face tokenizer (hf:FOLDER) is named by its folder's base name
+    tag = f"hf-{os.path.basename(os.path.normpath(tokenizer[3:]))}" if tokenizer.startswith("hf:") else tokenizer
+    data_dir = os.path.join(data_root, f"{name}-{tag}-{block_size}")
     enc = get_tokenizer(tokenizer)
-    expected = {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": enc.n_vocab, "block_size": block_size,
+    expected = {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": vocab_size(enc), "block_size": block_size,
                 "python_version": platform.python_version(), "source_sha1": sha1, "too_long": too_long}
     if dataset in DATASETS:  # a file is known by its content (source_sha1), however its path is written
         expected["dataset"] = dataset
     if _is_prepared(data_dir, expected):
         return data_dir
-    assert enc.n_vocab <= 2**16, "token ids are stored as uint16"
     os.makedirs(data_dir, exist_ok=True)
     with FileLock(os.path.join(data_dir, ".lock")):  # torchrun's processes: one prepares, the rest wait
         if not _is_prepared(data_dir, expected):
@@ -153,5 +160,6 @@ def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> Non
         print(f"{split}: {len(samples):,} samples, {len(tokens):,} tokens, "
               f"{skipped:,} skipped as longer than {block_size} tokens")
     eos_id, mask_id, pad_id = special_ids(enc)
-    meta = dict(expected, dataset=dataset, eos_id=eos_id, mask_id=mask_id, pad_id=pad_id, counts=counts)
+    meta = dict(expected, dataset=dataset, eos_id=eos_id, mask_id=mask_id, pad_id=pad_id, counts=counts,
+                token_dtype=token_dtype(enc))
     _write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))

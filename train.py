@@ -18,7 +18,7 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from configurator import check_device, parse_args, run_cli, settings_in
-from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, get_tokenizer, random_mask_batch, reorganize_slots
+from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, get_tokenizer, random_mask_batch, \
+    reorganize_slots, vocab_size
 from model import ModelConfig, Transformer
 from prepare import prepare
 
@@ -174,8 +175,9 @@ def check_config(cfg):
         raise ValueError(f"--objective={cfg['objective']!r}: choose one of {', '.join(OBJECTIVES)}")
     if cfg["too_long"] not in ("skip", "fail"):
         raise ValueError(f"--too_long={cfg['too_long']!r}: choose skip or fail")
-    if cfg["tokenizer"] not in TOKENIZERS:
-        raise ValueError(f"--tokenizer={cfg['tokenizer']!r}: choose one of {', '.join(TOKENIZERS)}")
+    if cfg["tokenizer"] not in TOKENIZERS and not cfg["tokenizer"].startswith("hf:"):
+        raise ValueError(f"--tokenizer={cfg['tokenizer']!r}: choose one of {', '.join(TOKENIZERS)}, or "
+                         "hf:FOLDER for a Hugging Face model folder's tokenizer.json")
     if not cfg["slot_sizes"] or any(not isinstance(s, int) or s <= 0 for s in cfg["slot_sizes"]):
         raise ValueError(f"--slot_sizes={cfg['slot_sizes']}: give positive integers, e.g. --slot_sizes=(4,8)")
     for key in ("batch_size", "gradient_accumulation_steps", "max_iters", "n_layer", "n_head", "n_embd",
@@ -251,7 +253,7 @@ def inherit_settings(cfg, explicit, source, keys, what):
 
 def start_from_scratch(cfg, explicit):
     """--init_from=scratch: a new model of the configured shape, randomly initialised."""
-    return Start(dict(vocab_size=get_tokenizer(cfg["tokenizer"]).n_vocab, block_size=cfg["block_size"],
+    return Start(dict(vocab_size=vocab_size(get_tokenizer(cfg["tokenizer"])), block_size=cfg["block_size"],
                       n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or cfg["n_head"],
                       n_embd=cfg["n_embd"], qk_norm=cfg["qk_norm"], rope_theta=cfg["rope_theta"],
                       causal=cfg["objective"] != "mdm"))
@@ -272,15 +274,38 @@ def start_from_pretrained(cfg, explicit):
     Raises FileNotFoundError for a missing path, ValueError for a contradicting flag."""
     if not os.path.exists(cfg["init_from"]):
         raise FileNotFoundError(f"--init_from={cfg['init_from']}: use 'scratch', 'resume', or the path of an "
-                                "existing checkpoint (a ckpt.pt or the out_dir holding it)")
+                                "existing checkpoint (a ckpt.pt or the out_dir holding it) or Hugging Face folder")
+    if os.path.isfile(os.path.join(cfg["init_from"], "config.json")):
+        return start_from_hf_folder(cfg, explicit)
     ckpt = load_checkpoint(cfg["init_from"], "cpu")
     inherit_settings(cfg, explicit, ckpt["config"], MODEL_KEYS, "a fine-tune keeps the model's shape")
     if ckpt["meta"]["tokenizer"] != cfg["tokenizer"]:
         raise ValueError(f"--init_from={cfg['init_from']} was trained with the {ckpt['meta']['tokenizer']!r} "
                          f"tokenizer but this run uses {cfg['tokenizer']!r}; pass "
                          f"--tokenizer={ckpt['meta']['tokenizer']}")
-    vocab_size = max(ckpt["model_args"]["vocab_size"], get_tokenizer(cfg["tokenizer"]).n_vocab)
-    return Start(dict(ckpt["model_args"], causal=cfg["objective"] != "mdm", vocab_size=vocab_size), ckpt)
+    rows = max(ckpt["model_args"]["vocab_size"], vocab_size(get_tokenizer(cfg["tokenizer"])))
+    return Start(dict(ckpt["model_args"], causal=cfg["objective"] != "mdm", vocab_size=rows), ckpt)
+
+
+def start_from_hf_folder(cfg, explicit):
+    """--init_from=FOLDER, the paper's recipe at full size: a pretrained Qwen3 in Hugging Face's
+    layout (Transformer.from_pretrained, float32 weights), its own tokenizer (hf:FOLDER), trained
+    on with this run's objective. A folder without a mask token gets one (special_ids) and, if its
+    embedding lacks the row, the row (load_weights). block_size stays the length of the longest
+    sample prepared; the model keeps the folder's context. Raises ValueError for a contradicting
+    --tokenizer, and what from_pretrained raises."""
+    folder = cfg["init_from"]
+    if "tokenizer" in explicit and cfg["tokenizer"] != f"hf:{folder}":
+        raise ValueError(f"--tokenizer={cfg['tokenizer']}: a fine-tune of {folder} uses its own tokenizer; "
+                         "drop the flag")
+    cfg["tokenizer"] = f"hf:{folder}"
+    model = Transformer.from_pretrained(folder)
+    c = model.config
+    shape = dict(n_layer=c.n_layer, n_head=c.n_head, n_kv_head=c.n_kv_head, n_embd=c.n_embd, qk_norm=c.qk_norm,
+                 rope_theta=c.rope_theta)
+    inherit_settings(cfg, explicit, shape, shape, "a fine-tune keeps the model's shape")
+    rows = max(c.vocab_size, vocab_size(get_tokenizer(cfg["tokenizer"])))
+    return Start(dict(asdict(c), causal=cfg["objective"] != "mdm", vocab_size=rows), {"model": model.state_dict()})
 
 
 START_MODES = {"scratch": start_from_scratch, "resume": resume_from_checkpoint}  # anything else: a checkpoint's path

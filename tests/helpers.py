@@ -31,3 +31,40 @@ def tiny_run_flags(tmp_path, qa_file, out, objective="refusion"):
             f"--objective={objective}", "--block_size=64", "--n_layer=1", "--n_head=2", "--n_embd=16",
             "--batch_size=4", "--eval_interval=2", "--eval_iters=1", "--slot_sizes=2,4",
             "--warmup_iters=10"]  # 6 steps inside warm-up: the learning rate does not depend on max_iters
+
+
+def save_tiny_hf_folder(folder, mask=True, seed=0):
+    """A tiny random Qwen3 in Hugging Face's layout, as the releases ship it: config.json,
+    model.safetensors and a byte-level tokenizer.json (one token per byte, ids 0..255, then
+    <|endoftext|> 256, <|im_start|> 257, <|im_end|> 258 and, with mask, <|mask|> 259).
+    Returns the Transformer whose weights were saved (vocab 300, 2 layers, width 32)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    from data import QWEN2_PAT, _byte_of_char
+    torch.manual_seed(seed)
+    config = ModelConfig(vocab_size=300, block_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, head_dim=8,
+                         intermediate_size=64, rope_theta=1e6)
+    model = Transformer(config).eval()
+    os.makedirs(folder, exist_ok=True)
+    hf_config = {"model_type": "qwen3", "vocab_size": 300, "max_position_embeddings": 256, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "head_dim": 8,
+                 "intermediate_size": 64, "rope_theta": 1e6, "rope_scaling": None, "rms_norm_eps": 1e-6,
+                 "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu"}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    save_file({"model." + n: t.clone() for n, t in model.state_dict().items() if n != "lm_head.weight"},
+              os.path.join(folder, "model.safetensors"))
+    char_of = {b: c for c, b in _byte_of_char().items()}
+    added = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + ["<|mask|>"] * mask
+    spec = {"normalizer": {"type": "NFC"},
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": QWEN2_PAT}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
+            "added_tokens": [{"id": 256 + i, "content": t} for i, t in enumerate(added)],
+            "model": {"type": "BPE", "vocab": {char_of[b]: b for b in range(256)}, "merges": []}}
+    with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(spec, f)
+    return model

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import data
+from helpers import save_tiny_hf_folder
 from model import ModelConfig, Transformer
 from generate import DecodeSettings, RefusionSettings, generate_ar, generate_refusion
 
@@ -323,8 +324,7 @@ def test_hf_tokenizer_reads_a_qwen_style_file(tmp_path):
     assert data.encode(enc, " abba") == [2, 3, 1, 0] and data.encode(enc, " a") == [4]  # "ab" ranks before " a"
     assert data.decode(enc, [4, 5]) == " a<|endoftext|>"
     assert data.special_ids(data.get_tokenizer("bytes")) == (256, 257, 258)  # our own tokenizers unchanged
-    with pytest.raises(ValueError, match="use hf_special_ids"):
-        data.special_ids(enc)
+    assert data.special_ids(enc) == (5, 6, 5)  # EOS <|endoftext|>, a mask id after the tokenizer's, pad = EOS
 
 
 @pytest.mark.parametrize("changes, error, message", [
@@ -347,3 +347,71 @@ def test_hf_special_ids_needs_an_eos_token(tmp_path):
     write_tokenizer_json(tmp_path, added_tokens=[{"id": 5, "content": "<|mask|>"}])
     with pytest.raises(ValueError, match=re.escape("neither <|im_end|> nor <|endoftext|>")):
         data.hf_special_ids(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# the command lines on a Hugging Face folder: decode it (sampler.py), fine-tune it (train.py)
+
+
+def test_sampler_decodes_a_folder_in_the_chat_template(tmp_path, capsys):
+    import sampler
+    save_tiny_hf_folder(tmp_path / "refusion")                    # <|mask|> 259: decoded with ReFusion
+    folder = f"--init_from={tmp_path / 'refusion'}"
+    enc = data.get_tokenizer(f"hf:{tmp_path / 'refusion'}")
+    assert sampler.chat_prompt(enc, "Say <|im_end|>") == ([257] + list(b"user\nSay <|im_end|>") + [258, 10, 257]
+                                                           + list(b"assistant\n"))   # user text stays text
+    sampler.main([folder, "--chat", "--prompt=Say hi", "--max_new_tokens=16", "--slot_size=4", "--num_blocks=1",
+                  "--json"])
+    sampler.main([folder, "--prompt=Say hi", "--max_new_tokens=5", "--method=ar", "--json"])
+    refusion, ar = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert refusion["prompt"].startswith("<|im_start|>user\nSay hi<|im_end|>") and 0 < refusion["tokens"] <= 16
+    assert ar["nfe"] == ar["tokens"] <= 5
+    with pytest.raises(ValueError, match="trained with a causal objective"):
+        sampler.main([folder, "--prompt=hi", "--method=mdm"])
+    save_tiny_hf_folder(tmp_path / "qwen3", mask=False)           # a plain Qwen3: next-token decoding only
+    with pytest.raises(ValueError, match="no mask token"):
+        sampler.main([f"--init_from={tmp_path / 'qwen3'}", "--prompt=hi", "--method=refusion"])
+    with pytest.raises(ValueError, match="has no validation split"):
+        sampler.main([f"--init_from={tmp_path / 'qwen3'}"])
+
+
+def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsys):
+    """The paper's recipe from a pretrained Qwen3: its weights and tokenizer, a mask id added after the
+    tokenizer's own ids, the hybrid objective; the sampler then decodes the checkpoint."""
+    import sampler
+    import train
+    from checkpoint import load_checkpoint
+    pretrained = save_tiny_hf_folder(tmp_path / "qwen3", mask=False)
+    flags = [f"--init_from={tmp_path / 'qwen3'}", f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
+             f"--out_dir={tmp_path / 'ft'}", "--block_size=64", "--batch_size=4", "--eval_iters=1",
+             "--slot_sizes=2,4", "--warmup_iters=1", "--max_iters=1", "--learning_rate=1e-12", "--min_lr=0"]
+    with pytest.raises(ValueError, match="--n_layer=3 differs from the checkpoint's 2"):
+        train.main(flags + ["--n_layer=3"])
+    with pytest.raises(ValueError, match="uses its own tokenizer"):
+        train.main(flags + ["--tokenizer=bytes"])
+    train.main(flags)
+    ckpt = load_checkpoint(str(tmp_path / "ft"))
+    meta = ckpt["meta"]
+    assert (meta["tokenizer"], meta["eos_id"], meta["mask_id"], meta["pad_id"]) == (
+        f"hf:{tmp_path / 'qwen3'}", 258, 259, 256)                 # <|im_end|>, the added mask, <|endoftext|>
+    assert ckpt["model_args"]["vocab_size"] == 300 and ckpt["config"]["n_embd"] == 32
+    for name, p in pretrained.state_dict().items():               # a 1e-12 step: still the folder's weights
+        torch.testing.assert_close(ckpt["model"][name], p, atol=1e-6, rtol=0)
+    capsys.readouterr()
+    sampler.main([f"--out_dir={tmp_path / 'ft'}", "--num_samples=1", "--max_new_tokens=8", "--slot_size=4",
+                  "--num_blocks=1", "--json"])
+    assert json.loads(capsys.readouterr().out)["tokens"] >= 1
+
+
+def test_token_ids_past_65536_are_stored_as_uint32(tmp_path, qa_file):
+    from prepare import prepare
+    save_tiny_hf_folder(tmp_path / "big")
+    spec = json.loads((tmp_path / "big" / "tokenizer.json").read_text())
+    spec["added_tokens"][2]["id"] = 70000                         # <|im_end|>, the EOS every sample ends with
+    (tmp_path / "big" / "tokenizer.json").write_text(json.dumps(spec))
+    data_dir = prepare(qa_file[0], f"hf:{tmp_path / 'big'}", 64, data_root=str(tmp_path / "data"))
+    ds = data.TokenDataset(data_dir, "train")
+    assert ds.meta["token_dtype"] == "uint32" and ds.tokens.dtype == "uint32"
+    prompt, response = ds.sample(0)
+    assert response[-1] == 70000                                   # an id above 2**16 read back whole
+    assert ds.meta["mask_id"] == 259 and ds.meta["vocab_size"] == 70001
