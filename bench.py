@@ -1,32 +1,45 @@
 """
-The paper's comparison at small scale, in one run: ReFusion against an autoregressive model (ARM)
-and a LLaDA-style masked diffusion model (MDM), same size, same data, same training budget.
+The paper's comparison at small scale, in one run: ReFusion against an autoregressive model (ARM) and
+a LLaDA-style masked diffusion model (MDM), same size, same data, same training budget, on three tasks
+that span the range from parallel-friendly to strictly serial:
 
-    python bench.py                                  # CPU default, about 30 minutes on 2 cores
-    python bench.py --datasets=arith --max_iters=2000 --device=cuda
+    transform  each response letter is a function of one prompt letter (copy, reverse, upper, shift):
+               given the prompt, the response's tokens do not depend on each other
+    arith      worked column arithmetic: each line depends on the line before (its carry)
+    stdlib     real code: the bodies of the standard library's documented functions
 
-For each data set it trains (or reuses, from out_dir) one model per objective plus a ReFusion
-model fine-tuned from the ARM (the paper's recipe; its extra budget is stated in its row), decodes
-the same validation prompts with every decoder and a small sweep of their speed knobs, and writes
-out_dir/bench.json, out_dir/bench.md and, when matplotlib is installed, out_dir/bench.png
-(quality against tokens/s, like the paper's Figure 1). Every figure comes from this run.
+    python bench.py              # the full run (TASKS' recipes), about an hour on 2 CPU cores
+    python bench.py --quick      # one task, tiny models, a small sweep: a smoke run of a minute or two
+
+For each task it trains (or reuses, from out_dir) an ARM, a ReFusion model and an MDM with the same
+budget, and the paper's recipe: ReFusion fine-tuned from the ARM (its extra budget in its row). It
+decodes the same validation prompts with the ARM, the MDM at 1, 2 and 4 tokens per step, ReFusion
+over a sweep of slot size, thresholds and serial blocks (SWEEP), and, when `transformers` is
+installed, Hugging Face's `generate` on the ARM's weights. Each point records its quality, tokens,
+forward passes (NFE), TPF, tokens/s, milliseconds per forward pass and the share of decode time
+spent outside the model (bookkeeping). It writes out_dir/bench.json (every point), bench.md (the
+table: the baselines, and per ReFusion model its fastest setting within 1 point of the ARM's quality
+and its fastest setting overall) and, with matplotlib, bench.png (quality against speed relative to
+the ARM, as the paper's MBPP figure). Every figure comes from this run.
 """
 
 import ast
 import json
 import os
+import platform
 import shutil
 import sys
 import time
 
 import numpy as np
 import torch
+import torch.nn as nn
 from tqdm import tqdm
 
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import parse_args, run_cli, settings_in
-from corpora import arithmetic_answer, arithmetic_expected
+from corpora import arithmetic_answer, arithmetic_expected, transform_expected
 from data import TokenDataset, decode, get_tokenizer
 from generate import MDMSettings, RefusionSettings
 from model import ModelConfig, Transformer
@@ -36,38 +49,58 @@ from sampler import make_decoder
 # -----------------------------------------------------------------------------
 # default config
 out_dir = "bench"
-datasets = ("arith", "stdlib")
+tasks = ("transform", "arith", "stdlib")  # any of TASKS
+quick = False              # a smoke run: QUICK's task, models, budget and sweep
 num_prompts = 40           # validation prompts decoded by every decoder
-max_new_tokens = 128
-slot_size = 8
-num_blocks = 4             # serial blocks of the ReFusion rows (must divide the number of slots)
-max_iters = 600            # training budget of each model (iterations of batch_size samples)
-finetune_iters = 600       # extra budget of the ReFusion model started from the ARM
-batch_size = 32
-n_layer = 4
-n_head = 4
-n_embd = 128
-learning_rate = 3e-3
-block_size = 0             # 0: 192 for arith, 256 for stdlib
+max_iters = 0              # training budget of each model; 0: the task's recipe (TASKS)
+finetune_iters = 0         # extra budget of the ReFusion model started from the ARM; 0: the recipe's
+dataset = ""               # the data set of a one-task run, e.g. arith-1m on a GPU; empty: the recipe's
+n_layer = 0                # the models' shape and batch; 0: the recipe's
+n_head = 0
+n_embd = 0
+batch_size = 0
+learning_rate = 0.0
 device = "cpu"
 compile = False            # torch.compile the training forward pass (GPU runs)
 seed = 1337
 retrain = False            # train again even when out_dir holds the models
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
-BLOCK_SIZE = {"arith": 192, "arith-1m": 192, "stdlib": 256}
-ANSWERED = ("arith", "arith-1m")  # data sets whose responses end in an answer that can be checked
+
+# Each task's recipe: the data, the model and the budget, sized so that the ARM reaches its quality
+# level on 2 CPU cores (see README, "The benchmark"). Every model of a task gets the same recipe.
+MODEL = dict(n_layer=4, n_head=4, n_embd=128, batch_size=32, learning_rate=3e-3)
+TASKS = {
+    "transform": dict(MODEL, dataset="transform", block_size=160, max_new_tokens=64, max_iters=1500,
+                      finetune_iters=500),
+    "arith": dict(MODEL, dataset="arith", block_size=192, max_new_tokens=128, max_iters=600, finetune_iters=600),
+    "stdlib": dict(MODEL, dataset="stdlib", block_size=256, max_new_tokens=128, max_iters=600,
+                   finetune_iters=600),
+}
+# the ReFusion sweep: every slot size x (slot_threshold, token_threshold) x serial blocks
+SWEEP = dict(slot_sizes=(4, 8, 16), thresholds=((0.9, 0.3), (0.7, 0.1), (0.5, 0.0)), num_blocks=(1, 4))
+QUICK = dict(tasks=("transform",), num_prompts=8, model=dict(n_layer=2, n_head=2, n_embd=64, max_iters=60,
+                                                              finetune_iters=30),
+             sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3), (0.5, 0.0)), num_blocks=(1,)), step_times=3)
 
 
-def train_model(cfg, dataset, name, objective, iters, init_from=None):
-    """Train one model into out_dir/<dataset>-<name> and return the dir. A finished model trained
-    with the same settings (and, for a fine-tune, after the checkpoint it starts from) is reused;
-    one interrupted part-way is resumed; anything else is trained again from the start."""
-    out = os.path.join(cfg["out_dir"], f"{dataset}-{name}")
+def recipe(cfg, task):
+    """The task's recipe with the run's overrides (--quick's, then every setting given as non-zero)."""
+    r = dict(TASKS[task], **(QUICK["model"] if cfg["quick"] else {}))
+    return r | {key: cfg[key] for key in ("dataset", "max_iters", "finetune_iters", "n_layer", "n_head", "n_embd",
+                                          "batch_size", "learning_rate") if cfg[key]}
+
+
+def train_model(cfg, task, name, objective, iters, init_from=None):
+    """Train one model into out_dir/<task>-<name> and return the dir. A finished model trained with
+    the same settings (and, for a fine-tune, after the checkpoint it starts from) is reused; one
+    interrupted part-way is resumed; anything else is trained again from the start."""
+    r = recipe(cfg, task)
+    out = os.path.join(cfg["out_dir"], f"{task}-{name}")
     ckpt_file = os.path.join(out, "ckpt.pt")
-    settings = dict(dataset=dataset, objective=objective, max_iters=iters, eval_interval=max(iters // 4, 1),
-                    block_size=cfg["block_size"] or BLOCK_SIZE[dataset],
-                    **{k: cfg[k] for k in ("batch_size", "n_layer", "n_head", "n_embd", "learning_rate", "seed")})
+    settings = dict(dataset=r["dataset"], objective=objective, max_iters=iters, eval_interval=max(iters // 4, 1),
+                    seed=cfg["seed"], **{k: r[k] for k in ("block_size", "batch_size", "n_layer", "n_head",
+                                                           "n_embd", "learning_rate")})
     flags = [f"--out_dir={out}", f"--device={cfg['device']}", f"--compile={cfg['compile']}"]
     if os.path.exists(ckpt_file) and not cfg["retrain"]:
         ckpt = load_checkpoint(ckpt_file)
@@ -84,165 +117,293 @@ def train_model(cfg, dataset, name, objective, iters, init_from=None):
     flags += [f"--{k}={v}" for k, v in settings.items()]
     if init_from:
         flags += [f"--init_from={init_from}", f"--warmup_iters={min(50, iters // 10)}"]
-    print(f"\n== training {dataset}-{name}: {' '.join(flags)}")
+    print(f"\n== training {task}-{name}: {' '.join(flags)}")
     train.main(flags)
     return out
 
+# -----------------------------------------------------------------------------
+# quality: every answer checked by code
 
-def quality(dataset, query, text):
-    """1.0 if the generation is right: arith, the exact answer; stdlib, the function parses with at
-    least one statement after its docstring (the prompt alone already parses)."""
-    if dataset in ANSWERED:
-        return float(arithmetic_answer(text) == arithmetic_expected(query))
+
+def score(task, query, text, reference):
+    """{metric: 1.0 or 0.0} of one generation (text: the response without EOS).
+
+    transform: "exact", the response is the transformed letters and a newline;
+    arith: "accuracy", the final answer is right;
+    stdlib: "parse_rate", the function parses with at least one statement after its docstring
+    (the prompt alone already parses), and "first_line", its first line is the reference's.
+    The first metric is the task's quality measure.
+    """
+    if task == "transform":
+        return {"exact": float(text == transform_expected(query) + "\n")}
+    if task == "arith":
+        return {"accuracy": float(arithmetic_answer(text) == arithmetic_expected(query))}
     try:
-        function = ast.parse(query + text).body[0]
-    except (SyntaxError, ValueError, IndexError):
-        return 0.0
-    return float(len(function.body) > 1)
+        parses = len(ast.parse(query + text).body[0].body) > 1
+    except (SyntaxError, ValueError, IndexError, AttributeError):
+        parses = False
+    return {"parse_rate": float(parses), "first_line": float(text.split("\n")[0] == reference.split("\n")[0])}
 
 
-def decoder_settings(cfg, n_slots):
-    """(row label, method, model name, decoder kwargs) for every row of the table."""
-    S = cfg["slot_size"]
-    L = n_slots * S
-    rows = [("ARM", "ar", "ar", {})]
-    for model in ("refusion", "refusion-ft"):
-        for blocks, slot_thr, token_thr in ((cfg["num_blocks"], 0.9, 0.3), (cfg["num_blocks"], 0.7, 0.1),
-                                            (1, 0.9, 0.3)):
-            rows.append((f"ReFusion{'-ft' * (model != 'refusion')} B={blocks} slot>{slot_thr} token>{token_thr}",
-                         "refusion", model, dict(slot_size=S, num_blocks=blocks, slot_threshold=slot_thr,
-                                                 token_threshold=token_thr)))
-        rows.append((f"ReFusion{'-ft' * (model != 'refusion')} left-to-right (one slot per block)", "refusion",
-                     model, dict(slot_size=S, num_blocks=n_slots, slot_threshold=0.9, token_threshold=0.3)))
-    block = 32 if L % 32 == 0 else L      # LLaDA's semi-autoregressive blocks of 32 where they fit
-    for steps, block in ((L, L), (L // 2, block), (L // 4, block)):
-        rows.append((f"MDM steps={steps} block={block}", "mdm", "mdm", dict(steps=steps, block_length=block)))
-    return rows
+def validation_prompts(cfg, task):
+    """The first num_prompts validation samples whose prompt leaves room for the generation:
+    (prompts, references), lists of token-id lists. Raises ValueError when none fits."""
+    r = recipe(cfg, task)
+    val = TokenDataset(prepare(r["dataset"], "bytes", r["block_size"]), "val")
+    pairs = [val.sample(i) for i in range(len(val))]
+    fits = [(p, q) for p, q in pairs if len(p) + r["max_new_tokens"] <= r["block_size"]][:cfg["num_prompts"]]
+    if not fits:
+        raise ValueError(f"no {task} validation prompt leaves room for {r['max_new_tokens']} new tokens in the "
+                         f"context of {r['block_size']}; change the task's recipe (TASKS in bench.py)")
+    return [p for p, _ in fits], [q for _, q in fits]
+
+# -----------------------------------------------------------------------------
+# decoding, timed
 
 
-def run_decoder(method, model, prompts, meta, max_new_tokens, settings):
-    """Decode every prompt with sampler's decoder for `method`; returns the texts and summed statistics."""
-    cfg = {"temperature": 0.0, "steps": 0, "block_length": 0, **settings, "method": method,
-           "max_new_tokens": max_new_tokens}
-    decode_fn, _ = make_decoder(cfg, model, meta, torch.Generator().manual_seed(0))
+class TimedModel(nn.Module):
+    """The model, with the wall-clock seconds of its forward passes counted (see counting), so that
+    decode time splits into model time and bookkeeping."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+        self.forward, self.calls = counting(model.forward, next(model.parameters()).device)
+
+    def new_kv_cache(self, max_len, max_batch=1):
+        return self.model.new_kv_cache(max_len, max_batch)
+
+
+def totals(tokens, nfe, seconds, model_seconds):
+    """A point's speed figures: tokens, NFE, TPF (tokens / NFE), seconds, tokens/s, ms per forward
+    pass and the share of decode time spent outside the model's forward passes."""
+    return {"tokens": tokens, "nfe": nfe, "tpf": tokens / nfe, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "ms_per_forward": 1e3 * model_seconds / nfe, "bookkeeping_share": 1 - model_seconds / seconds}
+
+
+def run_decoder(method, model, prompts, ids, settings):
+    """Decode every prompt with sampler's decoder for `method` (settings: a dict of its knobs, with
+    max_new_tokens); returns the generated id lists (EOS dropped) and the summed speed figures."""
+    timed = TimedModel(model)
+    cfg = {"temperature": 0.0, "steps": 0, "block_length": 0, **settings, "method": method}
+    decode_fn, _ = make_decoder(cfg, timed, ids, torch.Generator().manual_seed(0))
     decode_fn(prompts[0])  # warm-up, untimed
+    timed.calls.update(n=0, seconds=0.0)
     outs = [decode_fn(p) for p in prompts]
-    texts = [[t for t in o.tokens if t != meta["eos_id"]] for o in outs]
-    tokens, nfe, seconds = sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs), sum(o.seconds for o in outs)
-    return texts, {"tokens": tokens, "nfe": nfe, "tpf": tokens / nfe, "seconds": seconds,
-                   "tokens_per_s": tokens / seconds}
+    texts = [[t for t in o.tokens if t != ids["eos_id"]] for o in outs]
+    return texts, totals(sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs), sum(o.seconds for o in outs),
+                         timed.calls["seconds"])
 
 
-def validation_prompts(cfg, dataset):
-    """The first num_prompts validation prompts (lists of token ids) that leave room in the context
-    for the generation, and the generation's number of slots. Raises ValueError when none fits."""
-    block = cfg["block_size"] or BLOCK_SIZE[dataset]
-    n_slots = -(-cfg["max_new_tokens"] // cfg["slot_size"])
-    val = TokenDataset(prepare(dataset, "bytes", block), "val")
-    prompts = []
-    for i in range(len(val)):
-        prompt = val.sample(i)[0]
-        if len(prompt) + n_slots * cfg["slot_size"] <= block:
-            prompts.append(prompt)
-        if len(prompts) == cfg["num_prompts"]:
-            break
-    if not prompts:
-        raise ValueError(f"no {dataset} validation prompt leaves room for {n_slots * cfg['slot_size']} new tokens "
-                         f"in the context of {block}; lower --max_new_tokens or raise --block_size")
-    return prompts, n_slots
+def hf_generate(model, prompts, ids, max_new_tokens):
+    """The reference a user would otherwise pick: Hugging Face transformers' Qwen3ForCausalLM with the
+    same weights (our module names map one to one), greedy `generate` with its KV cache, the mask
+    and pad ids suppressed as ours are. Returns (texts, speed figures), or None without transformers."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    c = model.config
+    config = transformers.Qwen3Config(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
+        head_dim=c.head_dim, max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}, tie_word_embeddings=c.tie_embeddings)
+    hf = transformers.Qwen3ForCausalLM(config)
+    hf.load_state_dict({("" if k == "lm_head.weight" else "model.") + k: v for k, v in model.state_dict().items()})
+    device = next(model.parameters()).device
+    hf = hf.to(device).eval()
+
+    def decode_one(prompt):
+        x = torch.tensor([prompt], device=device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=ids["eos_id"], pad_token_id=ids["eos_id"],
+                              suppress_tokens=[ids["mask_id"], ids["pad_id"]])[0, len(prompt):].tolist()
+        return out[:out.index(ids["eos_id"]) + 1] if ids["eos_id"] in out else out, time.perf_counter() - t0
+
+    decode_one(prompts[0])  # warm-up, untimed
+    hf.forward, calls = counting(hf.forward, device)
+    outs = [decode_one(p) for p in prompts]
+    tokens = sum(len(o) for o, _ in outs)
+    seconds = sum(s for _, s in outs)
+    return [[t for t in o if t != ids["eos_id"]] for o, _ in outs], totals(tokens, calls["n"], seconds, calls["seconds"])
 
 
-def bench_dataset(cfg, dataset, prompts, n_slots):
-    """Train or reuse the four models of one data set, decode its validation prompts (from
-    validation_prompts, with the generation's number of slots) with every decoder setting, and
-    return one row (dict) per setting with quality, tokens, NFE, TPF, seconds, tokens/s and the
-    speed-ups over the ARM and the default MDM."""
-    iters, ft = cfg["max_iters"], cfg["finetune_iters"]
-    dirs = {name: train_model(cfg, dataset, name, name, iters) for name in ("ar", "refusion", "mdm")}
-    dirs["refusion-ft"] = train_model(cfg, dataset, "refusion-ft", "refusion", ft,
+def counting(forward, device):
+    """forward wrapped to count its calls and their wall-clock seconds (waiting for the GPU where
+    there is one): (wrapped, {"n": calls, "seconds": s})."""
+    calls, sync = {"n": 0, "seconds": 0.0}, torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def wrapped(*args, **kwargs):
+        sync()
+        t0 = time.perf_counter()
+        out = forward(*args, **kwargs)
+        sync()
+        calls["n"] += 1
+        calls["seconds"] += time.perf_counter() - t0
+        return out
+    return wrapped, calls
+
+
+def decoder_points(cfg, task):
+    """(label, method, model name, decoder knobs) for every point of a task: the ARM, the MDM at 1, 2
+    and 4 tokens per step (LLaDA's semi-autoregressive blocks of 32 tokens below 1 per step), then
+    both ReFusion models over the sweep."""
+    L = recipe(cfg, task)["max_new_tokens"]
+    sweep = QUICK["sweep"] if cfg["quick"] else SWEEP
+    points = [("ARM", "ar", "ar", {})]
+    for steps, block in ((L, L), (L // 2, 32), (L // 4, 32)):
+        points.append((f"MDM {L // steps} token(s)/step, block {block}", "mdm", "mdm",
+                       dict(steps=steps, block_length=block)))
+    for model in ("refusion", "refusion-ft"):
+        for S in sweep["slot_sizes"]:
+            for slot_thr, token_thr in sweep["thresholds"]:
+                for blocks in sweep["num_blocks"]:
+                    label = f"{'ReFusion-ft' if model == 'refusion-ft' else 'ReFusion'} S={S} B={blocks} " \
+                            f"slot>{slot_thr} token>{token_thr}"
+                    points.append((label, "refusion", model, dict(slot_size=S, num_blocks=blocks,
+                                                                  slot_threshold=slot_thr, token_threshold=token_thr)))
+    return points
+
+
+def bench_task(cfg, task, prompts, references):
+    """Train or reuse the four models of one task, decode its validation prompts at every point and
+    return one dict per point: quality, speed figures, and the speed-ups over the ARM and the MDM at
+    one token per step."""
+    r = recipe(cfg, task)
+    iters, ft = r["max_iters"], r["finetune_iters"]
+    dirs = {name: train_model(cfg, task, name, name, iters) for name in ("ar", "refusion", "mdm")}
+    dirs["refusion-ft"] = train_model(cfg, task, "refusion-ft", "refusion", ft,
                                       init_from=os.path.join(dirs["ar"], "ckpt.pt"))
     ckpts = {name: load_checkpoint(d, cfg["device"]) for name, d in dirs.items()}
     models = {name: model_from_checkpoint(c, cfg["device"]) for name, c in ckpts.items()}
     meta = ckpts["ar"]["meta"]
-    L = n_slots * cfg["slot_size"]
+    ids = {k: meta[k] for k in ("eos_id", "mask_id", "pad_id")}
     enc = get_tokenizer(meta["tokenizer"])
-    queries = [decode(enc, p) for p in prompts]
+    queries, refs = [decode(enc, p) for p in prompts], [decode(enc, q[:-1]) for q in references]
+
+    def point(label, method, name, knobs, texts, speed):
+        scores = [score(task, q, decode(enc, t), ref) for q, t, ref in zip(queries, texts, refs)]
+        quality = {m: float(np.mean([s[m] for s in scores])) for m in scores[0]}
+        return {"task": task, "dataset": r["dataset"], "label": label, "method": method, "model": name,
+                "settings": knobs, "train_iters": iters + (ft if name == "refusion-ft" else 0),
+                "val_loss": ckpts[name]["best_val_loss"], "quality": quality, **speed}
+
     rows = []
-    for label, method, name, kwargs in tqdm(decoder_settings(cfg, n_slots), desc=f"decode {dataset}"):
-        texts, stats = run_decoder(method, models[name], prompts, meta, L, kwargs)
-        scores = [quality(dataset, q, decode(enc, t)) for q, t in zip(queries, texts)]
-        budget = iters + (ft if name == "refusion-ft" else 0)
-        rows.append({"dataset": dataset, "method": method, "model": name, "label": label, "settings": kwargs,
-                     "train_iters": budget, "val_loss": ckpts[name]["best_val_loss"],
-                     "quality": {"accuracy" if dataset in ANSWERED else "parse_rate": sum(scores) / len(scores)},
-                     **stats})
+    for label, method, name, knobs in tqdm(decoder_points(cfg, task), desc=f"decode {task}"):
+        texts, speed = run_decoder(method, models[name], prompts, ids, dict(knobs, max_new_tokens=r["max_new_tokens"]))
+        rows.append(point(label, method, name, knobs, texts, speed))
+    hf = hf_generate(models["ar"], prompts, ids, r["max_new_tokens"])
+    if hf is not None:
+        rows.insert(1, point("Hugging Face generate (ARM weights)", "hf", "ar", {}, *hf))
     ar_speed = rows[0]["tokens_per_s"]
     mdm_speed = next(r["tokens_per_s"] for r in rows if r["method"] == "mdm")
-    for r in rows:
-        r["speedup_vs_ar"], r["speedup_vs_mdm"] = r["tokens_per_s"] / ar_speed, r["tokens_per_s"] / mdm_speed
+    for row in rows:
+        row["speedup_vs_ar"], row["speedup_vs_mdm"] = row["tokens_per_s"] / ar_speed, row["tokens_per_s"] / mdm_speed
     return rows
 
 
+def highlights(rows):
+    """The rows of the table: the baselines, then per ReFusion model its fastest point whose quality
+    is within 1 point of the ARM's and its fastest point overall (each row tagged with why)."""
+    chosen = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        task_rows = [r for r in rows if r["task"] == task]
+        chosen += [dict(r, why="baseline") for r in task_rows if r["method"] != "refusion"]
+        ar_quality = first_quality(task_rows[0])
+        for model in ("refusion", "refusion-ft"):
+            points = [r for r in task_rows if r["model"] == model]
+            close = [r for r in points if first_quality(r) >= ar_quality - 0.01]
+            fastest = max(points, key=lambda r: r["tokens_per_s"])
+            best = max(close, key=lambda r: r["tokens_per_s"]) if close else None
+            if best is fastest:
+                chosen.append(dict(fastest, why="fastest, and within 1 point of the ARM"))
+                continue
+            if best is not None:
+                chosen.append(dict(best, why="fastest within 1 point of the ARM"))
+            chosen.append(dict(fastest, why="fastest"))
+    return chosen
+
+
+def first_quality(row):
+    """A point's quality measure: the first metric of its task (exact, accuracy or parse_rate)."""
+    return next(iter(row["quality"].values()))
+
+
 def markdown_table(rows):
-    """The rows as a markdown table, one line per decoder setting."""
-    lines = ["| data | decoder | train iters | quality | tokens | NFE | TPF | tokens/s | vs ARM | vs MDM |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """The highlighted rows as a markdown table."""
+    lines = ["| task | decoder | why | train iters | quality | tokens | NFE | TPF | tokens/s | ms/forward | "
+             "bookkeeping | vs ARM | vs MDM |", "| --- " * 13 + "|"]
     for r in rows:
-        (metric, q), = r["quality"].items()
-        lines.append(f"| {r['dataset']} | {r['label']} | {r['train_iters']} | {metric} {q:.1%} | {r['tokens']} | "
-                     f"{r['nfe']} | {r['tpf']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup_vs_ar']:.2f}x | "
-                     f"{r['speedup_vs_mdm']:.1f}x |")
+        quality = ", ".join(f"{m} {q:.1%}" for m, q in r["quality"].items())
+        lines.append(f"| {r['task']} | {r['label']} | {r['why']} | {r['train_iters']} | {quality} | {r['tokens']} | "
+                     f"{r['nfe']} | {r['tpf']:.2f} | {r['tokens_per_s']:.0f} | {r['ms_per_forward']:.2f} | "
+                     f"{r['bookkeeping_share']:.0%} | {r['speedup_vs_ar']:.2f}x | {r['speedup_vs_mdm']:.1f}x |")
     return "\n".join(lines)
 
 
 def plot(rows, path):
-    """Quality against tokens/s per data set, one marker per decoder (needs matplotlib)."""
+    """Per task, quality against tokens/s relative to the ARM (log scale): every ReFusion point with
+    each model's frontier (the points no other point beats in both), the ARM, the MDM points and the
+    Hugging Face row. Needs matplotlib; returns False without it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    datasets = sorted({r["dataset"] for r in rows})
-    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
-    colors = {"ar": "tab:blue", "refusion": "tab:red", "refusion-ft": "tab:purple", "mdm": "tab:green"}
-    for ax, ds in zip(axes[0], datasets):
-        ds_rows = [r for r in rows if r["dataset"] == ds]
-        markers = {}
-        for r in ds_rows:
-            markers[r["model"]] = ax.scatter(r["tokens_per_s"], next(iter(r["quality"].values())),
-                                             color=colors[r["model"]])
-        ax.legend(markers.values(), markers.keys())
+    task_names = list(dict.fromkeys(r["task"] for r in rows))
+    fig, axes = plt.subplots(1, len(task_names), figsize=(6 * len(task_names), 4.5), squeeze=False)
+    style = {"ar": ("tab:blue", "s", "ARM"), "hf": ("tab:cyan", "D", "HF generate"), "mdm": ("tab:green", "^", "MDM"),
+             "refusion": ("tab:red", "o", "ReFusion"), "refusion-ft": ("tab:purple", "o", "ReFusion-ft (from the ARM)")}
+    for ax, task in zip(axes[0], task_names):
+        task_rows = [r for r in rows if r["task"] == task]
+        for key, (color, marker, name) in style.items():
+            pts = [r for r in task_rows if (r["method"] if r["method"] in ("hf", "mdm") else r["model"]) == key
+                   and not (key == "ar" and r["method"] == "hf")]
+            if not pts:
+                continue
+            xs, ys = [r["speedup_vs_ar"] for r in pts], [first_quality(r) for r in pts]
+            ax.scatter(xs, ys, color=color, marker=marker, label=name, alpha=0.8)
+            if key.startswith("refusion"):
+                frontier = sorted((x, y) for x, y in zip(xs, ys) if not any(x2 >= x and y2 > y or x2 > x and y2 >= y
+                                                                            for x2, y2 in zip(xs, ys)))
+                ax.plot(*zip(*frontier), color=color, alpha=0.6)
         ax.set_xscale("log")
-        ax.set_xlabel("tokens/s (log scale)")
-        ax.set_ylabel(next(iter(ds_rows[0]["quality"])))
-        ax.set_title(ds)
+        ax.set_xlabel("tokens/s relative to the ARM (log scale)")
+        ax.set_ylabel(next(iter(task_rows[0]["quality"])))
+        ax.set_title(task)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
 
 
 def machine():
-    """What the figures were measured on."""
-    import platform
+    """What the figures were measured on: Python, torch, CPU model and threads, GPU if any."""
+    processor = platform.processor() or platform.machine()
+    if os.path.isfile("/proc/cpuinfo"):  # Linux names the CPU model here, platform does not
+        with open("/proc/cpuinfo") as f:
+            processor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), processor)
     return {"python": platform.python_version(), "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
-            "processor": platform.processor() or platform.machine()}
+            "processor": processor, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def training_step_times(cfg, dataset, steps=20):
+def training_step_times(cfg, task, steps=20):
     """Seconds per training step (batch draw, the objective's batch layout, forward, backward,
     AdamW) of the ReFusion and AR objectives on the same batches and model shape, interleaved so
     both see the same machine load. Returns {"refusion": s, "ar": s, "ratio": refusion / ar}."""
-    block, device = cfg["block_size"] or BLOCK_SIZE[dataset], cfg["device"]
-    data_dir = prepare(dataset, "bytes", block)
-    train_data = TokenDataset(data_dir, "train")
+    r, device = recipe(cfg, task), cfg["device"]
+    train_data = TokenDataset(prepare(r["dataset"], "bytes", r["block_size"]), "train")
     meta = train_data.meta
     models, optims, times = {}, {}, {"refusion": 0.0, "ar": 0.0}
     for objective in times:
         torch.manual_seed(cfg["seed"])
-        models[objective] = Transformer(ModelConfig(vocab_size=meta["vocab_size"], block_size=block,
-                                                    n_layer=cfg["n_layer"], n_head=cfg["n_head"],
-                                                    n_embd=cfg["n_embd"])).to(device)
+        models[objective] = Transformer(ModelConfig(vocab_size=meta["vocab_size"], block_size=r["block_size"],
+                                                    n_layer=r["n_layer"], n_head=r["n_head"],
+                                                    n_embd=r["n_embd"])).to(device)
         optims[objective] = torch.optim.AdamW(models[objective].parameters(), lr=1e-4)
     step_cfg = dict(train.DEFAULTS, slot_sizes=(4, 8))
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)  # wait for queued GPU work
@@ -251,7 +412,7 @@ def training_step_times(cfg, dataset, steps=20):
             rng, gen = np.random.default_rng(i), torch.Generator().manual_seed(i)   # same batch for both
             sync()
             t0 = time.perf_counter()
-            tokens, prompt_len, length = train_data.get_batch(cfg["batch_size"], rng, device)
+            tokens, prompt_len, length = train_data.get_batch(r["batch_size"], rng, device)
             batch = train.make_batch(dict(step_cfg, objective=objective), tokens, prompt_len, length,
                                      meta["mask_id"], gen)
             with train.autocast_for(device):
@@ -268,31 +429,44 @@ def training_step_times(cfg, dataset, steps=20):
 def check_bench_config(cfg):
     """Check every setting (not the data: see validation_prompts) before any training starts.
     Raises ValueError with the fix."""
-    for ds in cfg["datasets"]:
-        if ds not in BLOCK_SIZE:
-            raise ValueError(f"--datasets={ds}: the benchmark knows {', '.join(BLOCK_SIZE)}")
+    for task in QUICK["tasks"] if cfg["quick"] else cfg["tasks"]:
+        if task not in TASKS:
+            raise ValueError(f"--tasks={task}: the benchmark knows {', '.join(TASKS)}")
+        L = recipe(cfg, task)["max_new_tokens"]
+        for _, method, _, knobs in decoder_points(cfg, task):
+            if method == "mdm":
+                MDMSettings(L, **knobs)
+            if method == "refusion":
+                RefusionSettings(L, **knobs)
     if cfg["num_prompts"] <= 0:
         raise ValueError(f"--num_prompts={cfg['num_prompts']}: decode at least one prompt")
-    refusion = RefusionSettings(cfg["max_new_tokens"], slot_size=cfg["slot_size"], num_blocks=cfg["num_blocks"])
-    for _, method, _, settings in decoder_settings(cfg, refusion.n_slots):
-        if method == "mdm":
-            MDMSettings(refusion.gen_len, **settings)
+    if cfg["dataset"] and len(cfg["tasks"]) > 1:
+        raise ValueError(f"--dataset={cfg['dataset']} replaces one task's data: name that task alone in --tasks")
+    for key in ("max_iters", "finetune_iters", "n_layer", "n_head", "n_embd", "batch_size", "learning_rate"):
+        if not cfg[key] >= 0:
+            raise ValueError(f"--{key}={cfg[key]}: must be positive (or 0 for the task's recipe)")
 
 
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
+    if cfg["quick"]:
+        cfg.update(tasks=QUICK["tasks"], num_prompts=min(cfg["num_prompts"], QUICK["num_prompts"]))
     check_bench_config(cfg)
+    t0 = time.perf_counter()
     # prepares the data and raises before any training if no prompt fits
-    prompts = {ds: validation_prompts(cfg, ds) for ds in cfg["datasets"]}
+    prompts = {task: validation_prompts(cfg, task) for task in cfg["tasks"]}
     os.makedirs(cfg["out_dir"], exist_ok=True)
-    rows = [r for ds in cfg["datasets"] for r in bench_dataset(cfg, ds, *prompts[ds])]
-    step_times = {ds: training_step_times(cfg, ds) for ds in cfg["datasets"]}
-    table = markdown_table(rows) + "\n\n" + "\n".join(
-        f"Training step ({ds}, batch {cfg['batch_size']}): ReFusion {t['refusion'] * 1e3:.0f} ms, AR "
-        f"{t['ar'] * 1e3:.0f} ms, ratio {t['ratio']:.2f}x" for ds, t in step_times.items())
+    rows = [row for task in cfg["tasks"] for row in bench_task(cfg, task, *prompts[task])]
+    step_times = {task: training_step_times(cfg, task, QUICK["step_times"] if cfg["quick"] else 20)
+                  for task in cfg["tasks"]}
+    minutes = (time.perf_counter() - t0) / 60
+    table = markdown_table(highlights(rows)) + "\n\n" + "\n".join(
+        f"Training step ({task}, batch {recipe(cfg, task)['batch_size']}): ReFusion {t['refusion'] * 1e3:.0f} ms, "
+        f"AR {t['ar'] * 1e3:.0f} ms, ratio {t['ratio']:.2f}x" for task, t in step_times.items())
+    table += f"\n\nWhole run: {minutes:.1f} minutes on {machine()['processor']} ({machine()['cpu_threads']} threads)"
     with open(os.path.join(cfg["out_dir"], "bench.json"), "w") as f:
-        json.dump({"config": cfg, "machine": machine(), "rows": rows, "training_step_seconds": step_times}, f,
-                  indent=2)
+        json.dump({"config": cfg, "machine": machine(), "minutes": minutes, "rows": rows,
+                   "training_step_seconds": step_times}, f, indent=2)
     with open(os.path.join(cfg["out_dir"], "bench.md"), "w") as f:
         f.write(table + "\n")
     print("\n" + table)

@@ -157,15 +157,15 @@ def _multiply_steps(a: int, m: int) -> list[str]:
     return lines
 
 
-def _operand(rng: random.Random) -> int:
-    """A number whose digit count is uniform over ARITH_DIGITS (so short and long ones are equally common)."""
-    digits = rng.randint(*ARITH_DIGITS)
+def _operand(rng: random.Random, digits: tuple[int, int]) -> int:
+    """A number whose digit count is uniform over digits (min, max), so short and long ones are equally common."""
+    digits = rng.randint(*digits)
     return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
 
 
-def _arith_problem(rng: random.Random) -> tuple[str, list[str], int]:
+def _arith_problem(rng: random.Random, digits: tuple[int, int]) -> tuple[str, list[str], int]:
     """(query, worked step lines, answer) of one problem: add, subtract or multiply by one digit."""
-    a, b = _operand(rng), _operand(rng)
+    a, b = _operand(rng, digits), _operand(rng, digits)
     op = rng.choice(("add", "subtract", "multiply"))
     if op == "add":
         return f"Add {a} and {b}.\n", _add_steps(a, b), a + b
@@ -176,12 +176,12 @@ def _arith_problem(rng: random.Random) -> tuple[str, list[str], int]:
     return f"Multiply {a} by {m}.\n", _multiply_steps(a, m), a * m
 
 
-def arithmetic_records(n: int = 20000, seed: int = 0) -> list[dict]:
+def arithmetic_records(n: int = 20000, seed: int = 0, digits: tuple[int, int] = ARITH_DIGITS) -> list[dict]:
     """
     The built-in checkable corpus: n distinct multi-digit arithmetic problems, generated in code.
 
     query    e.g. "Add 4821 and 937.\n", "Subtract 937 from 4821.\n", "Multiply 4821 by 7.\n"
-             (operands of 3 to 6 digits; the multiplier one digit, 2 to 9);
+             (operands of digits = (3, 6) digits by default; the multiplier one digit, 2 to 9);
     response one line per column, least significant first, then "answer: <n>\n", e.g.
              "1+7=8 carry 0\n2+3+0=5 carry 0\n8+9+0=17 carry 1\n4+0+1=5 carry 0\nanswer: 5758\n".
     module "arith", name the record's index. Deterministic for a given seed (random.Random(seed)).
@@ -189,7 +189,7 @@ def arithmetic_records(n: int = 20000, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     records, seen = [], set()
     while len(records) < n:
-        query, steps, answer = _arith_problem(rng)
+        query, steps, answer = _arith_problem(rng, digits)
         if query in seen:
             continue  # a repeated problem could land in both splits and leak its answer into val
         seen.add(query)
@@ -222,6 +222,57 @@ def arithmetic_answer(text: str) -> str | None:
     line end, stripped; None when the text has no "answer: " (e.g. a truncated generation)."""
     _, found, tail = text.rpartition("answer: ")
     return tail.split("\n", 1)[0].strip() if found else None
+
+# -----------------------------------------------------------------------------
+# the built-in transform corpus: responses that depend on the prompt, not on themselves
+
+# name -> (letters per string, the response for a string of lowercase letters). Each output letter is
+# a function of the prompt letter at a fixed distance before it (the string's length is fixed per
+# transformation), so given the prompt the response's letters do not depend on each other: the case
+# where slot-parallel decoding can commit many tokens per pass. Responses (with their newline) are 17
+# to 64 byte tokens.
+TRANSFORMS = {
+    "copy": (16, lambda s: s),
+    "upper": (32, str.upper),
+    "shift": (48, lambda s: "".join(chr((ord(c) - 97 + 1) % 26 + 97) for c in s)),   # each letter to the next
+    "mirror": (63, lambda s: "".join(chr(219 - ord(c)) for c in s)),                  # a <-> z, b <-> y, ...
+}
+
+
+def transform_records(n: int = 20000, seed: int = 0) -> list[dict]:
+    """
+    The built-in parallel-friendly corpus: n distinct string transformations, generated in code.
+
+    query    "<transform>: <letters>\n", e.g. "shift: kqzm...\n": one of TRANSFORMS (copy 16 random
+             lowercase letters, upper 32, shift 48: each letter to the next, z to a, mirror 63: a to z,
+             b to y, ...);
+    response the transformed letters and "\n", e.g. "lran...\n".
+    module "transform", name the record's index. Deterministic for a given seed (random.Random(seed)).
+    """
+    rng = random.Random(seed)
+    records, seen = [], set()
+    while len(records) < n:
+        name = rng.choice(sorted(TRANSFORMS))
+        n_letters, transform = TRANSFORMS[name]
+        letters = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(n_letters))
+        query = f"{name}: {letters}\n"
+        if query in seen:
+            continue
+        seen.add(query)
+        records.append({"query": query, "response": transform(letters) + "\n", "module": "transform",
+                        "name": str(len(records))})
+    return records
+
+
+def transform_expected(query: str) -> str:
+    """The correct response's first line for a transform_records query, computed from its text.
+
+    Raises ValueError if the query is not "<transform>: <lowercase letters>".
+    """
+    match = re.fullmatch(r"(\w+): ([a-z]+)", query.strip())
+    if not match or match[1] not in TRANSFORMS:
+        raise ValueError(f"not a transform query: {query!r}")
+    return TRANSFORMS[match[1]][1](match[2])
 
 # -----------------------------------------------------------------------------
 # a user's own records
@@ -330,6 +381,9 @@ def load_records(path: str, window_bytes: int = TEXT_WINDOW_BYTES) -> list[dict]
     return [dict(r, module=module, name=str(i)) for i, r in enumerate(records)]
 
 # built-in corpora; anything else is a path. "arith-1m" holds 1,000,000 problems (116M byte tokens
-# of training data) for GPU runs; its first 20,000 are "arith"'s, in the same splits.
-DATASETS = {"stdlib": stdlib_records, "arith": arithmetic_records,
-            "arith-1m": lambda: arithmetic_records(1_000_000)}
+# of training data) for GPU runs; its first 20,000 are "arith"'s, in the same splits. "arith-small"
+# has operands of 2 and 3 digits (responses of up to 63 bytes): the benchmark's serial task, which a
+# small ARM learns on a CPU.
+DATASETS = {"stdlib": stdlib_records, "arith": arithmetic_records, "transform": transform_records,
+            "arith-1m": lambda: arithmetic_records(1_000_000),
+            "arith-small": lambda: arithmetic_records(20000, digits=(2, 3))}
