@@ -55,6 +55,8 @@ num_prompts = 40           # validation prompts decoded by every decoder
 max_iters = 0              # training budget of each model; 0: the task's recipe (TASKS)
 finetune_iters = 0         # extra budget of the ReFusion model started from the ARM; 0: the recipe's
 dataset = ""               # the data set of a one-task run, e.g. arith-1m on a GPU; empty: the recipe's
+block_size = 0             # the context and the generation length; 0: the recipe's
+max_new_tokens = 0
 n_layer = 0                # the models' shape and batch; 0: the recipe's
 n_head = 0
 n_embd = 0
@@ -71,12 +73,16 @@ DEFAULTS = settings_in(globals())
 # level on 2 CPU cores (see README, "The benchmark"). Every model of a task gets the same recipe.
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, batch_size=32, learning_rate=3e-3)
 TASKS = {
-    "transform": dict(MODEL, dataset="transform", block_size=160, max_new_tokens=64, max_iters=1500,
-                      finetune_iters=500),
-    "arith": dict(MODEL, dataset="arith", block_size=192, max_new_tokens=128, max_iters=600, finetune_iters=600),
+    "transform": dict(MODEL, dataset="transform", block_size=160, max_new_tokens=64, max_iters=1200,
+                      finetune_iters=400),
+    "arith": dict(MODEL, dataset="arith-small", block_size=128, max_new_tokens=64, max_iters=1000,
+                  finetune_iters=500),
     "stdlib": dict(MODEL, dataset="stdlib", block_size=256, max_new_tokens=128, max_iters=600,
                    finetune_iters=600),
 }
+# the settings that replace a recipe's when given (non-empty, non-zero)
+OVERRIDES = ("dataset", "block_size", "max_new_tokens", "max_iters", "finetune_iters", "n_layer", "n_head", "n_embd",
+             "batch_size", "learning_rate")
 # the ReFusion sweep: every slot size x (slot_threshold, token_threshold) x serial blocks
 SWEEP = dict(slot_sizes=(4, 8, 16), thresholds=((0.9, 0.3), (0.7, 0.1), (0.5, 0.0)), num_blocks=(1, 4))
 QUICK = dict(tasks=("transform",), num_prompts=8, model=dict(n_layer=2, n_head=2, n_embd=64, max_iters=60,
@@ -87,8 +93,7 @@ QUICK = dict(tasks=("transform",), num_prompts=8, model=dict(n_layer=2, n_head=2
 def recipe(cfg, task):
     """The task's recipe with the run's overrides (--quick's, then every setting given as non-zero)."""
     r = dict(TASKS[task], **(QUICK["model"] if cfg["quick"] else {}))
-    return r | {key: cfg[key] for key in ("dataset", "max_iters", "finetune_iters", "n_layer", "n_head", "n_embd",
-                                          "batch_size", "learning_rate") if cfg[key]}
+    return r | {key: cfg[key] for key in OVERRIDES if cfg[key]}
 
 
 def train_model(cfg, task, name, objective, iters, init_from=None):
@@ -249,8 +254,8 @@ def counting(forward, device):
 
 def decoder_points(cfg, task):
     """(label, method, model name, decoder knobs) for every point of a task: the ARM, the MDM at 1, 2
-    and 4 tokens per step (LLaDA's semi-autoregressive blocks of 32 tokens below 1 per step), then
-    both ReFusion models over the sweep."""
+    and 4 tokens per step (one block at 1 token per step, LLaDA's semi-autoregressive blocks of 32
+    tokens at 2 and 4), then both ReFusion models over the sweep."""
     L = recipe(cfg, task)["max_new_tokens"]
     sweep = QUICK["sweep"] if cfg["quick"] else SWEEP
     points = [("ARM", "ar", "ar", {})]
@@ -442,7 +447,7 @@ def check_bench_config(cfg):
         raise ValueError(f"--num_prompts={cfg['num_prompts']}: decode at least one prompt")
     if cfg["dataset"] and len(cfg["tasks"]) > 1:
         raise ValueError(f"--dataset={cfg['dataset']} replaces one task's data: name that task alone in --tasks")
-    for key in ("max_iters", "finetune_iters", "n_layer", "n_head", "n_embd", "batch_size", "learning_rate"):
+    for key in OVERRIDES[1:]:
         if not cfg[key] >= 0:
             raise ValueError(f"--{key}={cfg[key]}: must be positive (or 0 for the task's recipe)")
 

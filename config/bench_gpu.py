@@ -6,7 +6,9 @@
 # python bench.py config/bench_gpu.py
 out_dir = "bench-gpu"
 tasks = ("arith",)
-dataset = "arith-1m"        # a million problems: the ARM sees each about 3 times
+dataset = "arith-1m"        # a million problems (operands of 3 to 6 digits): the ARM sees each about 3 times
+block_size = 192
+max_new_tokens = 128
 num_prompts = 200
 device = "cuda"
 compile = True
