@@ -137,7 +137,7 @@ def validation_prompts(cfg, dataset):
     """The first num_prompts validation prompts (lists of token ids) that leave room in the context
     for the generation, and the generation's number of slots. Raises ValueError when none fits."""
     block = cfg["block_size"] or BLOCK_SIZE[dataset]
-    n_slots = -(-cfg["max_new_tokens"] // cfg["slot_size"])
+    n_slots = RefusionSettings(cfg["max_new_tokens"], slot_size=cfg["slot_size"], num_blocks=cfg["num_blocks"]).n_slots
     val = TokenDataset(prepare(dataset, "bytes", block), "val")
     prompts = []
     for i in range(len(val)):

@@ -30,9 +30,9 @@ prompt = ""                # decode this text ...
 prompt_file = ""           # ... or the text of this file ...
 num_samples = 3            # ... or this many prompts from the validation split
 method = ""                # refusion, ar or mdm; empty: the one the checkpoint was trained for
-max_new_tokens = 128       # rounded up to a multiple of slot_size while decoding
+max_new_tokens = 128       # at most this many tokens are returned (refusion decodes whole blocks of slots)
 slot_size = 8              # refusion: tokens per slot (S)
-num_blocks = 4             # refusion: serial blocks; must divide max_new_tokens / slot_size
+num_blocks = 4             # refusion: serial blocks, each of the same whole number of slots
 slot_threshold = 0.9       # refusion: a slot is planned when its first draft's probability exceeds this
 token_threshold = 0.3      # refusion: a draft token is accepted when its probability exceeds this
 steps = 0                  # mdm: denoising steps; 0 = one token per step
