@@ -14,6 +14,7 @@ out_dir/bench.json, out_dir/bench.md and, when matplotlib is installed, out_dir/
 
 import ast
 import json
+import math
 import os
 import shutil
 import sys
@@ -25,7 +26,7 @@ from tqdm import tqdm
 
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
-from configurator import parse_args, run_cli, settings_in
+from configurator import parse_args, require, run_cli, settings_in
 from corpora import arithmetic_answer, arithmetic_expected
 from data import TokenDataset, decode, get_tokenizer
 from generate import MDMSettings, RefusionSettings
@@ -271,8 +272,10 @@ def check_bench_config(cfg):
     for ds in cfg["datasets"]:
         if ds not in BLOCK_SIZE:
             raise ValueError(f"--datasets={ds}: the benchmark knows {', '.join(BLOCK_SIZE)}")
-    if cfg["num_prompts"] <= 0:
-        raise ValueError(f"--num_prompts={cfg['num_prompts']}: decode at least one prompt")
+    require(cfg, ("num_prompts", "max_iters", "finetune_iters", "batch_size", "n_layer", "n_head", "n_embd"),
+            "positive", lambda v: v > 0)
+    require(cfg, ("block_size",), "0 or more", lambda v: v >= 0)
+    require(cfg, ("learning_rate",), "positive and finite", lambda v: 0 < v < math.inf)
     refusion = RefusionSettings(cfg["max_new_tokens"], slot_size=cfg["slot_size"], num_blocks=cfg["num_blocks"])
     for _, method, _, settings in decoder_settings(cfg, refusion.n_slots):
         if method == "mdm":

@@ -99,6 +99,15 @@ def parse_args(defaults, argv):
     return config
 
 
+def require(cfg, keys, rule, test):
+    """Refuse the first of `keys` whose value in cfg fails test(value), as "--key=value: must be
+    <rule>". A NaN fails every comparison, so `lambda v: 0 < v < math.inf` refuses it too.
+    Raises ConfigError."""
+    for key in keys:
+        if not test(cfg[key]):
+            raise ConfigError(f"--{key}={cfg[key]}: must be {rule}")
+
+
 def check_device(device):
     """Refuse a device torch cannot use here, with the fix. Raises ConfigError."""
     if device == "cpu" or (device == "mps" and torch.backends.mps.is_available()):

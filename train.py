@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from configurator import check_device, parse_args, run_cli, settings_in
+from configurator import check_device, parse_args, require, run_cli, settings_in
 from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, get_tokenizer, random_mask_batch, reorganize_slots
 from model import ModelConfig, Transformer
 from prepare import prepare
@@ -128,6 +128,18 @@ def compile_model(model):
     return torch.compile(model)
 
 
+def diverged(cfg, what, value, it):
+    """The SystemExit for a loss that stopped being finite, saying whether a checkpoint to go back to
+    exists (a run stopped before its first evaluation has written none)."""
+    ckpt_file = checkpoint_path(cfg["out_dir"])
+    if os.path.exists(ckpt_file):
+        then = (f"the last good checkpoint {ckpt_file} is kept: lower --learning_rate (or check the data), then "
+                "continue it with --init_from=resume")
+    else:
+        then = "no checkpoint was written yet: lower --learning_rate (or check the data) and start again"
+    return SystemExit(f"error: {what} became {value} at iteration {it}; {then}")
+
+
 def setup_distributed(cfg):
     """Join the process group when launched by torchrun (RANK set); returns (rank, world_size).
 
@@ -178,15 +190,12 @@ def check_config(cfg):
         raise ValueError(f"--tokenizer={cfg['tokenizer']!r}: choose one of {', '.join(TOKENIZERS)}")
     if not cfg["slot_sizes"] or any(not isinstance(s, int) or s <= 0 for s in cfg["slot_sizes"]):
         raise ValueError(f"--slot_sizes={cfg['slot_sizes']}: give positive integers, e.g. --slot_sizes=(4,8)")
-    for key in ("batch_size", "gradient_accumulation_steps", "max_iters", "n_layer", "n_head", "n_embd",
-                "block_size", "eval_iters", "eval_interval", "learning_rate"):
-        if not cfg[key] > 0:
-            raise ValueError(f"--{key}={cfg[key]}: must be positive")
-    for key in ("n_kv_head", "min_lr", "lr_decay_iters", "warmup_iters", "weight_decay", "grad_clip"):
-        if not cfg[key] >= 0:
-            raise ValueError(f"--{key}={cfg[key]}: must be 0 or more")
-    if not 0 <= cfg["mask_eps"] < 1:
-        raise ValueError(f"--mask_eps={cfg['mask_eps']}: must be in [0, 1) (p_mask = (1 - eps) t + eps)")
+    require(cfg, ("batch_size", "gradient_accumulation_steps", "max_iters", "n_layer", "n_head", "n_embd",
+                  "block_size", "eval_iters", "eval_interval"), "positive", lambda v: v > 0)
+    require(cfg, ("learning_rate", "rope_theta", "peak_tflops"), "positive and finite", lambda v: 0 < v < math.inf)
+    require(cfg, ("n_kv_head", "lr_decay_iters", "warmup_iters"), "0 or more", lambda v: v >= 0)
+    require(cfg, ("min_lr", "weight_decay", "grad_clip"), "0 or more and finite", lambda v: 0 <= v < math.inf)
+    require(cfg, ("beta1", "beta2", "mask_eps"), "in [0, 1)", lambda v: 0 <= v < 1)
     check_device(cfg["device"])
     ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or None,
                 n_embd=cfg["n_embd"])  # raises for shapes that cannot work, before any data is prepared
@@ -328,7 +337,7 @@ def train(run):
     """The training loop from run.iter_num to max_iters: evaluate and save every eval_interval
     steps, then one optimizer step of gradient_accumulation_steps micro-batches (shared among the
     processes). Ctrl-C finishes the current step and saves. Returns True when interrupted.
-    Raises SystemExit when a loss stops being finite (the last checkpoint is kept)."""
+    Raises SystemExit when a loss stops being finite (the last checkpoint, if any, is kept)."""
     cfg, model, optimizer, world = run.cfg, run.model, run.optimizer, run.world
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -351,8 +360,7 @@ def train(run):
         if it % cfg["eval_interval"] == 0 or it == cfg["max_iters"] - 1:
             val_loss = estimate_loss(forward_model, cfg, run.val_data, mask_id, autocast)
             if not math.isfinite(val_loss):
-                raise SystemExit(f"error: validation loss became {val_loss} at iteration {it}; the last good "
-                                 f"checkpoint in {cfg['out_dir']} is kept. Lower --learning_rate or check the data")
+                raise diverged(cfg, "validation loss", val_loss, it)
             run.best_val_loss = min(run.best_val_loss, val_loss)
             if run.rank == 0:
                 tqdm.write(f"iter {it}: val loss {val_loss:.4f}")
@@ -370,8 +378,7 @@ def train(run):
                 logits = forward_model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
             loss, ar_loss, mdm_loss = hybrid_loss(logits.float(), batch)
             if not torch.isfinite(loss):
-                raise SystemExit(f"error: loss became {loss.item()} at iteration {it}; the last good "
-                                 f"checkpoint in {cfg['out_dir']} is kept. Lower --learning_rate or check the data")
+                raise diverged(cfg, "loss", loss.item(), it)
             (loss / micro_steps).backward()
             n_tokens += int(length.sum())
             flops += flops_per_token(run.model, tokens.shape[1]) * tokens.numel()

@@ -6,6 +6,7 @@ import pytest
 
 import bench
 from checkpoint import load_checkpoint, save_checkpoint
+from configurator import parse_args
 
 
 
@@ -44,3 +45,9 @@ def test_bench_at_toy_size_reuses_only_models_trained_with_the_same_settings(tmp
     second = stamps()
     bench.main([f for f in flags if f != "--max_iters=2"] + ["--max_iters=3"])
     assert all(a != b for a, b in zip(stamps(), second))             # all four retrained, the fine-tune too
+
+
+@pytest.mark.parametrize("flag", ["--learning_rate=nan", "--learning_rate=inf", "--batch_size=0", "--block_size=-1"])
+def test_bench_settings_are_checked_before_any_work(flag):
+    with pytest.raises(ValueError, match=f"{flag.split('=')[0]}=.*: must be"):
+        bench.check_bench_config(parse_args(bench.DEFAULTS, [flag]))

@@ -266,3 +266,23 @@ def test_resume_takes_the_checkpoints_settings_and_init_from_its_shape(tmp_path,
     with pytest.raises(FileNotFoundError, match="--init_from=Resume: use 'scratch', 'resume', or the path"):
         train.main(ft + ["--init_from=Resume"])
     assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize("flag", ["--learning_rate=inf", "--min_lr=nan", "--weight_decay=inf", "--grad_clip=1e999",
+                                  "--beta1=1.0", "--beta2=nan", "--mask_eps=nan", "--rope_theta=0.0",
+                                  "--rope_theta=nan", "--peak_tflops=0.0"])
+def test_settings_that_are_not_finite_or_out_of_range_are_refused_before_any_work(tmp_path, qa_file, flag):
+    """A NaN or infinite rate, a beta outside [0, 1), a rope_theta that is not a positive finite
+    number: refused with the setting named before any data is prepared, instead of a loss of NaN
+    (or a message from AdamW) after preparing and training."""
+    with pytest.raises(ValueError, match=rf"{flag.split('=')[0]}=\S+: must be"):
+        train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", flag])
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
+def test_a_loss_that_becomes_nan_before_the_first_checkpoint_says_none_was_written(tmp_path, qa_file):
+    flags = tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=6", "--learning_rate=1e30", "--grad_clip=0"]
+    with pytest.raises(SystemExit, match=r"loss became nan at iteration \d; no checkpoint was written yet: lower "
+                                         r"--learning_rate .* and start again"):
+        train.main(flags)
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
