@@ -32,7 +32,7 @@ from data import TokenDataset, decode, get_tokenizer
 from generate import MDMSettings, RefusionSettings
 from model import ModelConfig, Transformer
 from prepare import prepare
-from sampler import make_decoder
+from sampler import make_decoder, prompt_generator
 
 # -----------------------------------------------------------------------------
 # default config
@@ -122,12 +122,15 @@ def decoder_settings(cfg, n_slots):
 
 
 def run_decoder(method, model, prompts, meta, max_new_tokens, settings):
-    """Decode every prompt with sampler's decoder for `method`; returns the texts and summed statistics."""
+    """Decode every prompt with sampler's decoder for `method`, prompt i with its own generator seeded
+    with i (prompt_generator; used when settings ask for a temperature above 0), so no decode depends
+    on the warm-up or on the others. Returns the texts and summed statistics."""
     cfg = {"temperature": 0.0, "steps": 0, "block_length": 0, **settings, "method": method,
            "max_new_tokens": max_new_tokens}
-    decode_fn, _ = make_decoder(cfg, model, meta, torch.Generator().manual_seed(0))
+    device = next(model.parameters()).device
+    decode_fn, _ = make_decoder(cfg, model, meta, torch.Generator(device))  # the warm-up's generator
     decode_fn(prompts[0])  # warm-up, untimed
-    outs = [decode_fn(p) for p in prompts]
+    outs = [decode_fn(p, generator=prompt_generator(device, 0, i)) for i, p in enumerate(prompts)]
     texts = [[t for t in o.tokens if t != meta["eos_id"]] for o in outs]
     tokens, nfe, seconds = sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs), sum(o.seconds for o in outs)
     return texts, {"tokens": tokens, "nfe": nfe, "tpf": tokens / nfe, "seconds": seconds,

@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import sys
 import sysconfig
 from itertools import zip_longest
 
@@ -230,17 +231,27 @@ FORMAT_HELP = ("expected a .json file holding a JSON list of objects with string
                "'response' fields, a .jsonl file with one such object per line, or plain text")
 
 
-def _read_text(path: str) -> str:
-    """The file's text. Raises FileNotFoundError, or ValueError if empty or not UTF-8."""
+def read_utf8(path: str, name: str) -> str:
+    """The text of the file at `path`, decoded from its bytes as they are (CRLF line ends stay CRLF).
+    A UTF-8 byte order mark at its start is not text: it is removed, with a note on stderr. `name`
+    names the file in messages (e.g. "--prompt_file=p.txt"). Raises FileNotFoundError, or ValueError
+    giving the byte offset of the first byte that is not UTF-8."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path!r} does not exist; check the path")
+        raise FileNotFoundError(f"{name}: no such file; check the path")
     with open(path, "rb") as f:
         raw = f.read()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not valid UTF-8 at byte offset {e.start}; "
-                         "re-save the file as UTF-8") from None
+        raise ValueError(f"{name}: not valid UTF-8 at byte offset {e.start}; re-save the file as UTF-8") from None
+    if text.startswith("\ufeff"):
+        print(f"note: {name}: removed the UTF-8 byte order mark at its start", file=sys.stderr)
+    return text.removeprefix("\ufeff")
+
+
+def _read_text(path: str) -> str:
+    """The data file's text (read_utf8). Raises FileNotFoundError, or ValueError if empty or not UTF-8."""
+    text = read_utf8(path, f"data file {path}")
     if not text.strip():
         raise ValueError(f"{path}: the file is empty; {FORMAT_HELP}")
     return text

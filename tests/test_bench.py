@@ -3,10 +3,13 @@
 import json
 
 import pytest
+import torch
 
 import bench
 from checkpoint import load_checkpoint, save_checkpoint
 from configurator import parse_args
+from generate import DecodeSettings, generate_ar
+from helpers import tiny_model
 
 
 
@@ -51,3 +54,15 @@ def test_bench_at_toy_size_reuses_only_models_trained_with_the_same_settings(tmp
 def test_bench_settings_are_checked_before_any_work(flag):
     with pytest.raises(ValueError, match=f"{flag.split('=')[0]}=.*: must be"):
         bench.check_bench_config(parse_args(bench.DEFAULTS, [flag]))
+
+
+def test_each_prompt_is_sampled_from_its_own_seeded_generator():
+    """bench decodes prompt i with a generator seeded with i, whatever the warm-up drew: the same
+    tokens as the decoder given torch.Generator().manual_seed(i) for that prompt alone."""
+    model, meta = tiny_model(), {"eos_id": 39, "mask_id": 38, "pad_id": 37}
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    texts, _ = bench.run_decoder("ar", model, prompts, meta, 12, {"temperature": 1.0})
+    for i, (prompt, text) in enumerate(zip(prompts, texts)):
+        out = generate_ar(model, prompt, DecodeSettings(12, temperature=1.0), eos_id=39,
+                          generator=torch.Generator().manual_seed(i), banned_ids=(38, 37))
+        assert text == [t for t in out.tokens if t != 39]

@@ -158,7 +158,7 @@ def test_load_records_plain_text_windows(tmp_path):
 
 
 @pytest.mark.parametrize("name, content, error, message", [
-    ("missing.json", None, FileNotFoundError, "does not exist"),
+    ("missing.json", None, FileNotFoundError, "missing.json: no such file"),
     ("empty.json", "", ValueError, "empty"),
     ("empty.txt", "  \n", ValueError, "empty"),
     ("bad.json", '[{"query": "a",\n "response": }]', ValueError, "line 2, column"),
