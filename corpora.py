@@ -297,23 +297,31 @@ def _parse_jsonl(text: str, path: str) -> list[dict]:
     return records
 
 
-def _parse_text(text: str, window_bytes: int) -> list[dict]:
+def _parse_text(text: str, path: str, window_bytes: int) -> list[dict]:
     """Consecutive windows of at most window_bytes UTF-8 bytes, cut between characters (a byte is
     a token of the byte tokenizer, and every GPT-2 token is at least one byte, so a window never
-    exceeds window_bytes tokens, whatever the script); the first quarter of a window's characters
-    is the query. Raises ValueError when a single character does not fit."""
-    raw, records, start = text.encode("utf-8"), [], 0
-    while start < len(raw):
-        end = min(start + window_bytes, len(raw))
+    exceeds window_bytes tokens, whatever the script); the first quarter of a window's characters,
+    at least one, is the query and the rest the response, so neither is empty. A last window of a
+    single character cannot be split: it takes the last character of the window before it.
+    Raises ValueError when the text is one character, or a window cannot hold two."""
+    if len(text) == 1:
+        raise ValueError(f"{path}: holds a single character; a sample needs a query and a response")
+    too_small = ValueError(f"{path}: windows of {window_bytes} bytes cannot hold two characters (a query and a "
+                           "response); raise --block_size")
+    raw, cuts = text.encode("utf-8"), [0]
+    while cuts[-1] < len(raw):
+        end = min(cuts[-1] + window_bytes, len(raw))
         while end < len(raw) and raw[end] & 0xC0 == 0x80:  # a continuation byte: back to the character's start
             end -= 1
-        if end == start:
-            raise ValueError(f"a window of {window_bytes} bytes cannot hold one character; raise --block_size")
-        window = raw[start:end].decode("utf-8")
-        cut = len(window) // 4
-        records.append({"query": window[:cut], "response": window[cut:]})
-        start = end
-    return records
+        if end == cuts[-1]:
+            raise too_small
+        cuts.append(end)
+    windows = [raw[a:b].decode("utf-8") for a, b in zip(cuts, cuts[1:])]
+    if len(windows[-1]) == 1:
+        windows[-2:] = [windows[-2][:-1], windows[-2][-1] + windows[-1]]
+    if any(len(w) < 2 or len(w.encode("utf-8")) > window_bytes for w in windows):
+        raise too_small
+    return [{"query": w[:max(1, len(w) // 4)], "response": w[max(1, len(w) // 4):]} for w in windows]
 
 
 def load_records(path: str, window_bytes: int = TEXT_WINDOW_BYTES) -> list[dict]:
@@ -334,7 +342,7 @@ def load_records(path: str, window_bytes: int = TEXT_WINDOW_BYTES) -> list[dict]
     elif ext == ".jsonl":
         records = _parse_jsonl(text, path)
     else:
-        records = _parse_text(text, window_bytes)
+        records = _parse_text(text, path, window_bytes)
     if not records:
         raise ValueError(f"{path}: holds no records; {FORMAT_HELP}")
     module = os.path.basename(path)

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import warnings
 from contextlib import nullcontext
@@ -126,6 +127,20 @@ def compile_model(model):
                       "training without it, which gives the same results more slowly")
         return model
     return torch.compile(model)
+
+
+def check_writable(out_dir):
+    """Create out_dir if needed, then write and remove a file in it, so that a directory that cannot
+    hold the checkpoint is refused before the data is prepared and the model trained.
+    Raises ValueError naming the directory and the fix."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir) as probe:
+            probe.write(b"probe")
+            probe.flush()
+    except OSError as e:
+        raise ValueError(f"--out_dir={out_dir}: cannot write a checkpoint there ({e.strerror or e}); "
+                         "choose a directory you can write to") from None
 
 
 def diverged(cfg, what, value, it):
@@ -422,6 +437,8 @@ def main(argv):
         raise ValueError(f"{ckpt_file} is already trained for {start.iter_num} iterations; "
                          f"raise --max_iters above {start.iter_num} to continue it")
     rank, world = setup_distributed(cfg)
+    if rank == 0:  # the one process that writes checkpoints
+        check_writable(cfg["out_dir"])
     torch.manual_seed(cfg["seed"])
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"], cfg["too_long"])
     train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")

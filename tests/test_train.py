@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import checkpoint
 import data
 import train
 from checkpoint import load_checkpoint, save_checkpoint
-from helpers import ROOT, TOL, tiny_model, tiny_run_flags
+from helpers import ROOT, TOL, tiny_model, tiny_run_flags, write
 from test_refusion import random_samples
 from train import compile_model, flops_per_token, hybrid_loss, load_weights, make_batch
 
@@ -286,3 +287,15 @@ def test_a_loss_that_becomes_nan_before_the_first_checkpoint_says_none_was_writt
                                          r"--learning_rate .* and start again"):
         train.main(flags)
     assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+@pytest.mark.parametrize("flag", ["out_dir", "data_root"])
+def test_a_directory_that_cannot_be_written_is_refused_before_any_work(tmp_path, qa_file, flag):
+    """--out_dir (or --data_root) naming a file, where no directory can be made: refused with the
+    path and the fix before the data is prepared or a step is trained (not at the first checkpoint)."""
+    taken = write(tmp_path, "taken", "a file, not a directory")
+    message = {"out_dir": rf"--out_dir={re.escape(taken)}: cannot write a checkpoint there .*choose a directory",
+               "data_root": rf"cannot create {re.escape(taken)}/\S+ for the prepared data .*choose a --data_root"}
+    with pytest.raises(ValueError, match=message[flag]):
+        train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", f"--{flag}={taken}"])
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run" / "ckpt.pt").exists()
