@@ -171,9 +171,12 @@ def bench_dataset(cfg, dataset, prompts, n_slots):
     L = n_slots * cfg["slot_size"]
     enc = get_tokenizer(meta["tokenizer"])
     queries = [decode(enc, p) for p in prompts]
-    rows = []
-    for label, method, name, kwargs in tqdm(decoder_settings(cfg, n_slots), desc=f"decode {dataset}"):
+    rows, live = [], train.live_progress()
+    for label, method, name, kwargs in tqdm(decoder_settings(cfg, n_slots), desc=f"decode {dataset}", disable=not live):
         texts, stats = run_decoder(method, models[name], prompts, meta, L, kwargs)
+        if not live:
+            print(f"decode {dataset}: {label}: {stats['tokens']} tokens, TPF {stats['tpf']:.2f}, "
+                  f"{stats['tokens_per_s']:.0f} tokens/s", flush=True)
         scores = [quality(dataset, q, decode(enc, t)) for q, t in zip(queries, texts)]
         budget = iters + (ft if name == "refusion-ft" else 0)
         rows.append({"dataset": dataset, "method": method, "model": name, "label": label, "settings": kwargs,

@@ -65,6 +65,7 @@ grad_clip = 1.0           # clip the gradient norm to this; 0: no clipping
 # evaluation and logging
 eval_interval = 250
 eval_iters = 10
+log_interval = 50         # without a terminal (a log file, a pipe): one plain line every this many steps
 seed = 1337
 device = "cpu"            # under torchrun with CUDA each process takes cuda:LOCAL_RANK
 compile = False
@@ -143,6 +144,13 @@ def check_writable(out_dir):
                          "choose a directory you can write to") from None
 
 
+def live_progress():
+    """True when stdout and stderr are both terminals, where tqdm redraws its progress bar in place.
+    Elsewhere (a log file, a pipe, a batch job) every frame of a bar would be kept, so progress is
+    printed as plain lines instead."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
 def diverged(cfg, what, value, it):
     """The SystemExit for a loss that stopped being finite, saying whether a checkpoint to go back to
     exists (a run stopped before its first evaluation has written none)."""
@@ -206,7 +214,7 @@ def check_config(cfg):
     if not cfg["slot_sizes"] or any(not isinstance(s, int) or s <= 0 for s in cfg["slot_sizes"]):
         raise ValueError(f"--slot_sizes={cfg['slot_sizes']}: give positive integers, e.g. --slot_sizes=(4,8)")
     require(cfg, ("batch_size", "gradient_accumulation_steps", "max_iters", "n_layer", "n_head", "n_embd",
-                  "block_size", "eval_iters", "eval_interval"), "positive", lambda v: v > 0)
+                  "block_size", "eval_iters", "eval_interval", "log_interval"), "positive", lambda v: v > 0)
     require(cfg, ("learning_rate", "rope_theta", "peak_tflops"), "positive and finite", lambda v: 0 < v < math.inf)
     require(cfg, ("n_kv_head", "lr_decay_iters", "warmup_iters"), "0 or more", lambda v: v >= 0)
     require(cfg, ("min_lr", "weight_decay", "grad_clip"), "0 or more and finite", lambda v: 0 <= v < math.inf)
@@ -352,6 +360,7 @@ def train(run):
     """The training loop from run.iter_num to max_iters: evaluate and save every eval_interval
     steps, then one optimizer step of gradient_accumulation_steps micro-batches (shared among the
     processes). Ctrl-C finishes the current step and saves. Returns True when interrupted.
+    Without a terminal (live_progress), one plain line every log_interval steps replaces the bar.
     Raises SystemExit when a loss stops being finite (the last checkpoint, if any, is kept)."""
     cfg, model, optimizer, world = run.cfg, run.model, run.optimizer, run.world
     if world > 1:
@@ -361,8 +370,9 @@ def train(run):
     micro_steps = cfg["gradient_accumulation_steps"] // world      # this process's share of each step
     mask_id = run.train_data.meta["mask_id"]
     model.train()
+    live = live_progress()
     bar = tqdm(range(run.iter_num, cfg["max_iters"]), initial=run.iter_num, total=cfg["max_iters"], desc="train",
-               mininterval=1.0, disable=run.rank != 0)
+               mininterval=1.0, disable=run.rank != 0 or not live)
     t0, n_tokens, flops, start_iter = time.perf_counter(), 0, 0, run.iter_num
     interrupted = False  # Ctrl-C finishes the current step, then saves a checkpoint to resume from
 
@@ -403,9 +413,13 @@ def train(run):
         optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         tflops = flops * world / dt / 1e12
+        mfu = {"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] else {}
         bar.set_postfix(loss=f"{loss.item():.3f}", ar=f"{ar_loss.item():.3f}", mdm=f"{mdm_loss.item():.3f}",
-                        tok_s=f"{n_tokens * world / dt:.0f}", tflops=f"{tflops:.3f}",
-                        **({"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] else {}))
+                        tok_s=f"{n_tokens * world / dt:.0f}", tflops=f"{tflops:.3f}", **mfu)
+        if not live and run.rank == 0 and it % cfg["log_interval"] == 0:
+            print(f"iter {it}: loss {loss.item():.4f} (ar {ar_loss.item():.4f}, mdm {mdm_loss.item():.4f}), "
+                  f"{n_tokens * world / dt:.0f} tok/s, {tflops:.3f} TFLOP/s"
+                  + (f", MFU {mfu['mfu']}" if mfu else ""), flush=True)
         stop = interrupted
         if world > 1:  # every process stops after the same step, even if only one saw the Ctrl-C
             flag = torch.tensor(float(stop), device=cfg["device"])

@@ -24,6 +24,8 @@ def test_bench_at_toy_size_reuses_only_models_trained_with_the_same_settings(tmp
         bench.main(flags + ["--max_new_tokens=176"])                  # refused before any training
     assert not (tmp_path / "bench" / "arith-ar").exists()
     bench.main(flags)
+    printed = capsys.readouterr()                                     # not a terminal: plain lines, no bar frames
+    assert "\r" not in printed.err and "iter 0: loss " in printed.out and "decode arith: ARM: " in printed.out
     rows = json.loads((tmp_path / "bench" / "bench.json").read_text())["rows"]
     ar_row, mdm_row = rows[0], next(r for r in rows if r["method"] == "mdm")
     assert ar_row["label"] == "ARM" and ar_row["nfe"] == ar_row["tokens"]     # one token per forward

@@ -271,7 +271,7 @@ def test_resume_takes_the_checkpoints_settings_and_init_from_its_shape(tmp_path,
 
 @pytest.mark.parametrize("flag", ["--learning_rate=inf", "--min_lr=nan", "--weight_decay=inf", "--grad_clip=1e999",
                                   "--beta1=1.0", "--beta2=nan", "--mask_eps=nan", "--rope_theta=0.0",
-                                  "--rope_theta=nan", "--peak_tflops=0.0"])
+                                  "--rope_theta=nan", "--peak_tflops=0.0", "--log_interval=0"])
 def test_settings_that_are_not_finite_or_out_of_range_are_refused_before_any_work(tmp_path, qa_file, flag):
     """A NaN or infinite rate, a beta outside [0, 1), a rope_theta that is not a positive finite
     number: refused with the setting named before any data is prepared, instead of a loss of NaN
@@ -299,3 +299,15 @@ def test_a_directory_that_cannot_be_written_is_refused_before_any_work(tmp_path,
     with pytest.raises(ValueError, match=message[flag]):
         train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", f"--{flag}={taken}"])
     assert not (tmp_path / "data").exists() and not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_without_a_terminal_training_prints_one_plain_line_every_log_interval(tmp_path, qa_file, capsys):
+    """Into a log file or a pipe (here pytest's capture), no progress bar frames: a line every
+    log_interval steps with the loss, its two parts, tokens/s and FLOP/s, and one per evaluation."""
+    train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=5", "--log_interval=2", "--eval_interval=4"])
+    printed = capsys.readouterr()
+    assert "\r" not in printed.err and "train:" not in printed.err
+    steps = re.findall(r"^iter (\d+): loss \d+\.\d{4} \(ar \d+\.\d{4}, mdm \d+\.\d{4}\), \d+ tok/s, "
+                       r"\d+\.\d{3} TFLOP/s$", printed.out, re.MULTILINE)
+    evals = re.findall(r"^iter (\d+): val loss \d+\.\d{4}$", printed.out, re.MULTILINE)
+    assert (steps, evals) == (["0", "2", "4"], ["0", "4"])
