@@ -36,23 +36,23 @@ from sampler import make_decoder, prompt_generator
 
 # -----------------------------------------------------------------------------
 # default config
-out_dir = "bench"
-datasets = ("arith", "stdlib")
+out_dir = "bench"          # trained models, bench.json, bench.md and bench.png go here
+datasets = ("arith", "stdlib")  # built-in data sets to train and decode on
 num_prompts = 40           # validation prompts decoded by every decoder
-max_new_tokens = 128
-slot_size = 8
-num_blocks = 4             # serial blocks of the ReFusion rows (must divide the number of slots)
+max_new_tokens = 128       # generation length of every decoder, rounded up to whole blocks of slots
+slot_size = 8              # slot size S of the ReFusion rows
+num_blocks = 4             # serial blocks of the ReFusion rows
 max_iters = 600            # training budget of each model (iterations of batch_size samples)
 finetune_iters = 600       # extra budget of the ReFusion model started from the ARM
-batch_size = 32
-n_layer = 4
-n_head = 4
-n_embd = 128
-learning_rate = 3e-3
+batch_size = 32            # samples per training step
+n_layer = 4                # every model's transformer blocks
+n_head = 4                 # ... attention heads
+n_embd = 128               # ... and width
+learning_rate = 3e-3       # peak learning rate of every model
 block_size = 0             # 0: 192 for arith, 256 for stdlib
-device = "cpu"
+device = "cpu"             # cpu, cuda, cuda:N or mps
 compile = False            # torch.compile the training forward pass (GPU runs)
-seed = 1337
+seed = 1337                # training seed of every model (decodes are greedy)
 retrain = False            # train again even when out_dir holds the models
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())

@@ -41,7 +41,7 @@ steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
 temperature = 0.0          # 0: greedy; above 0: sample (Gumbel-max)
 seed = 1337                # prompt i is sampled from a torch.Generator seeded with seed + i
-device = "cpu"
+device = "cpu"             # cpu, cuda, cuda:N or mps
 json = False               # one JSON object per sample instead of text
 show = False               # redraw the response after every decoding step (masked tokens as ░)
 # -----------------------------------------------------------------------------

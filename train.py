@@ -34,41 +34,41 @@ from prepare import prepare
 
 # -----------------------------------------------------------------------------
 # default config: a small ReFusion model on the Python standard library, about 8 minutes on 2 CPU cores
-out_dir = "out"
+out_dir = "out"           # where ckpt.pt is written (checked writable before anything else)
 init_from = "scratch"     # 'scratch', 'resume' (continue out_dir), or a checkpoint path to start from
 objective = "refusion"    # 'refusion' (slots, hybrid loss), 'ar' (next token), 'mdm' (LLaDA-style)
 dataset = "stdlib"        # a built-in corpus name, or a path to a .json / .jsonl / text file
 tokenizer = "bytes"       # 'bytes' (offline) or 'gpt2' (needs the BPE file, see README)
-data_root = "data"
+data_root = "data"        # prepared data goes to data_root/<name>-<tokenizer>-<block_size>
 too_long = "skip"         # samples longer than block_size: 'skip' them (counted) or 'fail'
 slot_sizes = (4, 8)       # S is drawn per sample from these (the paper uses 4, 8, 16, 32)
 mask_eps = 1e-3           # p_mask = (1 - eps) t + eps
 # model
-n_layer = 4
-n_head = 4
+n_layer = 4               # transformer blocks
+n_head = 4                # attention heads
 n_kv_head = 0             # 0: same as n_head
-n_embd = 128
+n_embd = 128              # width of the residual stream
 block_size = 384          # context (prompt + response tokens); longer samples are skipped
-qk_norm = True
-rope_theta = 10000.0
+qk_norm = True            # RMSNorm on each head's queries and keys, as in Qwen3
+rope_theta = 10000.0      # base of the rotary position angles (finite, > 0)
 # optimization
 batch_size = 16           # samples per micro-batch (per process under torchrun)
 gradient_accumulation_steps = 1  # micro-batches per step, over all processes (divided among them)
-max_iters = 1500
-learning_rate = 2e-3
-min_lr = 2e-4
+max_iters = 1500          # optimizer steps of the whole run (a resumed run continues up to it)
+learning_rate = 2e-3      # peak learning rate, reached after warm-up
+min_lr = 2e-4             # learning rate at the end of the cosine decay
 lr_decay_iters = 0        # the cosine reaches min_lr here and stays; 0: max_iters (a resumed run keeps it)
-warmup_iters = 50
-weight_decay = 0.1
-beta1, beta2 = 0.9, 0.95
+warmup_iters = 50         # steps of linear warm-up
+weight_decay = 0.1        # AdamW's weight decay, on matrices only
+beta1, beta2 = 0.9, 0.95  # AdamW's betas, each in [0, 1)
 grad_clip = 1.0           # clip the gradient norm to this; 0: no clipping
 # evaluation and logging
-eval_interval = 250
-eval_iters = 10
+eval_interval = 250       # validation loss and a checkpoint every this many steps
+eval_iters = 10           # validation batches per evaluation
 log_interval = 50         # without a terminal (a log file, a pipe): one plain line every this many steps
-seed = 1337
+seed = 1337               # seeds the initial weights and every micro-batch's samples and masks
 device = "cpu"            # under torchrun with CUDA each process takes cuda:LOCAL_RANK
-compile = False
+compile = False           # torch.compile the model (the same results, faster on a GPU)
 peak_tflops = 312.0       # for the MFU estimate: bf16 peak of the GPU (A100: 312, H100 SXM: 989)
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
