@@ -2,7 +2,7 @@
 The paper's comparison at small scale, in one run: ReFusion against an autoregressive model (ARM)
 and a LLaDA-style masked diffusion model (MDM), same size, same data, same training budget.
 
-    python bench.py                                  # CPU default, about 30 minutes on 2 cores
+    python bench.py                                  # CPU default, about 27 minutes on 2 cores
     python bench.py --datasets=arith --max_iters=2000 --device=cuda
 
 For each data set it trains (or reuses, from out_dir) one model per objective plus a ReFusion
