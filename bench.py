@@ -25,6 +25,7 @@ the ARM, as the paper's MBPP figure). Every figure comes from this run.
 
 import ast
 import json
+import math
 import os
 import platform
 import shutil
@@ -38,33 +39,33 @@ from tqdm import tqdm
 
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
-from configurator import parse_args, run_cli, settings_in
+from configurator import parse_args, require, run_cli, settings_in
 from corpora import arithmetic_answer, arithmetic_expected, transform_expected
 from data import TokenDataset, decode, get_tokenizer
 from generate import MDMSettings, RefusionSettings
 from model import ModelConfig, Transformer
 from prepare import prepare
-from sampler import make_decoder
+from sampler import make_decoder, prompt_generator
 
 # -----------------------------------------------------------------------------
 # default config
-out_dir = "bench"
+out_dir = "bench"          # trained models, bench.json, bench.md and bench.png go here
 tasks = ("transform", "arith", "stdlib")  # any of TASKS
 quick = False              # a smoke run: QUICK's task, models, budget and sweep
 num_prompts = 40           # validation prompts decoded by every decoder
 max_iters = 0              # training budget of each model; 0: the task's recipe (TASKS)
 finetune_iters = 0         # extra budget of the ReFusion model started from the ARM; 0: the recipe's
 dataset = ""               # the data set of a one-task run, e.g. arith-1m on a GPU; empty: the recipe's
-block_size = 0             # the context and the generation length; 0: the recipe's
-max_new_tokens = 0
-n_layer = 0                # the models' shape and batch; 0: the recipe's
-n_head = 0
-n_embd = 0
-batch_size = 0
-learning_rate = 0.0
-device = "cpu"
+block_size = 0             # the models' context; 0: the recipe's
+max_new_tokens = 0         # every decoder's generation length; 0: the recipe's
+n_layer = 0                # the models' transformer blocks; 0: the recipe's
+n_head = 0                 # ... attention heads
+n_embd = 0                 # ... width
+batch_size = 0             # ... samples per training step
+learning_rate = 0.0        # ... peak learning rate
+device = "cpu"             # cpu, cuda or mps: training and decoding
 compile = False            # torch.compile the training forward pass (GPU runs)
-seed = 1337
+seed = 1337                # training seed of every model (decodes are greedy)
 retrain = False            # train again even when out_dir holds the models
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
@@ -188,13 +189,16 @@ def totals(tokens, nfe, seconds, model_seconds):
 
 def run_decoder(method, model, prompts, ids, settings):
     """Decode every prompt with sampler's decoder for `method` (settings: a dict of its knobs, with
-    max_new_tokens); returns the generated id lists (EOS dropped) and the summed speed figures."""
+    max_new_tokens), prompt i with its own generator seeded with i (prompt_generator; used when the
+    settings ask for a temperature above 0), so no decode depends on the warm-up or on the others.
+    Returns the generated id lists (EOS dropped) and the summed speed figures."""
     timed = TimedModel(model)
     cfg = {"temperature": 0.0, "steps": 0, "block_length": 0, **settings, "method": method}
-    decode_fn, _ = make_decoder(cfg, timed, ids, torch.Generator().manual_seed(0))
+    device = next(model.parameters()).device
+    decode_fn, _ = make_decoder(cfg, timed, ids, torch.Generator(device))  # the warm-up's generator
     decode_fn(prompts[0])  # warm-up, untimed
     timed.calls.update(n=0, seconds=0.0)
-    outs = [decode_fn(p) for p in prompts]
+    outs = [decode_fn(p, generator=prompt_generator(device, 0, i)) for i, p in enumerate(prompts)]
     texts = [[t for t in o.tokens if t != ids["eos_id"]] for o in outs]
     return texts, totals(sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs), sum(o.seconds for o in outs),
                          timed.calls["seconds"])
@@ -296,10 +300,13 @@ def bench_task(cfg, task, prompts, references):
                 "settings": knobs, "train_iters": iters + (ft if name == "refusion-ft" else 0),
                 "val_loss": ckpts[name]["best_val_loss"], "quality": quality, **speed}
 
-    rows = []
-    for label, method, name, knobs in tqdm(decoder_points(cfg, task), desc=f"decode {task}"):
+    rows, live = [], train.live_progress()
+    for label, method, name, knobs in tqdm(decoder_points(cfg, task), desc=f"decode {task}", disable=not live):
         texts, speed = run_decoder(method, models[name], prompts, ids, dict(knobs, max_new_tokens=r["max_new_tokens"]))
         rows.append(point(label, method, name, knobs, texts, speed))
+        if not live:  # a log file gets one line per point instead of progress-bar frames
+            print(f"decode {task}: {label}: {speed['tokens']} tokens, TPF {speed['tpf']:.2f}, "
+                  f"{speed['tokens_per_s']:.0f} tokens/s", flush=True)
     hf = hf_generate(models["ar"], prompts, ids, r["max_new_tokens"])
     if hf is not None:
         rows.insert(1, point("Hugging Face generate (ARM weights)", "hf", "ar", {}, *hf))
@@ -443,13 +450,11 @@ def check_bench_config(cfg):
                 MDMSettings(L, **knobs)
             if method == "refusion":
                 RefusionSettings(L, **knobs)
-    if cfg["num_prompts"] <= 0:
-        raise ValueError(f"--num_prompts={cfg['num_prompts']}: decode at least one prompt")
     if cfg["dataset"] and len(cfg["tasks"]) > 1:
         raise ValueError(f"--dataset={cfg['dataset']} replaces one task's data: name that task alone in --tasks")
-    for key in OVERRIDES[1:]:
-        if not cfg[key] >= 0:
-            raise ValueError(f"--{key}={cfg[key]}: must be positive (or 0 for the task's recipe)")
+    require(cfg, ("num_prompts",), "positive", lambda v: v > 0)
+    require(cfg, OVERRIDES[1:-1], "0 or more (0: the task's recipe)", lambda v: v >= 0)
+    require(cfg, ("learning_rate",), "0 or more and finite (0: the task's recipe)", lambda v: 0 <= v < math.inf)
 
 
 def main(argv):

@@ -4,26 +4,79 @@ assignments), then `--key=value` flags, applied left to right. Every key must al
 default, and every value must have the default's type, so a typo fails loudly instead of silently.
 
     python train.py config/train_stdlib.py --max_iters=200 --slot_sizes=(4,8)
+    python train.py --help          # every setting, its default and what it does
 """
 
 import ast
 import difflib
+import io
 import os
+import tokenize
 import traceback
 
 import torch
 
 
+class Defaults(dict):
+    """A script's settings and their default values (a dict), and the script's path (for --help)."""
+
+    def __init__(self, values, script=None):
+        super().__init__(values)
+        self.script = script
+
+
 def settings_in(namespace):
     """The settings a script declares as module-level assignments (lowercase names holding an int,
-    float, bool, str or tuple, in the order written), as a dict of defaults: `settings_in(globals())`
+    float, bool, str or tuple, in the order written), as Defaults: `settings_in(globals())`
     right after the block of defaults, as nanoGPT's train.py does."""
-    return {k: v for k, v in namespace.items()
-            if not k.startswith("_") and k.islower() and isinstance(v, (int, float, bool, str, tuple))}
+    return Defaults({k: v for k, v in namespace.items()
+                     if not k.startswith("_") and k.islower() and isinstance(v, (int, float, bool, str, tuple))},
+                    namespace.get("__file__"))
+
+
+def descriptions(script):
+    """{setting: the trailing comment of its module-level assignment} in the Python file `script`
+    (`beta1, beta2 = 0.9, 0.95  # AdamW's betas` describes both); what --help prints beside each."""
+    with open(script, encoding="utf-8") as f:
+        source = f.read()
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                for name in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(name, ast.Name):
+                        found.setdefault(name.id, comments.get(node.end_lineno, ""))
+    return found
+
+
+def usage(defaults):
+    """The --help text: how to call the script, then one line per setting: --key=default and its
+    description (from the script's source when defaults are Defaults)."""
+    script = getattr(defaults, "script", None)
+    about = descriptions(script) if script else {}
+    shown = {k: ",".join(map(str, v)) if isinstance(v, tuple) else v if isinstance(v, str) else repr(v)
+             for k, v in defaults.items()}
+    width = max(len(f"--{k}={v}") for k, v in shown.items())
+    lines = [f"usage: python {os.path.basename(script or 'script.py')} [config.py ...] [--key=value ...]",
+             "Config files and flags apply left to right. Settings, with their defaults:"]
+    lines += [f"  {f'--{k}={v}':<{width}}  {about.get(k, '')}".rstrip() for k, v in shown.items()]
+    return "\n".join(lines)
 
 
 class ConfigError(ValueError):
     """A config file or flag that names an unknown key or gives a value of the wrong type."""
+
+
+def _literal(text):
+    """The Python literal that `text` spells (1500, 2e-3, (4, 8), True), or the text itself when it
+    spells none (a word, 08 with its leading zero, an unclosed bracket): the type check then says
+    what was expected."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return text
 
 
 def _coerce(key, value, default, where="the command line"):
@@ -31,11 +84,12 @@ def _coerce(key, value, default, where="the command line"):
     or a comma-separated string for a tuple (--datasets=arith,stdlib). Raises ConfigError."""
     shown = f"--{key}={value!r}" if where == "the command line" else f"{key} = {value!r} in {where}"
     if isinstance(default, tuple):
-        if isinstance(value, str):
-            value = tuple(ast.literal_eval(v) if v.strip().isdigit() else v.strip() for v in value.split(","))
+        if isinstance(value, str):  # items of a tuple of text are taken as written, others as literals
+            texts = default and isinstance(default[0], str)
+            value = tuple(v.strip() if texts else _literal(v.strip()) for v in value.split(","))
         value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
         if default and any(type(v) is not type(default[0]) for v in value):
-            raise ConfigError(f"{shown}: expected values like {default!r}")
+            raise ConfigError(f"{shown}: expected a tuple of {type(default[0]).__name__} like {default!r}")
         return value
     if isinstance(default, float) and type(value) is int:
         return float(value)
@@ -57,10 +111,14 @@ def _check_key(key, defaults, where):
 def parse_args(defaults, argv):
     """Apply config files and --key=value flags in argv to a copy of defaults (a dict); return it.
 
-    A boolean key may be given bare (--json means --json=True).
+    A boolean key may be given bare (--json means --json=True). --help or -h prints usage(defaults)
+    and exits (SystemExit 0).
     Raises ConfigError (a ValueError) naming the key and the fix for an unknown key, a wrong type,
     a malformed flag, or a missing config file.
     """
+    if {"--help", "-h"} & set(argv):
+        print(usage(defaults))
+        raise SystemExit(0)
     config = dict(defaults)
     for arg in argv:
         if not arg.startswith("--"):
@@ -88,15 +146,19 @@ def parse_args(defaults, argv):
             if not isinstance(defaults[key], bool):
                 raise ConfigError(f"flag {arg!r} has no value: write it as {arg}=VALUE")
             text = "True"  # a bare boolean flag such as --json switches it on
-        if isinstance(defaults[key], str):
-            value = text  # taken as written: --out_dir=1e1 is the directory "1e1", --prompt='x' keeps its quotes
-        else:
-            try:
-                value = ast.literal_eval(text)
-            except (ValueError, SyntaxError):
-                value = text  # not a Python literal: the type check below says what was expected
+        # text is taken as written: --out_dir=1e1 is the directory "1e1", --prompt='x' keeps its quotes
+        value = text if isinstance(defaults[key], str) else _literal(text)
         config[key] = _coerce(key, value, defaults[key])
     return config
+
+
+def require(cfg, keys, rule, test):
+    """Refuse the first of `keys` whose value in cfg fails test(value), as "--key=value: must be
+    <rule>". A NaN fails every comparison, so `lambda v: 0 < v < math.inf` refuses it too.
+    Raises ConfigError."""
+    for key in keys:
+        if not test(cfg[key]):
+            raise ConfigError(f"--{key}={cfg[key]}: must be {rule}")
 
 
 def check_device(device):

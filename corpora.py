@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import sys
 import sysconfig
 from itertools import zip_longest
 
@@ -281,17 +282,27 @@ FORMAT_HELP = ("expected a .json file holding a JSON list of objects with string
                "'response' fields, a .jsonl file with one such object per line, or plain text")
 
 
-def _read_text(path: str) -> str:
-    """The file's text. Raises FileNotFoundError, or ValueError if empty or not UTF-8."""
+def read_utf8(path: str, name: str) -> str:
+    """The text of the file at `path`, decoded from its bytes as they are (CRLF line ends stay CRLF).
+    A UTF-8 byte order mark at its start is not text: it is removed, with a note on stderr. `name`
+    names the file in messages (e.g. "--prompt_file=p.txt"). Raises FileNotFoundError, or ValueError
+    giving the byte offset of the first byte that is not UTF-8."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path!r} does not exist; check the path")
+        raise FileNotFoundError(f"{name}: no such file; check the path")
     with open(path, "rb") as f:
         raw = f.read()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not valid UTF-8 at byte offset {e.start}; "
-                         "re-save the file as UTF-8") from None
+        raise ValueError(f"{name}: not valid UTF-8 at byte offset {e.start}; re-save the file as UTF-8") from None
+    if text.startswith("\ufeff"):
+        print(f"note: {name}: removed the UTF-8 byte order mark at its start", file=sys.stderr)
+    return text.removeprefix("\ufeff")
+
+
+def _read_text(path: str) -> str:
+    """The data file's text (read_utf8). Raises FileNotFoundError, or ValueError if empty or not UTF-8."""
+    text = read_utf8(path, f"data file {path}")
     if not text.strip():
         raise ValueError(f"{path}: the file is empty; {FORMAT_HELP}")
     return text
@@ -337,23 +348,31 @@ def _parse_jsonl(text: str, path: str) -> list[dict]:
     return records
 
 
-def _parse_text(text: str, window_bytes: int) -> list[dict]:
+def _parse_text(text: str, path: str, window_bytes: int) -> list[dict]:
     """Consecutive windows of at most window_bytes UTF-8 bytes, cut between characters (a byte is
     a token of the byte tokenizer, and every GPT-2 token is at least one byte, so a window never
-    exceeds window_bytes tokens, whatever the script); the first quarter of a window's characters
-    is the query. Raises ValueError when a single character does not fit."""
-    raw, records, start = text.encode("utf-8"), [], 0
-    while start < len(raw):
-        end = min(start + window_bytes, len(raw))
+    exceeds window_bytes tokens, whatever the script); the first quarter of a window's characters,
+    at least one, is the query and the rest the response, so neither is empty. A last window of a
+    single character cannot be split: it takes the last character of the window before it.
+    Raises ValueError when the text is one character, or a window cannot hold two."""
+    if len(text) == 1:
+        raise ValueError(f"{path}: holds a single character; a sample needs a query and a response")
+    too_small = ValueError(f"{path}: windows of {window_bytes} bytes cannot hold two characters (a query and a "
+                           "response); raise --block_size")
+    raw, cuts = text.encode("utf-8"), [0]
+    while cuts[-1] < len(raw):
+        end = min(cuts[-1] + window_bytes, len(raw))
         while end < len(raw) and raw[end] & 0xC0 == 0x80:  # a continuation byte: back to the character's start
             end -= 1
-        if end == start:
-            raise ValueError(f"a window of {window_bytes} bytes cannot hold one character; raise --block_size")
-        window = raw[start:end].decode("utf-8")
-        cut = len(window) // 4
-        records.append({"query": window[:cut], "response": window[cut:]})
-        start = end
-    return records
+        if end == cuts[-1]:
+            raise too_small
+        cuts.append(end)
+    windows = [raw[a:b].decode("utf-8") for a, b in zip(cuts, cuts[1:])]
+    if len(windows[-1]) == 1:
+        windows[-2:] = [windows[-2][:-1], windows[-2][-1] + windows[-1]]
+    if any(len(w) < 2 or len(w.encode("utf-8")) > window_bytes for w in windows):
+        raise too_small
+    return [{"query": w[:max(1, len(w) // 4)], "response": w[max(1, len(w) // 4):]} for w in windows]
 
 
 def load_records(path: str, window_bytes: int = TEXT_WINDOW_BYTES) -> list[dict]:
@@ -374,7 +393,7 @@ def load_records(path: str, window_bytes: int = TEXT_WINDOW_BYTES) -> list[dict]
     elif ext == ".jsonl":
         records = _parse_jsonl(text, path)
     else:
-        records = _parse_text(text, window_bytes)
+        records = _parse_text(text, path, window_bytes)
     if not records:
         raise ValueError(f"{path}: holds no records; {FORMAT_HELP}")
     module = os.path.basename(path)

@@ -9,6 +9,7 @@ Token batches: the tokenizer, one split of prepared data, and what each objectiv
 
 import json
 import os
+import re
 import unicodedata
 from dataclasses import dataclass
 from functools import cache
@@ -171,12 +172,32 @@ def encode(enc: tiktoken.Encoding, text: str) -> list[int]:
     """
     if enc.name.startswith("hf:"):
         text = unicodedata.normalize("NFC", text)
-    return enc.encode_ordinary(text)
+    ids = []
+    for piece in _pieces(text):
+        ids += enc.encode_ordinary(piece)
+    return ids
 
 
 def decode(enc: tiktoken.Encoding, ids) -> str:
     """Text of `ids` (ints, special ids included); broken UTF-8 becomes U+FFFD, never an error."""
     return enc.decode([int(i) for i in ids], errors="replace")
+
+
+# tiktoken's pre-tokenizing regex (GPT-2's, whose whitespace alternative looks ahead) runs out of its
+# backtracking stack on a run of about 500,000 whitespace characters and panics: encode() feeds it a
+# longer run than this in pieces
+MAX_SPACE_RUN = 10_000
+_LONG_SPACE_RUN = re.compile(r"(?<!\s)\s{%d,}" % (MAX_SPACE_RUN + 1))  # from the run's start: linear time
+
+
+def _pieces(text: str) -> list[str]:
+    """text cut every MAX_SPACE_RUN characters inside each run of more whitespace than that, for
+    encode(); text without such a run is one piece. A cut is exact for the byte tokenizer (one token
+    per byte however the text is cut); a BPE may merge such a run's whitespace differently at a cut."""
+    cuts = [0]
+    for run in _LONG_SPACE_RUN.finditer(text):
+        cuts += range(run.start() + MAX_SPACE_RUN, run.end(), MAX_SPACE_RUN)
+    return [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)])]
 
 # -----------------------------------------------------------------------------
 # reading prepared data back (prepare.py writes it)

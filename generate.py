@@ -59,7 +59,7 @@ class DecodeSettings:
     """What every decoder needs: how many tokens to generate and how to pick them.
 
     max_new_tokens: at most this many tokens are returned (> 0).
-    temperature: 0 for argmax; > 0 samples by Gumbel-max in float64 (SPEC section 4).
+    temperature: 0 for argmax; > 0 (finite) samples by Gumbel-max in float64 (SPEC section 4).
     Raises ValueError when a value cannot work. The ARM baseline needs nothing more.
     """
     max_new_tokens: int
@@ -68,23 +68,29 @@ class DecodeSettings:
     def __post_init__(self):
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: ask for at least one new token")
-        if not (self.temperature >= 0):  # also catches NaN
-            raise ValueError(f"temperature={self.temperature}: use 0 for greedy decoding or a positive value "
-                             "to sample")
+        if not 0 <= self.temperature < math.inf:  # also catches NaN
+            raise ValueError(f"temperature={self.temperature}: use 0 for greedy decoding or a finite positive "
+                             "value to sample")
 
     @property
     def gen_len(self):
         """Positions the generation occupies in the context (tokens)."""
         return self.max_new_tokens
 
+    @property
+    def gen_len_words(self):
+        """(how gen_len was reached, how to shorten it): check_context's words for this decoder."""
+        return "", "lower max_new_tokens"
+
 
 @dataclass
 class RefusionSettings(DecodeSettings):
     """ReFusion's knobs (SPEC section 4): slot size S, serial blocks B and the two thresholds.
 
-    The generation length is max_new_tokens rounded up to whole slots; B must divide the number of
-    slots. Thresholds are probabilities compared with `>`: any value >= 0 is accepted, and a value
-    of 1 or more means "never" (one slot per plan step / only forced tokens accepted).
+    The generation length is max_new_tokens rounded up to a multiple of S * B, so that every block
+    holds the same whole number of slots; at most max_new_tokens tokens are returned. Thresholds are
+    probabilities compared with `>`: any finite value >= 0 is accepted, and a value of 1 or more
+    means "never" (one slot per plan step / only forced tokens accepted).
     Raises ValueError naming the setting and the fix.
     """
     slot_size: int = 8
@@ -97,29 +103,28 @@ class RefusionSettings(DecodeSettings):
         S = self.slot_size
         if S <= 0:
             raise ValueError(f"slot_size={S}: a slot holds at least one token (the paper uses 4 to 32)")
-        if S > self.max_new_tokens:
-            raise ValueError(f"slot_size={S} is larger than max_new_tokens={self.max_new_tokens}; use a "
-                             f"slot_size of at most {self.max_new_tokens} (or ask for more tokens)")
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks={self.num_blocks}: use at least one serial block")
         for name in ("slot_threshold", "token_threshold"):
-            if not (getattr(self, name) >= 0):  # also catches NaN
-                raise ValueError(f"{name}={getattr(self, name)}: thresholds are probabilities >= 0 "
-                                 "(a value >= 1 means never)")
-        if self.n_slots % self.num_blocks:
-            raise ValueError(f"{self.n_slots} slots of {S} tokens (max_new_tokens={self.max_new_tokens} rounded "
-                             f"up to {self.gen_len}) cannot be cut into num_blocks={self.num_blocks} equal "
-                             f"blocks; pick num_blocks dividing {self.n_slots}")
+            if not 0 <= getattr(self, name) < math.inf:  # also catches NaN
+                raise ValueError(f"{name}={getattr(self, name)}: thresholds are finite probabilities >= 0 "
+                                 "(any value >= 1 already means never)")
 
     @property
     def n_slots(self):
-        """Slots in the whole generation."""
-        return math.ceil(self.max_new_tokens / self.slot_size)
+        """Slots in the whole generation: a multiple of num_blocks."""
+        return math.ceil(self.max_new_tokens / (self.slot_size * self.num_blocks)) * self.num_blocks
 
     @property
     def gen_len(self):
-        """max_new_tokens rounded up to a multiple of slot_size (tokens)."""
+        """max_new_tokens rounded up to a multiple of slot_size * num_blocks (tokens)."""
         return self.n_slots * self.slot_size
+
+    @property
+    def gen_len_words(self):
+        """(how gen_len was reached, how to shorten it): check_context's words for this decoder."""
+        return (f", max_new_tokens={self.max_new_tokens} rounded up to {self.num_blocks} block(s) of whole "
+                f"{self.slot_size}-token slots", "lower max_new_tokens, slot_size or num_blocks")
 
 
 @dataclass
@@ -156,15 +161,17 @@ class MDMSettings(DecodeSettings):
         return self.max_new_tokens // self.block_length
 
 
-def check_context(model, prompt_len, gen_len):
-    """Refuse a prompt + generation that does not fit the model's positions. Raises ValueError."""
+def check_context(model, prompt_len, settings):
+    """Refuse a prompt + generation (settings.gen_len positions) that does not fit the model's
+    positions; the message says what sets the length in the decoder's own words
+    (settings.gen_len_words). Raises ValueError."""
     if prompt_len == 0:
         raise ValueError("the prompt is empty: give at least one token of context")
     limit = model.config.block_size
-    if prompt_len + gen_len > limit:
-        raise ValueError(f"prompt ({prompt_len} tokens) + generation ({gen_len} tokens, max_new_tokens rounded up "
-                         f"to whole slots) exceeds the model's context of {limit} positions; shorten the prompt, "
-                         "lower max_new_tokens or use a smaller slot_size")
+    if prompt_len + settings.gen_len > limit:
+        how, fix = settings.gen_len_words
+        raise ValueError(f"prompt ({prompt_len} tokens) + generation ({settings.gen_len} tokens{how}) exceeds "
+                         f"the model's context of {limit} positions; shorten the prompt or {fix}")
 
 
 def check_attention(model, method):
@@ -199,9 +206,11 @@ def ban(scores, token_ids):
 def draft_tokens(logits, temperature, generator, banned=()):
     """Draft a token at each row of logits (N, V) float32; returns (tokens (N,) int64, probs (N,) float32).
 
-    temperature 0: argmax; otherwise Gumbel-max sampling in float64. Tokens in `banned` are never
-    drafted (ban). The probability is the raw softmax probability of the drafted token
-    (temperature does not scale it; SPEC section 4).
+    temperature 0: argmax; otherwise Gumbel-max sampling in float64, and a row whose scaled logits
+    overflow (a temperature so small that logits / temperature is +-inf) takes the limit of sampling
+    as the temperature goes to 0, the argmax. Tokens in `banned` are never drafted (ban). The
+    probability is the raw softmax probability of the drafted token (temperature does not scale it;
+    SPEC section 4).
     """
     probs = torch.softmax(logits.float(), dim=-1)
     if temperature == 0:
@@ -209,7 +218,10 @@ def draft_tokens(logits, temperature, generator, banned=()):
     else:
         u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-        tokens = (ban(logits.double(), banned) / temperature + gumbel).argmax(dim=-1)
+        scores = logits.double() / temperature + gumbel
+        # overflowed scores tie at +-inf, and argmax would take the lowest id among them, banned or not
+        overflow = (torch.isfinite(logits) & ~torch.isfinite(scores)).any(dim=-1, keepdim=True)
+        tokens = ban(torch.where(overflow, logits.double(), scores), banned).argmax(dim=-1)
     return tokens, probs.gather(-1, tokens[:, None])[:, 0]
 
 
@@ -474,7 +486,7 @@ def generate_refusion(model, prompt, settings, *, mask_id, eos_id, generator=Non
     Raises ValueError for a bidirectional model, or a prompt + generation longer than the context.
     """
     check_attention(model, "refusion")
-    check_context(model, len(prompt), settings.gen_len)
+    check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
     S, slots_per_block = settings.slot_size, settings.n_slots // settings.num_blocks
     cache = model.new_kv_cache(max_len=len(prompt) + settings.gen_len, max_batch=slots_per_block)
@@ -503,7 +515,7 @@ def generate_ar(model, prompt, settings, *, eos_id, generator=None, on_step=None
     Raises ValueError for a bidirectional model or a prompt + generation longer than the context.
     """
     check_attention(model, "ar")
-    check_context(model, len(prompt), settings.gen_len)
+    check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
     cache = model.new_kv_cache(max_len=len(prompt) + settings.max_new_tokens)
     device = cache.kv.device
@@ -545,7 +557,7 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_id, generator=None, on
     Raises ValueError for a causal model or a prompt + generation longer than the context.
     """
     check_attention(model, "mdm")
-    check_context(model, len(prompt), settings.gen_len)
+    check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     P, L, n_blocks = len(prompt), settings.max_new_tokens, settings.n_blocks

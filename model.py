@@ -51,6 +51,8 @@ class ModelConfig:
             raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if not 0 < self.rope_theta < math.inf:  # also catches NaN, which would make every angle NaN
+            raise ValueError(f"rope_theta={self.rope_theta}: the base of the rotary angles must be positive and finite")
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(8 * self.n_embd / 3 / 64)
 

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import tempfile
 
 import numpy as np
@@ -26,14 +27,23 @@ VAL_PERCENT = 5  # share of records that go to the validation split
 FORMAT = 1  # version of the prepared-data layout, stored in meta.json
 
 
-def split_of(record: dict) -> str:
+def split_of(record: dict, by_content: bool = False) -> str:
     """
-    "train" or "val" for a record, from a stable hash of f"{module}:{name}" (VAL_PERCENT% val).
-    The same record lands in the same split on every machine and every run.
+    "train" or "val" for a record, from a stable hash (VAL_PERCENT% val) of f"{module}:{name}" (the
+    built-in corpora), or with by_content of its query and response (a user's file, whose records are
+    named by their index: identical records then share a split, so a repeated record cannot put a
+    validation sample into training). The same record lands in the same split on every machine and
+    every run.
     """
-    digest = hashlib.sha1(f"{record['module']}:{record['name']}".encode()).digest()
+    key = json.dumps(_content(record)) if by_content else f"{record['module']}:{record['name']}"
+    digest = hashlib.sha1(key.encode()).digest()
     # 8 bytes, not 1: a single byte % 100 would favour 0..55 and give ~5.9% val
     return "val" if int.from_bytes(digest[:8], "big") % 100 < VAL_PERCENT else "train"
+
+
+def _content(record: dict) -> tuple[str, str]:
+    """What makes two records the same sample: (query, response)."""
+    return record["query"], record["response"]
 
 
 
@@ -64,6 +74,9 @@ def _tokenize(records: list[dict], enc, block_size: int, too_long: str) -> tuple
     for r in records:
         prompt = encode(enc, r["query"])
         ids = prompt + encode(enc, r["response"]) + [eos_id]
+        if not prompt or len(ids) == len(prompt) + 1:  # decoding needs a prompt, and training a response
+            raise ValueError(f"record {r['module']}:{r['name']} has an empty {'response' if prompt else 'query'}; "
+                             "every sample needs a prompt and a response")
         if len(ids) > block_size:
             if too_long == "fail":
                 raise ValueError(f"record {r['module']}:{r['name']} is {len(ids)} tokens, longer than "
@@ -122,12 +135,24 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
                 "python_version": platform.python_version(), "source_sha1": sha1, "too_long": too_long}
     if dataset in DATASETS:  # a file is known by its content (source_sha1), however its path is written
         expected["dataset"] = dataset
+    else:  # a file prepared before its records were split by content is prepared again
+        expected["split"] = "content"
     if _is_prepared(data_dir, expected):
         return data_dir
-    os.makedirs(data_dir, exist_ok=True)
-    with FileLock(os.path.join(data_dir, ".lock")):  # torchrun's processes: one prepares, the rest wait
-        if not _is_prepared(data_dir, expected):
-            _write_splits(dataset, enc, data_dir, block_size, too_long, expected)
+    created = not os.path.isdir(data_dir)
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create {data_dir} for the prepared data ({e.strerror}); "
+                         "choose a --data_root you can write to") from None
+    try:
+        with FileLock(os.path.join(data_dir, ".lock")):  # torchrun's processes: one prepares, the rest wait
+            if not _is_prepared(data_dir, expected):
+                _write_splits(dataset, enc, data_dir, block_size, too_long, expected)
+    except BaseException:
+        if created:  # a failed first preparation (a bad record, Ctrl-C) leaves no directory behind
+            shutil.rmtree(data_dir, ignore_errors=True)
+        raise
     return data_dir
 
 
@@ -141,9 +166,16 @@ def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> Non
         records = DATASETS[dataset]()
     else:  # a text window leaves room for EOS
         records = load_records(dataset, window_bytes=min(TEXT_WINDOW_BYTES, block_size - 1))
-    splits = {split: [r for r in records if split_of(r) == split] for split in ("train", "val")}
+    by_content = dataset not in DATASETS
+    splits = {split: [r for r in records if split_of(r, by_content) == split] for split in ("train", "val")}
+    if by_content:
+        duplicates = len(records) - len(set(map(_content, records)))
+        print(f"{dataset}: {duplicates:,} duplicate records (the query and response of an earlier one), each in "
+              "the split of its first copy")
     if not splits["val"] and len(splits["train"]) > 1:
-        splits["val"] = [splits["train"].pop()]  # a small file: keep one record for validation
+        last = _content(splits["train"][-1])  # a small file: keep one record, with its copies, for validation
+        splits["val"] = [r for r in splits["train"] if _content(r) == last]
+        splits["train"] = [r for r in splits["train"] if _content(r) != last]
         print(f"{dataset}: no record hashed to the validation split; using the last one")
     counts = {}
     for split in ("train", "val"):
@@ -152,8 +184,8 @@ def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> Non
             raise ValueError(f"{dataset}: all {skipped} samples of the {split} split are longer than "
                              f"block_size={block_size} tokens; use a larger --block_size")
         if len(samples) == 0:
-            raise ValueError(f"{dataset}: too few records for a {split} split ({len(records)} in all); "
-                             "give at least two records")
+            raise ValueError(f"{dataset}: too few records for a {split} split ({len(records)} in all, "
+                             f"{len(set(map(_content, records)))} different); give at least two different records")
         _write_atomic(os.path.join(data_dir, f"{split}.bin"), tokens.tofile)
         _write_atomic(os.path.join(data_dir, f"{split}_samples.npy"), lambda f: np.save(f, samples))
         counts[split] = {"samples": len(samples), "tokens": len(tokens), "skipped_too_long": skipped}

@@ -14,12 +14,14 @@ import sys
 import time
 from dataclasses import fields
 from functools import partial
+from itertools import groupby
 from json import dumps
 
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import check_device, parse_args, run_cli, settings_in
+from corpora import read_utf8
 from data import TokenDataset, decode, encode, get_tokenizer, hf_special_ids
 from generate import DECODERS, check_attention, eos_ids_of
 from model import Transformer
@@ -35,16 +37,16 @@ prompt = ""                # decode this text ...
 prompt_file = ""           # ... or the text of this file ...
 num_samples = 3            # ... or this many prompts from the validation split
 method = ""                # refusion, ar or mdm; empty: the one the checkpoint was trained for
-max_new_tokens = 128       # rounded up to a multiple of slot_size while decoding
+max_new_tokens = 128       # at most this many tokens are returned (refusion decodes whole blocks of slots)
 slot_size = 8              # refusion: tokens per slot (S)
-num_blocks = 4             # refusion: serial blocks; must divide max_new_tokens / slot_size
+num_blocks = 4             # refusion: serial blocks, each of the same whole number of slots
 slot_threshold = 0.9       # refusion: a slot is planned when its first draft's probability exceeds this
 token_threshold = 0.3      # refusion: a draft token is accepted when its probability exceeds this
 steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
 temperature = 0.0          # 0: greedy; above 0: sample (Gumbel-max)
-seed = 1337
-device = "cpu"
+seed = 1337                # prompt i is sampled from a torch.Generator seeded with seed + i
+device = "cpu"             # cpu, cuda, cuda:N or mps
 json = False               # one JSON object per sample instead of text
 show = False               # redraw the response after every decoding step (masked tokens as ░)
 # -----------------------------------------------------------------------------
@@ -121,10 +123,7 @@ def load_prompts(cfg, enc, val_data, gen_len, block_size):
         raise ValueError("give either --prompt or --prompt_file, not both")
     wrap = partial(chat_prompt, enc) if cfg["chat"] else partial(encode, enc)
     if cfg["prompt_file"]:
-        if not os.path.isfile(cfg["prompt_file"]):
-            raise FileNotFoundError(f"--prompt_file={cfg['prompt_file']}: no such file")
-        with open(cfg["prompt_file"], encoding="utf-8") as f:
-            return [wrap(f.read())]
+        return [wrap(read_utf8(cfg["prompt_file"], f"--prompt_file={cfg['prompt_file']}"))]
     if cfg["prompt"]:
         return [wrap(cfg["prompt"])]
     if val_data is None:
@@ -149,30 +148,59 @@ def validation_split(ckpt):
                                     tcfg.get("too_long", "skip")), "val")
 
 
+EOS_MARK = "<EOS>"  # how --show draws the EOS that ends a response
+
+
+def prompt_generator(device, seed, i):
+    """The random stream that prompt i is decoded with (temperature > 0): a torch.Generator of its
+    own, seeded with seed + i, so a sample depends neither on a warm-up decode nor on the prompts
+    decoded before it, and seed s decodes the first prompt as the API does with
+    generator=torch.Generator().manual_seed(s)."""
+    return torch.Generator(device).manual_seed(seed + i)
+
+
 class LiveTrace:
     """--show: after every decoding step, redraw the response with still-masked tokens as '░'.
 
     Called with each step's committed (position, token) pairs; positions are true positions, so a
-    ReFusion step fills its slots in place, out of order. Frames go to stderr (stdout keeps the
-    results, e.g. --json); on a terminal each frame replaces the last.
+    ReFusion step fills its slots in place, out of order. Each run of committed neighbours is
+    decoded together, so a character of several tokens (UTF-8 bytes, BPE pieces) is drawn whole;
+    EOS is drawn as EOS_MARK, and nothing after it or past max_new_tokens (where the decoder cuts
+    the response it returns), so the last frame shows the returned response. Frames go to stderr
+    (stdout keeps the results, e.g. --json); on a terminal each frame replaces the last.
     """
 
-    def __init__(self, enc, prompt, gen_len, delay=0.25):
-        self.enc, self.prompt, self.gen_len, self.delay = enc, prompt, gen_len, delay
+    def __init__(self, enc, prompt, max_new_tokens, eos_id, delay=0.25):
+        self.enc, self.prompt, self.delay = enc, prompt, delay
+        self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids_of(eos_id)
         self.tty = sys.stderr.isatty()
         self.filled, self.step = {}, 0
+
+    def cut(self):
+        """(end, eos): the response is drawn up to position `end`, max_new_tokens after the prompt or,
+        when eos is True, its first committed EOS, as the decoder cuts the response it returns."""
+        limit = len(self.prompt) + self.max_new_tokens
+        eos = min((p for p, t in self.filled.items() if t in self.eos_ids), default=limit)
+        return min(eos, limit), eos < limit
+
+    def response(self):
+        """The response as drawn now (str): committed runs decoded, '░' per masked token, then EOS_MARK."""
+        (end, eos), parts = self.cut(), []
+        for committed, run in groupby(range(len(self.prompt), end), key=self.filled.__contains__):
+            run = list(run)
+            parts.append(decode(self.enc, [self.filled[p] for p in run]) if committed else "░" * len(run))
+        return "".join(parts) + (EOS_MARK if eos else "")
 
     def __call__(self, step):
         self.step += 1
         self.filled.update(step)
         P = len(self.prompt)
+        end, _ = self.cut()
         spans = sorted(p - P for p, _ in step)
-        text = "".join(decode(self.enc, [self.filled[p]]) if p in self.filled else "░"
-                       for p in range(P, P + self.gen_len))
         clear = "\033[H\033[J" if self.tty else ""
-        print(f"{clear}{decode(self.enc, self.prompt)}{text}\n"
+        print(f"{clear}{decode(self.enc, self.prompt)}{self.response()}\n"
               f"step {self.step}: {len(step)} token(s) committed at response offsets {spans[0]}..{spans[-1]}"
-              f" ({len(self.filled)}/{self.gen_len} filled)\n", file=sys.stderr, flush=True)
+              f" ({sum(p in self.filled for p in range(P, end))}/{end - P} filled)\n", file=sys.stderr, flush=True)
         if self.tty:
             time.sleep(self.delay)
 
@@ -193,15 +221,15 @@ def main(argv):
         raise ValueError(f"--num_samples={cfg['num_samples']}: ask for at least one validation prompt")
     model, enc, ids, objective, ckpt = load_model(cfg)
     cfg["method"] = cfg["method"] or objective
-    generator = torch.Generator(cfg["device"]).manual_seed(cfg["seed"])
-    run, settings = make_decoder(cfg, model, ids, generator)
+    run, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]))  # the warm-up's generator
     if (cfg["method"], objective) in MISMATCH_NOTES:
         print("note: " + MISMATCH_NOTES[cfg["method"], objective], file=sys.stderr)
     val_data = None if cfg["prompt"] or cfg["prompt_file"] or ckpt is None else validation_split(ckpt)
     prompts = load_prompts(cfg, enc, val_data, settings.gen_len, model.config.block_size)
     run(prompts[0][:8])  # warm-up: the first forward passes pay one-time costs
-    for prompt in prompts:
-        out = run(prompt, on_step=LiveTrace(enc, prompt, settings.gen_len) if cfg["show"] else None)
+    for i, prompt in enumerate(prompts):
+        live = LiveTrace(enc, prompt, settings.max_new_tokens, ids["eos_id"]) if cfg["show"] else None
+        out = run(prompt, generator=prompt_generator(cfg["device"], cfg["seed"], i), on_step=live)
         text = decode(enc, [t for t in out.tokens if t not in eos_ids_of(ids["eos_id"])])
         if cfg["json"]:
             print(dumps({"prompt": decode(enc, prompt), "text": text, **out.stats()}))

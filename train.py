@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import warnings
 from contextlib import nullcontext
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from configurator import check_device, parse_args, run_cli, settings_in
+from configurator import check_device, parse_args, require, run_cli, settings_in
 from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, get_tokenizer, random_mask_batch, \
     reorganize_slots, vocab_size
 from model import ModelConfig, Transformer
@@ -34,40 +35,41 @@ from prepare import prepare
 
 # -----------------------------------------------------------------------------
 # default config: a small ReFusion model on the Python standard library, about 8 minutes on 2 CPU cores
-out_dir = "out"
+out_dir = "out"           # where ckpt.pt is written (checked writable before anything else)
 init_from = "scratch"     # 'scratch', 'resume' (continue out_dir), or a checkpoint path to start from
 objective = "refusion"    # 'refusion' (slots, hybrid loss), 'ar' (next token), 'mdm' (LLaDA-style)
 dataset = "stdlib"        # a built-in corpus name, or a path to a .json / .jsonl / text file
 tokenizer = "bytes"       # 'bytes' (offline) or 'gpt2' (needs the BPE file, see README)
-data_root = "data"
+data_root = "data"        # prepared data goes to data_root/<name>-<tokenizer>-<block_size>
 too_long = "skip"         # samples longer than block_size: 'skip' them (counted) or 'fail'
 slot_sizes = (4, 8)       # S is drawn per sample from these (the paper uses 4, 8, 16, 32)
 mask_eps = 1e-3           # p_mask = (1 - eps) t + eps
 # model
-n_layer = 4
-n_head = 4
+n_layer = 4               # transformer blocks
+n_head = 4                # attention heads
 n_kv_head = 0             # 0: same as n_head
-n_embd = 128
+n_embd = 128              # width of the residual stream
 block_size = 384          # context (prompt + response tokens); longer samples are skipped
-qk_norm = True
-rope_theta = 10000.0
+qk_norm = True            # RMSNorm on each head's queries and keys, as in Qwen3
+rope_theta = 10000.0      # base of the rotary position angles (finite, > 0)
 # optimization
 batch_size = 16           # samples per micro-batch (per process under torchrun)
 gradient_accumulation_steps = 1  # micro-batches per step, over all processes (divided among them)
-max_iters = 1500
-learning_rate = 2e-3
-min_lr = 2e-4
+max_iters = 1500          # optimizer steps of the whole run (a resumed run continues up to it)
+learning_rate = 2e-3      # peak learning rate, reached after warm-up
+min_lr = 2e-4             # learning rate at the end of the cosine decay
 lr_decay_iters = 0        # the cosine reaches min_lr here and stays; 0: max_iters (a resumed run keeps it)
-warmup_iters = 50
-weight_decay = 0.1
-beta1, beta2 = 0.9, 0.95
+warmup_iters = 50         # steps of linear warm-up
+weight_decay = 0.1        # AdamW's weight decay, on matrices only
+beta1, beta2 = 0.9, 0.95  # AdamW's betas, each in [0, 1)
 grad_clip = 1.0           # clip the gradient norm to this; 0: no clipping
 # evaluation and logging
-eval_interval = 250
-eval_iters = 10
-seed = 1337
+eval_interval = 250       # validation loss and a checkpoint every this many steps
+eval_iters = 10           # validation batches per evaluation
+log_interval = 50         # without a terminal (a log file, a pipe): one plain line every this many steps
+seed = 1337               # seeds the initial weights and every micro-batch's samples and masks
 device = "cpu"            # under torchrun with CUDA each process takes cuda:LOCAL_RANK
-compile = False
+compile = False           # torch.compile the model (the same results, faster on a GPU)
 peak_tflops = 312.0       # for the MFU estimate: bf16 peak of the GPU (A100: 312, H100 SXM: 989)
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
@@ -129,6 +131,39 @@ def compile_model(model):
     return torch.compile(model)
 
 
+def check_writable(out_dir):
+    """Create out_dir if needed, then write and remove a file in it, so that a directory that cannot
+    hold the checkpoint is refused before the data is prepared and the model trained.
+    Raises ValueError naming the directory and the fix."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir) as probe:
+            probe.write(b"probe")
+            probe.flush()
+    except OSError as e:
+        raise ValueError(f"--out_dir={out_dir}: cannot write a checkpoint there ({e.strerror or e}); "
+                         "choose a directory you can write to") from None
+
+
+def live_progress():
+    """True when stdout and stderr are both terminals, where tqdm redraws its progress bar in place.
+    Elsewhere (a log file, a pipe, a batch job) every frame of a bar would be kept, so progress is
+    printed as plain lines instead."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def diverged(cfg, what, value, it):
+    """The SystemExit for a loss that stopped being finite, saying whether a checkpoint to go back to
+    exists (a run stopped before its first evaluation has written none)."""
+    ckpt_file = checkpoint_path(cfg["out_dir"])
+    if os.path.exists(ckpt_file):
+        then = (f"the last good checkpoint {ckpt_file} is kept: lower --learning_rate (or check the data), then "
+                "continue it with --init_from=resume")
+    else:
+        then = "no checkpoint was written yet: lower --learning_rate (or check the data) and start again"
+    return SystemExit(f"error: {what} became {value} at iteration {it}; {then}")
+
+
 def setup_distributed(cfg):
     """Join the process group when launched by torchrun (RANK set); returns (rank, world_size).
 
@@ -180,15 +215,12 @@ def check_config(cfg):
                          "hf:FOLDER for a Hugging Face model folder's tokenizer.json")
     if not cfg["slot_sizes"] or any(not isinstance(s, int) or s <= 0 for s in cfg["slot_sizes"]):
         raise ValueError(f"--slot_sizes={cfg['slot_sizes']}: give positive integers, e.g. --slot_sizes=(4,8)")
-    for key in ("batch_size", "gradient_accumulation_steps", "max_iters", "n_layer", "n_head", "n_embd",
-                "block_size", "eval_iters", "eval_interval", "learning_rate"):
-        if not cfg[key] > 0:
-            raise ValueError(f"--{key}={cfg[key]}: must be positive")
-    for key in ("n_kv_head", "min_lr", "lr_decay_iters", "warmup_iters", "weight_decay", "grad_clip"):
-        if not cfg[key] >= 0:
-            raise ValueError(f"--{key}={cfg[key]}: must be 0 or more")
-    if not 0 <= cfg["mask_eps"] < 1:
-        raise ValueError(f"--mask_eps={cfg['mask_eps']}: must be in [0, 1) (p_mask = (1 - eps) t + eps)")
+    require(cfg, ("batch_size", "gradient_accumulation_steps", "max_iters", "n_layer", "n_head", "n_embd",
+                  "block_size", "eval_iters", "eval_interval", "log_interval"), "positive", lambda v: v > 0)
+    require(cfg, ("learning_rate", "rope_theta", "peak_tflops"), "positive and finite", lambda v: 0 < v < math.inf)
+    require(cfg, ("n_kv_head", "lr_decay_iters", "warmup_iters"), "0 or more", lambda v: v >= 0)
+    require(cfg, ("min_lr", "weight_decay", "grad_clip"), "0 or more and finite", lambda v: 0 <= v < math.inf)
+    require(cfg, ("beta1", "beta2", "mask_eps"), "in [0, 1)", lambda v: 0 <= v < 1)
     check_device(cfg["device"])
     ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or None,
                 n_embd=cfg["n_embd"])  # raises for shapes that cannot work, before any data is prepared
@@ -353,7 +385,8 @@ def train(run):
     """The training loop from run.iter_num to max_iters: evaluate and save every eval_interval
     steps, then one optimizer step of gradient_accumulation_steps micro-batches (shared among the
     processes). Ctrl-C finishes the current step and saves. Returns True when interrupted.
-    Raises SystemExit when a loss stops being finite (the last checkpoint is kept)."""
+    Without a terminal (live_progress), one plain line every log_interval steps replaces the bar.
+    Raises SystemExit when a loss stops being finite (the last checkpoint, if any, is kept)."""
     cfg, model, optimizer, world = run.cfg, run.model, run.optimizer, run.world
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -362,8 +395,9 @@ def train(run):
     micro_steps = cfg["gradient_accumulation_steps"] // world      # this process's share of each step
     mask_id = run.train_data.meta["mask_id"]
     model.train()
+    live = live_progress()
     bar = tqdm(range(run.iter_num, cfg["max_iters"]), initial=run.iter_num, total=cfg["max_iters"], desc="train",
-               mininterval=1.0, disable=run.rank != 0)
+               mininterval=1.0, disable=run.rank != 0 or not live)
     t0, n_tokens, flops, start_iter = time.perf_counter(), 0, 0, run.iter_num
     interrupted = False  # Ctrl-C finishes the current step, then saves a checkpoint to resume from
 
@@ -376,8 +410,7 @@ def train(run):
         if it % cfg["eval_interval"] == 0 or it == cfg["max_iters"] - 1:
             val_loss = estimate_loss(forward_model, cfg, run.val_data, mask_id, autocast)
             if not math.isfinite(val_loss):
-                raise SystemExit(f"error: validation loss became {val_loss} at iteration {it}; the last good "
-                                 f"checkpoint in {cfg['out_dir']} is kept. Lower --learning_rate or check the data")
+                raise diverged(cfg, "validation loss", val_loss, it)
             run.best_val_loss = min(run.best_val_loss, val_loss)
             if run.rank == 0:
                 tqdm.write(f"iter {it}: val loss {val_loss:.4f}")
@@ -395,8 +428,7 @@ def train(run):
                 logits = forward_model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
             loss, ar_loss, mdm_loss = hybrid_loss(logits.float(), batch)
             if not torch.isfinite(loss):
-                raise SystemExit(f"error: loss became {loss.item()} at iteration {it}; the last good "
-                                 f"checkpoint in {cfg['out_dir']} is kept. Lower --learning_rate or check the data")
+                raise diverged(cfg, "loss", loss.item(), it)
             (loss / micro_steps).backward()
             n_tokens += int(length.sum())
             flops += flops_per_token(run.model, tokens.shape[1]) * tokens.numel()
@@ -406,9 +438,13 @@ def train(run):
         optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         tflops = flops * world / dt / 1e12
+        mfu = {"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] else {}
         bar.set_postfix(loss=f"{loss.item():.3f}", ar=f"{ar_loss.item():.3f}", mdm=f"{mdm_loss.item():.3f}",
-                        tok_s=f"{n_tokens * world / dt:.0f}", tflops=f"{tflops:.3f}",
-                        **({"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] else {}))
+                        tok_s=f"{n_tokens * world / dt:.0f}", tflops=f"{tflops:.3f}", **mfu)
+        if not live and run.rank == 0 and it % cfg["log_interval"] == 0:
+            print(f"iter {it}: loss {loss.item():.4f} (ar {ar_loss.item():.4f}, mdm {mdm_loss.item():.4f}), "
+                  f"{n_tokens * world / dt:.0f} tok/s, {tflops:.3f} TFLOP/s"
+                  + (f", MFU {mfu['mfu']}" if mfu else ""), flush=True)
         stop = interrupted
         if world > 1:  # every process stops after the same step, even if only one saw the Ctrl-C
             flag = torch.tensor(float(stop), device=cfg["device"])
@@ -440,6 +476,8 @@ def main(argv):
         raise ValueError(f"{ckpt_file} is already trained for {start.iter_num} iterations; "
                          f"raise --max_iters above {start.iter_num} to continue it")
     rank, world = setup_distributed(cfg)
+    if rank == 0:  # the one process that writes checkpoints
+        check_writable(cfg["out_dir"])
     torch.manual_seed(cfg["seed"])
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"], cfg["too_long"])
     train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")

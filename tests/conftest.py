@@ -9,14 +9,13 @@ import pytest
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 import corpora  # noqa: E402  (needs the path above)
-from helpers import write  # noqa: E402
+from helpers import qa_rows, write  # noqa: E402
 
 
 @pytest.fixture
 def qa_file(tmp_path):
-    """100 small records plus 3 too long for block_size=64 with the byte tokenizer."""
-    rows = [{"query": f"What is {i} + {i}?", "response": f" {2 * i}"} for i in range(100)]
-    rows += [{"query": "long " * 20, "response": "answer"} for _ in range(3)]
+    """(path, rows) of a .json file of qa_rows()."""
+    rows = qa_rows()
     return write(tmp_path, "sums.json", json.dumps(rows)), rows
 
 

@@ -18,6 +18,12 @@ def tiny_model(seed=0, causal=True, **overrides):
     return Transformer(ModelConfig(**cfg)).eval()
 
 
+def qa_rows():
+    """100 small query/response records plus 3 too long for block_size=64 with the byte tokenizer."""
+    rows = [{"query": f"What is {i} + {i}?", "response": f" {2 * i}"} for i in range(100)]
+    return rows + [{"query": "long " * 20, "response": "answer"} for _ in range(3)]
+
+
 def write(tmp_path, name, content):
     """Write text (UTF-8) or bytes to tmp_path/name; returns the path as a str."""
     path = tmp_path / name

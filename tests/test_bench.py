@@ -5,10 +5,14 @@ import json
 import math
 
 import pytest
+import torch
 
 import bench
 from checkpoint import load_checkpoint, save_checkpoint
+from configurator import parse_args
 from corpora import transform_records
+from generate import DecodeSettings, generate_ar
+from helpers import tiny_model
 
 ROW_FIELDS = {"task", "dataset", "label", "method", "model", "settings", "train_iters", "val_loss", "quality", "tokens",
               "nfe", "tpf", "seconds", "tokens_per_s", "ms_per_forward", "bookkeeping_share", "speedup_vs_ar",
@@ -16,12 +20,14 @@ ROW_FIELDS = {"task", "dataset", "label", "method", "model", "settings", "train_
 QUICK = ["--quick", "--max_iters=3", "--finetune_iters=2", "--num_prompts=2"]
 
 
-def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch):
+def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, capsys):
     """bench.py --quick, shortened: bench.json holds every point with every field, bench.md the table,
     bench.png the plot. The figures themselves are not checked, only that they are consistent."""
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)                                       # data/ and bench/ land here
     bench.main(QUICK)
+    printed = capsys.readouterr()                                     # not a terminal: plain lines, no bar frames
+    assert "\r" not in printed.err and "iter 0: loss " in printed.out and "decode transform: ARM: " in printed.out
     report = json.loads((tmp_path / "bench" / "bench.json").read_text())
     rows = report["rows"]
     assert {"python", "torch", "cpu_threads", "processor"} <= set(report["machine"]) and report["minutes"] > 0
@@ -87,3 +93,22 @@ def test_bench_reuses_only_models_trained_with_the_same_settings(tmp_path, monke
     second = stamps()
     bench.main([f for f in QUICK if f != "--max_iters=3"] + ["--max_iters=4"])
     assert all(a != b for a, b in zip(stamps(), second))             # all four retrained, the fine-tune too
+
+
+@pytest.mark.parametrize("flag", ["--learning_rate=nan", "--learning_rate=inf", "--batch_size=-1", "--block_size=-1",
+                                  "--num_prompts=0"])
+def test_bench_settings_are_checked_before_any_work(flag):
+    with pytest.raises(ValueError, match=f"{flag.split('=')[0]}=.*: must be"):
+        bench.check_bench_config(parse_args(bench.DEFAULTS, [flag]))
+
+
+def test_each_prompt_is_sampled_from_its_own_seeded_generator():
+    """bench decodes prompt i with a generator seeded with i, whatever the warm-up drew: the same
+    tokens as the decoder given torch.Generator().manual_seed(i) for that prompt alone."""
+    model, ids = tiny_model(), {"eos_id": 39, "mask_id": 38, "pad_id": 37}
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    texts, _ = bench.run_decoder("ar", model, prompts, ids, {"temperature": 1.0, "max_new_tokens": 12})
+    for i, (prompt, text) in enumerate(zip(prompts, texts)):
+        out = generate_ar(model, prompt, DecodeSettings(12, temperature=1.0), eos_id=39,
+                          generator=torch.Generator().manual_seed(i), banned_ids=(38, 37))
+        assert text == [t for t in out.tokens if t != 39]

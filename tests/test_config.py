@@ -1,8 +1,11 @@
 """Config files and --key=value flags (configurator.py), and every file under config/."""
 
+import re
+
 import pytest
 
 import bench
+import sampler
 import train
 from configurator import ConfigError, parse_args
 from helpers import ROOT
@@ -50,3 +53,28 @@ def test_every_config_file_names_known_keys_and_passes_the_scripts_checks(path):
                      else (bench, bench.check_bench_config))
     cfg = parse_args(script.DEFAULTS, [str(ROOT / "config" / path), "--device=cpu"])
     check(cfg)                                                        # raises on a setting that cannot work
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--slot_sizes=4,08", "expected a tuple of int like (4, 8)"),    # a leading zero is no Python literal
+    ("--slot_sizes=4,\u0663", "expected a tuple of int like (4, 8)"),  # an Arabic-Indic digit
+    ("--n_layer=" + "-" * 100_000 + "1", "expected int like 4"),      # too deep for Python's parser
+], ids=["leading-zero", "arabic-indic-digit", "too-deep"])
+def test_a_value_the_parser_cannot_read_names_the_type_expected(flag, expected):
+    d = dict(slot_sizes=(4, 8), n_layer=4)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        parse_args(d, [flag])
+
+
+@pytest.mark.parametrize("script", [train, sampler, bench], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_setting_with_its_default_and_description_then_exits_0(script, flag, capsys):
+    with pytest.raises(SystemExit) as stop:
+        script.main(["--no_such_key=1", flag])                        # help wins over a flag it cannot read
+    assert stop.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"usage: python {script.__name__}.py [config.py ...] [--key=value ...]"
+    for key, value in script.DEFAULTS.items():
+        shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        line = next(line for line in lines if line.startswith(f"  --{key}="))
+        assert line.split()[0] == f"--{key}={shown}" and len(line.split()) > 1, line   # the default, then words

@@ -157,8 +157,26 @@ def test_load_records_plain_text_windows(tmp_path):
     assert "".join(r["query"] + r["response"] for r in records) == text
 
 
+@pytest.mark.parametrize("text, window_bytes, lengths", [
+    ("abcdefgh" * 128 + "x", 1024, [1023, 2]),         # a last window of one character takes one from before
+    ("ab" * 512 + "é", 1024, [1023, 2]),
+    ("abc", 1024, [3]),                                 # windows of 2 and 3 characters: a query of one
+    ("ab" * 3, 2, [2, 2, 2]),
+], ids=["lone-last-ascii", "lone-last-2-bytes", "3-characters", "2-byte-windows"])
+def test_no_text_window_has_an_empty_query_or_response(tmp_path, text, window_bytes, lengths):
+    records = corpora.load_records(write(tmp_path, "notes.txt", text), window_bytes=window_bytes)
+    assert [len(r["query"] + r["response"]) for r in records] == lengths
+    assert all(r["query"] and r["response"] for r in records)
+    assert "".join(r["query"] + r["response"] for r in records) == text
+    assert all(len((r["query"] + r["response"]).encode()) <= window_bytes for r in records)
+    for text, window_bytes, message in [("x", 1024, "holds a single character; a sample needs a query and a response"),
+                                        ("ab€", 4, "windows of 4 bytes cannot hold two characters .* --block_size")]:
+        with pytest.raises(ValueError, match=message):
+            corpora.load_records(write(tmp_path, "short.txt", text), window_bytes=window_bytes)
+
+
 @pytest.mark.parametrize("name, content, error, message", [
-    ("missing.json", None, FileNotFoundError, "does not exist"),
+    ("missing.json", None, FileNotFoundError, "missing.json: no such file"),
     ("empty.json", "", ValueError, "empty"),
     ("empty.txt", "  \n", ValueError, "empty"),
     ("bad.json", '[{"query": "a",\n "response": }]', ValueError, "line 2, column"),

@@ -1,5 +1,7 @@
 """The tokenizer and reading prepared data back (data.py)."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,19 @@ def test_byte_tokenizer_round_trips_any_text():
     assert len(ids) == len(text.encode("utf-8"))  # one token per byte
     assert all(0 <= i < 256 for i in ids)
     assert data.decode(enc, ids) == text
+
+
+def test_a_long_run_of_whitespace_is_encoded_without_crashing_the_tokenizer():
+    """tiktoken's regex panics on about 500,000 whitespace characters in a row; encode() cuts longer
+    runs than MAX_SPACE_RUN and gets the very tokens an uncut encoding gives (one per byte), and text
+    without such a run is encoded whole."""
+    enc = data.get_tokenizer("bytes")
+    for text in (" " * 1_000_000 + "x", "a" + " \n" * 600_000 + "b"):
+        assert data.encode(enc, text) == list(text.encode())
+    text = "def f(x):\n" + " " * 25_000 + "return x\n" + "\t" * 10_001    # runs tiktoken still takes whole
+    assert data.encode(enc, text) == enc.encode_ordinary(text)
+    source = open(json.decoder.__file__, encoding="utf-8").read()
+    assert data._pieces(source) == [source] and data.encode(enc, source) == enc.encode_ordinary(source)
 
 
 def test_byte_tokenizer_special_ids_and_vocab():

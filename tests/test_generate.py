@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from generate import DECODERS, MDMSettings, RefusionSettings, generate_refusion
+from generate import DECODERS, DecodeSettings, MDMSettings, RefusionSettings, draft_tokens, generate_ar, \
+    generate_mdm, generate_refusion
 from helpers import tiny_model
 from sampler import DEFAULTS, make_decoder
 from test_refusion import EOS, MASK, V, OracleModel, oracle_target
@@ -59,11 +60,13 @@ def test_decoder_refuses_a_model_of_the_other_attention_with_the_fix(method):
     (list(range(120)), {}, r"prompt \(120 tokens\) \+ generation \(16 tokens.*exceeds the model's context of 128"),
     ([1, 2], dict(max_new_tokens=0), "max_new_tokens=0: ask for at least one"),
     ([1, 2], dict(slot_size=0), "slot_size=0: a slot holds at least one token"),
-    ([1, 2], dict(slot_size=32), "slot_size=32 is larger than max_new_tokens=16"),
-    ([1, 2], dict(num_blocks=3), "2 slots of 8 tokens .* cannot be cut into num_blocks=3"),
-    ([1, 2], dict(slot_threshold=-0.1), "slot_threshold=-0.1: thresholds are probabilities >= 0"),
+    (list(range(100)), dict(max_new_tokens=10, num_blocks=4), r"generation \(32 tokens, max_new_tokens=10 rounded up "
+     r"to 4 block\(s\) of whole 8-token slots\) exceeds .* 128 .*lower max_new_tokens, slot_size or num_blocks"),
+    ([1, 2], dict(slot_threshold=-0.1), "slot_threshold=-0.1: thresholds are finite probabilities >= 0"),
     ([1, 2], dict(token_threshold=float("nan")), "token_threshold=nan"),
+    ([1, 2], dict(slot_threshold=float("inf")), "slot_threshold=inf: thresholds are finite .* >= 1 already means"),
     ([1, 2], dict(temperature=-1.0), "temperature=-1.0: use 0 for greedy"),
+    ([1, 2], dict(temperature=float("inf")), "temperature=inf: use 0 for greedy decoding or a finite positive"),
 ])
 def test_decoder_settings_errors_name_the_setting_and_the_fix(prompt, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -89,3 +92,39 @@ def test_on_step_sees_every_committed_step_as_it_happens():
     out = generate_refusion(OracleModel(target, V, MASK, confident=False), target[:P].tolist(),
                             RefusionSettings(L, slot_size=4), mask_id=MASK, eos_id=EOS, on_step=seen.append)
     assert seen == out.trace and len(seen) == L // 4
+
+
+def test_a_vanishing_temperature_samples_the_greedy_choice_and_never_a_banned_id():
+    """At temperature 1e-310 every logit / temperature overflows to +-inf; such rows take the limit of
+    sampling as the temperature goes to 0, the argmax over the ids not banned."""
+    logits = torch.tensor([[-1.0, -3.0, -2.0], [1.0, 3.0, 2.0], [0.5, 0.1, 0.2]])
+    tokens, probs = draft_tokens(logits, 1e-310, torch.Generator().manual_seed(0), banned=(0,))
+    assert tokens.tolist() == [2, 1, 2]
+    torch.testing.assert_close(probs, torch.softmax(logits, -1)[[0, 1, 2], [2, 1, 2]])
+    settings = DecodeSettings(8, temperature=1e-310)                  # accepted: finite and positive
+    model = tiny_model()
+    greedy = generate_ar(model, [1, 2, 3], DecodeSettings(8), eos_id=39, banned_ids=(37, 38)).tokens
+    assert generate_ar(model, [1, 2, 3], settings, eos_id=39, generator=torch.Generator().manual_seed(0),
+                       banned_ids=(37, 38)).tokens == greedy
+
+
+def test_generation_length_rounds_up_to_whole_blocks_of_slots_and_returns_at_most_max_new_tokens():
+    """max_new_tokens below slot_size, or not a multiple of slot_size x num_blocks, decodes whole
+    slots in equal blocks (10 tokens, S=8, B=4: 32 positions) and returns at most max_new_tokens;
+    only a rounded length that does not fit the context is refused, and the AR and MDM baselines,
+    which have no slots, say so in their own words."""
+    settings = RefusionSettings(10, slot_size=8, num_blocks=4, slot_threshold=0.0)
+    assert (settings.gen_len, settings.n_slots) == (32, 4)
+    assert RefusionSettings(3, slot_size=8).gen_len == 8
+    out = generate_refusion(tiny_model(), [1, 2, 3], settings, mask_id=38, eos_id=-1)
+    assert len(out.tokens) == 10 and 38 not in out.tokens
+    with pytest.raises(ValueError, match=r"generation \(32 tokens, max_new_tokens=10 rounded up to 4 block"):
+        generate_refusion(tiny_model(), [1] * 97, settings, mask_id=38, eos_id=-1)
+    generate_refusion(tiny_model(), [1] * 96, settings, mask_id=38, eos_id=-1)    # 96 + 32 = 128 fits
+    for generate, model, kwargs in [(generate_ar, tiny_model(), {}),
+                                    (generate_mdm, tiny_model(causal=False), dict(mask_id=38))]:
+        with pytest.raises(ValueError, match=r"generation \(16 tokens\) exceeds .* shorten the prompt or lower "
+                                             r"max_new_tokens$") as error:
+            generate(model, list(range(120)), DecodeSettings(16) if generate is generate_ar else MDMSettings(16),
+                     eos_id=-1, **kwargs)
+        assert "slot" not in str(error.value)

@@ -31,7 +31,7 @@ def test_prepare_round_trips_tokens_and_skips_too_long(tmp_path, qa_file):
     records = corpora.load_records(path)
     for split in ("train", "val"):
         ds = data.TokenDataset(data_dir, split)
-        expected = [r for r in records if split_of(r) == split and len(r["query"]) < 50]
+        expected = [r for r in records if split_of(r, by_content=True) == split and len(r["query"]) < 50]
         assert len(ds) == len(expected) == counts[split]["samples"] > 0
         for i, r in enumerate(expected):
             prompt, response = ds.sample(i)
@@ -140,10 +140,49 @@ def test_arith_is_deterministic_distinct_and_about_5_percent_val(arith):
 def test_text_in_any_script_prepares_into_windows_that_fit_the_context(tmp_path, block_size):
     """Windows are measured in UTF-8 bytes, so Chinese or Cyrillic text (3 or 2 bytes a character)
     fits block_size as well as ASCII does, and no character is split."""
-    text = "".join(("漢字の文章。", "Кириллица. ", "ascii text. ", "emoji \U0001f600. ")[i % 4] for i in range(400))
+    phrases = ("漢字の文章", "Кириллица", "ascii text", "emoji \U0001f600")
+    text = "".join(f"{phrases[i % 4]} {i}. " for i in range(400))       # numbered: no two windows alike
     data_dir = prepare(write(tmp_path, "mixed.txt", text), "bytes", block_size, data_root=str(tmp_path))
     meta = json.load(open(os.path.join(data_dir, "meta.json")))
     assert meta["counts"]["train"]["skipped_too_long"] == meta["counts"]["val"]["skipped_too_long"] == 0
     records = corpora.load_records(str(tmp_path / "mixed.txt"), window_bytes=block_size - 1)
     assert "".join(r["query"] + r["response"] for r in records) == text
     assert all(len((r["query"] + r["response"]).encode()) <= block_size - 1 for r in records)
+
+
+def test_identical_records_of_a_file_share_a_split_and_are_counted(tmp_path, qa_file, capsys):
+    """A user's records are split by their content: a record repeated under another index cannot be
+    trained on and validated against at once. The built-in corpora keep their splits by name."""
+    path, rows = qa_file
+    doubled = write(tmp_path, "doubled.json", json.dumps(rows[:100] + rows[:100][::-1]))
+    data_dir = prepare(doubled, "bytes", 64, data_root=str(tmp_path / "data"))
+    assert "doubled.json: 100 duplicate records" in capsys.readouterr().out
+    enc = data.get_tokenizer("bytes")
+    seen = {split: {data.decode(enc, data.TokenDataset(data_dir, split).sample(i)[0])
+                    for i in range(len(data.TokenDataset(data_dir, split)))} for split in ("train", "val")}
+    assert seen["train"] and seen["val"] and not seen["train"] & seen["val"]
+    assert len(seen["train"]) + len(seen["val"]) == 100
+    assert split_of({"module": "m", "name": "1", "query": "q", "response": "r"}) == \
+        split_of({"module": "m", "name": "1", "query": "other", "response": "other"})   # built-ins: by name
+
+
+def test_a_record_that_would_make_an_empty_prompt_or_response_is_refused(tmp_path, monkeypatch):
+    for field in ("query", "response"):
+        records = [dict(query=f"q{i}", response=f"r{i}", module="made", name=str(i)) for i in range(40)]
+        records[7][field] = ""
+        monkeypatch.setitem(corpora.DATASETS, "made", lambda records=records: records)
+        with pytest.raises(ValueError, match=f"record made:7 has an empty {field}; every sample needs a prompt"):
+            prepare("made", "bytes", 64, data_root=str(tmp_path / "data"))
+
+
+@pytest.mark.parametrize("content, message", [
+    ('[{"query": "a",\n "response": }]', "invalid JSON at line 2"),
+    ('[{"query": "a"}]', "record 0 has no 'response' field"),
+    ('[{"query": "a", "response": "b"}]', r"too few records for a train split \(1 in all, 1 different\)"),
+], ids=["bad-json", "missing-field", "one-record"])
+def test_a_failed_preparation_leaves_no_directory_behind(tmp_path, content, message):
+    """A failed first preparation: the error, and no prepared directory holding only its lock file."""
+    root = tmp_path / "data"
+    with pytest.raises(ValueError, match=message):
+        prepare(write(tmp_path, "bad.json", content), "bytes", 64, data_root=str(root))
+    assert list(root.iterdir()) == []

@@ -1,14 +1,27 @@
 """The sampling command line (sampler.py)."""
 
 import json
+import re
 
 import pytest
 import torch
 
 import sampler
 import train
-from helpers import tiny_model, tiny_run_flags
-from sampler import DEFAULTS, make_decoder
+from checkpoint import load_checkpoint, model_from_checkpoint
+from data import decode, encode, get_tokenizer
+from generate import DECODERS
+from helpers import qa_rows, tiny_model, tiny_run_flags, write
+from sampler import DEFAULTS, EOS_MARK, LiveTrace, make_decoder
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """out_dir of a tiny ReFusion model trained for 2 steps on qa_rows(), shared by this file's tests."""
+    tmp = tmp_path_factory.mktemp("sampler")
+    path = write(tmp, "sums.json", json.dumps(qa_rows()))
+    train.main(tiny_run_flags(tmp, (path,), "run") + ["--max_iters=2"])
+    return str(tmp / "run")
 
 
 def test_cli_builds_each_decoder_and_refuses_an_unknown_method():
@@ -48,3 +61,65 @@ def test_sampler_prepares_damaged_validation_data_anew(tmp_path, qa_file, capsys
     sampler.main([f"--out_dir={tmp_path / 'run'}", "--num_samples=1", "--max_new_tokens=8", "--num_blocks=1", "--json"])
     assert val_bin.read_bytes() == whole
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] >= 1
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar"])
+def test_seed_samples_a_prompt_as_the_api_does_with_that_seed(trained, capsys, method):
+    """--seed=7 --temperature=1 draws exactly what the decoder draws from torch.Generator().manual_seed(7):
+    the warm-up decode has a generator of its own, so it consumes none of the sample's random numbers."""
+    knobs = ["--temperature=1", "--prompt=What is 7 + 7?", "--max_new_tokens=16", "--slot_size=4", "--num_blocks=1"]
+    sampler.main([f"--out_dir={trained}", "--json", "--seed=7", f"--method={method}"] + knobs)
+    row = json.loads(capsys.readouterr().out)
+    ckpt = load_checkpoint(trained)
+    meta, model, enc = ckpt["meta"], model_from_checkpoint(ckpt), get_tokenizer("bytes")
+    generate, Settings = DECODERS[method]
+    settings = Settings(16, temperature=1.0, **({} if method == "ar" else dict(slot_size=4, num_blocks=1)))
+    ids = dict(eos_id=meta["eos_id"], banned_ids=(meta["mask_id"], meta["pad_id"]))
+    ids |= {} if method == "ar" else dict(mask_id=meta["mask_id"])
+    texts = []
+    for seed in (7, 8):
+        out = generate(model, encode(enc, "What is 7 + 7?"), settings, generator=torch.Generator().manual_seed(seed),
+                       **ids)
+        texts.append(decode(enc, [t for t in out.tokens if t != meta["eos_id"]]))
+    assert row["text"] == texts[0] != texts[1]                       # the seed decides, and only the seed
+
+
+def test_live_trace_draws_characters_whole_eos_as_a_marker_and_ends_on_the_returned_response(trained, capsys):
+    """--show decodes each run of committed neighbours together (the two bytes of "é" committed in two
+    steps are one character once both are there), draws EOS as EOS_MARK and nothing after it or past
+    max_new_tokens, so its last frame is the response a decoder returns."""
+    enc, eos = get_tokenizer("bytes"), 256
+    prompt = encode(enc, "s = '")
+    P = len(prompt)
+    e_acute = list("é".encode())
+    live = LiveTrace(enc, prompt, max_new_tokens=6, eos_id=eos)
+    live([(P + 1, e_acute[1])])                                      # the second byte first, out of order
+    assert live.response() == "░\ufffd░░░░"                          # six positions, none past max_new_tokens
+    live([(P, e_acute[0]), (P + 3, eos)])
+    assert live.response() == "é░" + EOS_MARK                        # nothing after EOS
+    live([(P + 2, ord("!")), (P + 4, ord("x"))])                     # an MDM fills positions after EOS too
+    assert live.response() == "é!" + EOS_MARK
+    assert capsys.readouterr().err.split("\n")[-4] == "s = 'é!" + EOS_MARK
+    ckpt = load_checkpoint(trained)
+    model, meta = model_from_checkpoint(ckpt), ckpt["meta"]
+    for method in ("refusion", "ar"):                               # real decodes: the last frame is the response
+        cfg = dict(DEFAULTS, method=method, max_new_tokens=6, slot_size=4, num_blocks=1, temperature=1.0)
+        run, _ = make_decoder(cfg, model, meta, torch.Generator().manual_seed(0))
+        live = LiveTrace(enc, prompt, 6, meta["eos_id"])
+        out = run(prompt, on_step=live)
+        ended = out.tokens[-1] == meta["eos_id"]
+        assert live.response() == decode(enc, out.tokens[:len(out.tokens) - ended]) + EOS_MARK * ended
+
+
+def test_prompt_file_is_read_as_written_and_bad_utf8_names_the_byte(trained, tmp_path, capsys):
+    """A prompt file keeps its CRLF line ends byte for byte, loses a UTF-8 byte order mark (with a
+    note), and a byte that is not UTF-8 is named by its offset, with the file."""
+    out_dir = f"--out_dir={trained}"
+    path = write(tmp_path, "p.txt", b"\xef\xbb\xbfdef f(x):\r\n    return")
+    sampler.main([out_dir, "--json", f"--prompt_file={path}", "--max_new_tokens=4", "--slot_size=4", "--num_blocks=1"])
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["prompt"] == "def f(x):\r\n    return"
+    assert f"--prompt_file={path}: removed the UTF-8 byte order mark" in captured.err
+    bad = write(tmp_path, "bad.txt", b"def caf\xe9():\n")
+    with pytest.raises(ValueError, match=rf"--prompt_file={re.escape(bad)}: not valid UTF-8 at byte offset 7"):
+        sampler.main([out_dir, f"--prompt_file={bad}"])

@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import checkpoint
 import data
 import train
 from checkpoint import load_checkpoint, save_checkpoint
-from helpers import ROOT, TOL, tiny_model, tiny_run_flags
+from helpers import ROOT, TOL, tiny_model, tiny_run_flags, write
 from test_refusion import random_samples
 from train import compile_model, flops_per_token, hybrid_loss, load_weights, make_batch
 
@@ -266,3 +267,47 @@ def test_resume_takes_the_checkpoints_settings_and_init_from_its_shape(tmp_path,
     with pytest.raises(FileNotFoundError, match="--init_from=Resume: use 'scratch', 'resume', or the path"):
         train.main(ft + ["--init_from=Resume"])
     assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize("flag", ["--learning_rate=inf", "--min_lr=nan", "--weight_decay=inf", "--grad_clip=1e999",
+                                  "--beta1=1.0", "--beta2=nan", "--mask_eps=nan", "--rope_theta=0.0",
+                                  "--rope_theta=nan", "--peak_tflops=0.0", "--log_interval=0"])
+def test_settings_that_are_not_finite_or_out_of_range_are_refused_before_any_work(tmp_path, qa_file, flag):
+    """A NaN or infinite rate, a beta outside [0, 1), a rope_theta that is not a positive finite
+    number: refused with the setting named before any data is prepared, instead of a loss of NaN
+    (or a message from AdamW) after preparing and training."""
+    with pytest.raises(ValueError, match=rf"{flag.split('=')[0]}=\S+: must be"):
+        train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", flag])
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
+def test_a_loss_that_becomes_nan_before_the_first_checkpoint_says_none_was_written(tmp_path, qa_file):
+    flags = tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=6", "--learning_rate=1e30", "--grad_clip=0"]
+    with pytest.raises(SystemExit, match=r"loss became nan at iteration \d; no checkpoint was written yet: lower "
+                                         r"--learning_rate .* and start again"):
+        train.main(flags)
+    assert not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+@pytest.mark.parametrize("flag", ["out_dir", "data_root"])
+def test_a_directory_that_cannot_be_written_is_refused_before_any_work(tmp_path, qa_file, flag):
+    """--out_dir (or --data_root) naming a file, where no directory can be made: refused with the
+    path and the fix before the data is prepared or a step is trained (not at the first checkpoint)."""
+    taken = write(tmp_path, "taken", "a file, not a directory")
+    message = {"out_dir": rf"--out_dir={re.escape(taken)}: cannot write a checkpoint there .*choose a directory",
+               "data_root": rf"cannot create {re.escape(taken)}/\S+ for the prepared data .*choose a --data_root"}
+    with pytest.raises(ValueError, match=message[flag]):
+        train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", f"--{flag}={taken}"])
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_without_a_terminal_training_prints_one_plain_line_every_log_interval(tmp_path, qa_file, capsys):
+    """Into a log file or a pipe (here pytest's capture), no progress bar frames: a line every
+    log_interval steps with the loss, its two parts, tokens/s and FLOP/s, and one per evaluation."""
+    train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=5", "--log_interval=2", "--eval_interval=4"])
+    printed = capsys.readouterr()
+    assert "\r" not in printed.err and "train:" not in printed.err
+    steps = re.findall(r"^iter (\d+): loss \d+\.\d{4} \(ar \d+\.\d{4}, mdm \d+\.\d{4}\), \d+ tok/s, "
+                       r"\d+\.\d{3} TFLOP/s$", printed.out, re.MULTILINE)
+    evals = re.findall(r"^iter (\d+): val loss \d+\.\d{4}$", printed.out, re.MULTILINE)
+    assert (steps, evals) == (["0", "2", "4"], ["0", "4"])
