@@ -76,7 +76,7 @@ MODEL = dict(n_layer=4, n_head=4, n_embd=128, batch_size=32, learning_rate=3e-3)
 TASKS = {
     "transform": dict(MODEL, dataset="transform", block_size=160, max_new_tokens=64, max_iters=1200,
                       finetune_iters=400),
-    "arith": dict(MODEL, dataset="arith-small", block_size=128, max_new_tokens=64, max_iters=1000,
+    "arith": dict(MODEL, dataset="arith-small", block_size=128, max_new_tokens=64, max_iters=1500,
                   finetune_iters=500),
     "stdlib": dict(MODEL, dataset="stdlib", block_size=256, max_new_tokens=128, max_iters=600,
                    finetune_iters=600),
