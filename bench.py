@@ -78,8 +78,8 @@ TASKS = {
                       finetune_iters=400),
     "arith": dict(MODEL, dataset="arith-small", block_size=128, max_new_tokens=64, max_iters=1500,
                   finetune_iters=500),
-    "stdlib": dict(MODEL, dataset="stdlib", block_size=256, max_new_tokens=128, max_iters=600,
-                   finetune_iters=600),
+    "stdlib": dict(MODEL, dataset="stdlib", block_size=256, max_new_tokens=128, max_iters=400,
+                   finetune_iters=400),
 }
 # the settings that replace a recipe's when given (non-empty, non-zero)
 OVERRIDES = ("dataset", "block_size", "max_new_tokens", "max_iters", "finetune_iters", "n_layer", "n_head", "n_embd",
