@@ -1,9 +1,9 @@
 """
 Models larger than one GPU: sharded training with PyTorch FSDP (`fully_shard`, "FSDP2"), activation
-checkpointing, and sharded checkpoints.
+checkpointing, sharded checkpoints, and the memory arithmetic that says when they are needed.
 
-    torchrun --standalone --nproc_per_node=8 train.py --fsdp=True --init_from=Qwen3-8B --device=cuda ...
-    python shard.py --out_dir=out     # consolidate: one ckpt.pt (weights only) for sampler.py
+    torchrun --standalone --nproc_per_node=8 train.py config/finetune_qwen3_8b.py   # --fsdp=True
+    python shard.py --out_dir=out-qwen3-8b     # consolidate: one ckpt.pt (weights only) for sampler.py
 
 Plain data parallelism (DDP) keeps the whole float32 weights, gradients and AdamW state on every GPU.
 FSDP cuts each of them into one shard per process and all-gathers a block's weights only while that
@@ -29,6 +29,58 @@ from torch.utils.checkpoint import checkpoint
 from checkpoint import FORMAT, checkpoint_path, save_checkpoint
 from configurator import parse_args, run_cli
 from model import ModelConfig, Transformer
+
+# The shapes of the two Qwen3 models the configs fine-tune, from their releases' config.json (hidden_size,
+# num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size,
+# tie_word_embeddings); memory_table builds them on the meta device to count their parameters.
+QWEN3_SHAPES = {
+    "Qwen3-0.6B": dict(vocab_size=151936, n_embd=1024, n_layer=28, n_head=16, n_kv_head=8, head_dim=128,
+                       intermediate_size=3072, tie_embeddings=True),
+    "Qwen3-8B": dict(vocab_size=151936, n_embd=4096, n_layer=36, n_head=32, n_kv_head=8, head_dim=128,
+                     intermediate_size=12288, tie_embeddings=False),
+}
+
+
+# -----------------------------------------------------------------------------
+# memory: what each GPU holds
+
+
+def training_memory(num_params, world=1, fsdp=False, gathered=0):
+    """Estimated bytes of model state on each GPU when training num_params parameters with AdamW.
+
+    DDP (fsdp=False): every GPU holds float32 weights (4 bytes per parameter), their gradients (4) and
+    AdamW's two moments (8): 16 bytes per parameter, whatever the number of GPUs.
+    FSDP over `world` GPUs: each holds one shard of the same, 16 / world bytes per parameter, plus,
+    while one unit of `gathered` parameters computes, its all-gathered bf16 weights (2 bytes) and its
+    float32 gradients before they are reduce-scattered (4): 6 bytes per parameter of the largest unit.
+    Not counted: activations (they grow with batch and sequence length), communication buffers,
+    the allocator's fragmentation, and FSDP's prefetch of the next unit.
+    """
+    if not fsdp:
+        return 16 * num_params
+    return 16 * num_params / world + 6 * gathered
+
+
+def unit_sizes(model):
+    """Parameters in each unit shard_model all-gathers at once: every block, then the root (the embedding,
+    the final norm and lm_head)."""
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.layers]
+    return blocks + [model.num_params() - sum(blocks)]
+
+
+def memory_table(world=8):
+    """The README's table (markdown): parameters and model-state memory per GPU of each model in
+    QWEN3_SHAPES under DDP and under FSDP over `world` GPUs (training_memory; GB = 1e9 bytes)."""
+    rows = [f"| model | parameters | largest FSDP unit | DDP, each GPU | FSDP over {world} GPUs, each GPU |",
+            "| --- | ---: | ---: | ---: | ---: |"]
+    for name, shape in QWEN3_SHAPES.items():
+        with torch.device("meta"):  # shapes only: no memory, no values
+            model = Transformer(ModelConfig(**shape))
+        n, unit = model.num_params(), max(unit_sizes(model))
+        rows.append(f"| {name} | {n / 1e9:.2f}B | {unit / 1e9:.2f}B | {training_memory(n) / 1e9:.1f} GB | "
+                    f"{training_memory(n, world, fsdp=True, gathered=unit) / 1e9:.1f} GB |")
+    return "\n".join(rows)
+
 
 # -----------------------------------------------------------------------------
 # wrapping the model

@@ -1,5 +1,5 @@
 """Sharded training (shard.py; train.py --fsdp=True): FSDP2 over 2 processes with gloo on CPU, sharded
-checkpoints and their consolidation, and activation checkpointing."""
+checkpoints and their consolidation, activation checkpointing, and the memory table."""
 
 import contextlib
 import json
@@ -16,8 +16,10 @@ import sampler
 import shard
 import train
 from checkpoint import load_checkpoint
-from helpers import tiny_model, tiny_run_flags
-from shard import checkpoint_blocks, consolidate, load_sharded, load_sharded_info, save_sharded, shard_model
+from helpers import ROOT, tiny_model, tiny_run_flags
+from model import ModelConfig, Transformer
+from shard import checkpoint_blocks, consolidate, load_sharded, load_sharded_info, memory_table, save_sharded, \
+    shard_model, training_memory, unit_sizes
 from train import flops_per_token, make_optimizer
 
 if not dist.is_available() or not dist.is_gloo_available():
@@ -219,6 +221,20 @@ def sharded_step(tmp_path_factory):
     return [torch.load(out / f"{rank}.pt", weights_only=True) for rank in range(2)]
 
 
+def test_each_process_holds_its_share_of_the_memory_the_function_states(sharded_step):
+    model = tiny_model(seed=3).train()
+    n = model.num_params()
+    optimizer = make_optimizer(train.DEFAULTS, model)
+    _adamw_step(model, optimizer, seed=0)
+    held = [t for p in model.parameters()
+            for t in (p, p.grad, optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])]
+    assert sum(t.nbytes for t in held) == training_memory(n) == 16 * n  # DDP: all of it on every GPU
+    for rank in sharded_step:                                           # FSDP over 2: half each
+        assert rank["held_bytes"] == training_memory(n, world=2, fsdp=True) == 8 * n
+    assert training_memory(n, world=2, fsdp=True, gathered=max(unit_sizes(model))) > 8 * n
+    assert sum(unit_sizes(model)) == n
+
+
 def test_a_sharded_model_counts_its_full_size_and_computes_in_bf16(sharded_step):
     for rank in sharded_step:
         assert rank["sharded_counts"] == rank["counts"]                 # num_params, flops_per_token
@@ -226,3 +242,16 @@ def test_a_sharded_model_counts_its_full_size_and_computes_in_bf16(sharded_step)
         assert rank["held_dtypes"] == {torch.float32}                   # shards, gradients, AdamW state
         assert rank["loss"] != rank["float32_loss"]
         assert abs(rank["loss"] - rank["float32_loss"]) < 0.01 * rank["float32_loss"]
+
+
+def test_the_readme_memory_table_is_computed_from_the_models_shapes():
+    """The README's table is memory_table()'s output, from parameter counts that match the ones Qwen
+    publishes for its models (total, and without the embedding matrices)."""
+    assert memory_table() in (ROOT / "README.md").read_text(encoding="utf-8")
+    for name, total, non_embedding in [("Qwen3-0.6B", 0.6, 0.44), ("Qwen3-8B", 8.2, 6.95)]:
+        shape = shard.QWEN3_SHAPES[name]
+        with torch.device("meta"):
+            model = Transformer(ModelConfig(**shape))
+        n = model.num_params()
+        embeddings = shape["vocab_size"] * shape["n_embd"] * (1 if shape["tie_embeddings"] else 2)
+        assert (round(n / 1e9, 1), round((n - embeddings) / 1e9, 2)) == (total, non_embedding)
