@@ -32,6 +32,8 @@ from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, get_tok
     reorganize_slots, vocab_size
 from model import ModelConfig, Transformer
 from prepare import prepare
+from shard import check_sharding, checkpoint_blocks, load_sharded, load_sharded_info, save_sharded, shard_model, \
+    sharded_info_path
 
 # -----------------------------------------------------------------------------
 # default config: a small ReFusion model on the Python standard library, about 8 minutes on 2 CPU cores
@@ -70,6 +72,8 @@ log_interval = 50         # without a terminal (a log file, a pipe): one plain l
 seed = 1337               # seeds the initial weights and every micro-batch's samples and masks
 device = "cpu"            # under torchrun with CUDA each process takes cuda:LOCAL_RANK
 compile = False           # torch.compile the model (the same results, faster on a GPU)
+fsdp = False              # under torchrun: shard weights, gradients and AdamW state over the processes (shard.py)
+activation_checkpointing = False  # recompute each block's activations in backward: less memory, 1/3 more compute
 peak_tflops = 312.0       # for the MFU estimate: bf16 peak of the GPU (A100: 312, H100 SXM: 989)
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
@@ -266,12 +270,14 @@ def estimate_loss(model, cfg, val_data, mask_id, autocast):
 @dataclass
 class Start:
     """How a run begins: the model's shape, the checkpoint whose weights it loads (load_weights),
-    and, when resuming, the optimizer state and counters to continue from."""
+    and, when resuming, the optimizer state and counters to continue from (or, from a sharded
+    checkpoint, the directory of its shards: shard.load_sharded)."""
     model_args: dict
     weights: dict | None = None
     optimizer: dict | None = None
     iter_num: int = 0
     best_val_loss: float = math.inf
+    shards: str | None = None
 
 
 def inherit_settings(cfg, explicit, source, keys, what):
@@ -293,10 +299,23 @@ def start_from_scratch(cfg, explicit):
 
 def resume_from_checkpoint(cfg, explicit):
     """--init_from=resume: the run in out_dir continues exactly. Every setting comes from its
-    checkpoint unless a flag says otherwise; the model, data and objective cannot change."""
-    ckpt = load_checkpoint(cfg["out_dir"], "cpu")  # to the right GPU with the model, later
+    checkpoint unless a flag says otherwise; the model, data and objective cannot change. A sharded
+    checkpoint (ckpt_sharded.pt, from --fsdp=True) comes first: a ckpt.pt beside it is its
+    consolidated copy for the sampler. Raises ValueError for a run that cannot be resumed as asked."""
+    sharded = os.path.isfile(sharded_info_path(cfg["out_dir"]))
+    ckpt = load_sharded_info(cfg["out_dir"]) if sharded else load_checkpoint(cfg["out_dir"], "cpu")
     inherit_settings(cfg, explicit, ckpt["config"], RESUME_KEYS, "a resumed run keeps its model, data and objective")
     cfg |= {k: v for k, v in ckpt["config"].items() if k in DEFAULTS and k not in explicit | {"device"}}
+    if not sharded and "optimizer" not in ckpt:
+        raise ValueError(f"{checkpoint_path(cfg['out_dir'])} holds weights only (consolidated from a sharded "
+                         f"checkpoint); start a new run from it with --init_from={checkpoint_path(cfg['out_dir'])}")
+    if cfg["fsdp"] != sharded:  # the optimizer state of one cannot be loaded into the other
+        raise ValueError(f"--fsdp={cfg['fsdp']}: the checkpoint in {cfg['out_dir']} was written "
+                         f"{'sharded' if sharded else 'whole'}; resume it with --fsdp={sharded}")
+    check_sharding(cfg, launched="RANK" in os.environ)  # again: --fsdp may have come from the checkpoint
+    if sharded:  # the shards are read once the model is sharded (shard.load_sharded)
+        return Start(ckpt["model_args"], iter_num=ckpt["iter_num"], best_val_loss=ckpt["best_val_loss"],
+                     shards=ckpt["shards"])
     return Start(ckpt["model_args"], ckpt, ckpt["optimizer"], ckpt["iter_num"], ckpt["best_val_loss"])
 
 
@@ -372,13 +391,15 @@ class Run:
     best_val_loss: float
 
     def save(self):
-        """Write the resumable checkpoint (rank 0 only; atomically, see checkpoint.save_checkpoint)."""
-        if self.rank == 0:
-            save_checkpoint(self.cfg["out_dir"], {
-                "model": self.model.state_dict(), "model_args": self.model_args,
-                "optimizer": self.optimizer.state_dict(), "iter_num": self.iter_num,
-                "best_val_loss": self.best_val_loss, "config": self.cfg, "meta": self.train_data.meta,
-                "data_dir": os.path.abspath(self.data_dir)})
+        """Write the resumable checkpoint atomically: ckpt.pt by rank 0 (checkpoint.save_checkpoint), or
+        under --fsdp each process its shards (shard.save_sharded). Call on every process."""
+        info = {"model_args": self.model_args, "iter_num": self.iter_num, "best_val_loss": self.best_val_loss,
+                "config": self.cfg, "meta": self.train_data.meta, "data_dir": os.path.abspath(self.data_dir)}
+        if self.cfg["fsdp"]:
+            save_sharded(self.cfg["out_dir"], self.model, self.optimizer, info)
+        elif self.rank == 0:
+            save_checkpoint(self.cfg["out_dir"], dict(info, model=self.model.state_dict(),
+                                                      optimizer=self.optimizer.state_dict()))
 
 
 def train(run):
@@ -388,7 +409,7 @@ def train(run):
     Without a terminal (live_progress), one plain line every log_interval steps replaces the bar.
     Raises SystemExit when a loss stops being finite (the last checkpoint, if any, is kept)."""
     cfg, model, optimizer, world = run.cfg, run.model, run.optimizer, run.world
-    if world > 1:
+    if world > 1 and not cfg["fsdp"]:  # a sharded model (shard.shard_model) synchronizes its own gradients
         model = torch.nn.parallel.DistributedDataParallel(model)
     forward_model = compile_model(model) if cfg["compile"] else model
     autocast = autocast_for(cfg["device"])
@@ -422,7 +443,9 @@ def train(run):
             rng, gen = micro_batch_rng(cfg, it, run.rank * micro_steps + micro)
             tokens, prompt_len, length = run.train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
             batch = make_batch(cfg, tokens, prompt_len, length, mask_id, gen)
-            if world > 1:  # average gradients across processes only after the last micro-batch
+            # DDP averages gradients across processes only after the last micro-batch. FSDP reduce-scatters
+            # after every one: holding them back would keep each process's full unsharded gradients.
+            if world > 1 and not cfg["fsdp"]:
                 model.require_backward_grad_sync = micro == micro_steps - 1
             with autocast:
                 logits = forward_model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
@@ -466,11 +489,15 @@ def main(argv):
     explicit = {a[2:].partition("=")[0] for a in argv if a.startswith("--")} | {
         k for k in cfg if cfg[k] != DEFAULTS[k]}
     check_config(cfg)
+    check_sharding(cfg, launched="RANK" in os.environ)
     ckpt_file = checkpoint_path(cfg["out_dir"])
-    if cfg["init_from"] != "resume" and os.path.exists(ckpt_file):
-        raise ValueError(f"{ckpt_file} already exists: continue it with --init_from=resume, or choose another "
+    existing = [f for f in (ckpt_file, sharded_info_path(cfg["out_dir"])) if os.path.exists(f)]
+    if cfg["init_from"] != "resume" and existing:
+        raise ValueError(f"{existing[0]} already exists: continue it with --init_from=resume, or choose another "
                          "--out_dir (nothing was overwritten)")
     start = START_MODES.get(cfg["init_from"], start_from_pretrained)(cfg, explicit)
+    if cfg["fsdp"]:  # known only now: a resumed run takes it from its checkpoint
+        ckpt_file = sharded_info_path(cfg["out_dir"])
     cfg["lr_decay_iters"] = cfg["lr_decay_iters"] or cfg["max_iters"]
     if start.iter_num >= cfg["max_iters"]:
         raise ValueError(f"{ckpt_file} is already trained for {start.iter_num} iterations; "
@@ -487,10 +514,16 @@ def main(argv):
     model = Transformer(ModelConfig(**start.model_args))
     if start.weights is not None:
         load_weights(model, start.weights)
+    if cfg["activation_checkpointing"]:
+        checkpoint_blocks(model)
+    if cfg["fsdp"]:  # before the optimizer, which must see the shards; each moves to the device as it is cut
+        shard_model(model, cfg["device"], bf16=cfg["device"].startswith("cuda"))
     model.to(cfg["device"])
     optimizer = make_optimizer(cfg, model)
     if start.optimizer is not None:
         optimizer.load_state_dict(start.optimizer)  # moves its state to the parameters' device
+    if start.shards is not None:
+        load_sharded(start.shards, model, optimizer)
     run = Run(cfg, model, optimizer, start.model_args, train_data, val_data, data_dir, rank, world,
               start.iter_num, start.best_val_loss)
     del start  # free the loaded checkpoint for the whole run

@@ -1,0 +1,216 @@
+"""
+Models larger than one GPU: sharded training with PyTorch FSDP (`fully_shard`, "FSDP2"), activation
+checkpointing, sharded checkpoints, and the memory arithmetic that says when they are needed.
+
+    torchrun --standalone --nproc_per_node=8 train.py config/finetune_qwen3_8b.py   # --fsdp=True
+    python shard.py --out_dir=out-qwen3-8b     # consolidate: one ckpt.pt (weights only) for sampler.py
+
+Plain data parallelism (DDP) keeps the whole float32 weights, gradients and AdamW state on every GPU.
+FSDP cuts each of them into one shard per process and all-gathers a block's weights only while that
+block computes; its gradients are reduce-scattered straight back into shards (ZeRO stage 3, in
+DeepSpeed's words). train.py calls `shard_model` and saves with `save_sharded`; everything else in the
+training loop (data, loss, clipping, the schedule) is the same code as under DDP.
+"""
+
+import os
+import shutil
+import sys
+import warnings
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from checkpoint import FORMAT, checkpoint_path, save_checkpoint
+from configurator import parse_args, run_cli
+from model import ModelConfig, Transformer
+
+# The shapes of the two Qwen3 models the configs fine-tune, from their releases' config.json (hidden_size,
+# num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size,
+# tie_word_embeddings); memory_table builds them on the meta device to count their parameters.
+QWEN3_SHAPES = {
+    "Qwen3-0.6B": dict(vocab_size=151936, n_embd=1024, n_layer=28, n_head=16, n_kv_head=8, head_dim=128,
+                       intermediate_size=3072, tie_embeddings=True),
+    "Qwen3-8B": dict(vocab_size=151936, n_embd=4096, n_layer=36, n_head=32, n_kv_head=8, head_dim=128,
+                     intermediate_size=12288, tie_embeddings=False),
+}
+
+
+# -----------------------------------------------------------------------------
+# memory: what each GPU holds
+
+
+def training_memory(num_params, world=1, fsdp=False, gathered=0):
+    """Estimated bytes of model state on each GPU when training num_params parameters with AdamW.
+
+    DDP (fsdp=False): every GPU holds float32 weights (4 bytes per parameter), their gradients (4) and
+    AdamW's two moments (8): 16 bytes per parameter, whatever the number of GPUs.
+    FSDP over `world` GPUs: each holds one shard of the same, 16 / world bytes per parameter, plus,
+    while one unit of `gathered` parameters computes, its all-gathered bf16 weights (2 bytes) and its
+    float32 gradients before they are reduce-scattered (4): 6 bytes per parameter of the largest unit.
+    Not counted: activations (they grow with batch and sequence length), communication buffers,
+    the allocator's fragmentation, and FSDP's prefetch of the next unit.
+    """
+    if not fsdp:
+        return 16 * num_params
+    return 16 * num_params / world + 6 * gathered
+
+
+def unit_sizes(model):
+    """Parameters in each unit shard_model all-gathers at once: every block, then the root (the embedding,
+    the final norm and lm_head)."""
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.layers]
+    return blocks + [model.num_params() - sum(blocks)]
+
+
+def memory_table(world=8):
+    """The README's table (markdown): parameters and model-state memory per GPU of each model in
+    QWEN3_SHAPES under DDP and under FSDP over `world` GPUs (training_memory; GB = 1e9 bytes)."""
+    rows = [f"| model | parameters | largest FSDP unit | DDP, each GPU | FSDP over {world} GPUs, each GPU |",
+            "| --- | ---: | ---: | ---: | ---: |"]
+    for name, shape in QWEN3_SHAPES.items():
+        with torch.device("meta"):  # shapes only: no memory, no values
+            model = Transformer(ModelConfig(**shape))
+        n, unit = model.num_params(), max(unit_sizes(model))
+        rows.append(f"| {name} | {n / 1e9:.2f}B | {unit / 1e9:.2f}B | {training_memory(n) / 1e9:.1f} GB | "
+                    f"{training_memory(n, world, fsdp=True, gathered=unit) / 1e9:.1f} GB |")
+    return "\n".join(rows)
+
+
+# -----------------------------------------------------------------------------
+# wrapping the model
+
+
+def check_sharding(cfg, launched):
+    """Refuse --fsdp settings that cannot work, before any weights are loaded. launched: whether
+    torchrun started this process (RANK is set). Raises ValueError with the fix."""
+    if cfg["fsdp"] and not launched:
+        raise ValueError("--fsdp=True shards the model over the processes torchrun starts: launch with "
+                         "`torchrun --standalone --nproc_per_node=N train.py ...`, or drop the flag on one GPU")
+    if cfg["fsdp"] and not cfg["device"].startswith(("cuda", "cpu")):
+        raise ValueError(f"--fsdp=True runs on cuda (NCCL) or cpu (gloo), not --device={cfg['device']}")
+
+
+def checkpoint_blocks(model):
+    """Activation checkpointing, block by block: the forward pass keeps only each block's input, and
+    the backward pass runs the block again to recompute the rest (torch.utils.checkpoint,
+    non-reentrant). Costs one more forward pass (about a third more compute) and saves the
+    activations of every block but the one being recomputed. The wrapper replaces each block's
+    forward, not the block, so parameter names and state dicts stay as they were, and FSDP's hooks
+    (on the block, outside the recomputed function) still gather its weights. Changes model in place."""
+    for block in model.layers:
+        block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def shard_model(model, device, bf16):
+    """Shard model over the processes of the process group with FSDP2 (fully_shard), in place.
+
+    Each block is one unit, all-gathered just before it computes and freed after; the rest (embedding,
+    final norm, lm_head) is the root unit. Parameters become DTensors of their full shape, each process
+    holding 1/world of dim 0, moved to `device` ("cpu" or "cuda:N") unit by unit, so the full model
+    never sits on one GPU. numel() still counts full parameters (num_params, flops_per_token), the
+    optimizer must be built after this, and clip_grad_norm_ computes the norm over all shards.
+    bf16: compute with bf16 copies of the gathered weights and reduce-scatter float32 gradients
+    (mixed precision, for GPUs); the float32 shards are what AdamW updates.
+    Needs the process group (train.setup_distributed). Returns model.
+    """
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+# -----------------------------------------------------------------------------
+# sharded checkpoints: out_dir/ckpt_sharded.pt (plain data) names the directory holding the shards
+
+
+def sharded_info_path(out_dir):
+    """out_dir/ckpt_sharded.pt, the small file that makes a sharded checkpoint: the run's plain data
+    and the name of the directory holding its shards."""
+    return os.path.join(out_dir, "ckpt_sharded.pt")
+
+
+def load_sharded_info(out_dir):
+    """The plain data of out_dir's sharded checkpoint (model_args, iter_num, best_val_loss, config, meta,
+    data_dir) and "shards", the path of its shards' directory.
+    Raises FileNotFoundError when there is none, ValueError when the file is not readable."""
+    path = sharded_info_path(out_dir)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no sharded checkpoint at {path}: train one with `torchrun ... train.py "
+                                f"--fsdp=True --out_dir={out_dir}`")
+    try:
+        info = torch.load(path, weights_only=True)
+    except Exception as e:  # torch raises several types for truncated or unsafe files
+        raise ValueError(f"{path} is not a readable sharded checkpoint ({type(e).__name__}); it may be truncated "
+                         "or from another program") from None
+    if info.get("format") != FORMAT:
+        raise ValueError(f"{path} has checkpoint format {info.get('format')!r}, this code reads format {FORMAT}")
+    return dict(info, shards=os.path.join(out_dir, info["shards"]))
+
+
+def save_sharded(out_dir, model, optimizer, info):
+    """Write a resumable sharded checkpoint; call it on every process.
+
+    Every process writes its own shards of the weights and of AdamW's state (torch.distributed.checkpoint;
+    no process gathers the whole model) into a directory that is not the live one, then rank 0 points
+    ckpt_sharded.pt at it (temp file + rename) and deletes the previous directory. A crash at any moment
+    leaves ckpt_sharded.pt naming a complete checkpoint. Needs out_dir on a file system every node sees.
+    info: the plain data saved beside the shards (model_args, iter_num, best_val_loss, config, meta, data_dir).
+    """
+    path = sharded_info_path(out_dir)
+    live = load_sharded_info(out_dir)["shards"] if os.path.isfile(path) else None
+    shards = "ckpt_sharded_b" if live == os.path.join(out_dir, "ckpt_sharded_a") else "ckpt_sharded_a"
+    if dist.get_rank() == 0:
+        shutil.rmtree(os.path.join(out_dir, shards), ignore_errors=True)  # what a crash mid-save left
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    # returns once every process's shards are written (rank 0 gathers their results, then writes the index)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(out_dir, shards))
+    if dist.get_rank() == 0:
+        torch.save(dict(info, shards=shards, format=FORMAT), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        if live is not None:
+            shutil.rmtree(live, ignore_errors=True)
+    dist.barrier()  # no process reads ckpt_sharded.pt for the next save before it names this one
+
+
+def load_sharded(shards, model, optimizer):
+    """Fill the sharded model and its optimizer (built by make_optimizer after shard_model) from the
+    directory `shards` that save_sharded wrote; each process reads its own shards. Call on every process."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=shards)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
+
+def consolidate(out_dir):
+    """Write out_dir/ckpt.pt, the single-file checkpoint sampler.py reads, from out_dir's sharded one:
+    the full float32 weights (read by this one process, no process group; it needs 4 bytes of memory
+    per parameter) and the plain data, without the optimizer state: keep training from the sharded
+    checkpoint. Returns the path written. Raises what load_sharded_info raises."""
+    info = load_sharded_info(out_dir)
+    with torch.device("meta"):  # names and shapes only
+        shapes = Transformer(ModelConfig(**info["model_args"])).state_dict()
+    weights = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shapes.items()}
+    with warnings.catch_warnings():  # DCP warns that no process group is set up: reading in one process is the point
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load({"model": weights}, checkpoint_id=info.pop("shards"), no_dist=True)
+    save_checkpoint(out_dir, dict(info, model=weights))
+    return checkpoint_path(out_dir)
+
+
+def main(argv):
+    cfg = parse_args({"out_dir": "out"}, argv)
+    path = consolidate(cfg["out_dir"])
+    print(f"wrote {path}: weights only, for `python sampler.py --out_dir={cfg['out_dir']}`")
+
+
+if __name__ == "__main__":
+    run_cli(main, sys.argv[1:])
