@@ -46,7 +46,8 @@ def _train_worker(rank, runs):
     Each run meets at its own port: the previous run's rendezvous may still be listening on its own."""
     for flags, log, port in runs:
         _join_as(rank, port)
-        with open(log, "w") as f, contextlib.redirect_stdout(f):
+        # only rank 0 opens the log: a second "w" open would truncate what rank 0 already wrote
+        with open(log if rank == 0 else os.devnull, "w") as f, contextlib.redirect_stdout(f):
             train.main(flags)
 
 
