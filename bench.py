@@ -3,12 +3,12 @@ The paper's comparison at small scale, in one run: ReFusion against an autoregre
 a LLaDA-style masked diffusion model (MDM), same size, same data, same training budget, on three tasks
 that span the range from parallel-friendly to strictly serial:
 
-    transform  each response letter is a function of one prompt letter (copy, reverse, upper, shift):
+    transform  each response letter is a function of one prompt letter (copy, upper, shift, mirror):
                given the prompt, the response's tokens do not depend on each other
     arith      worked column arithmetic: each line depends on the line before (its carry)
     stdlib     real code: the bodies of the standard library's documented functions
 
-    python bench.py              # the full run (TASKS' recipes), about an hour on 2 CPU cores
+    python bench.py              # the full run (TASKS' recipes), about an hour on 2 CPU cores (README)
     python bench.py --quick      # one task, tiny models, a small sweep: a smoke run of a minute or two
 
 For each task it trains (or reuses, from out_dir) an ARM, a ReFusion model and an MDM with the same
@@ -42,7 +42,7 @@ from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import parse_args, require, run_cli, settings_in
 from corpora import arithmetic_answer, arithmetic_expected, transform_expected
 from data import TokenDataset, decode, get_tokenizer
-from generate import MDMSettings, RefusionSettings
+from generate import MDMSettings, RefusionSettings, eos_ids_of
 from model import ModelConfig, Transformer
 from prepare import prepare
 from sampler import make_decoder, prompt_generator
@@ -71,7 +71,7 @@ retrain = False            # train again even when out_dir holds the models
 DEFAULTS = settings_in(globals())
 
 # Each task's recipe: the data, the model and the budget, sized so that the ARM reaches its quality
-# level on 2 CPU cores (see README, "The benchmark"). Every model of a task gets the same recipe.
+# level on 2 CPU cores (see README, "The side-by-side benchmark"). Every model of a task gets the same recipe.
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, batch_size=32, learning_rate=3e-3)
 TASKS = {
     "transform": dict(MODEL, dataset="transform", block_size=160, max_new_tokens=64, max_iters=1200,
@@ -199,7 +199,7 @@ def run_decoder(method, model, prompts, ids, settings):
     decode_fn(prompts[0])  # warm-up, untimed
     timed.calls.update(n=0, seconds=0.0)
     outs = [decode_fn(p, generator=prompt_generator(device, 0, i)) for i, p in enumerate(prompts)]
-    texts = [[t for t in o.tokens if t != ids["eos_id"]] for o in outs]
+    texts = [[t for t in o.tokens if t not in eos_ids_of(ids["eos_id"])] for o in outs]
     return texts, totals(sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs), sum(o.seconds for o in outs),
                          timed.calls["seconds"])
 
@@ -263,9 +263,11 @@ def decoder_points(cfg, task):
     L = recipe(cfg, task)["max_new_tokens"]
     sweep = QUICK["sweep"] if cfg["quick"] else SWEEP
     points = [("ARM", "ar", "ar", {})]
-    for steps, block in ((L, L), (L // 2, 32), (L // 4, 32)):
-        points.append((f"MDM {L // steps} token(s)/step, block {block}", "mdm", "mdm",
-                       dict(steps=steps, block_length=block)))
+    for per_step in (1, 2, 4):
+        block = L if per_step == 1 or L % 32 else 32
+        if L // per_step and (L // per_step) % (L // block) == 0:   # a schedule that fits this length
+            points.append((f"MDM {per_step} token(s)/step, block {block}", "mdm", "mdm",
+                           dict(steps=L // per_step, block_length=block)))
     for model in ("refusion", "refusion-ft"):
         for S in sweep["slot_sizes"]:
             for slot_thr, token_thr in sweep["thresholds"]:
@@ -441,7 +443,7 @@ def training_step_times(cfg, task, steps=20):
 def check_bench_config(cfg):
     """Check every setting (not the data: see validation_prompts) before any training starts.
     Raises ValueError with the fix."""
-    for task in QUICK["tasks"] if cfg["quick"] else cfg["tasks"]:
+    for task in cfg["tasks"]:
         if task not in TASKS:
             raise ValueError(f"--tasks={task}: the benchmark knows {', '.join(TASKS)}")
         L = recipe(cfg, task)["max_new_tokens"]
@@ -462,6 +464,7 @@ def main(argv):
     if cfg["quick"]:
         cfg.update(tasks=QUICK["tasks"], num_prompts=min(cfg["num_prompts"], QUICK["num_prompts"]))
     check_bench_config(cfg)
+    train.check_writable(cfg["out_dir"])
     t0 = time.perf_counter()
     # prepares the data and raises before any training if no prompt fits
     prompts = {task: validation_prompts(cfg, task) for task in cfg["tasks"]}

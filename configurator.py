@@ -81,7 +81,7 @@ def _literal(text):
 
 def _coerce(key, value, default, where="the command line"):
     """Check value against the default's type. Ints are accepted for floats; a list, a single value
-    or a comma-separated string for a tuple (--datasets=arith,stdlib). Raises ConfigError."""
+    or a comma-separated string for a tuple (--tasks=arith,stdlib). Raises ConfigError."""
     shown = f"--{key}={value!r}" if where == "the command line" else f"{key} = {value!r} in {where}"
     if isinstance(default, tuple):
         if isinstance(value, str):  # items of a tuple of text are taken as written, others as literals

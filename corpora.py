@@ -4,7 +4,8 @@ The built-in corpora and a user's own files, as records: {"query", "response", "
     stdlib   every documented function of this Python's standard library (query: signature and
              docstring; response: the rest of the body)
     arith    20,000 worked multi-digit arithmetic problems whose answers code can check
-    arith-1m a million of them, for GPU runs
+    arith-1m a million of them, for GPU runs; arith-small 20,000 with operands of 2 and 3 digits
+    transform 20,000 letter strings to copy, upper-case, shift or mirror (the parallel-friendly task)
     a path   .json / .jsonl query-response records (the ReFusion release's format), or plain text
 
 prepare.py tokenizes them once; nothing here knows about tokens.

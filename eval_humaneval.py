@@ -44,13 +44,13 @@ from sampler import MISMATCH_NOTES, chat_prompt, load_model, make_decoder, promp
 # default config: the authors' HumanEval settings
 out_dir = "out"            # directory holding ckpt.pt (written by train.py) ...
 init_from = ""             # ... or a Hugging Face model folder (Qwen3, the ReFusion release)
-dtype = "float32"          # a folder's weights in float32 or bfloat16 (half the memory)
+dtype = "float32"          # the weights in float32 or bfloat16 (half the memory)
 chat = False               # the release's instruct prompt in the chat template; on by default for a folder
 method = ""                # refusion, ar or mdm; empty: the one the model was trained for
 limit = 0                  # the first this many problems; 0: all 164
-max_new_tokens = 512       # rounded up to a multiple of slot_size while decoding
+max_new_tokens = 512       # refusion: rounded up to whole blocks of slots (slot_size x num_blocks)
 slot_size = 32             # refusion: tokens per slot (S)
-num_blocks = 4             # refusion: serial blocks; must divide max_new_tokens / slot_size
+num_blocks = 4             # refusion: serial blocks, decoded one after another
 slot_threshold = 0.9       # refusion: a slot is planned when its first draft's probability exceeds this
 token_threshold = 0.4      # refusion: a draft token is accepted when its probability exceeds this
 steps = 0                  # mdm: denoising steps; 0 = one token per step
@@ -85,6 +85,13 @@ def check_settings(cfg):
         raise ValueError(f"--limit={cfg['limit']}: give a number of problems, or 0 for all 164")
     if not cfg["timeout"] > 0:
         raise ValueError(f"--timeout={cfg['timeout']}: give each program a positive number of seconds")
+    if cfg["out_json"]:  # refused now, not after hours of decoding
+        try:
+            with open(cfg["out_json"], "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            raise ValueError(f"--out_json={cfg['out_json']}: cannot write there ({e.strerror or e}); "
+                             "choose a file in a directory you can write to") from None
 
 
 def wants_chat(cfg, argv):

@@ -31,7 +31,7 @@ from prepare import prepare
 # default config
 out_dir = "out"            # directory holding ckpt.pt (written by train.py) ...
 init_from = ""             # ... or a Hugging Face model folder (Qwen3, the ReFusion release) to decode with
-dtype = "float32"          # a folder's weights in float32 or bfloat16 (half the memory)
+dtype = "float32"          # the weights in float32 or bfloat16 (half the memory)
 chat = False               # wrap the prompt in Qwen's chat template (user turn, then the assistant header)
 prompt = ""                # decode this text ...
 prompt_file = ""           # ... or the text of this file ...
@@ -61,18 +61,19 @@ def load_model(cfg):
     eos_id is a tuple (<|im_end|>, <|endoftext|>) and its objective "refusion" when it has a mask
     token, else "ar" (a plain Qwen3). Raises FileNotFoundError / ValueError naming the problem.
     """
+    if cfg["dtype"] not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype={cfg['dtype']!r}: choose float32 or bfloat16")
+    dtype = getattr(torch, cfg["dtype"])
     if cfg["init_from"]:
-        if cfg["dtype"] not in ("float32", "bfloat16"):
-            raise ValueError(f"--dtype={cfg['dtype']!r}: choose float32 or bfloat16")
         folder = cfg["init_from"]
-        model = Transformer.from_pretrained(folder, dtype=getattr(torch, cfg["dtype"])).to(cfg["device"])
+        model = Transformer.from_pretrained(folder, dtype=dtype).to(cfg["device"])
         eos_ids, mask_id, pad_id = hf_special_ids(folder)
         ids = {"eos_id": eos_ids, "mask_id": mask_id, "pad_id": pad_id}
         return model, get_tokenizer(f"hf:{folder}"), ids, "ar" if mask_id is None else "refusion", None
     ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
     meta = ckpt["meta"]
     ids = {k: meta[k] for k in ("eos_id", "mask_id", "pad_id")}
-    return (model_from_checkpoint(ckpt, cfg["device"]), get_tokenizer(meta["tokenizer"]), ids,
+    return (model_from_checkpoint(ckpt, cfg["device"]).to(dtype), get_tokenizer(meta["tokenizer"]), ids,
             ckpt["config"]["objective"], ckpt)
 
 

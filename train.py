@@ -345,7 +345,7 @@ def start_from_hf_folder(cfg, explicit):
     embedding lacks the row, the row (load_weights). block_size stays the length of the longest
     sample prepared; the model keeps the folder's context. Raises ValueError for a contradicting
     --tokenizer, and what from_pretrained raises."""
-    folder = cfg["init_from"]
+    folder = os.path.abspath(cfg["init_from"])  # the checkpoint's tokenizer is found from any directory
     if "tokenizer" in explicit and cfg["tokenizer"] != f"hf:{folder}":
         raise ValueError(f"--tokenizer={cfg['tokenizer']}: a fine-tune of {folder} uses its own tokenizer; "
                          "drop the flag")

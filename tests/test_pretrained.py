@@ -375,14 +375,15 @@ def test_sampler_decodes_a_folder_in_the_chat_template(tmp_path, capsys):
         sampler.main([f"--init_from={tmp_path / 'qwen3'}"])
 
 
-def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsys):
+def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsys, monkeypatch):
     """The paper's recipe from a pretrained Qwen3: its weights and tokenizer, a mask id added after the
     tokenizer's own ids, the hybrid objective; the sampler then decodes the checkpoint."""
     import sampler
     import train
     from checkpoint import load_checkpoint
     pretrained = save_tiny_hf_folder(tmp_path / "qwen3", mask=False)
-    flags = [f"--init_from={tmp_path / 'qwen3'}", f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
+    monkeypatch.chdir(tmp_path)                                   # a relative folder is recorded absolute
+    flags = ["--init_from=qwen3", f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
              f"--out_dir={tmp_path / 'ft'}", "--block_size=64", "--batch_size=4", "--eval_iters=1",
              "--slot_sizes=2,4", "--warmup_iters=1", "--max_iters=1", "--learning_rate=1e-12", "--min_lr=0"]
     with pytest.raises(ValueError, match="--n_layer=3 differs from the checkpoint's 2"):
@@ -398,6 +399,7 @@ def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsy
     for name, p in pretrained.state_dict().items():               # a 1e-12 step: still the folder's weights
         torch.testing.assert_close(ckpt["model"][name], p, atol=1e-6, rtol=0)
     capsys.readouterr()
+    monkeypatch.chdir(tmp_path / "data")                          # the sampler finds the tokenizer from anywhere
     sampler.main([f"--out_dir={tmp_path / 'ft'}", "--num_samples=1", "--max_new_tokens=8", "--slot_size=4",
                   "--num_blocks=1", "--json"])
     assert json.loads(capsys.readouterr().out)["tokens"] >= 1
