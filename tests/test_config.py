@@ -5,6 +5,7 @@ import re
 import pytest
 
 import bench
+import eval_humaneval
 import sampler
 import train
 from configurator import ConfigError, parse_args
@@ -66,7 +67,7 @@ def test_a_value_the_parser_cannot_read_names_the_type_expected(flag, expected):
         parse_args(d, [flag])
 
 
-@pytest.mark.parametrize("script", [train, sampler, bench], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("script", [train, sampler, bench, eval_humaneval], ids=lambda m: m.__name__)
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_lists_every_setting_with_its_default_and_description_then_exits_0(script, flag, capsys):
     with pytest.raises(SystemExit) as stop:
