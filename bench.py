@@ -71,7 +71,7 @@ retrain = False            # train again even when out_dir holds the models
 DEFAULTS = settings_in(globals())
 
 # Each task's recipe: the data, the model and the budget, sized so that the ARM reaches its quality
-# level on 2 CPU cores (see README, "The side-by-side benchmark"). Every model of a task gets the same recipe.
+# level on 2 CPU cores (see README, "bench.py: three tasks, every decoder, a sweep"). Every model of a task gets the same recipe.
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, batch_size=32, learning_rate=3e-3)
 TASKS = {
     "transform": dict(MODEL, dataset="transform", block_size=160, max_new_tokens=64, max_iters=1200,
@@ -364,6 +364,7 @@ def plot(rows, path):
     Hugging Face row. Needs matplotlib; returns False without it."""
     try:
         import matplotlib
+        import matplotlib.ticker
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -386,6 +387,9 @@ def plot(rows, path):
                                                                             for x2, y2 in zip(xs, ys)))
                 ax.plot(*zip(*frontier), color=color, alpha=0.6)
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("tokens/s relative to the ARM (log scale)")
         ax.set_ylabel(next(iter(task_rows[0]["quality"])))
         ax.set_title(task)
