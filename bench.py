@@ -180,11 +180,13 @@ class TimedModel(nn.Module):
         return self.model.new_kv_cache(max_len, max_batch)
 
 
-def totals(tokens, nfe, seconds, model_seconds):
-    """A point's speed figures: tokens, NFE, TPF (tokens / NFE), seconds, tokens/s, ms per forward
-    pass and the share of decode time spent outside the model's forward passes."""
+def totals(tokens, nfe, seconds, calls):
+    """A point's speed figures: tokens, NFE (as the decoder counts it), TPF (tokens / NFE), seconds,
+    tokens/s, the forward calls the model saw (counting: equal to NFE), ms per forward pass and the
+    share of decode time spent outside the model's forward passes."""
     return {"tokens": tokens, "nfe": nfe, "tpf": tokens / nfe, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "ms_per_forward": 1e3 * model_seconds / nfe, "bookkeeping_share": 1 - model_seconds / seconds}
+            "forward_calls": calls["n"], "ms_per_forward": 1e3 * calls["seconds"] / calls["n"],
+            "bookkeeping_share": 1 - calls["seconds"] / seconds}
 
 
 def run_decoder(method, model, prompts, ids, settings):
@@ -201,7 +203,7 @@ def run_decoder(method, model, prompts, ids, settings):
     outs = [decode_fn(p, generator=prompt_generator(device, 0, i)) for i, p in enumerate(prompts)]
     texts = [[t for t in o.tokens if t not in eos_ids_of(ids["eos_id"])] for o in outs]
     return texts, totals(sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs), sum(o.seconds for o in outs),
-                         timed.calls["seconds"])
+                         timed.calls)
 
 
 def hf_generate(model, prompts, ids, max_new_tokens):
@@ -237,7 +239,7 @@ def hf_generate(model, prompts, ids, max_new_tokens):
     outs = [decode_one(p) for p in prompts]
     tokens = sum(len(o) for o, _ in outs)
     seconds = sum(s for _, s in outs)
-    return [[t for t in o if t != ids["eos_id"]] for o, _ in outs], totals(tokens, calls["n"], seconds, calls["seconds"])
+    return [[t for t in o if t != ids["eos_id"]] for o, _ in outs], totals(tokens, calls["n"], seconds, calls)
 
 
 def counting(forward, device):

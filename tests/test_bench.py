@@ -15,8 +15,8 @@ from generate import DecodeSettings, generate_ar
 from helpers import tiny_model
 
 ROW_FIELDS = {"task", "dataset", "label", "method", "model", "settings", "train_iters", "val_loss", "quality", "tokens",
-              "nfe", "tpf", "seconds", "tokens_per_s", "ms_per_forward", "bookkeeping_share", "speedup_vs_ar",
-              "speedup_vs_mdm"}
+              "nfe", "tpf", "seconds", "tokens_per_s", "forward_calls", "ms_per_forward", "bookkeeping_share",
+              "speedup_vs_ar", "speedup_vs_mdm"}
 QUICK = ["--quick", "--max_iters=3", "--finetune_iters=2", "--num_prompts=2"]
 
 
@@ -39,6 +39,7 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
         assert ROW_FIELDS <= set(r) and set(r["quality"]) == {"exact"} and 0 <= r["quality"]["exact"] <= 1
         assert all(math.isfinite(r[k]) for k in ("tpf", "tokens_per_s", "ms_per_forward", "bookkeeping_share"))
         assert r["tpf"] == r["tokens"] / r["nfe"] and 0 <= r["bookkeeping_share"] < 1
+        assert r["forward_calls"] == r["nfe"]               # the model's own count equals the decoder's NFE
         assert r["speedup_vs_ar"] == r["tokens_per_s"] / ar_row["tokens_per_s"]
         assert r["speedup_vs_mdm"] == r["tokens_per_s"] / mdm_row["tokens_per_s"]
     steps = report["training_step_seconds"]["transform"]
