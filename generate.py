@@ -521,7 +521,7 @@ def generate_ar(model, prompt, settings, *, eos_id, generator=None, on_step=None
     device = cache.kv.device
     tokens = torch.tensor([prompt], device=device)                     # (1, P), the prefill
     positions = torch.arange(len(prompt), device=device)[None]
-    out, trace = [], []
+    out, trace, eos_ids = [], [], eos_ids_of(eos_id)
     while True:
         logits = model(tokens, positions, kv_cache=cache)[0, -1:]      # (1, V): the next token's
         token, _ = draft_tokens(logits, settings.temperature, generator, banned_ids)
@@ -529,7 +529,7 @@ def generate_ar(model, prompt, settings, *, eos_id, generator=None, on_step=None
         trace.append([(len(prompt) + len(out) - 1, out[-1])])
         if on_step:
             on_step(trace[-1])
-        if out[-1] in eos_ids_of(eos_id) or len(out) == settings.max_new_tokens:
+        if out[-1] in eos_ids or len(out) == settings.max_new_tokens:
             break
         tokens, positions = token[None], positions[:, -1:] + 1         # (1, 1) each
     return Generation(out, len(out), time.perf_counter() - t0, trace)
