@@ -9,7 +9,7 @@ that span the range from parallel-friendly to strictly serial:
     stdlib     real code: the bodies of the standard library's documented functions
 
     python bench.py              # the full run (TASKS' recipes), about an hour on 2 CPU cores (README)
-    python bench.py --quick      # one task, tiny models, a small sweep: a smoke run of a minute or two
+    python bench.py --quick      # one task, tiny models, a small sweep: a smoke run of about 20 seconds
 
 For each task it trains (or reuses, from out_dir) an ARM, a ReFusion model and an MDM with the same
 budget, and the paper's recipe: ReFusion fine-tuned from the ARM (its extra budget in its row). It

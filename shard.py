@@ -27,7 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from checkpoint import FORMAT, checkpoint_path, save_checkpoint
-from configurator import parse_args, run_cli
+from configurator import Defaults, parse_args, run_cli
 from model import ModelConfig, Transformer
 
 # The shapes of the two Qwen3 models the configs fine-tune, from their releases' config.json (hidden_size,
@@ -206,8 +206,13 @@ def consolidate(out_dir):
     return checkpoint_path(out_dir)
 
 
+# -----------------------------------------------------------------------------
+# command line: python shard.py --out_dir=DIR
+out_dir = "out"            # the run whose sharded checkpoint becomes DIR/ckpt.pt (weights only, for sampler.py)
+
+
 def main(argv):
-    cfg = parse_args({"out_dir": "out"}, argv)
+    cfg = parse_args(Defaults({"out_dir": out_dir}, __file__), argv)
     path = consolidate(cfg["out_dir"])
     print(f"wrote {path}: weights only, for `python sampler.py --out_dir={cfg['out_dir']}`")
 

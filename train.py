@@ -328,6 +328,9 @@ def start_from_pretrained(cfg, explicit):
                                 "existing checkpoint (a ckpt.pt or the out_dir holding it) or Hugging Face folder")
     if os.path.isfile(os.path.join(cfg["init_from"], "config.json")):
         return start_from_hf_folder(cfg, explicit)
+    if os.path.isdir(cfg["init_from"]) and not os.path.isfile(checkpoint_path(cfg["init_from"])):
+        raise FileNotFoundError(f"--init_from={cfg['init_from']} holds neither a checkpoint (ckpt.pt) nor a Hugging "
+                                "Face model (config.json); point it at a run's out_dir or a downloaded model folder")
     ckpt = load_checkpoint(cfg["init_from"], "cpu")
     inherit_settings(cfg, explicit, ckpt["config"], MODEL_KEYS, "a fine-tune keeps the model's shape")
     if ckpt["meta"]["tokenizer"] != cfg["tokenizer"]:

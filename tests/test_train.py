@@ -266,6 +266,9 @@ def test_resume_takes_the_checkpoints_settings_and_init_from_its_shape(tmp_path,
         train.main(ft + [f"--init_from={tmp_path / 'run'}", "--n_embd=32"])
     with pytest.raises(FileNotFoundError, match="--init_from=Resume: use 'scratch', 'resume', or the path"):
         train.main(ft + ["--init_from=Resume"])
+    (tmp_path / "empty").mkdir()                                      # a folder that is neither kind of model
+    with pytest.raises(FileNotFoundError, match="holds neither a checkpoint .ckpt.pt. nor a Hugging Face model"):
+        train.main(ft + [f"--init_from={tmp_path / 'empty'}"])
     assert not (tmp_path / "ft").exists()
 
 
