@@ -133,6 +133,9 @@ def load_prompts(cfg, enc, val_data, gen_len, block_size):
     if not fits:
         raise ValueError(f"no validation prompt leaves room for {gen_len} new tokens in the context of "
                          f"{block_size}; lower --max_new_tokens")
+    if cfg["num_samples"] > len(fits):
+        print(f"note: {len(fits)} of the {len(val_data)} validation prompts leave room for {gen_len} new tokens; "
+              f"decoding those {len(fits)}, not --num_samples={cfg['num_samples']}", file=sys.stderr)
     picks = [fits[int(j)] for j in torch.linspace(0, len(fits) - 1, min(cfg["num_samples"], len(fits)))]
     return [val_data.sample(i)[0] for i in picks]
 

@@ -47,6 +47,9 @@ def test_sampler_cli_prints_one_json_object_per_sample(tmp_path, qa_file, capsys
     for row, limit in zip(lines, (8, 8, 6)):
         assert {"text", "tokens", "nfe", "tpf", "seconds", "tokens_per_s"} <= set(row)
         assert 0 < row["tokens"] <= limit and row["tpf"] == round(row["tokens"] / row["nfe"], 3)
+    sampler.main([out_dir, "--json", "--num_samples=1000", "--max_new_tokens=8", "--slot_size=4", "--num_blocks=1"])
+    printed = capsys.readouterr()                                     # every fitting prompt, and a note saying so
+    assert len(printed.out.splitlines()) < 1000 and "validation prompts leave room for 8 new tokens" in printed.err
     for bad, message in [(["--num_samples=0"], "--num_samples=0"), (["--prompt_file=nope.txt"], "no such file"),
                          (["--method=mdm"], "trained with a causal objective")]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
