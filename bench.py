@@ -42,7 +42,7 @@ from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import parse_args, require, run_cli, settings_in
 from corpora import arithmetic_answer, arithmetic_expected, transform_expected
 from data import TokenDataset, decode, get_tokenizer
-from generate import MDMSettings, RefusionSettings, eos_ids_of
+from generate import MDMSettings, RefusionSettings, cut_after_eos, eos_ids_of
 from model import ModelConfig, Transformer
 from prepare import prepare
 from sampler import make_decoder, prompt_generator
@@ -232,14 +232,14 @@ def hf_generate(model, prompts, ids, max_new_tokens):
             out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
                               eos_token_id=ids["eos_id"], pad_token_id=ids["eos_id"],
                               suppress_tokens=[ids["mask_id"], ids["pad_id"]])[0, len(prompt):].tolist()
-        return out[:out.index(ids["eos_id"]) + 1] if ids["eos_id"] in out else out, time.perf_counter() - t0
+        return cut_after_eos(out, ids["eos_id"]), time.perf_counter() - t0
 
     decode_one(prompts[0])  # warm-up, untimed
     hf.forward, calls = counting(hf.forward, device)
     outs = [decode_one(p) for p in prompts]
     tokens = sum(len(o) for o, _ in outs)
     seconds = sum(s for _, s in outs)
-    return [[t for t in o if t != ids["eos_id"]] for o, _ in outs], totals(tokens, calls["n"], seconds, calls)
+    return [[t for t in o if t not in eos_ids_of(ids["eos_id"])] for o, _ in outs], totals(tokens, calls["n"], seconds, calls)
 
 
 def counting(forward, device):

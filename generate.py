@@ -274,6 +274,7 @@ class DecodeState:
         self.banned = [mask_id, *banned_ids]  # never written into the response
         self.temperature, self.generator = temperature, generator
         self.device = cache.kv.device
+        self.eos_tensor = torch.tensor(self.eos_ids, device=self.device)  # for end_rows_at_eos, made once
         self.pending = list(prompt)
         self.pending_pos = list(range(len(prompt)))
         self.ctx = 0
@@ -419,7 +420,7 @@ def end_rows_at_eos(state, tokens, accepted, lengths):
     whether an EOS was found; drops the cache rows of removed slots.
     """
     S = tokens.shape[1]
-    is_eos = torch.isin(tokens, torch.tensor(state.eos_ids, device=tokens.device))
+    is_eos = torch.isin(tokens, state.eos_tensor)
     is_eos &= torch.arange(S, device=tokens.device) < accepted[:, None]
     rows = is_eos.any(dim=1).nonzero()[:, 0]
     if len(rows) == 0:
