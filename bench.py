@@ -52,7 +52,7 @@ from sampler import make_decoder, prompt_generator
 out_dir = "bench"          # trained models, bench.json, bench.md and bench.png go here
 tasks = ("transform", "arith", "stdlib")  # any of TASKS
 quick = False              # a smoke run: QUICK's task, models, budget and sweep
-num_prompts = 40           # validation prompts decoded by every decoder
+num_prompts = 100          # validation prompts decoded by every decoder (fewer when fewer fit)
 max_iters = 0              # training budget of each model; 0: the task's recipe (TASKS)
 finetune_iters = 0         # extra budget of the ReFusion model started from the ARM; 0: the recipe's
 dataset = ""               # the data set of a one-task run, e.g. arith-1m on a GPU; empty: the recipe's
@@ -74,8 +74,8 @@ DEFAULTS = settings_in(globals())
 # level on 2 CPU cores (see README, "bench.py: three tasks, every decoder, a sweep"). Every model of a task gets the same recipe.
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, batch_size=32, learning_rate=3e-3)
 TASKS = {
-    "transform": dict(MODEL, dataset="transform", block_size=160, max_new_tokens=64, max_iters=1200,
-                      finetune_iters=400),
+    "transform": dict(MODEL, dataset="transform", block_size=160, max_new_tokens=64, max_iters=2000,
+                      finetune_iters=800),
     "arith": dict(MODEL, dataset="arith-small", block_size=128, max_new_tokens=64, max_iters=1500,
                   finetune_iters=500),
     "stdlib": dict(MODEL, dataset="stdlib", block_size=256, max_new_tokens=128, max_iters=400,
@@ -161,6 +161,9 @@ def validation_prompts(cfg, task):
     if not fits:
         raise ValueError(f"no {task} validation prompt leaves room for {r['max_new_tokens']} new tokens in the "
                          f"context of {r['block_size']}; change the task's recipe (TASKS in bench.py)")
+    if len(fits) < cfg["num_prompts"]:
+        print(f"note: {len(fits)} {task} validation prompts leave room for {r['max_new_tokens']} new tokens in the "
+              f"context of {r['block_size']}; decoding those, not {cfg['num_prompts']}")
     return [p for p, _ in fits], [q for _, q in fits]
 
 # -----------------------------------------------------------------------------
@@ -283,13 +286,16 @@ def decoder_points(cfg, task):
 
 def bench_task(cfg, task, prompts, references):
     """Train or reuse the four models of one task, decode its validation prompts at every point and
-    return one dict per point: quality, speed figures, and the speed-ups over the ARM and the MDM at
-    one token per step."""
+    return (rows, minutes): one dict per point (quality, speed figures, and the speed-ups over the ARM
+    and the MDM at one token per step) and the wall-clock minutes spent {"train": ..., "decode": ...}
+    (training near 0 when every model was reused)."""
     r = recipe(cfg, task)
     iters, ft = r["max_iters"], r["finetune_iters"]
+    t0 = time.perf_counter()
     dirs = {name: train_model(cfg, task, name, name, iters) for name in ("ar", "refusion", "mdm")}
     dirs["refusion-ft"] = train_model(cfg, task, "refusion-ft", "refusion", ft,
                                       init_from=os.path.join(dirs["ar"], "ckpt.pt"))
+    t1 = time.perf_counter()
     ckpts = {name: load_checkpoint(d, cfg["device"]) for name, d in dirs.items()}
     models = {name: model_from_checkpoint(c, cfg["device"]) for name, c in ckpts.items()}
     meta = ckpts["ar"]["meta"]
@@ -318,12 +324,14 @@ def bench_task(cfg, task, prompts, references):
     mdm_speed = next(r["tokens_per_s"] for r in rows if r["method"] == "mdm")
     for row in rows:
         row["speedup_vs_ar"], row["speedup_vs_mdm"] = row["tokens_per_s"] / ar_speed, row["tokens_per_s"] / mdm_speed
-    return rows
+    return rows, {"train": (t1 - t0) / 60, "decode": (time.perf_counter() - t1) / 60}
 
 
 def highlights(rows):
-    """The rows of the table: the baselines, then per ReFusion model its fastest point whose quality
-    is within 1 point of the ARM's and its fastest point overall (each row tagged with why)."""
+    """The rows of the table: the baselines, then per ReFusion model three points of its sweep,
+    each tagged with why: its fastest point whose quality is within 1 point of the ARM's (when one
+    is), its most accurate point (the fastest of those that tie) and its fastest point overall. A
+    point that is several of these is listed once, with every reason."""
     chosen = []
     for task in dict.fromkeys(r["task"] for r in rows):
         task_rows = [r for r in rows if r["task"] == task]
@@ -332,14 +340,14 @@ def highlights(rows):
         for model in ("refusion", "refusion-ft"):
             points = [r for r in task_rows if r["model"] == model]
             close = [r for r in points if first_quality(r) >= ar_quality - 0.01]
-            fastest = max(points, key=lambda r: r["tokens_per_s"])
-            best = max(close, key=lambda r: r["tokens_per_s"]) if close else None
-            if best is fastest:
-                chosen.append(dict(fastest, why="fastest, and within 1 point of the ARM"))
-                continue
-            if best is not None:
-                chosen.append(dict(best, why="fastest within 1 point of the ARM"))
-            chosen.append(dict(fastest, why="fastest"))
+            picks = {"fastest within 1 point of the ARM": max(close, key=lambda r: r["tokens_per_s"]) if close else None,
+                     "most accurate": max(points, key=lambda r: (first_quality(r), r["tokens_per_s"])),
+                     "fastest": max(points, key=lambda r: r["tokens_per_s"])}
+            reasons = {}                                    # id of a point -> (point, its reasons)
+            for why, row in picks.items():
+                if row is not None:
+                    reasons.setdefault(id(row), (row, []))[1].append(why)
+            chosen += [dict(row, why=", ".join(whys)) for row, whys in reasons.values()]
     return chosen
 
 
@@ -475,16 +483,20 @@ def main(argv):
     # prepares the data and raises before any training if no prompt fits
     prompts = {task: validation_prompts(cfg, task) for task in cfg["tasks"]}
     os.makedirs(cfg["out_dir"], exist_ok=True)
-    rows = [row for task in cfg["tasks"] for row in bench_task(cfg, task, *prompts[task])]
+    results = {task: bench_task(cfg, task, *prompts[task]) for task in cfg["tasks"]}
+    rows = [row for task_rows, _ in results.values() for row in task_rows]
+    task_minutes = {task: minutes for task, (_, minutes) in results.items()}
     step_times = {task: training_step_times(cfg, task, QUICK["step_times"] if cfg["quick"] else 20)
                   for task in cfg["tasks"]}
     minutes = (time.perf_counter() - t0) / 60
     table = markdown_table(highlights(rows)) + "\n\n" + "\n".join(
         f"Training step ({task}, batch {recipe(cfg, task)['batch_size']}): ReFusion {t['refusion'] * 1e3:.0f} ms, "
         f"AR {t['ar'] * 1e3:.0f} ms, ratio {t['ratio']:.2f}x" for task, t in step_times.items())
+    table += "\n\n" + "\n".join(f"{task}: training {m['train']:.1f} minutes (4 models; near 0 when reused), "
+                                 f"decoding {m['decode']:.1f} minutes" for task, m in task_minutes.items())
     table += f"\n\nWhole run: {minutes:.1f} minutes on {machine()['processor']} ({machine()['cpu_threads']} threads)"
     with open(os.path.join(cfg["out_dir"], "bench.json"), "w") as f:
-        json.dump({"config": cfg, "machine": machine(), "minutes": minutes, "rows": rows,
+        json.dump({"config": cfg, "machine": machine(), "minutes": minutes, "task_minutes": task_minutes, "rows": rows,
                    "training_step_seconds": step_times}, f, indent=2)
     with open(os.path.join(cfg["out_dir"], "bench.md"), "w") as f:
         f.write(table + "\n")

@@ -31,6 +31,8 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
     report = json.loads((tmp_path / "bench" / "bench.json").read_text())
     rows = report["rows"]
     assert {"python", "torch", "cpu_threads", "processor"} <= set(report["machine"]) and report["minutes"] > 0
+    minutes = report["task_minutes"]["transform"]                     # the quick run trains its 4 models
+    assert minutes["train"] > 0 and minutes["decode"] > 0 and minutes["train"] + minutes["decode"] <= report["minutes"]
     refusion = [r for r in rows if r["method"] == "refusion"]
     assert len(refusion) == 2 * 2 and len([r for r in rows if r["method"] == "mdm"]) == 3   # QUICK's sweep
     ar_row, mdm_row = rows[0], next(r for r in rows if r["method"] == "mdm")
