@@ -38,7 +38,7 @@ from tqdm import tqdm
 from configurator import check_device, parse_args, run_cli, settings_in
 from data import decode, encode
 from generate import eos_ids_of
-from sampler import MISMATCH_NOTES, chat_prompt, load_model, make_decoder, prompt_generator
+from sampler import MISMATCH_NOTES, chat_prompt, decoder_settings, load_model, make_decoder, prompt_generator
 
 # -----------------------------------------------------------------------------
 # default config: the authors' HumanEval settings
@@ -80,11 +80,14 @@ def human_eval():
 
 
 def check_settings(cfg):
-    """Refuse a limit or timeout that cannot work. Raises ValueError naming the setting."""
+    """Refuse a limit, timeout or decoder setting that cannot work, before any weights are read.
+    Raises ValueError naming the setting."""
     if cfg["limit"] < 0:
         raise ValueError(f"--limit={cfg['limit']}: give a number of problems, or 0 for all 164")
     if not cfg["timeout"] > 0:
         raise ValueError(f"--timeout={cfg['timeout']}: give each program a positive number of seconds")
+    if cfg["method"]:
+        decoder_settings(cfg)  # bad decoder settings fail before the weights are read
     if cfg["out_json"]:  # refused now, not after hours of decoding
         try:
             with open(cfg["out_json"], "a", encoding="utf-8"):

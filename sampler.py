@@ -77,6 +77,19 @@ def load_model(cfg):
             ckpt["config"]["objective"], ckpt)
 
 
+def decoder_settings(cfg):
+    """The settings object of cfg["method"] built from cfg's knobs, which checks every knob (no
+    model needed, so the command line checks them before loading any weights).
+    Raises ValueError for an unknown method or invalid settings."""
+    if cfg["method"] not in DECODERS:
+        raise ValueError(f"--method={cfg['method']!r}: choose one of {', '.join(DECODERS)}")
+    Settings = DECODERS[cfg["method"]][1]
+    knobs = {f.name: cfg[f.name] for f in fields(Settings)}
+    if cfg["method"] == "mdm":  # 0: one token per step, one block
+        knobs.update(steps=cfg["steps"] or None, block_length=cfg["block_length"] or None)
+    return Settings(**knobs)
+
+
 def make_decoder(cfg, model, ids, generator):
     """(decode: prompt ids -> Generation, its settings) for cfg["method"] and cfg's knobs.
 
@@ -86,17 +99,12 @@ def make_decoder(cfg, model, ids, generator):
     Raises ValueError for an unknown method, a method the model's attention does not support, a
     ReFusion decode without a mask token, or invalid settings.
     """
-    if cfg["method"] not in DECODERS:
-        raise ValueError(f"--method={cfg['method']!r}: choose one of {', '.join(DECODERS)}")
+    settings = decoder_settings(cfg)
     check_attention(model, cfg["method"])
     if cfg["method"] != "ar" and ids["mask_id"] is None:
         raise ValueError(f"--method={cfg['method']}: this model has no mask token (a plain Qwen3 was never "
                          "trained to fill masks); use --method=ar, or fine-tune it with train.py first")
-    generate, Settings = DECODERS[cfg["method"]]
-    knobs = {f.name: cfg[f.name] for f in fields(Settings)}
-    if cfg["method"] == "mdm":  # 0: one token per step, one block
-        knobs.update(steps=cfg["steps"] or None, block_length=cfg["block_length"] or None)
-    settings = Settings(**knobs)
+    generate = DECODERS[cfg["method"]][0]
     banned = tuple(i for i in (ids["mask_id"], ids["pad_id"]) if i is not None and i not in eos_ids_of(ids["eos_id"]))
     kwargs = dict(eos_id=ids["eos_id"], banned_ids=banned)
     if cfg["method"] != "ar":
@@ -223,6 +231,8 @@ def main(argv):
     check_device(cfg["device"])
     if cfg["num_samples"] <= 0:
         raise ValueError(f"--num_samples={cfg['num_samples']}: ask for at least one validation prompt")
+    if cfg["method"]:
+        decoder_settings(cfg)  # bad decoder settings fail before the weights are read
     model, enc, ids, objective, ckpt = load_model(cfg)
     cfg["method"] = cfg["method"] or objective
     run, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]))  # the warm-up's generator

@@ -65,6 +65,9 @@ def test_report_of_an_untrained_checkpoint(tmp_path, qa_file, capsys):
                          (["--limit=5", "--max_new_tokens=256"], "no problem leaves room")]:
         with pytest.raises(ValueError, match=message):
             eval_humaneval.main(flags + bad)
+    # decoder settings are checked before any weights are read (this out_dir holds none)
+    with pytest.raises(ValueError, match="slot_size=0"):
+        eval_humaneval.main([f"--out_dir={tmp_path / 'no-model-here'}", "--method=refusion", "--slot_size=0"])
 
 
 def test_a_folder_is_asked_in_the_release_instruct_format_by_default(tmp_path, capsys):

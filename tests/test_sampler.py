@@ -35,6 +35,16 @@ def test_cli_builds_each_decoder_and_refuses_an_unknown_method():
         make_decoder(dict(DEFAULTS, method="beam"), tiny_model(), meta, torch.Generator())
 
 
+@pytest.mark.parametrize("flag, message", [("--method=beam", "choose one of refusion, ar, mdm"),
+                                           ("--slot_threshold=nan", "thresholds are finite probabilities"),
+                                           ("--method=mdm --steps=7 --max_new_tokens=64 --block_length=32",
+                                            "steps")])
+def test_bad_decoder_settings_fail_before_any_weights_are_read(tmp_path, flag, message):
+    # out_dir holds no checkpoint: reading weights first would fail with a different error
+    with pytest.raises(ValueError, match=message):
+        sampler.main([f"--out_dir={tmp_path / 'no-model-here'}", "--method=refusion", *flag.split()])
+
+
 def test_sampler_cli_prints_one_json_object_per_sample(tmp_path, qa_file, capsys):
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"])
     capsys.readouterr()
