@@ -9,7 +9,7 @@ that span the range from parallel-friendly to strictly serial:
     stdlib     real code: the bodies of the standard library's documented functions
 
     python bench.py              # the full run (TASKS' recipes), 53.5 minutes on 2 CPU cores (README)
-    python bench.py --quick      # one task, tiny models, a small sweep: a smoke run of about 20 seconds
+    python bench.py --quick      # one task, tiny models, a small sweep: a smoke run of 20 to 30 seconds
 
 For each task it trains (or reuses, from out_dir) an ARM, a ReFusion model and an MDM with the same
 budget, and the paper's recipe: ReFusion fine-tuned from the ARM (its extra budget in its row). It
@@ -18,12 +18,14 @@ over a sweep of slot size, thresholds and serial blocks (SWEEP), and, when `tran
 installed, Hugging Face's `generate` on the ARM's weights. Each point records its quality, tokens,
 forward passes (NFE), TPF, tokens/s, milliseconds per forward pass and the share of decode time
 spent outside the model (bookkeeping). It writes out_dir/bench.json (every point), bench.md (the
-table: the baselines, and per ReFusion model its fastest setting within 1 point of the ARM's quality
-and its fastest setting overall) and, with matplotlib, bench.png (quality against speed relative to
+table: the baselines, and per ReFusion model its fastest setting within 1 point of the ARM's quality,
+its most accurate setting and its fastest setting) and, with matplotlib, bench.png (quality against speed relative to
 the ARM, as the paper's MBPP figure). Every figure comes from this run.
 """
 
 import ast
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -412,13 +414,16 @@ def plot(rows, path):
 
 
 def machine():
-    """What the figures were measured on: Python, torch, CPU model and threads, GPU if any."""
+    """What the figures were measured on: Python, torch, transformers (None when not installed), CPU
+    model and threads, GPU if any."""
     processor = platform.processor() or platform.machine()
     if os.path.isfile("/proc/cpuinfo"):  # Linux names the CPU model here, platform does not
         with open("/proc/cpuinfo") as f:
             processor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), processor)
     return {"python": platform.python_version(), "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
-            "processor": processor, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+            "processor": processor, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "transformers": importlib.metadata.version("transformers")
+            if importlib.util.find_spec("transformers") else None}
 
 
 def training_step_times(cfg, task, steps=20):
@@ -478,6 +483,8 @@ def check_bench_config(cfg):
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
     if cfg["quick"]:
+        if tuple(cfg["tasks"]) != tuple(tasks):
+            raise ValueError(f"--quick runs {', '.join(QUICK['tasks'])} alone: drop --tasks, or drop --quick")
         cfg.update(tasks=QUICK["tasks"], num_prompts=min(cfg["num_prompts"], QUICK["num_prompts"]))
     check_bench_config(cfg)
     train.check_writable(cfg["out_dir"])

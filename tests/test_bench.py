@@ -30,7 +30,7 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
     assert "\r" not in printed.err and "iter 0: loss " in printed.out and "decode transform: ARM: " in printed.out
     report = json.loads((tmp_path / "bench" / "bench.json").read_text())
     rows = report["rows"]
-    assert {"python", "torch", "cpu_threads", "processor"} <= set(report["machine"]) and report["minutes"] > 0
+    assert {"python", "torch", "transformers", "cpu_threads", "processor"} <= set(report["machine"]) and report["minutes"] > 0
     minutes = report["task_minutes"]["transform"]                     # the quick run trains its 4 models
     assert minutes["train"] > 0 and minutes["decode"] > 0 and minutes["train"] + minutes["decode"] <= report["minutes"]
     refusion = [r for r in rows if r["method"] == "refusion"]
@@ -103,6 +103,12 @@ def test_bench_reuses_only_models_trained_with_the_same_settings(tmp_path, monke
 def test_bench_settings_are_checked_before_any_work(flag):
     with pytest.raises(ValueError, match=f"{flag.split('=')[0]}=.*: must be"):
         bench.check_bench_config(parse_args(bench.DEFAULTS, [flag]))
+
+
+def test_quick_refuses_tasks_it_would_not_run(tmp_path):
+    with pytest.raises(ValueError, match="--quick runs transform alone: drop --tasks, or drop --quick"):
+        bench.main(["--quick", "--tasks=transform,nope", f"--out_dir={tmp_path / 'bench'}"])
+    assert not (tmp_path / "bench").exists()                          # refused before any work
 
 
 def test_each_prompt_is_sampled_from_its_own_seeded_generator():
