@@ -503,9 +503,10 @@ def main(argv):
         f"AR {t['ar'] * 1e3:.0f} ms, ratio {t['ratio']:.2f}x" for task, t in step_times.items())
     table += "\n\n" + "\n".join(f"{task}: training {m['train']:.1f} minutes (4 models; near 0 when reused), "
                                  f"decoding {m['decode']:.1f} minutes" for task, m in task_minutes.items())
-    table += f"\n\nWhole run: {minutes:.1f} minutes on {machine()['processor']} ({machine()['cpu_threads']} threads)"
+    host = machine()
+    table += f"\n\nWhole run: {minutes:.1f} minutes on {host['processor']} ({host['cpu_threads']} threads)"
     with open(os.path.join(cfg["out_dir"], "bench.json"), "w") as f:
-        json.dump({"config": cfg, "machine": machine(), "minutes": minutes, "task_minutes": task_minutes, "rows": rows,
+        json.dump({"config": cfg, "machine": host, "minutes": minutes, "task_minutes": task_minutes, "rows": rows,
                    "training_step_seconds": step_times}, f, indent=2)
     with open(os.path.join(cfg["out_dir"], "bench.md"), "w") as f:
         f.write(table + "\n")

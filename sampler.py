@@ -79,7 +79,8 @@ def load_model(cfg):
 
 def decoder_settings(cfg):
     """The settings object of cfg["method"] built from cfg's knobs, which checks every knob (no
-    model needed, so the command line checks them before loading any weights).
+    model needed, so the command line checks them before loading any weights): a RefusionSettings,
+    DecodeSettings or MDMSettings (generate.py; SPEC section 4 and its baseline decoders).
     Raises ValueError for an unknown method or invalid settings."""
     if cfg["method"] not in DECODERS:
         raise ValueError(f"--method={cfg['method']!r}: choose one of {', '.join(DECODERS)}")
