@@ -202,7 +202,7 @@ def run_decoder(method, model, prompts, ids, settings):
     settings ask for a temperature above 0), so no decode depends on the warm-up or on the others.
     Returns the generated id lists (EOS dropped) and the summed speed figures."""
     timed = TimedModel(model)
-    cfg = {"temperature": 0.0, "steps": 0, "block_length": 0, **settings, "method": method}
+    cfg = {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper", **settings, "method": method}
     device = next(model.parameters()).device
     decode_fn, _ = make_decoder(cfg, timed, ids, torch.Generator(device))  # the warm-up's generator
     decode_fn(prompts[0])  # warm-up, untimed

@@ -53,6 +53,7 @@ slot_size = 32             # refusion: tokens per slot (S)
 num_blocks = 4             # refusion: serial blocks, decoded one after another
 slot_threshold = 0.9       # refusion: a slot is planned when its first draft's probability exceeds this
 token_threshold = 0.4      # refusion: a draft token is accepted when its probability exceeds this
+infill = "paper"           # refusion: 'paper' (each infill round forces its masked draft) or 'ar' (the next-token prediction, SPEC 4.1)
 steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
 temperature = 0.0          # 0: greedy (pass@1 from one sample); above 0: sample (Gumbel-max)

@@ -83,10 +83,17 @@ class DecodeSettings:
         return "", "lower max_new_tokens"
 
 
+INFILL_MODES = ("paper", "ar")
+
+
 @dataclass
 class RefusionSettings(DecodeSettings):
     """ReFusion's knobs (SPEC section 4): slot size S, serial blocks B and the two thresholds.
 
+    infill: "paper" (default) forces each infill round's first unaccepted token from its masked
+    draft, as the paper and the authors' code do; "ar" takes it from the next-token prediction at
+    its accepted left neighbour, and starts the leftmost slot from the next-token prediction when
+    everything before it is committed (SPEC section 4.1, beyond the paper).
     The generation length is max_new_tokens rounded up to a multiple of S * B, so that every block
     holds the same whole number of slots; at most max_new_tokens tokens are returned. Thresholds are
     probabilities compared with `>`: any finite value >= 0 is accepted, and a value of 1 or more
@@ -97,9 +104,13 @@ class RefusionSettings(DecodeSettings):
     num_blocks: int = 1
     slot_threshold: float = 0.9
     token_threshold: float = 0.3
+    infill: str = "paper"
 
     def __post_init__(self):
         super().__post_init__()
+        if self.infill not in INFILL_MODES:
+            raise ValueError(f"infill={self.infill!r}: choose 'paper' (the forced token of each infill round is "
+                             "its masked draft, as in the paper) or 'ar' (the next-token prediction, SPEC 4.1)")
         S = self.slot_size
         if S <= 0:
             raise ValueError(f"slot_size={S}: a slot holds at least one token (the paper uses 4 to 32)")
@@ -266,9 +277,13 @@ class DecodeState:
 
     The cache row 0 holds `ctx` committed tokens; `pending` are committed tokens not yet fed to the
     model (the prompt, until the first plan call feeds it together with the masks).
+    With infill="ar" (SPEC section 4.1) it also keeps `next_logits`: (position, logits (V,)), the
+    next-token prediction for the first uncommitted response position `frontier`, made seeing
+    every position before it; None when no such prediction exists.
     """
 
-    def __init__(self, model, prompt, cache, mask_id, eos_id, temperature, generator, on_step=None, banned_ids=()):
+    def __init__(self, model, prompt, cache, mask_id, eos_id, temperature, generator, on_step=None, banned_ids=(),
+                 infill="paper"):
         self.model, self.cache = model, cache
         self.mask_id, self.eos_ids = mask_id, eos_ids_of(eos_id)
         self.banned = [mask_id, *banned_ids]  # never written into the response
@@ -282,6 +297,9 @@ class DecodeState:
         self.response = {}   # true position -> committed token
         self.trace = []
         self.on_step = on_step  # called with each step's committed (position, token) pairs
+        self.ar = infill == "ar"
+        self.frontier = len(prompt)  # every position before it is committed
+        self.next_logits = None
 
     def forward(self, tokens, positions):
         """One counted forward pass of (B, T) tokens at (B, T) positions after the cache."""
@@ -299,11 +317,15 @@ class Commit:
               (row 0 after a verify pass, one row per slot after infill).
     eos:      True when the last slot ends with EOS: every later slot of the block is dropped and
               no later block starts.
+    next_logits: infill="ar" only (SPEC section 4.1): per slot, the logits (V,) that its last token
+              predicts for the next position, or None where the slot did not see every slot
+              committed with it before it (infill rows after the first); an empty list otherwise.
     """
     starts: list[int]
     tokens: list[list[int]]
     segments: list[tuple[int, int]]
     eos: bool = False
+    next_logits: list = field(default_factory=list)
 
     def __len__(self):
         return len(self.starts)
@@ -316,6 +338,8 @@ def plan_slots(state, pool, slot_size, slot_threshold):
     pending prompt on the first call) each slot as slot_size mask ids at its true positions, drafts
     every masked position, scores each slot by its first token's probability and selects those
     above slot_threshold (else the single best). The masks' keys/values are discarded.
+    infill="ar" (SPEC section 4.1): the slot at the frontier takes its first token, and its score,
+    from the next-token prediction state.next_logits instead of its first mask.
     Returns (starts: ascending start positions of the selected slots,
              drafts: (len(starts), slot_size) int64).
     """
@@ -324,12 +348,17 @@ def plan_slots(state, pool, slot_size, slot_threshold):
     positions = [p + i for p in pool for i in range(slot_size)]
     tokens = torch.tensor([state.pending + masks], device=state.device)
     pos = torch.tensor([state.pending_pos + positions], device=state.device)
-    logits = state.forward(tokens, pos)[0, n_pending:]                 # (n_slots * S, V)
+    logits = state.forward(tokens, pos)[0]                             # (n_pending + n_slots * S, V)
+    if state.ar and n_pending:              # the last prompt token predicts the first response token
+        state.next_logits = (state.pending_pos[-1] + 1, logits[n_pending - 1])
     state.ctx += n_pending                                              # the prompt's KV stays cached
     state.pending, state.pending_pos = [], []
     state.cache.crop(state.ctx)
-    drafts, probs = draft_tokens(logits, state.temperature, state.generator, state.banned)
+    drafts, probs = draft_tokens(logits[n_pending:], state.temperature, state.generator, state.banned)
     drafts, probs = drafts.view(len(pool), slot_size), probs.view(len(pool), slot_size)
+    if state.next_logits is not None and state.next_logits[0] == pool[0]:
+        drafts[0, :1], probs[0, :1] = draft_tokens(state.next_logits[1][None], state.temperature, state.generator,
+                                                   state.banned)
     scores = probs[:, 0]
     selected = (scores > slot_threshold).nonzero()[:, 0].tolist() or [int(scores.argmax())]
     return [pool[i] for i in selected], drafts[selected]
@@ -345,12 +374,14 @@ def verify_drafts(state, starts, drafts, token_threshold):
       - it holds EOS: a Commit of the slots up to the first EOS (that slot cut after it), eos=True;
       - it covers whole slots: a Commit of those slots, with the keys/values this pass computed;
       - otherwise: an empty Commit, and infill_slots finishes every selected slot.
+    With infill="ar" the Commit also holds the logits each committed slot's last token predicts.
     Returns (commit, accepted: (k,) int64 each slot's own accepted prefix, for infill_slots).
     """
     k, S = drafts.shape
     tokens = drafts.reshape(1, k * S)
     pos = torch.tensor([[p + i for p in starts for i in range(S)]], device=state.device)
-    probs = next_token_probs(state.forward(tokens, pos), tokens)       # (1, k * S)
+    logits = state.forward(tokens, pos)                                 # (1, k * S, V)
+    probs = next_token_probs(logits, tokens)                            # (1, k * S)
     passed = (probs > token_threshold).view(k, S)
     passed[:, 0] = True
     prefix = drafts.view(-1)[:int(leading_true(passed.view(1, -1))[0])].tolist()
@@ -359,6 +390,8 @@ def verify_drafts(state, starts, drafts, token_threshold):
     n = eos_at + 1 if eos else len(prefix) // S * S                   # tokens to commit
     slots = [prefix[i:min(i + S, n)] for i in range(0, n, S)]
     commit = Commit(starts[:len(slots)], slots, [(0, n)] if n else [], eos)
+    if state.ar:     # each slot saw every slot before it in the concatenation
+        commit.next_logits = [logits[0, i * S + len(slot) - 1] for i, slot in enumerate(slots)]
     return commit, leading_true(passed)
 
 
@@ -373,12 +406,18 @@ def infill_slots(state, starts, drafts, accepted, token_threshold):
     token_threshold. (c) A row whose accepted tokens contain EOS ends there and every later row is
     dropped (end_rows_at_eos). (d) The prefix accepted in every row is kept in the cache (never
     recomputed). At most S iterations.
+    infill="ar" (SPEC section 4.1): the first unaccepted token of each row is the next-token
+    prediction at its accepted left neighbour (so each draft pass starts one token before the first
+    unaccepted token of the row furthest behind), and every row but the first starts from its first
+    token alone (verify judged the others' tokens after the drafts of the slots before them).
     Returns a Commit of the k' <= k finished slots; the cache is left with k' rows, row i holding
     slot i's keys/values after the shared prefix.
     """
     k, S = drafts.shape
     state.cache.crop(state.ctx)
     tokens, accepted = drafts.clone(), accepted.clone()
+    if state.ar:
+        accepted[1:] = 1
     pos = torch.tensor(starts, device=state.device)[:, None] + torch.arange(S, device=state.device)
     cols = torch.arange(S, device=state.device)
     state.cache.repeat_prefix(k)
@@ -396,21 +435,30 @@ def infill_slots(state, starts, drafts, accepted, token_threshold):
         logits = state.forward(window, pos[:, shared:])
         state.cache.crop(base)
         tokens[:, shared:][masked] = ban(logits[masked], state.banned).argmax(dim=-1)
+        if state.ar:  # the first unaccepted token of each row: what its accepted left neighbour predicts
+            rows = (accepted < lengths).nonzero()[:, 0]
+            tokens[rows, accepted[rows]] = ban(logits[rows, accepted[rows] - 1 - shared], state.banned).argmax(dim=-1)
         # (b) verify: accept the first unaccepted token, then while the next-token probability passes
         window = tokens[:, shared:]
-        probs = next_token_probs(state.forward(window, pos[:, shared:]), window)
+        logits = state.forward(window, pos[:, shared:])
+        probs = next_token_probs(logits, window)
+        last = logits[0, -1]                       # what row 0's last token predicts (for infill="ar")
         passed = (probs > token_threshold) | (cols[shared:] == accepted[:, None])
         passed |= cols[shared:] < accepted[:, None]
         accepted = torch.minimum(shared + leading_true(passed), lengths)
         # (c) EOS ends its slot and the decode after it
         tokens, accepted, lengths, row_eos = end_rows_at_eos(state, tokens, accepted, lengths)
         eos, pos = eos or row_eos, pos[:len(tokens)]
-        # (d) keep the keys/values of the prefix accepted in every row (all of it once all are done)
-        shared = S if bool((accepted >= lengths).all()) else int(accepted.min())
+        # (d) keep the keys/values of the prefix accepted in every row (all of it once all are done);
+        # infill="ar" feeds the last of them again, since the next draft pass needs its prediction
+        shared = S if bool((accepted >= lengths).all()) else int(accepted.min()) - state.ar
         state.cache.crop(state.ctx + shared)
     lengths = lengths.tolist()
-    return Commit(starts[:len(tokens)], [row[:n] for row, n in zip(tokens.tolist(), lengths)],
-                  list(enumerate(lengths)), eos)
+    commit = Commit(starts[:len(tokens)], [row[:n] for row, n in zip(tokens.tolist(), lengths)],
+                    list(enumerate(lengths)), eos)
+    if state.ar:     # only row 0 saw every slot committed with it before it (none)
+        commit.next_logits = [last] + [None] * (len(tokens) - 1)
+    return commit
 
 
 def end_rows_at_eos(state, tokens, accepted, lengths):
@@ -449,9 +497,25 @@ def commit_slots(state, commit):
             state.response[start + i] = t
             step.append((start + i, t))
     state.ctx = state.cache.pos
+    if state.ar:
+        advance_frontier(state, commit)
     state.trace.append(step)
     if state.on_step:
         state.on_step(step)
+
+
+def advance_frontier(state, commit):
+    """infill="ar" (SPEC section 4.1): move state.frontier past the committed positions and keep the
+    next-token prediction for it when the slot just committed before it saw every position to its left."""
+    frontier = state.frontier
+    while frontier in state.response:
+        frontier += 1
+    if frontier == state.frontier:
+        return
+    state.frontier, state.next_logits = frontier, None
+    for start, ids, logits in zip(commit.starts, commit.tokens, commit.next_logits):
+        if start + len(ids) == frontier and logits is not None:
+            state.next_logits = (frontier, logits)
 
 
 def decode_block(state, pool, settings):
@@ -493,7 +557,8 @@ def generate_refusion(model, prompt, settings, *, mask_id, eos_id, generator=Non
     t0 = time.perf_counter()
     S, slots_per_block = settings.slot_size, settings.n_slots // settings.num_blocks
     cache = model.new_kv_cache(max_len=len(prompt) + settings.gen_len, max_batch=slots_per_block)
-    state = DecodeState(model, prompt, cache, mask_id, eos_id, settings.temperature, generator, on_step, banned_ids)
+    state = DecodeState(model, prompt, cache, mask_id, eos_id, settings.temperature, generator, on_step, banned_ids,
+                        settings.infill)
     for b in range(settings.num_blocks):
         first = len(prompt) + b * slots_per_block * S
         if decode_block(state, [first + i * S for i in range(slots_per_block)], settings):

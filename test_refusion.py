@@ -412,6 +412,148 @@ def test_decode_matches_naive_reference_with_one_slot_per_step(accept_all, seed,
 
 
 # ----------------------------------------------------------------------------------------------
+# generate.py, infill="ar" (SPEC section 4.1, beyond the paper): the next-token pathway forces the tokens
+
+class BadDrafterOracle(OracleModel):
+    """An oracle whose clean tokens predict the next target token, but whose mask tokens at the
+    positions in `bad` (default: all) confidently predict a wrong one (target + 1): a model whose
+    masked-diffusion pathway is untrained. `fed` keeps the tokens of every call."""
+
+    def __init__(self, target, vocab_size, mask_id, bad=None):
+        super().__init__(target, vocab_size, mask_id)
+        self.bad, self.fed = bad, []
+
+    def forward(self, idx, position_ids, kv_cache=None):
+        self.fed.append(idx.clone())
+        logits = super().forward(idx, position_ids, kv_cache)
+        wrong = (self.target[position_ids.clamp(max=len(self.target) - 1)] + 1) % 30
+        bad = idx == self.mask_id
+        if self.bad is not None:
+            bad &= torch.isin(position_ids, torch.tensor(self.bad))
+        return torch.where(bad[..., None], F.one_hot(wrong, self.vocab_size) * 100.0, logits)
+
+
+@pytest.mark.parametrize("slot_size,num_blocks", [(4, 1), (8, 3), (6, 2), (1, 4)])
+def test_ar_infill_matches_the_paper_on_a_confident_oracle(slot_size, num_blocks):
+    """Where both pathways agree, the variant changes nothing: the same tokens in the same NFE."""
+    P, L = 5, 24
+    target = oracle_target(P, L)
+    for eos_at in (None, 13):
+        target = oracle_target(P, L, eos_at=eos_at)
+        runs = [generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(),
+                                  RefusionSettings(L, slot_size=slot_size, num_blocks=num_blocks, infill=infill),
+                                  mask_id=MASK, eos_id=EOS) for infill in ("paper", "ar")]
+        assert runs[0].tokens == runs[1].tokens == target[P:P + L if eos_at is None else P + eos_at + 1].tolist()
+        assert runs[0].nfe == runs[1].nfe
+
+
+@pytest.mark.parametrize("num_blocks", [1, 4])
+def test_ar_infill_keeps_the_next_token_pathway_where_the_paper_forces_bad_drafts(num_blocks):
+    """slot_threshold 0 plans every slot of a block at once; the drafter is always wrong, so each
+    infill round accepts only its forced token. The paper forces the wrong masked drafts; the
+    variant forces next-token predictions, so only the first token of a slot that did not start at
+    the frontier (drafted from masks) is wrong. With one slot per block everything is right."""
+    P, L, S = 5, 16, 4
+    target = oracle_target(P, L, seed=5)
+    settings = dict(slot_size=S, num_blocks=num_blocks, slot_threshold=0.0, token_threshold=0.5)
+    paper, ar = (generate_refusion(BadDrafterOracle(target, V, MASK), target[:P].tolist(),
+                                   RefusionSettings(L, infill=infill, **settings), mask_id=MASK, eos_id=EOS)
+                 for infill in ("paper", "ar"))
+    wrong = ((target + 1) % 30)[P:P + L].tolist()
+    assert paper.tokens == wrong
+    expected = target[P:P + L].tolist()
+    slots_per_block = L // S // num_blocks
+    for i in range(L // S):
+        if i % slots_per_block:              # planned together with a slot to its left
+            expected[i * S] = wrong[i * S]
+    assert ar.tokens == expected
+    # per block: plan, verify, then S - 1 rounds of draft + verify, one forced token per row each
+    assert paper.nfe == ar.nfe == num_blocks * (2 + 2 * (S - 1))
+
+
+@pytest.mark.parametrize("seed,slot_size", [(0, 4), (1, 8), (2, 3), (3, 1)])
+def test_ar_infill_with_one_slot_per_block_equals_next_token_decoding(seed, slot_size):
+    """SPEC 4.1's guarantee: at greedy decoding with a token threshold that only the argmax can pass
+    (0.5), every token is the next-token prediction of what is left of it; with one slot per serial
+    block that is exactly next-token decoding of the same model, whatever its drafts."""
+    model = tiny_model(seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)      # confident enough that some drafts pass 0.5
+    prompt = torch.randint(0, 36, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+    L = 24
+    ref = generate_ar(model, prompt, DecodeSettings(L), eos_id=-1).tokens
+    for eos in (-1, ref[len(ref) // 2]):
+        ref = generate_ar(model, prompt, DecodeSettings(L), eos_id=eos).tokens
+        settings = RefusionSettings(L, slot_size=slot_size, num_blocks=L // slot_size, token_threshold=0.5,
+                                    infill="ar")
+        out = generate_refusion(model, prompt, settings, mask_id=38, eos_id=eos)
+        assert out.tokens == ref
+
+
+def test_ar_infill_restarts_later_rows_from_their_first_token():
+    """Verify judges a later slot's tokens after the drafts of the slots before it; the variant
+    keeps only that slot's first token, so the rest is judged in the slot's own row. Slot 0's
+    drafts after its first token are wrong (it is infilled); slots 1 and 2 pass verify whole."""
+    P, L, S = 5, 12, 4
+    target = oracle_target(P, L, seed=6)
+    wrong = target.clone()
+    wrong[P + 1:P + S] = (target[P + 1:P + S] + 1) % 30        # what the paper forces into slot 0
+    for infill, row, expected in (("paper", target[P + S:P + 2 * S].tolist(), wrong),
+                                  ("ar", [int(target[P + S])] + [MASK] * 3, target)):
+        model = BadDrafterOracle(target, V, MASK, bad=list(range(P + 1, P + S)))
+        settings = RefusionSettings(L, slot_size=S, slot_threshold=0.0, token_threshold=0.5, infill=infill)
+        out = generate_refusion(model, target[:P].tolist(), settings, mask_id=MASK, eos_id=EOS)
+        first_draft_pass = model.fed[2]                      # after plan and verify: 3 rows, one per slot
+        assert first_draft_pass.shape == (3, S) and first_draft_pass[1].tolist() == row
+        assert out.tokens == expected[P:P + L].tolist()
+
+
+@torch.no_grad()
+def naive_ar_infill_of_one_block(model, prompt, gen_len, slot_size, eos_id, mask_id):
+    """SPEC 4.1 without a cache, in the regime slot_threshold 0 (every slot planned at once),
+    token_threshold > 1 (only forced tokens) and one serial block: slot 0 starts with what the last
+    prompt token predicts, every other slot with its planned (masked) draft; then each slot is
+    continued by next-token predictions given the prompt and its own tokens. The first slot holding
+    an EOS ends there and drops the slots after it. Returns (tokens, the NFE the algorithm implies)."""
+    def predict(toks, poss):
+        return int(model(torch.tensor([toks]), torch.tensor([poss]))[0, -1].index_fill(-1, torch.tensor([mask_id]),
+                                                                                     -math.inf).argmax())
+
+    P, n = len(prompt), gen_len // slot_size
+    positions = list(range(P, P + gen_len))
+    plan = model(torch.tensor([prompt + [mask_id] * gen_len]), torch.tensor([list(range(P)) + positions]))[0, P:]
+    slots = []
+    for i in range(n):
+        start = P + i * slot_size
+        slot = [predict(prompt, list(range(P)))] if i == 0 else \
+            [int(plan[i * slot_size].index_fill(-1, torch.tensor([mask_id]), -math.inf).argmax())]
+        while len(slot) < slot_size and eos_id not in slot:
+            slot.append(predict(prompt + slot, list(range(P)) + list(range(start, start + len(slot)))))
+        slots.append(slot)
+        if eos_id in slot:
+            slots[-1] = slot[:slot.index(eos_id) + 1]
+            break
+    rounds = max(len(slot) for slot in slots) - 1
+    return [t for slot in slots for t in slot], 2 + 2 * rounds
+
+
+@pytest.mark.parametrize("seed,slot_size", [(0, 4), (1, 8), (2, 6)])
+def test_ar_infill_of_parallel_rows_matches_naive_reference(seed, slot_size):
+    """Several rows infilled side by side: each row sees the prompt and itself only, and its keys
+    and values are recomputed where a forced token replaced a draft (checked by the exact tokens)."""
+    model = tiny_model(seed=seed)
+    prompt = torch.randint(0, 36, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+    L = 24
+    ref, _ = naive_ar_infill_of_one_block(model, prompt, L, slot_size, -1, 38)
+    for eos in (-1, ref[len(ref) // 2 + 1]):
+        ref, ref_nfe = naive_ar_infill_of_one_block(model, prompt, L, slot_size, eos, 38)
+        settings = RefusionSettings(L, slot_size=slot_size, slot_threshold=0.0, token_threshold=1.5, infill="ar")
+        out = generate_refusion(model, prompt, settings, mask_id=38, eos_id=eos)
+        assert out.tokens == ref
+        assert out.nfe == ref_nfe
+
+
+# ----------------------------------------------------------------------------------------------
 # generate.py: the baselines' defining properties (SPEC section 4, "Baseline decoders")
 
 @torch.no_grad()
