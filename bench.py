@@ -448,8 +448,7 @@ def training_step_times(cfg, task, steps=20):
             sync()
             t0 = time.perf_counter()
             tokens, prompt_len, length = train_data.get_batch(r["batch_size"], rng, device)
-            batch = train.make_batch(dict(step_cfg, objective=objective), tokens, prompt_len, length,
-                                     meta["mask_id"], gen)
+            batch = train.make_batch(dict(step_cfg, objective=objective), tokens, prompt_len, length, meta, gen)
             with train.autocast_for(device):
                 logits = models[objective](batch.idx, batch.position_ids, key_mask=batch.key_mask)
             train.hybrid_loss(logits.float(), batch)[0].backward()

@@ -108,6 +108,12 @@ def _check_key(key, defaults, where):
         raise ConfigError(f"unknown config key {key!r} in {where}{hint} Known keys: {', '.join(sorted(defaults))}")
 
 
+def explicit_keys(cfg, defaults, argv):
+    """The settings a run chose itself: named by a --key flag, or given a value other than the
+    default (by a config file). Returns a set of keys."""
+    return {a[2:].partition("=")[0] for a in argv if a.startswith("--")} | {k for k in cfg if cfg[k] != defaults[k]}
+
+
 def parse_args(defaults, argv):
     """Apply config files and --key=value flags in argv to a copy of defaults (a dict); return it.
 

@@ -5,6 +5,7 @@ Token batches: the tokenizer, one split of prepared data, and what each objectiv
     TokenDataset(data_dir, split)     a split written by prepare.py, as right-padded (B, T) batches
     reorganize_slots                  ReFusion's training layout (SPEC section 3)
     autoregressive_batch, random_mask_batch   the ARM and MDM baselines' layouts
+    pad_with_eos                      the MDM's responses padded with EOS to its canvas (LLaDA's SFT)
 """
 
 import json
@@ -17,6 +18,7 @@ from functools import cache
 import numpy as np
 import tiktoken
 import torch
+import torch.nn.functional as F
 
 EOS, MASK, PAD = "<|endoftext|>", "<|mask|>", "<|pad|>"
 TOKENIZERS = ("bytes", "gpt2")
@@ -358,6 +360,23 @@ def autoregressive_batch(tokens, prompt_len, length):
     next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
     labels = torch.where(predicts_response, next_tok, IGNORE)
     return Batch(tokens, pos, labels, torch.zeros(B, T, device=tokens.device))
+
+
+def pad_with_eos(tokens, prompt_len, length, eos_id, pad_id, gen_length, max_len):
+    """LLaDA's supervised fine-tuning layout for the MDM baseline (SPEC section 3): every response
+    is followed by EOS up to gen_length tokens, the canvas generate_mdm fills at decoding, so that
+    training and decoding see sequences of the same length. A response is never cut, and no sample
+    grows past max_len positions (the model's context).
+
+    tokens (B, T), prompt_len (B,), length (B,) int64 as get_batch_at gives them (right-padded with
+    pad_id). Returns (tokens (B, T') with T' the longest new length, length (B,) int64 counting the
+    EOS padding); random_mask_batch then masks, labels and attends the padding EOS like any response
+    token.
+    """
+    end = torch.maximum(length, (prompt_len + gen_length).clamp(max=max_len))          # (B,) new lengths
+    wide = F.pad(tokens, (0, int(end.max()) - tokens.shape[1]), value=pad_id)           # (B, T')
+    pos = torch.arange(wide.shape[1], device=tokens.device)
+    return torch.where((pos >= length[:, None]) & (pos < end[:, None]), eos_id, wide), end
 
 
 def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3):

@@ -20,7 +20,7 @@ from json import dumps
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
-from configurator import check_device, parse_args, run_cli, settings_in
+from configurator import check_device, explicit_keys, parse_args, run_cli, settings_in
 from corpora import read_utf8
 from data import TokenDataset, decode, encode, get_tokenizer, hf_special_ids
 from generate import DECODERS, check_attention, eos_ids_of
@@ -90,6 +90,23 @@ def decoder_settings(cfg):
     if cfg["method"] == "mdm":  # 0: one token per step, one block
         knobs.update(steps=cfg["steps"] or None, block_length=cfg["block_length"] or None)
     return Settings(**knobs)
+
+
+def fit_mdm_canvas(cfg, ckpt, explicit):
+    """An MDM checkpoint trained on canvases of G tokens (train.py --gen_length: answers padded with EOS
+    to G, LLaDA's layout) is decoded on a canvas of G: cfg["max_new_tokens"] becomes G, with a note,
+    unless it was given explicitly as another value, which is refused (the model never saw that
+    layout). Raises ValueError."""
+    G = (ckpt or {}).get("config", {}).get("gen_length", 0)
+    if not G or cfg["max_new_tokens"] == G:
+        return
+    if explicit:
+        raise ValueError(f"--max_new_tokens={cfg['max_new_tokens']}: this MDM was trained to fill canvases of "
+                         f"{G} tokens (answers padded with EOS to {G}, train.py --gen_length), and a canvas of "
+                         f"another length is a layout it never saw; use --max_new_tokens={G}")
+    print(f"note: decoding on the canvas of {G} tokens this MDM was trained for (--max_new_tokens={G})",
+          file=sys.stderr)
+    cfg["max_new_tokens"] = G
 
 
 def make_decoder(cfg, model, ids, generator):
@@ -237,6 +254,8 @@ def main(argv):
         decoder_settings(cfg)  # bad decoder settings fail before the weights are read
     model, enc, ids, objective, ckpt = load_model(cfg)
     cfg["method"] = cfg["method"] or objective
+    if cfg["method"] == "mdm":
+        fit_mdm_canvas(cfg, ckpt, "max_new_tokens" in explicit_keys(cfg, DEFAULTS, argv))
     run, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]))  # the warm-up's generator
     if (cfg["method"], objective) in MISMATCH_NOTES:
         print("note: " + MISMATCH_NOTES[cfg["method"], objective], file=sys.stderr)

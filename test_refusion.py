@@ -21,6 +21,7 @@ from generate import DecodeSettings, MDMSettings, RefusionSettings, draft_tokens
     generate_refusion, tokens_per_step
 from kvcache import KVCache
 from model import ModelConfig, Transformer
+import train
 from train import hybrid_loss, load_weights
 
 TOL = 1e-5
@@ -204,6 +205,48 @@ def test_vectorized_layout_equals_the_per_sample_loop(seed):
                                                      slot_rank[r].tolist(), 257)
         assert b.idx[r].tolist() == idx and b.position_ids[r].tolist() == pos and b.labels[r].tolist() == labels
         torch.testing.assert_close(b.mdm_weight[r], torch.tensor(weight), atol=1e-7, rtol=1e-6)
+
+
+def pad_one_sample_with_eos(tokens, P, n, eos_id, pad_id, gen_length, max_len, width):
+    """pad_with_eos for one sample, as a plain loop: the prompt, the response, then EOS until the
+    response holds gen_length tokens, but never past max_len positions and never cutting it."""
+    row = tokens[:n]
+    while len(row) - P < gen_length and len(row) < max_len:
+        row.append(eos_id)
+    return row + [pad_id] * (width - len(row)), len(row)
+
+
+@pytest.mark.parametrize("seed,gen_length,max_len", [(0, 16, 60), (1, 40, 60), (2, 40, 45), (3, 1, 60)])
+def test_mdm_layout_pads_every_response_with_eos_to_the_canvas(seed, gen_length, max_len):
+    tokens, prompt_len, length = random_samples(seed, B=8, T=max_len)
+    padded, new_length = data.pad_with_eos(tokens, prompt_len, length, 256, 258, gen_length, max_len)
+    for r in range(8):
+        row, n = pad_one_sample_with_eos(tokens[r].tolist(), int(prompt_len[r]), int(length[r]), 256, 258,
+                                         gen_length, max_len, padded.shape[1])
+        assert padded[r].tolist() == row and int(new_length[r]) == n
+    assert padded.shape[1] == int(new_length.max())
+
+
+def test_mdm_trains_on_the_canvas_it_decodes():
+    """LLaDA's SFT layout: a training sequence is as long as generate_mdm's canvas (prompt +
+    max_new_tokens), and its EOS padding is attended, masked like the response and scored, with the
+    response length (padding included) in the weight."""
+    G, P = 12, 3
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 256, 258, 258], [5, 6, 7, 8, 9, 10, 11, 256]])
+    prompt_len, length = torch.tensor([P, P]), torch.tensor([6, 8])
+    cfg = dict(objective="mdm", gen_length=G, block_size=64, mask_eps=1e-3)
+    meta = {"mask_id": 257, "eos_id": 256, "pad_id": 258}
+    batch = train.make_batch(cfg, tokens, prompt_len, length, meta, torch.Generator().manual_seed(0))
+    canvas = P + MDMSettings(G).max_new_tokens                       # what generate_mdm feeds
+    assert batch.idx.shape == (2, canvas) and batch.key_mask.all()   # every position attended
+    laid_out = torch.tensor([[5, 6, 7, 8, 9] + [256] * 10, [5, 6, 7, 8, 9, 10, 11] + [256] * 8])
+    masked = batch.idx == 257
+    assert not masked[:, :P].any() and masked[:, 8:].any()           # the padding EOS are masked too
+    assert torch.equal(batch.idx[~masked], laid_out[~masked])
+    assert torch.equal(batch.labels[masked], laid_out[masked]) and (batch.labels[~masked] == data.IGNORE).all()
+    p = (1 - 1e-3) * torch.rand(2, generator=torch.Generator().manual_seed(0)) + 1e-3   # the batch's p_mask
+    expected = torch.where(masked, 1 / (p[:, None] * G), 0.0)    # the padding counts in the response length
+    torch.testing.assert_close(batch.mdm_weight, expected, atol=1e-7, rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------

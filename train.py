@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from configurator import check_device, parse_args, require, run_cli, settings_in
-from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, get_tokenizer, random_mask_batch, \
-    reorganize_slots, vocab_size
+from configurator import check_device, explicit_keys, parse_args, require, run_cli, settings_in
+from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, get_tokenizer, pad_with_eos, \
+    random_mask_batch, reorganize_slots, vocab_size
 from model import ModelConfig, Transformer
 from prepare import prepare
 from shard import check_sharding, checkpoint_blocks, load_sharded, load_sharded_info, save_sharded, shard_model, \
@@ -45,6 +45,7 @@ tokenizer = "bytes"       # 'bytes' (offline) or 'gpt2' (needs the BPE file, see
 data_root = "data"        # prepared data goes to data_root/<name>-<tokenizer>-<block_size>
 too_long = "skip"         # samples longer than block_size: 'skip' them (counted) or 'fail'
 slot_sizes = (4, 8)       # S is drawn per sample from these (the paper uses 4, 8, 16, 32)
+gen_length = 128          # mdm: responses padded with EOS to this many tokens, the canvas the MDM decodes; 0: none
 mask_eps = 1e-3           # p_mask = (1 - eps) t + eps
 # model
 n_layer = 4               # transformer blocks
@@ -81,15 +82,20 @@ OBJECTIVES = ("refusion", "ar", "mdm")
 # the model's shape, which --init_from=PATH takes from its checkpoint
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "qk_norm", "rope_theta")
 # settings a resumed run cannot change (a flag that contradicts one is refused)
-RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "slot_sizes")  # data_root may move
+RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "slot_sizes", "gen_length")  # data_root may move
 
 
-def make_batch(cfg, tokens, prompt_len, length, mask_id, generator):
-    """The objective's Batch (inputs, position ids, labels, loss weights) for raw samples (B, T)."""
+def make_batch(cfg, tokens, prompt_len, length, meta, generator):
+    """The objective's Batch (inputs, position ids, labels, loss weights) for raw samples (B, T);
+    meta: the prepared data's meta.json (its mask, EOS and pad ids)."""
     if cfg["objective"] == "refusion":
-        return reorganize_slots(tokens, prompt_len, length, cfg["slot_sizes"], mask_id, generator, cfg["mask_eps"])
+        return reorganize_slots(tokens, prompt_len, length, cfg["slot_sizes"], meta["mask_id"], generator,
+                                cfg["mask_eps"])
     if cfg["objective"] == "mdm":
-        return random_mask_batch(tokens, prompt_len, length, mask_id, generator, cfg["mask_eps"])
+        if cfg["gen_length"]:
+            tokens, length = pad_with_eos(tokens, prompt_len, length, meta["eos_id"], meta["pad_id"],
+                                          cfg["gen_length"], cfg["block_size"])
+        return random_mask_batch(tokens, prompt_len, length, meta["mask_id"], generator, cfg["mask_eps"])
     return autoregressive_batch(tokens, prompt_len, length)
 
 
@@ -222,7 +228,10 @@ def check_config(cfg):
     require(cfg, ("batch_size", "gradient_accumulation_steps", "max_iters", "n_layer", "n_head", "n_embd",
                   "block_size", "eval_iters", "eval_interval", "log_interval"), "positive", lambda v: v > 0)
     require(cfg, ("learning_rate", "rope_theta", "peak_tflops"), "positive and finite", lambda v: 0 < v < math.inf)
-    require(cfg, ("n_kv_head", "lr_decay_iters", "warmup_iters"), "0 or more", lambda v: v >= 0)
+    require(cfg, ("n_kv_head", "lr_decay_iters", "warmup_iters", "gen_length"), "0 or more", lambda v: v >= 0)
+    if cfg["objective"] == "mdm" and cfg["gen_length"] >= cfg["block_size"]:
+        raise ValueError(f"--gen_length={cfg['gen_length']}: an MDM's canvas must leave room for a prompt in its "
+                         f"context of --block_size={cfg['block_size']}; lower --gen_length or raise --block_size")
     require(cfg, ("min_lr", "weight_decay", "grad_clip"), "0 or more and finite", lambda v: 0 <= v < math.inf)
     require(cfg, ("beta1", "beta2", "mask_eps"), "in [0, 1)", lambda v: 0 <= v < 1)
     check_device(cfg["device"])
@@ -248,14 +257,14 @@ def load_weights(model, ckpt):
 
 
 @torch.no_grad()
-def estimate_loss(model, cfg, val_data, mask_id, autocast):
+def estimate_loss(model, cfg, val_data, autocast):
     """Mean validation loss over eval_iters fixed batches (same samples and masks every call)."""
     model.eval()
     rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
     losses = []
     for _ in range(cfg["eval_iters"]):
         tokens, prompt_len, length = val_data.get_batch(cfg["batch_size"], rng, cfg["device"])
-        batch = make_batch(cfg, tokens, prompt_len, length, mask_id, gen)
+        batch = make_batch(cfg, tokens, prompt_len, length, val_data.meta, gen)
         with autocast:
             logits = model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
         losses.append(hybrid_loss(logits.float(), batch)[0].item())
@@ -417,7 +426,6 @@ def train(run):
     forward_model = compile_model(model) if cfg["compile"] else model
     autocast = autocast_for(cfg["device"])
     micro_steps = cfg["gradient_accumulation_steps"] // world      # this process's share of each step
-    mask_id = run.train_data.meta["mask_id"]
     model.train()
     live = live_progress()
     bar = tqdm(range(run.iter_num, cfg["max_iters"]), initial=run.iter_num, total=cfg["max_iters"], desc="train",
@@ -432,7 +440,7 @@ def train(run):
     for it in bar:
         run.iter_num = it
         if it % cfg["eval_interval"] == 0 or it == cfg["max_iters"] - 1:
-            val_loss = estimate_loss(forward_model, cfg, run.val_data, mask_id, autocast)
+            val_loss = estimate_loss(forward_model, cfg, run.val_data, autocast)
             if not math.isfinite(val_loss):
                 raise diverged(cfg, "validation loss", val_loss, it)
             run.best_val_loss = min(run.best_val_loss, val_loss)
@@ -445,7 +453,7 @@ def train(run):
         for micro in range(micro_steps):
             rng, gen = micro_batch_rng(cfg, it, run.rank * micro_steps + micro)
             tokens, prompt_len, length = run.train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
-            batch = make_batch(cfg, tokens, prompt_len, length, mask_id, gen)
+            batch = make_batch(cfg, tokens, prompt_len, length, run.train_data.meta, gen)
             # DDP averages gradients across processes only after the last micro-batch. FSDP reduce-scatters
             # after every one: holding them back would keep each process's full unsharded gradients.
             if world > 1 and not cfg["fsdp"]:
@@ -457,7 +465,7 @@ def train(run):
                 raise diverged(cfg, "loss", loss.item(), it)
             (loss / micro_steps).backward()
             n_tokens += int(length.sum())
-            flops += flops_per_token(run.model, tokens.shape[1]) * tokens.numel()
+            flops += flops_per_token(run.model, batch.idx.shape[1]) * batch.idx.numel()
         if cfg["grad_clip"] > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         optimizer.step()
@@ -488,9 +496,7 @@ def train(run):
 
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
-    # set by a flag or a config file (a config file's values differ from the defaults)
-    explicit = {a[2:].partition("=")[0] for a in argv if a.startswith("--")} | {
-        k for k in cfg if cfg[k] != DEFAULTS[k]}
+    explicit = explicit_keys(cfg, DEFAULTS, argv)
     check_config(cfg)
     check_sharding(cfg, launched="RANK" in os.environ)
     ckpt_file = checkpoint_path(cfg["out_dir"])

@@ -35,7 +35,7 @@ def tiny_run_flags(tmp_path, qa_file, out, objective="refusion"):
     """train.py flags for a 1-layer, 16-wide run on qa_file that takes a second or two."""
     return [f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / out}",
             f"--objective={objective}", "--block_size=64", "--n_layer=1", "--n_head=2", "--n_embd=16",
-            "--batch_size=4", "--eval_interval=2", "--eval_iters=1", "--slot_sizes=2,4",
+            "--batch_size=4", "--eval_interval=2", "--eval_iters=1", "--slot_sizes=2,4", "--gen_length=16",
             "--warmup_iters=10"]  # 6 steps inside warm-up: the learning rate does not depend on max_iters
 
 

@@ -136,3 +136,15 @@ def test_prompt_file_is_read_as_written_and_bad_utf8_names_the_byte(trained, tmp
     bad = write(tmp_path, "bad.txt", b"def caf\xe9():\n")
     with pytest.raises(ValueError, match=rf"--prompt_file={re.escape(bad)}: not valid UTF-8 at byte offset 7"):
         sampler.main([out_dir, f"--prompt_file={bad}"])
+
+
+def test_an_mdm_is_decoded_on_the_canvas_it_was_trained_for(tmp_path, capsys):
+    path = write(tmp_path, "sums.json", json.dumps(qa_rows()))
+    train.main(tiny_run_flags(tmp_path, (path,), "mdm", objective="mdm") + ["--max_iters=2"])
+    out_dir = str(tmp_path / "mdm")
+    sampler.main([f"--out_dir={out_dir}", "--num_samples=1", "--json"])      # trained with --gen_length=16
+    assert "canvas of 16 tokens" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="trained to fill canvases of 16 tokens.*use --max_new_tokens=16"):
+        sampler.main([f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=10"])
+    sampler.main([f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=16", "--json"])
+    assert "canvas" not in capsys.readouterr().err

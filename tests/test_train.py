@@ -137,7 +137,8 @@ def test_bf16_autocast_trains_every_objective_close_to_float32(objective):
     tokens, prompt_len, length = random_samples(13, B=4, T=40, vocab=36)
     tokens[tokens == 258] = 39                                        # the tiny model's pad id
     cfg = dict(train.DEFAULTS, objective=objective)
-    batch = make_batch(cfg, tokens, prompt_len, length, 38, torch.Generator().manual_seed(0))
+    meta = {"mask_id": 38, "eos_id": 37, "pad_id": 39}
+    batch = make_batch(cfg, tokens, prompt_len, length, meta, torch.Generator().manual_seed(0))
     reference = hybrid_loss(model(batch.idx, batch.position_ids, key_mask=batch.key_mask), batch)[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
