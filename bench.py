@@ -12,10 +12,12 @@ that span the range from parallel-friendly to strictly serial:
     python bench.py --quick      # one task, tiny models, a small sweep: a smoke run of 20 to 30 seconds
 
 For each task it trains (or reuses, from out_dir) an ARM, a ReFusion model and an MDM with the same
-budget, and the paper's recipe: ReFusion fine-tuned from the ARM (its extra budget in its row). It
-decodes the same validation prompts with the ARM, the MDM at 1, 2 and 4 tokens per step, ReFusion
-over a sweep of slot size, thresholds and serial blocks (SWEEP), and, when `transformers` is
-installed, Hugging Face's `generate` on the ARM's weights. Each point records its quality, tokens,
+budget, and the paper's recipe: ReFusion fine-tuned from the ARM, next to an MDM fine-tuned from it
+the same way (as Dream starts from Qwen; their extra budget in their rows). The MDMs are trained on
+the canvas they decode (LLaDA's EOS padding). It decodes the same validation prompts with the ARM,
+both MDMs at 1, 2 and 4 tokens per step, ReFusion over a sweep of slot size, thresholds and serial
+blocks (SWEEP), each with the paper's infill and infill="ar" (SPEC section 4.1), and, when
+`transformers` is installed, Hugging Face's `generate` on the ARM's weights. Each point records its quality, tokens,
 forward passes (NFE), TPF, tokens/s, milliseconds per forward pass and the share of decode time
 spent outside the model (bookkeeping). It writes out_dir/bench.json (every point), bench.md (the
 table: the baselines, and per ReFusion model its fastest setting within 1 point of the ARM's quality,
@@ -44,7 +46,7 @@ from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import parse_args, require, run_cli, settings_in
 from corpora import arithmetic_answer, arithmetic_expected, transform_expected
 from data import TokenDataset, decode, get_tokenizer
-from generate import MDMSettings, RefusionSettings, cut_after_eos, eos_ids_of
+from generate import INFILL_MODES, MDMSettings, RefusionSettings, cut_after_eos, eos_ids_of
 from model import ModelConfig, Transformer
 from prepare import prepare
 from sampler import make_decoder, prompt_generator
@@ -56,7 +58,8 @@ tasks = ("transform", "arith", "stdlib")  # any of TASKS
 quick = False              # a smoke run: QUICK's task, models, budget and sweep
 num_prompts = 100          # validation prompts decoded by every decoder (fewer when fewer fit)
 max_iters = 0              # training budget of each model; 0: the task's recipe (TASKS)
-finetune_iters = 0         # extra budget of the ReFusion model started from the ARM; 0: the recipe's
+finetune_iters = 0         # extra budget of the models started from the ARM (ReFusion-ft, MDM-ft); 0: the recipe's
+finetune_lr = 0.0          # their peak learning rate; 0: the recipe's
 dataset = ""               # the data set of a one-task run, e.g. arith-1m on a GPU; empty: the recipe's
 block_size = 0             # the models' context; 0: the recipe's
 max_new_tokens = 0         # every decoder's generation length; 0: the recipe's
@@ -64,7 +67,7 @@ n_layer = 0                # the models' transformer blocks; 0: the recipe's
 n_head = 0                 # ... attention heads
 n_embd = 0                 # ... width
 batch_size = 0             # ... samples per training step
-learning_rate = 0.0        # ... peak learning rate
+learning_rate = 0.0        # ... peak learning rate (from scratch)
 device = "cpu"             # cpu, cuda or mps: training and decoding
 compile = False            # torch.compile the training forward pass (GPU runs)
 seed = 1337                # training seed of every model (decodes are greedy)
@@ -76,9 +79,10 @@ DEFAULTS = settings_in(globals())
 # level on 2 CPU cores (see README, "bench.py: three tasks, every decoder, a sweep"). Every model of a
 # task gets the same recipe. Measured on a 2-core AMD EPYC, training the 4 models of a task took:
 # transform 24.4 minutes (ARM 100% exact), arith 10.7 (ARM 94%), stdlib 11.6 (ARM parses 83.9%).
-MODEL = dict(n_layer=4, n_head=4, n_embd=128, batch_size=32, learning_rate=3e-3)
+MODEL = dict(n_layer=4, n_head=4, n_embd=128, batch_size=32, learning_rate=3e-3, finetune_lr=3e-4)
 TASKS = {
-    "transform": dict(MODEL, dataset="transform", block_size=160, max_new_tokens=64, max_iters=2000,
+    # 72 new tokens: the longest answer (a 63-letter mirror, its newline and EOS) fits the MDM's canvas
+    "transform": dict(MODEL, dataset="transform", block_size=200, max_new_tokens=72, max_iters=2000,
                       finetune_iters=800),
     "arith": dict(MODEL, dataset="arith-small", block_size=128, max_new_tokens=64, max_iters=1500,
                   finetune_iters=500),
@@ -87,7 +91,7 @@ TASKS = {
 }
 # the settings that replace a recipe's when given (non-empty, non-zero)
 OVERRIDES = ("dataset", "block_size", "max_new_tokens", "max_iters", "finetune_iters", "n_layer", "n_head", "n_embd",
-             "batch_size", "learning_rate")
+             "batch_size", "learning_rate", "finetune_lr")
 # the ReFusion sweep: every slot size x (slot_threshold, token_threshold) x serial blocks
 SWEEP = dict(slot_sizes=(4, 8, 16), thresholds=((0.9, 0.3), (0.7, 0.1), (0.5, 0.0)), num_blocks=(1, 4))
 QUICK = dict(tasks=("transform",), num_prompts=8, model=dict(n_layer=2, n_head=2, n_embd=64, max_iters=60,
@@ -101,16 +105,20 @@ def recipe(cfg, task):
     return r | {key: cfg[key] for key in OVERRIDES if cfg[key]}
 
 
-def train_model(cfg, task, name, objective, iters, init_from=None):
-    """Train one model into out_dir/<task>-<name> and return the dir. A finished model trained with
-    the same settings (and, for a fine-tune, after the checkpoint it starts from) is reused; one
-    interrupted part-way is resumed; anything else is trained again from the start."""
+def train_model(cfg, task, name, objective, init_from=None):
+    """Train one model into out_dir/<task>-<name> and return the dir: from scratch for the recipe's
+    max_iters at its learning_rate, or, from the checkpoint init_from (the ARM's), for finetune_iters
+    at finetune_lr; an MDM on the canvas it decodes (train.py --gen_length=max_new_tokens). A
+    finished model trained with the same settings (and, for a fine-tune, after the checkpoint it
+    starts from) is reused; one interrupted part-way is resumed; anything else is trained again."""
     r = recipe(cfg, task)
     out = os.path.join(cfg["out_dir"], f"{task}-{name}")
     ckpt_file = os.path.join(out, "ckpt.pt")
+    iters, lr = (r["finetune_iters"], r["finetune_lr"]) if init_from else (r["max_iters"], r["learning_rate"])
     settings = dict(dataset=r["dataset"], objective=objective, max_iters=iters, eval_interval=max(iters // 4, 1),
-                    seed=cfg["seed"], **{k: r[k] for k in ("block_size", "batch_size", "n_layer", "n_head",
-                                                           "n_embd", "learning_rate")})
+                    seed=cfg["seed"], learning_rate=lr, min_lr=lr / 10 if init_from else train.DEFAULTS["min_lr"],
+                    gen_length=r["max_new_tokens"] if objective == "mdm" else train.DEFAULTS["gen_length"],
+                    **{k: r[k] for k in ("block_size", "batch_size", "n_layer", "n_head", "n_embd")})
     flags = [f"--out_dir={out}", f"--device={cfg['device']}", f"--compile={cfg['compile']}"]
     if os.path.exists(ckpt_file) and not cfg["retrain"]:
         ckpt = load_checkpoint(ckpt_file)
@@ -156,17 +164,21 @@ def score(task, query, text, reference):
 
 
 def validation_prompts(cfg, task):
-    """The first num_prompts validation samples whose prompt leaves room for the generation:
-    (prompts, references), lists of token-id lists. Raises ValueError when none fits."""
+    """The first num_prompts validation samples whose prompt leaves room for every decoder's
+    generation (ReFusion's rounded up to whole blocks of slots): (prompts, references), lists of
+    token-id lists. Raises ValueError when none fits."""
     r = recipe(cfg, task)
+    L = r["max_new_tokens"]
+    room = max([L] + [RefusionSettings(L, **knobs).gen_len for _, method, _, knobs in decoder_points(cfg, task)
+                      if method == "refusion"])
     val = TokenDataset(prepare(r["dataset"], "bytes", r["block_size"]), "val")
     pairs = [val.sample(i) for i in range(len(val))]
-    fits = [(p, q) for p, q in pairs if len(p) + r["max_new_tokens"] <= r["block_size"]][:cfg["num_prompts"]]
+    fits = [(p, q) for p, q in pairs if len(p) + room <= r["block_size"]][:cfg["num_prompts"]]
     if not fits:
-        raise ValueError(f"no {task} validation prompt leaves room for {r['max_new_tokens']} new tokens in the "
+        raise ValueError(f"no {task} validation prompt leaves room for {room} new tokens in the "
                          f"context of {r['block_size']}; change the task's recipe (TASKS in bench.py)")
     if len(fits) < cfg["num_prompts"]:
-        print(f"note: {len(fits)} {task} validation prompts leave room for {r['max_new_tokens']} new tokens in the "
+        print(f"note: {len(fits)} {task} validation prompts leave room for {room} new tokens in the "
               f"context of {r['block_size']}; decoding those, not {cfg['num_prompts']}")
     return [p for p, _ in fits], [q for _, q in fits]
 
@@ -265,40 +277,47 @@ def counting(forward, device):
     return wrapped, calls
 
 
+NAMES = {"ar": "ARM", "mdm": "MDM", "mdm-ft": "MDM-ft", "refusion": "ReFusion", "refusion-ft": "ReFusion-ft"}
+
+
 def decoder_points(cfg, task):
-    """(label, method, model name, decoder knobs) for every point of a task: the ARM, the MDM at 1, 2
-    and 4 tokens per step (one block at 1 token per step, LLaDA's semi-autoregressive blocks of 32
-    tokens at 2 and 4), then both ReFusion models over the sweep."""
+    """(label, method, model name, decoder knobs) for every point of a task: the ARM, both MDMs at 1,
+    2 and 4 tokens per step (one block at 1 token per step; LLaDA's semi-autoregressive blocks at 2
+    and 4, of 32 tokens or the largest divisor of the length below that), then both ReFusion models
+    over the sweep, each point with the paper's infill and with infill="ar" (SPEC section 4.1)."""
     L = recipe(cfg, task)["max_new_tokens"]
     sweep = QUICK["sweep"] if cfg["quick"] else SWEEP
     points = [("ARM", "ar", "ar", {})]
-    for per_step in (1, 2, 4):
-        block = L if per_step == 1 or L % 32 else 32
-        if L // per_step and (L // per_step) % (L // block) == 0:   # a schedule that fits this length
-            points.append((f"MDM {per_step} token(s)/step, block {block}", "mdm", "mdm",
-                           dict(steps=L // per_step, block_length=block)))
+    semi_ar = max(b for b in range(1, 33) if L % b == 0)
+    for model in ("mdm", "mdm-ft"):
+        for per_step in (1, 2, 4):
+            block = L if per_step == 1 else semi_ar
+            if L // per_step and (L // per_step) % (L // block) == 0:   # a schedule that fits this length
+                points.append((f"{NAMES[model]} {per_step} token(s)/step, block {block}", "mdm", model,
+                               dict(steps=L // per_step, block_length=block)))
     for model in ("refusion", "refusion-ft"):
-        for S in sweep["slot_sizes"]:
-            for slot_thr, token_thr in sweep["thresholds"]:
-                for blocks in sweep["num_blocks"]:
-                    label = f"{'ReFusion-ft' if model == 'refusion-ft' else 'ReFusion'} S={S} B={blocks} " \
-                            f"slot>{slot_thr} token>{token_thr}"
-                    points.append((label, "refusion", model, dict(slot_size=S, num_blocks=blocks,
-                                                                  slot_threshold=slot_thr, token_threshold=token_thr)))
+        for infill in INFILL_MODES:
+            for S in sweep["slot_sizes"]:
+                for slot_thr, token_thr in sweep["thresholds"]:
+                    for blocks in sweep["num_blocks"]:
+                        label = f"{NAMES[model]} S={S} B={blocks} slot>{slot_thr} token>{token_thr} infill={infill}"
+                        points.append((label, "refusion", model, dict(slot_size=S, num_blocks=blocks, infill=infill,
+                                                                      slot_threshold=slot_thr,
+                                                                      token_threshold=token_thr)))
     return points
 
 
 def bench_task(cfg, task, prompts, references):
-    """Train or reuse the four models of one task, decode its validation prompts at every point and
+    """Train or reuse the five models of one task, decode its validation prompts at every point and
     return (rows, minutes): one dict per point (quality, speed figures, and the speed-ups over the ARM
     and the MDM at one token per step) and the wall-clock minutes spent {"train": ..., "decode": ...}
     (training near 0 when every model was reused)."""
     r = recipe(cfg, task)
     iters, ft = r["max_iters"], r["finetune_iters"]
     t0 = time.perf_counter()
-    dirs = {name: train_model(cfg, task, name, name, iters) for name in ("ar", "refusion", "mdm")}
-    dirs["refusion-ft"] = train_model(cfg, task, "refusion-ft", "refusion", ft,
-                                      init_from=os.path.join(dirs["ar"], "ckpt.pt"))
+    dirs = {name: train_model(cfg, task, name, name) for name in ("ar", "refusion", "mdm")}
+    for name in ("refusion", "mdm"):   # the paper's recipe, and Dream's: start from the ARM
+        dirs[f"{name}-ft"] = train_model(cfg, task, f"{name}-ft", name, init_from=os.path.join(dirs["ar"], "ckpt.pt"))
     t1 = time.perf_counter()
     ckpts = {name: load_checkpoint(d, cfg["device"]) for name, d in dirs.items()}
     models = {name: model_from_checkpoint(c, cfg["device"]) for name, c in ckpts.items()}
@@ -311,7 +330,7 @@ def bench_task(cfg, task, prompts, references):
         scores = [score(task, q, decode(enc, t), ref) for q, t, ref in zip(queries, texts, refs)]
         quality = {m: float(np.mean([s[m] for s in scores])) for m in scores[0]}
         return {"task": task, "dataset": r["dataset"], "label": label, "method": method, "model": name,
-                "settings": knobs, "train_iters": iters + (ft if name == "refusion-ft" else 0),
+                "settings": knobs, "train_iters": iters + (ft if name.endswith("-ft") else 0),
                 "val_loss": ckpts[name]["best_val_loss"], "quality": quality, **speed}
 
     rows, live = [], train.live_progress()
@@ -325,24 +344,33 @@ def bench_task(cfg, task, prompts, references):
     if hf is not None:
         rows.insert(1, point("Hugging Face generate (ARM weights)", "hf", "ar", {}, *hf))
     ar_speed = rows[0]["tokens_per_s"]
-    mdm_speed = next(r["tokens_per_s"] for r in rows if r["method"] == "mdm")
+    mdm_speed = best_mdm(rows)["tokens_per_s"]
     for row in rows:
         row["speedup_vs_ar"], row["speedup_vs_mdm"] = row["tokens_per_s"] / ar_speed, row["tokens_per_s"] / mdm_speed
     return rows, {"train": (t1 - t0) / 60, "decode": (time.perf_counter() - t1) / 60}
 
 
+def best_mdm(rows):
+    """The MDM point that "vs MDM" compares with: the best quality of any MDM point (either model, any
+    schedule), and the fastest of the points that reach it."""
+    return max((r for r in rows if r["method"] == "mdm"), key=lambda r: (first_quality(r), r["tokens_per_s"]))
+
+
 def highlights(rows):
-    """The rows of the table: the baselines, then per ReFusion model three points of its sweep,
-    each tagged with why: its fastest point whose quality is within 1 point of the ARM's (when one
-    is), its most accurate point (the fastest of those that tie) and its fastest point overall. A
-    point that is several of these is listed once, with every reason."""
+    """The rows of the table: the baselines (the MDM point "vs MDM" compares with tagged so), then per
+    ReFusion model and infill mode three points of its sweep, each tagged with why: its fastest point
+    whose quality is within 1 point of the ARM's (when one is), its most accurate point (the fastest
+    of those that tie) and its fastest point overall. A point that is several of these is listed
+    once, with every reason."""
     chosen = []
     for task in dict.fromkeys(r["task"] for r in rows):
         task_rows = [r for r in rows if r["task"] == task]
-        chosen += [dict(r, why="baseline") for r in task_rows if r["method"] != "refusion"]
+        reference = best_mdm(task_rows)
+        chosen += [dict(r, why="baseline, the MDM compared with" if r is reference else "baseline")
+                   for r in task_rows if r["method"] != "refusion"]
         ar_quality = first_quality(task_rows[0])
-        for model in ("refusion", "refusion-ft"):
-            points = [r for r in task_rows if r["model"] == model]
+        for model, infill in [(m, i) for m in ("refusion", "refusion-ft") for i in INFILL_MODES]:
+            points = [r for r in task_rows if r["model"] == model and r["settings"]["infill"] == infill]
             close = [r for r in points if first_quality(r) >= ar_quality - 0.01]
             picks = {"fastest within 1 point of the ARM": max(close, key=lambda r: r["tokens_per_s"]) if close else None,
                      "most accurate": max(points, key=lambda r: (first_quality(r), r["tokens_per_s"])),
@@ -373,9 +401,9 @@ def markdown_table(rows):
 
 
 def plot(rows, path):
-    """Per task, quality against tokens/s relative to the ARM (log scale): every ReFusion point with
-    each model's frontier (the points no other point beats in both), the ARM, the MDM points and the
-    Hugging Face row. Needs matplotlib; returns False without it."""
+    """Per task, quality against tokens/s relative to the ARM (log scale): every ReFusion point, per
+    model and infill mode, with its frontier (the points no other point beats in both), the ARM, the
+    MDM points of both MDMs and the Hugging Face row. Needs matplotlib; returns False without it."""
     try:
         import matplotlib
         import matplotlib.ticker
@@ -385,18 +413,28 @@ def plot(rows, path):
         return False
     task_names = list(dict.fromkeys(r["task"] for r in rows))
     fig, axes = plt.subplots(1, len(task_names), figsize=(6 * len(task_names), 4.5), squeeze=False)
-    style = {"ar": ("tab:blue", "s", "ARM"), "hf": ("tab:cyan", "D", "HF generate"), "mdm": ("tab:green", "^", "MDM"),
-             "refusion": ("tab:red", "o", "ReFusion"), "refusion-ft": ("tab:purple", "o", "ReFusion-ft (from the ARM)")}
+    style = {"ARM": ("tab:blue", "s"), "HF generate": ("tab:cyan", "D"), "MDM": ("tab:olive", "v"),
+             "MDM-ft (from the ARM)": ("tab:green", "^"), "ReFusion, paper infill": ("tab:red", "o"),
+             "ReFusion, infill=ar": ("tab:orange", "o"), "ReFusion-ft, paper infill": ("tab:purple", "o"),
+             "ReFusion-ft, infill=ar": ("tab:pink", "o")}
+
+    def series(r):
+        if r["method"] == "hf":
+            return "HF generate"
+        if r["method"] == "refusion":
+            infill = "paper infill" if r["settings"]["infill"] == "paper" else "infill=ar"
+            return f"{NAMES[r['model']]}, {infill}"
+        return "MDM-ft (from the ARM)" if r["model"] == "mdm-ft" else NAMES[r["model"]]
+
     for ax, task in zip(axes[0], task_names):
         task_rows = [r for r in rows if r["task"] == task]
-        for key, (color, marker, name) in style.items():
-            pts = [r for r in task_rows if (r["method"] if r["method"] in ("hf", "mdm") else r["model"]) == key
-                   and not (key == "ar" and r["method"] == "hf")]
+        for name, (color, marker) in style.items():
+            pts = [r for r in task_rows if series(r) == name]
             if not pts:
                 continue
             xs, ys = [r["speedup_vs_ar"] for r in pts], [first_quality(r) for r in pts]
             ax.scatter(xs, ys, color=color, marker=marker, label=name, alpha=0.8)
-            if key.startswith("refusion"):
+            if name.startswith("ReFusion"):
                 frontier = sorted((x, y) for x, y in zip(xs, ys) if not any(x2 >= x and y2 > y or x2 > x and y2 >= y
                                                                             for x2, y2 in zip(xs, ys)))
                 ax.plot(*zip(*frontier), color=color, alpha=0.6)
@@ -500,7 +538,7 @@ def main(argv):
     table = markdown_table(highlights(rows)) + "\n\n" + "\n".join(
         f"Training step ({task}, batch {recipe(cfg, task)['batch_size']}): ReFusion {t['refusion'] * 1e3:.0f} ms, "
         f"AR {t['ar'] * 1e3:.0f} ms, ratio {t['ratio']:.2f}x" for task, t in step_times.items())
-    table += "\n\n" + "\n".join(f"{task}: training {m['train']:.1f} minutes (4 models; near 0 when reused), "
+    table += "\n\n" + "\n".join(f"{task}: training {m['train']:.1f} minutes (5 models; near 0 when reused), "
                                  f"decoding {m['decode']:.1f} minutes" for task, m in task_minutes.items())
     host = machine()
     table += f"\n\nWhole run: {minutes:.1f} minutes on {host['processor']} ({host['cpu_threads']} threads)"

@@ -31,11 +31,16 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
     report = json.loads((tmp_path / "bench" / "bench.json").read_text())
     rows = report["rows"]
     assert {"python", "torch", "transformers", "cpu_threads", "processor"} <= set(report["machine"]) and report["minutes"] > 0
-    minutes = report["task_minutes"]["transform"]                     # the quick run trains its 4 models
+    minutes = report["task_minutes"]["transform"]                     # the quick run trains its 5 models
     assert minutes["train"] > 0 and minutes["decode"] > 0 and minutes["train"] + minutes["decode"] <= report["minutes"]
     refusion = [r for r in rows if r["method"] == "refusion"]
-    assert len(refusion) == 2 * 2 and len([r for r in rows if r["method"] == "mdm"]) == 3   # QUICK's sweep
-    ar_row, mdm_row = rows[0], next(r for r in rows if r["method"] == "mdm")
+    assert len(refusion) == 2 * 2 * 2                 # QUICK's sweep, both models, both infill modes
+    assert {r["settings"]["infill"] for r in refusion} == {"paper", "ar"}
+    mdm_rows = [r for r in rows if r["method"] == "mdm"]
+    assert [r["model"] for r in mdm_rows] == ["mdm"] * 3 + ["mdm-ft"] * 3    # 1, 2 and 4 tokens per step each
+    # "vs MDM" compares with the MDM point of the best quality, the fastest of those
+    mdm_row = max(mdm_rows, key=lambda r: (r["quality"]["exact"], r["tokens_per_s"]))
+    ar_row = rows[0]
     assert ar_row["label"] == "ARM" and ar_row["nfe"] == ar_row["tokens"]     # one token per forward
     for r in rows:
         assert ROW_FIELDS <= set(r) and set(r["quality"]) == {"exact"} and 0 <= r["quality"]["exact"] <= 1
@@ -75,12 +80,13 @@ def test_bench_reuses_only_models_trained_with_the_same_settings(tmp_path, monke
     prompts cannot fit is refused before any training."""
     monkeypatch.chdir(tmp_path)
     with monkeypatch.context() as patch, pytest.raises(ValueError, match="no transform validation prompt leaves "
-                                                                         "room for 160 new tokens"):
-        patch.setitem(bench.TASKS, "transform", dict(bench.TASKS["transform"], max_new_tokens=160))
+                                                                         "room for 192 new tokens"):
+        # 190 new tokens, rounded up to whole 8-token slots: 192, more than the shortest prompt leaves
+        patch.setitem(bench.TASKS, "transform", dict(bench.TASKS["transform"], max_new_tokens=190))
         bench.main(QUICK)
     assert not (tmp_path / "bench" / "transform-ar").exists()
     bench.main(QUICK)
-    names = ["transform-ar", "transform-mdm", "transform-refusion", "transform-refusion-ft"]
+    names = ["transform-ar", "transform-mdm", "transform-refusion", "transform-refusion-ft", "transform-mdm-ft"]
     ckpts = [tmp_path / "bench" / n / "ckpt.pt" for n in names]
     stamps = lambda: [p.stat().st_mtime_ns for p in ckpts]           # noqa: E731
     first = stamps()
@@ -90,12 +96,12 @@ def test_bench_reuses_only_models_trained_with_the_same_settings(tmp_path, monke
     capsys.readouterr()
     bench.main(QUICK)
     out = capsys.readouterr().out
-    assert out.count("== reusing") == 3 and "== resuming bench/transform-mdm at iteration 1 of 3" in out
+    assert out.count("== reusing") == 4 and "== resuming bench/transform-mdm at iteration 1 of 3" in out
     assert load_checkpoint(str(ckpts[1]))["iter_num"] == 3
-    assert [a == b for a, b in zip(stamps(), first)] == [True, False, True, True]
+    assert [a == b for a, b in zip(stamps(), first)] == [True, False, True, True, True]
     second = stamps()
     bench.main([f for f in QUICK if f != "--max_iters=3"] + ["--max_iters=4"])
-    assert all(a != b for a, b in zip(stamps(), second))             # all four retrained, the fine-tune too
+    assert all(a != b for a, b in zip(stamps(), second))             # all five retrained, the fine-tunes too
 
 
 @pytest.mark.parametrize("flag", ["--learning_rate=nan", "--learning_rate=inf", "--batch_size=-1", "--block_size=-1",
