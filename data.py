@@ -298,7 +298,7 @@ def _p_mask(batch_size, eps, generator, device):
     return (1 - eps) * t + eps
 
 
-def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator, eps=1e-3):
+def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator, eps=1e-3, slot_end_labels=False):
     """ReFusion's slot reorganization of a batch (SPEC section 3; paper section 3.1).
 
     tokens: (B, T) int64, each row prompt + response (ending with EOS), right-padded;
@@ -306,7 +306,7 @@ def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator,
     S uniformly from slot_sizes, p_mask = (1 - eps) t + eps with t ~ U(0, 1), which slots are masked
     (each with probability p_mask) and a random order of the clean slots, then lays the batch out
     with layout_slots. All randomness comes from `generator` (a CPU torch.Generator), in that order.
-    Returns a Batch of the same (B, T). No Python loop over samples.
+    slot_end_labels: see layout_slots. Returns a Batch of the same (B, T). No Python loop over samples.
     """
     B, T = tokens.shape
     dev = tokens.device
@@ -314,10 +314,10 @@ def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator,
     p = _p_mask(B, eps, generator, dev)
     slot_is_masked = torch.rand(B, T, generator=generator).to(dev) < p[:, None]      # indexed by slot id
     slot_rank = torch.rand(B, T, generator=generator).argsort(dim=1).argsort(dim=1).to(dev)
-    return layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id)
+    return layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels)
 
 
-def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id):
+def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels=False):
     """The deterministic half of reorganize_slots: build the buffer, labels and loss weights.
 
     S: (B,) int64 slot size; p: (B,) float32 p_mask; slot_is_masked: (B, n) bool and slot_rank:
@@ -326,6 +326,9 @@ def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, ma
     token the mask id) in their original order, then padding; every token keeps its true position.
     Labels: a clean token's next token inside its own slot (none for the slot's last token); a masked
     token's own token, with mdm_weight 1 / (p * response length); none for prompt and padding.
+    slot_end_labels (SPEC section 3, beyond the paper; off by default): the last token of every clean
+    slot, and the prompt's last token, are labelled too, with the token at the next position, so the
+    next-token pathway is trained at every response position (infill="ar" decodes with it there).
     """
     B, T = tokens.shape
     pos = torch.arange(T, device=tokens.device).expand(B, T)
@@ -343,7 +346,12 @@ def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, ma
     next_in_slot = torch.zeros_like(in_response)
     next_in_slot[:, :-1] = (slot[:, 1:] == slot[:, :-1]) & in_response[:, 1:]
     next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
-    labels = torch.where(masked, tokens, torch.where(clean & next_in_slot, next_tok, IGNORE))
+    predicts_next = clean & next_in_slot
+    if slot_end_labels:
+        next_in_response = torch.zeros_like(in_response)
+        next_in_response[:, :-1] = in_response[:, 1:]
+        predicts_next = (clean | (pos == prompt_len[:, None] - 1)) & next_in_response
+    labels = torch.where(masked, tokens, torch.where(predicts_next, next_tok, IGNORE))
     weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)
     idx = torch.where(masked, mask_id, tokens)
     return Batch(*(x.gather(1, order) for x in (idx, pos, labels, weight)))

@@ -157,7 +157,7 @@ def test_clean_slots_shuffled_masked_slots_in_order(S):
         assert shuffled_rows > 0                                                # clean slots really permuted
 
 
-def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id):
+def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels=False):
     """SPEC section 3, steps 3-4, for one sample, written as a plain loop: the reference that the
     vectorized data.layout_slots must equal. tokens: list of ids (prompt, response, padding);
     P: prompt length; n: prompt + response length; slot k holds response positions P + kS ...
@@ -167,11 +167,13 @@ def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id):
     clean = sorted((k for k in range(len(slots)) if not slot_is_masked[k]), key=lambda k: slot_rank[k])
     masked = [k for k in range(len(slots)) if slot_is_masked[k]]
     idx, pos, labels, weight = tokens[:P], list(range(P)), [X] * P, [0.0] * P   # the prompt, first
+    if slot_end_labels:                         # the prompt's last token predicts the response's first
+        labels[P - 1] = tokens[P]
     for k in clean:                             # clean slots in rank order: next token inside the slot
         for i, q in enumerate(slots[k]):
             idx.append(tokens[q])
             pos.append(q)
-            labels.append(tokens[q + 1] if i + 1 < len(slots[k]) else X)
+            labels.append(tokens[q + 1] if i + 1 < len(slots[k]) or slot_end_labels and q + 1 < n else X)
             weight.append(0.0)
     for k in masked:                            # masked slots in their own order: their own tokens
         for q in slots[k]:
@@ -187,8 +189,9 @@ def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id):
     return idx, pos, labels, weight
 
 
+@pytest.mark.parametrize("slot_end_labels", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_vectorized_layout_equals_the_per_sample_loop(seed):
+def test_vectorized_layout_equals_the_per_sample_loop(seed, slot_end_labels):
     """layout_slots sorts the whole batch at once (one argsort of group, rank and position); on
     random batches with mixed slot sizes, masks and orders it builds exactly what the loop does."""
     g = torch.Generator().manual_seed(100 + seed)
@@ -198,11 +201,11 @@ def test_vectorized_layout_equals_the_per_sample_loop(seed):
     p = torch.rand(B, generator=g) * 0.999 + 0.001
     slot_is_masked = torch.rand(B, T, generator=g) < p[:, None]
     slot_rank = torch.stack([torch.randperm(T, generator=g) for _ in range(B)])
-    b = data.layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id=257)
+    b = data.layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, 257, slot_end_labels)
     for r in range(B):
         idx, pos, labels, weight = layout_one_sample(tokens[r].tolist(), int(prompt_len[r]), int(length[r]),
                                                      int(S[r]), float(p[r]), slot_is_masked[r].tolist(),
-                                                     slot_rank[r].tolist(), 257)
+                                                     slot_rank[r].tolist(), 257, slot_end_labels)
         assert b.idx[r].tolist() == idx and b.position_ids[r].tolist() == pos and b.labels[r].tolist() == labels
         torch.testing.assert_close(b.mdm_weight[r], torch.tensor(weight), atol=1e-7, rtol=1e-6)
 
@@ -293,6 +296,23 @@ def test_refusion_ar_loss_from_an_ar_model_equals_its_loss_without_slot_boundari
                 ce.append(F.cross_entropy(logits[r, j], tokens[r, j + 1]))
     torch.testing.assert_close(ar_part, torch.stack(ce).mean(), atol=TOL, rtol=0)
     assert mdm_part.item() == 0.0
+
+
+def test_slot_end_labels_give_the_arm_loss_when_nothing_is_masked():
+    """With slot_end_labels, nothing masked and the clean slots in their original order, the labels
+    are exactly the ARM's (every response token predicted from the one before, the first from the
+    prompt's last token), so the AR part of the hybrid loss is the ARM's loss on the same weights."""
+    model = tiny_model(seed=6)
+    tokens, prompt_len, length = random_samples(9, B=4, T=40, vocab=36)
+    tokens[tokens == 258] = 39
+    B, T = tokens.shape
+    b = data.layout_slots(tokens, prompt_len, length, torch.tensor([4, 3, 8, 5]), p=torch.full((B,), 0.5),
+                          slot_is_masked=torch.zeros(B, T, dtype=torch.bool), slot_rank=torch.arange(T).expand(B, T),
+                          mask_id=38, slot_end_labels=True)
+    arm = data.autoregressive_batch(tokens, prompt_len, length)
+    assert torch.equal(b.labels, arm.labels)
+    torch.testing.assert_close(hybrid_loss(model(b.idx, b.position_ids), b),
+                               hybrid_loss(model(arm.idx, arm.position_ids), arm), atol=TOL, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ tokenizer = "bytes"       # 'bytes' (offline) or 'gpt2' (needs the BPE file, see
 data_root = "data"        # prepared data goes to data_root/<name>-<tokenizer>-<block_size>
 too_long = "skip"         # samples longer than block_size: 'skip' them (counted) or 'fail'
 slot_sizes = (4, 8)       # S is drawn per sample from these (the paper uses 4, 8, 16, 32)
+slot_end_labels = False   # refusion: also label each clean slot's last token (and the prompt's) with the next one (SPEC 3)
 gen_length = 128          # mdm: responses padded with EOS to this many tokens, the canvas the MDM decodes; 0: none
 mask_eps = 1e-3           # p_mask = (1 - eps) t + eps
 # model
@@ -82,7 +83,7 @@ OBJECTIVES = ("refusion", "ar", "mdm")
 # the model's shape, which --init_from=PATH takes from its checkpoint
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "qk_norm", "rope_theta")
 # settings a resumed run cannot change (a flag that contradicts one is refused)
-RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "slot_sizes", "gen_length")  # data_root may move
+RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "slot_sizes", "slot_end_labels", "gen_length")  # data_root may move
 
 
 def make_batch(cfg, tokens, prompt_len, length, meta, generator):
@@ -90,7 +91,7 @@ def make_batch(cfg, tokens, prompt_len, length, meta, generator):
     meta: the prepared data's meta.json (its mask, EOS and pad ids)."""
     if cfg["objective"] == "refusion":
         return reorganize_slots(tokens, prompt_len, length, cfg["slot_sizes"], meta["mask_id"], generator,
-                                cfg["mask_eps"])
+                                cfg["mask_eps"], cfg["slot_end_labels"])
     if cfg["objective"] == "mdm":
         if cfg["gen_length"]:
             tokens, length = pad_with_eos(tokens, prompt_len, length, meta["eos_id"], meta["pad_id"],
