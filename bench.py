@@ -25,7 +25,6 @@ its most accurate setting and its fastest setting) and, with matplotlib, bench.p
 the ARM, as the paper's MBPP figure). Every figure comes from this run.
 """
 
-import ast
 import importlib.metadata
 import importlib.util
 import json
@@ -44,7 +43,7 @@ from tqdm import tqdm
 import train
 from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import parse_args, require, run_cli, settings_in
-from corpora import arithmetic_answer, arithmetic_expected, transform_expected
+from corpora import score
 from data import TokenDataset, decode, get_tokenizer
 from generate import INFILL_MODES, MDMSettings, RefusionSettings, cut_after_eos, eos_ids_of
 from model import ModelConfig, Transformer
@@ -138,30 +137,6 @@ def train_model(cfg, task, name, objective, init_from=None):
     print(f"\n== training {task}-{name}: {' '.join(flags)}")
     train.main(flags)
     return out
-
-# -----------------------------------------------------------------------------
-# quality: every answer checked by code
-
-
-def score(task, query, text, reference):
-    """{metric: 1.0 or 0.0} of one generation (text: the response without EOS).
-
-    transform: "exact", the response is the transformed letters and a newline;
-    arith: "accuracy", the final answer is right;
-    stdlib: "parse_rate", the function parses with at least one statement after its docstring
-    (the prompt alone already parses), and "first_line", its first line is the reference's.
-    The first metric is the task's quality measure.
-    """
-    if task == "transform":
-        return {"exact": float(text == transform_expected(query) + "\n")}
-    if task == "arith":
-        return {"accuracy": float(arithmetic_answer(text) == arithmetic_expected(query))}
-    try:
-        parses = len(ast.parse(query + text).body[0].body) > 1
-    except (SyntaxError, ValueError, IndexError, AttributeError):
-        parses = False
-    return {"parse_rate": float(parses), "first_line": float(text.split("\n")[0] == reference.split("\n")[0])}
-
 
 def validation_prompts(cfg, task):
     """The first num_prompts validation samples whose prompt leaves room for every decoder's
@@ -327,7 +302,7 @@ def bench_task(cfg, task, prompts, references):
     queries, refs = [decode(enc, p) for p in prompts], [decode(enc, q[:-1]) for q in references]
 
     def point(label, method, name, knobs, texts, speed):
-        scores = [score(task, q, decode(enc, t), ref) for q, t, ref in zip(queries, texts, refs)]
+        scores = [score(r["dataset"], q, decode(enc, t), ref) for q, t, ref in zip(queries, texts, refs)]
         quality = {m: float(np.mean([s[m] for s in scores])) for m in scores[0]}
         return {"task": task, "dataset": r["dataset"], "label": label, "method": method, "model": name,
                 "settings": knobs, "train_iters": iters + (ft if name.endswith("-ft") else 0),

@@ -3,6 +3,7 @@ The built-in corpora and a user's own files, as records: {"query", "response", "
 
     stdlib   every documented function of this Python's standard library (query: signature and
              docstring; response: the rest of the body)
+    camel    the standard library's one-line signatures, each rewritten with camelCase names (code editing)
     arith    20,000 worked multi-digit arithmetic problems whose answers code can check
     arith-1m a million of them, for GPU runs; arith-small 20,000 with operands of 2 and 3 digits
     transform 20,000 letter strings to copy, upper-case, shift or mirror (the parallel-friendly task)
@@ -115,6 +116,52 @@ def stdlib_records(max_chars: int | None = None) -> list[dict]:
     if unreadable:
         print(f"stdlib_records: skipped {unreadable} files that are not UTF-8 or do not parse")
     return records
+
+# -----------------------------------------------------------------------------
+# the built-in code-editing corpus: the standard library's signatures, renamed to camelCase
+
+# a snake_case name (at least one inner "_", any leading "_" kept), not an attribute ("os.path_sep")
+SNAKE_CASE = re.compile(r"(?<![\w.])(_*)([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?!\w)")
+
+
+def camel_case(line: str) -> str:
+    """line with every snake_case name written in camelCase: "def get_close_matches(word, max_n=3):"
+    -> "def getCloseMatches(word, maxN=3):". Leading underscores stay ("_ensure_future" ->
+    "_ensureFuture"); dunder names ("__init__"), attributes after a dot and other names are unchanged."""
+    def to_camel(m):
+        first, *rest = m[2].split("_")
+        return m[1] + first + "".join(word.capitalize() for word in rest)
+    return SNAKE_CASE.sub(to_camel, line)
+
+
+def camel_records(max_line: int = 90) -> list[dict]:
+    """
+    The built-in code-editing corpus: one record per distinct one-line `def` signature of the
+    standard library (at most max_line characters) that holds a snake_case name, as
+    {"query": "def get_close_matches(word, possibilities, n=3, cutoff=0.6):\n",
+     "response": "def getCloseMatches(word, possibilities, n=3, cutoff=0.6):\n", "module", "name"}.
+    The response is the query rewritten by camel_case: mostly a copy of the prompt with a few local
+    edits, so its tokens depend on the prompt far more than on each other. Real text, checked exactly.
+    """
+    records, seen = [], set()
+    for path, module in _stdlib_files(sysconfig.get_paths()["stdlib"]):
+        try:
+            with open(path, encoding="utf-8") as f:
+                source = f.read().replace("\r\n", "\n").replace("\r", "\n")
+            tree = ast.parse(source)
+        except (UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        lines = source.split("\n")
+        for name, node in _functions(tree):
+            line = lines[node.lineno - 1].strip()
+            if not (line.startswith("def ") and line.endswith(":")) or len(line) > max_line or line in seen:
+                continue
+            seen.add(line)
+            if camel_case(line) != line:
+                records.append({"query": line + "\n", "response": camel_case(line) + "\n", "module": module,
+                                "name": name})
+    return records
+
 
 # -----------------------------------------------------------------------------
 # the built-in arithmetic corpus: column-by-column worked solutions with a checkable final answer
@@ -400,10 +447,39 @@ def load_records(path: str, window_bytes: int = TEXT_WINDOW_BYTES) -> list[dict]
     module = os.path.basename(path)
     return [dict(r, module=module, name=str(i)) for i, r in enumerate(records)]
 
+# -----------------------------------------------------------------------------
+# checking a generated response
+
+
+def score(dataset: str, query: str, text: str, reference: str = "") -> dict[str, float] | None:
+    """{metric: 1.0 or 0.0} of one generated response `text` (without EOS) to `query`, for the
+    built-in corpora whose answers code can check; None for any other data set. The first metric is
+    the data set's quality measure:
+
+    camel, transform: "exact", the response is the expected line(s) exactly;
+    arith*: "accuracy", the final answer is right;
+    stdlib: "parse_rate", the function parses with at least one statement after its docstring (the
+    prompt alone already parses), and "first_line", its first line is the reference's.
+    """
+    if dataset == "camel":
+        return {"exact": float(text == camel_case(query.rstrip("\n")) + "\n")}
+    if dataset == "transform":
+        return {"exact": float(text == transform_expected(query) + "\n")}
+    if dataset.startswith("arith"):
+        return {"accuracy": float(arithmetic_answer(text) == arithmetic_expected(query))}
+    if dataset != "stdlib":
+        return None
+    try:
+        parses = len(ast.parse(query + text).body[0].body) > 1
+    except (SyntaxError, ValueError, IndexError, AttributeError):
+        parses = False
+    return {"parse_rate": float(parses), "first_line": float(text.split("\n")[0] == reference.split("\n")[0])}
+
+
 # built-in corpora; anything else is a path. "arith-1m" holds 1,000,000 problems (116M byte tokens
 # of training data) for GPU runs; its first 20,000 are "arith"'s, in the same splits. "arith-small"
 # has operands of 2 and 3 digits (responses of up to 63 bytes): the benchmark's serial task, which a
 # small ARM learns on a CPU.
-DATASETS = {"stdlib": stdlib_records, "arith": arithmetic_records, "transform": transform_records,
+DATASETS = {"stdlib": stdlib_records, "camel": camel_records, "arith": arithmetic_records, "transform": transform_records,
             "arith-1m": lambda: arithmetic_records(1_000_000),
             "arith-small": lambda: arithmetic_records(20000, digits=(2, 3))}

@@ -21,7 +21,7 @@ import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import check_device, explicit_keys, parse_args, run_cli, settings_in
-from corpora import read_utf8
+from corpora import read_utf8, score
 from data import TokenDataset, decode, encode, get_tokenizer, hf_special_ids
 from generate import DECODERS, check_attention, eos_ids_of
 from model import Transformer
@@ -262,19 +262,43 @@ def main(argv):
     val_data = None if cfg["prompt"] or cfg["prompt_file"] or ckpt is None else validation_split(ckpt)
     prompts = load_prompts(cfg, enc, val_data, settings.gen_len, model.config.block_size)
     run(prompts[0][:8])  # warm-up: the first forward passes pay one-time costs
+    check = partial(score, ckpt["config"]["dataset"]) if ckpt else lambda *_: None
+    outs, verdicts = [], []
     for i, prompt in enumerate(prompts):
         live = LiveTrace(enc, prompt, settings.max_new_tokens, ids["eos_id"]) if cfg["show"] else None
         out = run(prompt, generator=prompt_generator(cfg["device"], cfg["seed"], i), on_step=live)
         text = decode(enc, [t for t in out.tokens if t not in eos_ids_of(ids["eos_id"])])
+        scores = check(decode(enc, prompt), text)
+        verdict = None if scores is None else next(iter(scores.items()))     # (metric, 1.0 or 0.0)
+        outs.append(out)
+        verdicts.append(verdict)
         if cfg["json"]:
-            print(dumps({"prompt": decode(enc, prompt), "text": text, **out.stats()}))
+            print(dumps({"prompt": decode(enc, prompt), "text": text, **out.stats(),
+                         **({} if verdict is None else {verdict[0]: bool(verdict[1])})}))
             continue
         print("=" * 80)
         print(decode(enc, prompt) + text)
         print("-" * 80)
         s = out.stats()
-        print(f"{s['tokens']} tokens in {s['nfe']} forward passes (NFE), {s['tpf']:.2f} tokens per forward "
+        print(("" if verdict is None else f"{VERDICT[verdict[1] == 1.0]} ({verdict[0]}): ") +
+              f"{s['tokens']} tokens in {s['nfe']} forward passes (NFE), {s['tpf']:.2f} tokens per forward "
               f"(TPF), {s['seconds']:.3f} s, {s['tokens_per_s']:.1f} tokens/s")
+    if not cfg["json"] and len(prompts) > 1:
+        print("=" * 80)
+        print(summary(outs, verdicts))
+
+
+VERDICT = {True: "right", False: "wrong"}
+
+
+def summary(outs, verdicts):
+    """One line over all samples: how many were right (where the data set has a check), and tokens,
+    forward passes, TPF and tokens/s over all of them (TPF as everywhere: tokens / NFE)."""
+    tokens, nfe, seconds = sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs), sum(o.seconds for o in outs)
+    checked = [v for v in verdicts if v is not None]
+    right = f"{sum(v[1] == 1.0 for v in checked)} of {len(checked)} right ({checked[0][0]}); " if checked else ""
+    return (f"{len(outs)} samples: {right}{tokens} tokens in {nfe} forward passes, {tokens / max(nfe, 1):.2f} tokens "
+            f"per forward (next-token decoding: 1.00), {tokens / max(seconds, 1e-9):.1f} tokens/s")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch
 import bench
 from checkpoint import load_checkpoint, save_checkpoint
 from configurator import parse_args
-from corpora import transform_records
+from corpora import score, transform_records
 from generate import DecodeSettings, generate_ar
 from helpers import tiny_model
 
@@ -64,13 +64,13 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
 
 def test_transform_answers_are_checked_independently():
     """The transform task's checker against hand-computed answers, and every generated record."""
-    assert bench.score("transform", "copy: abcabcabcabcabcz\n", "abcabcabcabcabcz\n", "") == {"exact": 1.0}
-    assert bench.score("transform", "upper: " + "ab" * 16 + "\n", "AB" * 16 + "\n", "") == {"exact": 1.0}
-    assert bench.score("transform", "shift: " + "az" * 24 + "\n", "ba" * 24 + "\n", "") == {"exact": 1.0}
-    assert bench.score("transform", "mirror: " + "abz" * 21 + "\n", "zya" * 21 + "\n", "") == {"exact": 1.0}
-    assert bench.score("transform", "copy: abcabcabcabcabcz\n", "abcabcabcabcabcz", "") == {"exact": 0.0}
+    assert score("transform", "copy: abcabcabcabcabcz\n", "abcabcabcabcabcz\n", "") == {"exact": 1.0}
+    assert score("transform", "upper: " + "ab" * 16 + "\n", "AB" * 16 + "\n", "") == {"exact": 1.0}
+    assert score("transform", "shift: " + "az" * 24 + "\n", "ba" * 24 + "\n", "") == {"exact": 1.0}
+    assert score("transform", "mirror: " + "abz" * 21 + "\n", "zya" * 21 + "\n", "") == {"exact": 1.0}
+    assert score("transform", "copy: abcabcabcabcabcz\n", "abcabcabcabcabcz", "") == {"exact": 0.0}
     for r in transform_records(200):
-        assert bench.score("transform", r["query"], r["response"], "") == {"exact": 1.0}
+        assert score("transform", r["query"], r["response"], "") == {"exact": 1.0}
         assert 17 <= len(r["response"]) <= 64
 
 

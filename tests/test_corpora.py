@@ -194,3 +194,26 @@ def test_load_records_errors_say_what_is_wrong(tmp_path, name, content, error, m
     path = str(tmp_path / name) if content is None else write(tmp_path, name, content)
     with pytest.raises(error, match=message):
         corpora.load_records(path)
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("def get_close_matches(word, possibilities, n=3, cutoff=0.6):", "def getCloseMatches(word, possibilities, n=3, cutoff=0.6):"),
+    ("def _ensure_future(coro_or_future, *, loop=None):", "def _ensureFuture(coroOrFuture, *, loop=None):"),
+    ("def __init__(self, date_time=(1980,1,1), sep=os.path_sep):", "def __init__(self, dateTime=(1980,1,1), sep=os.path_sep):"),
+    ("def f(x2_y, a__b, CONST_NAME, already_):", "def f(x2Y, a__b, CONST_NAME, already_):"),
+])
+def test_camel_case_renames_snake_case_names_only(line, expected):
+    assert corpora.camel_case(line) == expected
+
+
+def test_camel_records_are_real_signatures_and_their_camel_case():
+    records = corpora.camel_records()
+    assert len(records) > 3000 and len({r["query"] for r in records}) == len(records)
+    for r in records:
+        query, response = r["query"], r["response"]
+        assert query.startswith("def ") and query.endswith(":\n") and len(query) <= 91
+        assert response == corpora.camel_case(query[:-1]) + "\n" != query
+        ast.parse(query + "    pass\n")                        # a real one-line signature
+        assert corpora.score("camel", query, response) == {"exact": 1.0}
+        assert corpora.score("camel", query, query) == {"exact": 0.0}
+    assert corpora.score("my_data.json", "q", "a") is None       # only the built-in corpora are checked

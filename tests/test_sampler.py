@@ -148,3 +148,19 @@ def test_an_mdm_is_decoded_on_the_canvas_it_was_trained_for(tmp_path, capsys):
         sampler.main([f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=10"])
     sampler.main([f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=16", "--json"])
     assert "canvas" not in capsys.readouterr().err
+
+
+def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_counts_them(tmp_path, capsys):
+    """On a built-in corpus whose answers code checks (here transform), every sample ends with its
+    verdict and its speed, and one summary line adds them up (TPF = all tokens / all forward passes)."""
+    flags = tiny_run_flags(tmp_path, ("transform",), "run") + ["--block_size=160", "--max_iters=2"]
+    train.main(flags)
+    sampler.main([f"--out_dir={tmp_path / 'run'}", "--num_samples=3", "--max_new_tokens=16", "--num_blocks=1"])
+    out = capsys.readouterr().out.strip().split("\n")
+    lines = [line for line in out if re.match(r"(right|wrong) \(exact\): ", line)]
+    assert len(lines) == 3
+    figures = [tuple(map(int, re.search(r"(\d+) tokens in (\d+) forward", line).groups())) for line in lines]
+    tokens, nfe = sum(t for t, _ in figures), sum(n for _, n in figures)
+    right = sum(line.startswith("right") for line in lines)
+    assert out[-1].startswith(f"3 samples: {right} of 3 right (exact); {tokens} tokens in {nfe} forward passes, "
+                              f"{tokens / nfe:.2f} tokens per forward (next-token decoding: 1.00)")
