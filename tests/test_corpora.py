@@ -194,3 +194,14 @@ def test_load_records_errors_say_what_is_wrong(tmp_path, name, content, error, m
     path = str(tmp_path / name) if content is None else write(tmp_path, name, content)
     with pytest.raises(error, match=message):
         corpora.load_records(path)
+
+
+def test_deeply_nested_json_is_refused_naming_the_file_and_line(tmp_path):
+    """JSON nested deeper than Python's parser recurses (a RecursionError) is a malformed data file."""
+    deep = "[" * 100_000 + "]" * 100_000
+    path = write(tmp_path, "deep.json", deep)
+    with pytest.raises(ValueError, match=rf"^{re.escape(path)}: nested deeper than Python's JSON parser can read"):
+        corpora.load_records(path)
+    path = write(tmp_path, "deep.jsonl", '{"query": "a", "response": "b"}\n' + deep + "\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(path)}: line 2 is nested deeper than Python's JSON parser"):
+        corpora.load_records(path)

@@ -4,18 +4,22 @@ checkpoints and their consolidation, activation checkpointing, and the memory ta
 import contextlib
 import json
 import os
+import pickle
 import re
+import shutil
 import socket
 from dataclasses import asdict
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import sampler
 import shard
 import train
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, sharded_info_path
 from helpers import ROOT, tiny_model, tiny_run_flags
 from model import ModelConfig, Transformer
 from shard import checkpoint_blocks, consolidate, load_sharded, load_sharded_info, memory_table, save_sharded, \
@@ -256,3 +260,58 @@ def test_the_readme_memory_table_is_computed_from_the_models_shapes():
         n = model.num_params()
         embeddings = shape["vocab_size"] * shape["n_embd"] * (1 if shape["tie_embeddings"] else 2)
         assert (round(n / 1e9, 1), round((n - embeddings) / 1e9, 2)) == (total, non_embedding)
+
+
+class Payload:
+    """Unpickled, it creates the file `marker`: the code a crafted checkpoint would run."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_crafted_sharded_checkpoint_runs_no_code_and_is_refused(tmp_path, one_process_group):
+    """torch.distributed.checkpoint unpickles a checkpoint's index (.metadata) and the values stored
+    beside its tensors with plain pickle; shard.py (consolidation) and an FSDP resume (load_sharded)
+    refuse either when it would construct anything else than plain data, and nothing in it runs."""
+    marker = str(tmp_path / "code-ran")
+    out = str(tmp_path / "run")
+    model = shard_model(tiny_model(seed=1).train(), "cpu", bf16=False)
+    optimizer = make_optimizer(train.DEFAULTS, model)
+    _adamw_step(model, optimizer, seed=0)
+    info = {"model_args": asdict(model.config), "config": dict(train.DEFAULTS), "meta": {}, "data_dir": "",
+            "best_val_loss": 1.0, "iter_num": 1}
+    save_sharded(out, model, optimizer, info)
+    shards = load_sharded_info(out)["shards"]
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # a value beside the tensors: a learning rate
+    optimizer_state["param_groups"][0]["lr"] = Payload(marker)
+    shutil.rmtree(shards)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=shards)
+    with pytest.raises(ValueError, match=r"value optimizer.param_groups.\S*lr is not plain data .*nothing in it ran"):
+        load_sharded(shards, model, make_optimizer(train.DEFAULTS, model))
+    with open(os.path.join(shards, ".metadata"), "wb") as f:            # the index itself
+        pickle.dump(Payload(marker), f)
+    for load in (lambda: shard.main([f"--out_dir={out}"]), lambda: load_sharded(shards, model, optimizer)):
+        with pytest.raises(ValueError, match=r"\.metadata is not a sharded checkpoint's index \(UnpicklingError: "
+                                             r"it names io.open, which a checkpoint.s index never holds.*nothing "
+                                             r"in it ran"):
+            load()
+    assert not os.path.exists(marker)
+    torch.save(dict(torch.load(sharded_info_path(out), weights_only=True), shards=".."), sharded_info_path(out))
+    with pytest.raises(ValueError, match=r"names the shards '\.\.', not one of ckpt_sharded_a, ckpt_sharded_b"):
+        load_sharded_info(out)                                          # the next save would delete what it names
+
+
+def test_the_sharded_info_file_never_follows_a_symlink_at_its_old_temp_name(tmp_path, one_process_group):
+    out = tmp_path / "run"
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.symlink(victim, out / "ckpt_sharded.pt.tmp")
+    model = shard_model(tiny_model(seed=1).train(), "cpu", bf16=False)
+    optimizer = make_optimizer(train.DEFAULTS, model)
+    save_sharded(str(out), model, optimizer, {"model_args": asdict(model.config), "iter_num": 0})
+    assert victim.read_text() == "precious" and load_sharded_info(str(out))["iter_num"] == 0
+    assert sorted(os.listdir(out)) == ["ckpt_sharded.pt", "ckpt_sharded.pt.tmp", "ckpt_sharded_a"]
