@@ -9,7 +9,10 @@ Plain data parallelism (DDP) keeps the whole float32 weights, gradients and Adam
 FSDP cuts each of them into one shard per process and all-gathers a block's weights only while that
 block computes; its gradients are reduce-scattered straight back into shards (ZeRO stage 3, in
 DeepSpeed's words). train.py calls `shard_model` and saves with `save_sharded`; everything else in the
-training loop (data, loss, clipping, the schedule) is the same code as under DDP.
+training loop (data, loss, clipping, the schedule) is the same code as under DDP. Sharded checkpoints
+are read as data only (`read_shards`): the pickles torch.distributed.checkpoint keeps beside the
+tensors may construct plain values and the classes of its index, nothing else, so loading one never
+runs code from it.
 """
 
 import os

@@ -32,9 +32,9 @@ from checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, sharde
 from configurator import check_device, check_seed, parse_args, require, run_cli, settings_in
 from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, get_tokenizer, random_mask_batch, \
     reorganize_slots, vocab_size
+from files import write_atomic
 from model import ModelConfig, Transformer
 from prepare import prepare
-from files import write_atomic
 from shard import check_sharding, checkpoint_blocks, load_sharded, load_sharded_info, save_sharded, shard_model
 
 # -----------------------------------------------------------------------------
@@ -573,7 +573,7 @@ def start_and_train(cfg, explicit):
         raise ValueError(f"the prepared data {data_dir} is not the data {ckpt_file} was trained on (its SHA-1 "
                          f"differs: --dataset={cfg['dataset']} was edited, or prepared with another tokenizer or "
                          "Python); resume with that data, or start a new run from its weights with "
-                         f"--init_from={cfg['out_dir']} --out_dir=ANOTHER (nothing was written)")
+                         f"--init_from={cfg['out_dir']} --out_dir=ANOTHER (the checkpoint is as it was)")
     if len(train_data) < cfg["batch_size"] and rank == 0:
         print(f"warning: the training split has {len(train_data)} samples, fewer than one batch of "
               f"{cfg['batch_size']}; batches draw samples with replacement, so they repeat", file=sys.stderr)

@@ -31,6 +31,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 # every FSDP run: 2 micro-batches per process per step, and a clip that is active on this model
 STEPS = ["--gradient_accumulation_steps=4", "--grad_clip=0.1"]
+BYTES_META = {"tokenizer": "bytes", "eos_id": 256, "mask_id": 257, "pad_id": 258}  # of a checkpoint's data
 
 
 def _free_port():
@@ -146,7 +147,7 @@ def test_a_crash_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path, one_p
     out = str(tmp_path / "run")
     model = shard_model(tiny_model(seed=1).train(), "cpu", bf16=False)
     optimizer = make_optimizer(train.DEFAULTS, model)
-    info = {"model_args": asdict(model.config), "config": dict(train.DEFAULTS), "meta": {}, "data_dir": "",
+    info = {"model_args": asdict(model.config), "config": dict(train.DEFAULTS), "meta": BYTES_META, "data_dir": "",
             "best_val_loss": 1.0}
     _adamw_step(model, optimizer, seed=0)
     save_sharded(out, model, optimizer, dict(info, iter_num=1))
@@ -281,7 +282,7 @@ def test_a_crafted_sharded_checkpoint_runs_no_code_and_is_refused(tmp_path, one_
     model = shard_model(tiny_model(seed=1).train(), "cpu", bf16=False)
     optimizer = make_optimizer(train.DEFAULTS, model)
     _adamw_step(model, optimizer, seed=0)
-    info = {"model_args": asdict(model.config), "config": dict(train.DEFAULTS), "meta": {}, "data_dir": "",
+    info = {"model_args": asdict(model.config), "config": dict(train.DEFAULTS), "meta": BYTES_META, "data_dir": "",
             "best_val_loss": 1.0, "iter_num": 1}
     save_sharded(out, model, optimizer, info)
     shards = load_sharded_info(out)["shards"]
