@@ -91,7 +91,7 @@ def _is_prepared(data_dir: str, expected: dict) -> bool:
     try:
         with open(os.path.join(data_dir, "meta.json")) as f:
             meta = json.load(f)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError, RecursionError):  # missing, damaged or crafted: prepared anew
         return False
     return (all(meta.get(k) == v for k, v in expected.items())
             and not any(damaged_file(data_dir, meta, split) for split in ("train", "val")))

@@ -2,6 +2,7 @@
 checkpoints and their consolidation, activation checkpointing, and the memory table."""
 
 import contextlib
+import errno
 import json
 import os
 import pickle
@@ -157,12 +158,14 @@ def test_a_crash_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path, one_p
     def crash(state_dict, checkpoint_id):                              # the disk fills up mid-write
         os.makedirs(checkpoint_id)
         open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb").write(b"partial")
-        raise OSError("No space left on device")
+        raise OSError(errno.ENOSPC, "No space left on device")
     with monkeypatch.context() as m:
         m.setattr(shard.dcp, "save", crash)
-        with pytest.raises(OSError, match="No space left"):
+        with pytest.raises(ValueError, match=r"^no space left on /\S* to write \S+ckpt_sharded.pt; the previous "
+                                             "sharded checkpoint is kept: free some space there and run again$"):
             save_sharded(out, model, optimizer, dict(info, iter_num=2))
     assert load_sharded_info(out)["iter_num"] == 1
+    assert sorted(os.listdir(out)) == ["ckpt_sharded.pt", "ckpt_sharded_a"]   # the incomplete shards are removed
     fresh = shard_model(tiny_model(seed=2).train(), "cpu", bf16=False)
     fresh_optimizer = make_optimizer(train.DEFAULTS, fresh)
     load_sharded(load_sharded_info(out)["shards"], fresh, fresh_optimizer)
@@ -170,7 +173,7 @@ def test_a_crash_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path, one_p
         torch.testing.assert_close(p.full_tensor(), saved[name], atol=0, rtol=0)
     assert all(s["step"] == 1 for s in fresh_optimizer.state.values())
 
-    save_sharded(out, model, optimizer, dict(info, iter_num=2))        # the next save replaces the wreck
+    save_sharded(out, model, optimizer, dict(info, iter_num=2))
     assert load_sharded_info(out)["iter_num"] == 2
     assert sorted(os.listdir(out)) == ["ckpt_sharded.pt", "ckpt_sharded_b"]   # the previous one is deleted
     for name, p in load_checkpoint(consolidate(out))["model"].items():
