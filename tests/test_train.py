@@ -20,7 +20,7 @@ import checkpoint
 import data
 import train
 from checkpoint import load_checkpoint, save_checkpoint
-from helpers import ROOT, TOL, tiny_model, tiny_run_flags, write
+from helpers import ROOT, TOL, qa_rows, tiny_model, tiny_run_flags, write
 from test_refusion import random_samples
 from train import compile_model, flops_per_token, hybrid_loss, load_weights, make_batch
 
@@ -204,17 +204,31 @@ def test_a_loss_that_becomes_nan_stops_and_keeps_the_last_good_checkpoint(tmp_pa
     assert ckpt.read_bytes() == before
 
 
+KILLED_RUN = ["--max_iters=400", "--eval_interval=50"]  # long enough to be stopped after its first checkpoint
+
+
+def train_py(flags, **kwargs):
+    """train.py run as a command, on one thread (so that runs in two processes give the same weights)."""
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], check=True, capture_output=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The weights of a KILLED_RUN never stopped (trained once for every signal below)."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    train_py(tiny_run_flags(tmp, (write(tmp, "sums.json", json.dumps(qa_rows())),), "straight") + KILLED_RUN)
+    return load_checkpoint(str(tmp / "straight"))["model"]
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGKILL"])
-def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, sig):
+def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, uninterrupted, sig):
     """Interrupted (Ctrl-C, or SIGTERM from Slurm, `docker stop` or torchrun: saves at once) or killed
     (resumes from the last periodic checkpoint), then resumed: the same final weights as a run that
     was never stopped."""
-    flags = tiny_run_flags(tmp_path, qa_file, "straight") + ["--max_iters=400", "--eval_interval=50"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(ROOT / "train.py")]
-    subprocess.run(cmd + flags, check=True, capture_output=True, env=env)
-    stopped = [f.replace("straight", "stopped") for f in flags]
-    proc = subprocess.Popen(cmd + stopped, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    stopped = tiny_run_flags(tmp_path, qa_file, "stopped") + KILLED_RUN
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *stopped], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
     ckpt = tmp_path / "stopped" / "ckpt.pt"
     while not ckpt.exists() and proc.poll() is None:       # stop it after the first checkpoint
         time.sleep(0.05)
@@ -224,10 +238,10 @@ def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, sig):
         assert proc.returncode == 1 and b"--init_from=resume" in err
     stopped_at = load_checkpoint(str(ckpt))["iter_num"]
     assert 0 < stopped_at < 400
-    subprocess.run(cmd + stopped + ["--init_from=resume"], check=True, capture_output=True, env=env)
-    a, b = load_checkpoint(str(tmp_path / "straight")), load_checkpoint(str(ckpt))
-    for name in a["model"]:
-        torch.testing.assert_close(b["model"][name], a["model"][name], atol=0, rtol=0)
+    train_py(stopped + ["--init_from=resume"])
+    resumed = load_checkpoint(str(ckpt))["model"]
+    for name in uninterrupted:
+        torch.testing.assert_close(resumed[name], uninterrupted[name], atol=0, rtol=0)
 
 
 def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path, qa_file, monkeypatch):
