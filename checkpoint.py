@@ -3,16 +3,24 @@ Checkpoints: what train.py writes and sampler.py / bench.py read.
 
 A checkpoint is one `ckpt.pt` in out_dir holding plain data only (tensors, numbers, strings, lists,
 dicts), loaded with `torch.load(weights_only=True)`, so opening one never runs code from it. It is
-written to a temp file and renamed, so a crash mid-write leaves the previous checkpoint intact.
+written atomically (files.write_atomic), so a crash or a full disk mid-write leaves the previous
+checkpoint intact. A run trained with --fsdp=True has a sharded checkpoint instead (shard.py), named
+by `ckpt_sharded.pt`; `python shard.py` consolidates it into a ckpt.pt.
 """
 
+import dataclasses
 import os
+import sys
 
 import torch
 
+from files import write_atomic
 from model import ModelConfig, Transformer
 
 FORMAT = 1  # bumped when the layout changes; older files are refused with a message
+# what train.py always writes: a missing one would silently take ModelConfig's default (causal=True)
+MODEL_ARGS = ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "rope_theta", "qk_norm", "causal")
+META = ("tokenizer", "eos_id", "mask_id", "pad_id")
 
 
 def checkpoint_path(out_dir):
@@ -20,26 +28,39 @@ def checkpoint_path(out_dir):
     return os.path.join(out_dir, "ckpt.pt")
 
 
+def sharded_info_path(out_dir):
+    """out_dir/ckpt_sharded.pt, the small file that makes a sharded checkpoint (shard.py): the run's
+    plain data and the name of the directory holding its shards."""
+    return os.path.join(out_dir, "ckpt_sharded.pt")
+
+
 def save_checkpoint(out_dir, ckpt):
-    """Write ckpt (a dict of plain data) to out_dir/ckpt.pt atomically (temp file + rename)."""
+    """Write ckpt (a dict of plain data) to out_dir/ckpt.pt atomically (files.write_atomic).
+    Raises files.DiskFull (a ValueError) when the disk fills up; the previous checkpoint is kept."""
     os.makedirs(out_dir, exist_ok=True)
-    path = checkpoint_path(out_dir)
-    tmp = path + ".tmp"
-    torch.save(dict(ckpt, format=FORMAT), tmp)
-    os.replace(tmp, path)
+    write_atomic(checkpoint_path(out_dir), lambda f: torch.save(dict(ckpt, format=FORMAT), f), "checkpoint")
 
 
 def load_checkpoint(path_or_dir, device="cpu"):
     """Read a checkpoint dict from a file or an out_dir holding ckpt.pt.
 
-    Raises FileNotFoundError when there is none, ValueError when the file is not a readable
-    checkpoint of this format (truncated, foreign, crafted to run code, or from another version).
+    Warns on stderr when a sharded checkpoint beside it is newer (not consolidated since).
+    Raises FileNotFoundError when there is none (naming shard.py when the run has only a sharded
+    one), ValueError when the file is not a readable checkpoint of this format (truncated, foreign,
+    crafted to run code, from another version, or inconsistent: check_consistent).
     """
     is_file = path_or_dir.endswith(".pt") or os.path.isfile(path_or_dir)
     path = path_or_dir if is_file else checkpoint_path(path_or_dir)
+    out_dir = os.path.dirname(path) or "."
+    sharded = sharded_info_path(out_dir)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path}: train one first with "
-                                f"`python train.py --out_dir={os.path.dirname(path) or '.'}`")
+        if os.path.isfile(sharded):
+            raise FileNotFoundError(f"no checkpoint at {path}: {out_dir} holds a sharded checkpoint (--fsdp=True); "
+                                    f"consolidate it first with `python shard.py --out_dir={out_dir}`")
+        raise FileNotFoundError(f"no checkpoint at {path}: train one first with `python train.py --out_dir={out_dir}`")
+    if os.path.isfile(sharded) and os.path.getmtime(sharded) > os.path.getmtime(path):
+        print(f"warning: {path} is older than the sharded checkpoint {sharded}; run `python shard.py "
+              f"--out_dir={out_dir}` to use the latest weights", file=sys.stderr)
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # torch raises several types for truncated or unsafe files
@@ -51,7 +72,42 @@ def load_checkpoint(path_or_dir, device="cpu"):
     if ckpt.get("format") != FORMAT:
         raise ValueError(f"{path} has checkpoint format {ckpt.get('format')!r}, this code reads format "
                          f"{FORMAT}; retrain it with this version of train.py")
+    check_consistent(ckpt, path)
     return upgrade(ckpt)
+
+
+def check_consistent(ckpt, path):
+    """Refuse a checkpoint whose parts disagree (written by another program, or edited): model_args
+    that ModelConfig does not know or that lack one of MODEL_ARGS, weights whose names or shapes are
+    not those model_args build, a meta without the tokenizer and its special ids (META), a config
+    without its objective. Raises ValueError naming the file and what is wrong."""
+    def refuse(problem):
+        raise ValueError(f"{path} is inconsistent: {problem}; it was not written by this train.py or was "
+                         "edited: retrain it or point to another file")
+    args, known = ckpt["model_args"], {f.name for f in dataclasses.fields(ModelConfig)}
+    if not isinstance(args, dict):
+        refuse(f"model_args is a {type(args).__name__}, not a dict")
+    unknown, missing = sorted(args.keys() - known), sorted(set(MODEL_ARGS) - args.keys())
+    if unknown or missing:
+        refuse("model_args " + " and ".join(part for part in (unknown and f"has unknown keys {unknown}",
+                                                               missing and f"lacks {missing}") if part))
+    try:
+        with torch.device("meta"):  # names and shapes only
+            shapes = {name: tuple(t.shape) for name, t in Transformer(ModelConfig(**args)).state_dict().items()}
+    except (TypeError, ValueError) as e:
+        refuse(f"model_args do not make a model ({e})")
+    weights = ckpt["model"]
+    found = {name: tuple(t.shape) for name, t in weights.items() if isinstance(t, torch.Tensor)} \
+        if isinstance(weights, dict) else {}
+    if found != shapes:
+        wrong = sorted(name for name in shapes.keys() | found.keys() if shapes.get(name) != found.get(name))
+        refuse(f"the weights do not fit its model_args ({len(wrong)} tensors differ; {wrong[0]}: "
+               f"{found.get(wrong[0], 'missing')} in the file, {shapes.get(wrong[0], 'none')} from model_args)")
+    meta = ckpt.get("meta")
+    if not isinstance(meta, dict) or set(META) - meta.keys():
+        refuse(f"its meta lacks {', '.join(k for k in META if not isinstance(meta, dict) or k not in meta)}")
+    if not isinstance(ckpt["config"], dict) or not {"objective", "max_iters"} <= ckpt["config"].keys():
+        refuse("its config lacks the objective or max_iters")
 
 
 def upgrade(ckpt):

@@ -11,6 +11,7 @@ import ast
 import difflib
 import io
 import os
+import sys
 import tokenize
 import traceback
 
@@ -120,7 +121,8 @@ def parse_args(defaults, argv):
     A boolean key may be given bare (--json means --json=True). --help or -h prints usage(defaults)
     and exits (SystemExit 0).
     Raises ConfigError (a ValueError) naming the key and the fix for an unknown key, a wrong type,
-    a malformed flag, or a missing config file.
+    a malformed flag, a missing config file, or an argument without -- that is not a .py file (a
+    prompt or a data file is never run as a config: the message names the flag that reads it).
     """
     if {"--help", "-h"} & set(argv):
         print(usage(defaults))
@@ -128,6 +130,10 @@ def parse_args(defaults, argv):
     config = dict(defaults)
     for arg in argv:
         if not arg.startswith("--"):
+            if not arg.endswith(".py"):
+                flags = " or ".join(f"--{key}={arg}" for key in ("prompt_file", "dataset") if key in defaults)
+                raise ConfigError(f"{arg!r} is not a config file (a .py file of assignments); "
+                                  + (f"to read it, write {flags}" if flags else "flags are written --key=value"))
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file {arg!r} not found (flags are written --key=value)")
             namespace = {}
@@ -178,9 +184,23 @@ def check_device(device):
     raise ConfigError(f"--device={device}: use cpu, cuda (or cuda:N), or mps where available")
 
 
+def check_seed(cfg):
+    """Refuse a --seed that torch's and numpy's generators cannot take (negative, or so large that
+    seed + a sample's index passes 64 bits). Raises ConfigError."""
+    require(cfg, ("seed",), "a whole number from 0 to 2**63 - 1", lambda v: 0 <= v < 2**63)
+
+
 def run_cli(main, argv):
-    """Run main(argv); a user's mistake (ValueError, FileNotFoundError) ends with its message, not a traceback."""
+    """Run main(argv); a user's mistake (ValueError, FileNotFoundError) ends with its message, not a
+    traceback. Output piped into a reader that stops early (`| head -1`) ends the script quietly, as
+    it ends `yes`: no traceback, exit status 1."""
     try:
-        main(argv)
+        try:
+            main(argv)
+        finally:
+            sys.stdout.flush()  # a reader that left shows here, not in the interpreter's last flush
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+        raise SystemExit(1) from None

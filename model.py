@@ -213,7 +213,8 @@ class Transformer(nn.Module):
         its forward gives (B, T, vocab_size) float32 logits.
         Raises FileNotFoundError for a missing folder, config.json or weights file; ValueError when
         config.json is not a Qwen3 this model implements (model_type, rope scaling, attention bias, sliding
-        window, a missing field) or the tensors' names or shapes do not match it.
+        window, a missing field), the tensors' names or shapes do not match it, or the index names a file
+        outside the folder (weight_file_in).
         """
         def need(name):
             path = os.path.join(folder, name)
@@ -254,7 +255,8 @@ class Transformer(nn.Module):
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.isfile(index):
             with open(index) as f:
-                files = [need(name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+                names = sorted(set(json.load(f)["weight_map"].values()), key=str)
+            files = [need(weight_file_in(folder, name, index)) for name in names]
         else:
             files = [need("model.safetensors")]
         found = {}  # Hugging Face name -> shape, from the files' headers
@@ -283,3 +285,20 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # assign replaced the shared parameter
         return model.eval()
+
+
+def weight_file_in(folder, name, index):
+    """name, a weights file that the index file `index` of the model folder `folder` lists, checked
+    to be a file of that folder: not an absolute path, no "..", no symlink leading out of it (the
+    links of a Hugging Face cache snapshot into its own blobs/ directory are the folder's own).
+    Returns name. Raises ValueError naming the index and the entry, so nothing outside is read."""
+    root = os.path.realpath(folder)
+    roots = [root]
+    if os.path.basename(os.path.dirname(root)) == "snapshots":  # ~/.cache/huggingface/hub/models--*/snapshots/REV
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
+    inside = isinstance(name, str) and not os.path.isabs(name) and ".." not in name.replace("\\", "/").split("/") \
+        and any(os.path.commonpath([os.path.realpath(os.path.join(folder, name)), r]) == r for r in roots)
+    if not inside:
+        raise ValueError(f"{index} lists the weights file {name!r}, outside {folder}; a model folder's index "
+                         "names files of that folder only: download the model whole into one folder")
+    return name

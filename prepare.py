@@ -4,7 +4,7 @@ Tokenize a corpus once into files that training reads back as memmaps (as nanoGP
     records {"query", "response"}  ->  prepare()  ->  data/<name>-<tokenizer>-<block_size>/
         train.bin, val.bin                 all samples' tokens, uint16 (uint32 past 65,536 ids), back to back
         train_samples.npy, val_samples.npy (N, 3) int64: [start in .bin, prompt_len, total_len]
-        meta.json                          tokenizer, special ids, counts; written last
+        meta.json                          tokenizer, special ids, counts, data_sha1; written last
 
 A sample is the query's tokens (the prompt, never predicted) followed by the response's tokens
 and one EOS. data.TokenDataset reads a split back.
@@ -22,9 +22,10 @@ from filelock import FileLock
 
 from corpora import DATASETS, TEXT_WINDOW_BYTES, load_records
 from data import damaged_file, encode, get_tokenizer, special_ids, vocab_size
+from files import write_atomic
 
 VAL_PERCENT = 5  # share of records that go to the validation split
-FORMAT = 1  # version of the prepared-data layout, stored in meta.json
+FORMAT = 2  # version of the prepared-data layout, stored in meta.json (2: data_sha1)
 
 
 def split_of(record: dict, by_content: bool = False) -> str:
@@ -45,19 +46,6 @@ def _content(record: dict) -> tuple[str, str]:
     """What makes two records the same sample: (query, response)."""
     return record["query"], record["response"]
 
-
-
-def _write_atomic(path: str, write) -> None:
-    """Call write(file) on a temp file in path's directory, then rename it to `path`."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.chmod(tmp, 0o644)  # mkstemp makes files private; these are ordinary data files
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def token_dtype(enc) -> str:
@@ -103,7 +91,7 @@ def _is_prepared(data_dir: str, expected: dict) -> bool:
     try:
         with open(os.path.join(data_dir, "meta.json")) as f:
             meta = json.load(f)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError, RecursionError):  # missing, damaged or crafted: prepared anew
         return False
     return (all(meta.get(k) == v for k, v in expected.items())
             and not any(damaged_file(data_dir, meta, split) for split in ("train", "val")))
@@ -119,7 +107,8 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
 
     Samples longer than block_size tokens (EOS included) are skipped and counted (too_long="skip")
     or refused with a ValueError naming the first one (too_long="fail").
-    Raises FileNotFoundError for an unknown dataset, ValueError if a split gets no samples.
+    Raises FileNotFoundError for an unknown dataset, ValueError if a split gets no samples, and
+    files.DiskFull (a ValueError) when the disk fills up (nothing half-written is left).
     """
     if dataset not in DATASETS and not os.path.isfile(dataset):
         raise FileNotFoundError(f"no built-in dataset or file named {dataset!r}; "
@@ -158,7 +147,8 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
 
 
 def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> None:
-    """Tokenize the records into data_dir's train/val .bin and _samples.npy, then write meta.json last."""
+    """Tokenize the records into data_dir's train/val .bin and _samples.npy, then write meta.json last,
+    with data_sha1: the SHA-1 of both splits' tokens and sample tables, as written."""
     meta_path = os.path.join(data_dir, "meta.json")
     if os.path.exists(meta_path):
         os.remove(meta_path)  # a stale meta must not vouch for half-rewritten files
@@ -177,7 +167,7 @@ def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> Non
         splits["val"] = [r for r in splits["train"] if _content(r) == last]
         splits["train"] = [r for r in splits["train"] if _content(r) != last]
         print(f"{dataset}: no record hashed to the validation split; using the last one")
-    counts = {}
+    counts, digest = {}, hashlib.sha1()
     for split in ("train", "val"):
         tokens, samples, skipped = _tokenize(splits[split], enc, block_size, too_long)
         if len(samples) == 0 and skipped:
@@ -186,12 +176,15 @@ def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> Non
         if len(samples) == 0:
             raise ValueError(f"{dataset}: too few records for a {split} split ({len(records)} in all, "
                              f"{len(set(map(_content, records)))} different); give at least two different records")
-        _write_atomic(os.path.join(data_dir, f"{split}.bin"), tokens.tofile)
-        _write_atomic(os.path.join(data_dir, f"{split}_samples.npy"), lambda f: np.save(f, samples))
+        write_atomic(os.path.join(data_dir, f"{split}.bin"), tokens.tofile)
+        write_atomic(os.path.join(data_dir, f"{split}_samples.npy"), lambda f: np.save(f, samples))
+        digest.update(tokens)
+        digest.update(samples)
         counts[split] = {"samples": len(samples), "tokens": len(tokens), "skipped_too_long": skipped}
         print(f"{split}: {len(samples):,} samples, {len(tokens):,} tokens, "
               f"{skipped:,} skipped as longer than {block_size} tokens")
     eos_id, mask_id, pad_id = special_ids(enc)
+    # what a checkpoint records, so that a run is never resumed on other data (train.py)
     meta = dict(expected, dataset=dataset, eos_id=eos_id, mask_id=mask_id, pad_id=pad_id, counts=counts,
-                token_dtype=token_dtype(enc))
-    _write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))
+                token_dtype=token_dtype(enc), data_sha1=digest.hexdigest())
+    write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))

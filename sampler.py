@@ -20,7 +20,7 @@ from json import dumps
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
-from configurator import check_device, explicit_keys, parse_args, run_cli, settings_in
+from configurator import check_device, check_seed, explicit_keys, parse_args, run_cli, settings_in
 from corpora import read_utf8, score
 from data import TokenDataset, decode, encode, get_tokenizer, hf_special_ids
 from generate import DECODERS, check_attention, eos_ids_of
@@ -34,7 +34,7 @@ init_from = ""             # ... or a Hugging Face model folder (Qwen3, the ReFu
 dtype = "float32"          # the weights in float32 or bfloat16 (half the memory)
 chat = False               # wrap the prompt in Qwen's chat template (user turn, then the assistant header)
 prompt = ""                # decode this text ...
-prompt_file = ""           # ... or the text of this file ...
+prompt_file = ""           # ... or the text of this file (a pipe too; - for standard input) ...
 num_samples = 3            # ... or this many prompts from the validation split
 method = ""                # refusion, ar or mdm; empty: the one the checkpoint was trained for
 max_new_tokens = 128       # at most this many tokens are returned (refusion decodes whole blocks of slots)
@@ -248,6 +248,7 @@ MISMATCH_NOTES = {
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
     check_device(cfg["device"])
+    check_seed(cfg)
     if cfg["num_samples"] <= 0:
         raise ValueError(f"--num_samples={cfg['num_samples']}: ask for at least one validation prompt")
     if cfg["method"]:

@@ -9,10 +9,14 @@ Plain data parallelism (DDP) keeps the whole float32 weights, gradients and Adam
 FSDP cuts each of them into one shard per process and all-gathers a block's weights only while that
 block computes; its gradients are reduce-scattered straight back into shards (ZeRO stage 3, in
 DeepSpeed's words). train.py calls `shard_model` and saves with `save_sharded`; everything else in the
-training loop (data, loss, clipping, the schedule) is the same code as under DDP.
+training loop (data, loss, clipping, the schedule) is the same code as under DDP. Sharded checkpoints
+are read as data only (`read_shards`): the pickles torch.distributed.checkpoint keeps beside the
+tensors may construct plain values and the classes of its index, nothing else, so loading one never
+runs code from it.
 """
 
 import os
+import pickle
 import shutil
 import sys
 import warnings
@@ -21,13 +25,15 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from checkpoint import FORMAT, checkpoint_path, save_checkpoint
+from checkpoint import FORMAT, checkpoint_path, save_checkpoint, sharded_info_path
 from configurator import Defaults, parse_args, run_cli
+from files import raise_if_disk_full, write_atomic
 from model import ModelConfig, Transformer
 
 # The shapes of the two Qwen3 models the configs fine-tune, from their releases' config.json (hidden_size,
@@ -130,12 +136,7 @@ def shard_model(model, device, bf16):
 
 # -----------------------------------------------------------------------------
 # sharded checkpoints: out_dir/ckpt_sharded.pt (plain data) names the directory holding the shards
-
-
-def sharded_info_path(out_dir):
-    """out_dir/ckpt_sharded.pt, the small file that makes a sharded checkpoint: the run's plain data
-    and the name of the directory holding its shards."""
-    return os.path.join(out_dir, "ckpt_sharded.pt")
+SHARD_DIRS = ("ckpt_sharded_a", "ckpt_sharded_b")  # save_sharded writes into the one that is not live
 
 
 def load_sharded_info(out_dir):
@@ -153,7 +154,76 @@ def load_sharded_info(out_dir):
                          "or from another program") from None
     if info.get("format") != FORMAT:
         raise ValueError(f"{path} has checkpoint format {info.get('format')!r}, this code reads format {FORMAT}")
+    if info.get("shards") not in SHARD_DIRS:  # the next save deletes the directory it names
+        raise ValueError(f"{path} names the shards {info.get('shards')!r}, not one of {', '.join(SHARD_DIRS)} in "
+                         f"{out_dir}; it was not written by train.py: retrain it or point to another --out_dir")
     return dict(info, shards=os.path.join(out_dir, info["shards"]))
+
+
+# What the index of a sharded checkpoint (the .metadata pickle of torch.distributed.checkpoint) is
+# built from: its dataclasses, torch.Size, a dtype, a layout and the path it was saved to. dcp reads
+# it with plain pickle, which would construct anything, and so run code; check_shards reads it first
+# with an Unpickler that constructs these only.
+METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a sharded checkpoint's .metadata, constructing only METADATA_CLASSES and torch dtypes."""
+
+    def find_class(self, module, name):
+        if (module, name) in METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                  torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint's index never holds")
+
+
+class PlainDataLoadPlanner(DefaultLoadPlanner):
+    """dcp's default load planner, except that the values stored as pickles beside the tensors (an
+    optimizer's learning rate, betas, ...) must be plain data (torch.load's weights_only), not code."""
+
+    def load_bytes(self, read_item, value):
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:
+            raise ValueError(f"a sharded checkpoint's value {read_item.dest_index.fqn} is not plain data "
+                             f"({type(e).__name__}); it was not loaded and nothing in it ran: retrain it") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)  # the same bytes, now known to hold plain data only
+
+
+def check_shards(shards):
+    """Refuse a directory of shards whose index (.metadata) is not the plain description of tensors
+    that torch.distributed.checkpoint writes: crafted, truncated or foreign. Nothing in it is run.
+    Raises FileNotFoundError when there is none, ValueError naming the file otherwise."""
+    path = os.path.join(shards, ".metadata")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: the sharded checkpoint is incomplete; retrain it")
+    try:
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except Exception as e:  # pickle raises several types for truncated or foreign files
+        raise ValueError(f"{path} is not a sharded checkpoint's index ({type(e).__name__}: {e}); it was not "
+                         "loaded and nothing in it ran: retrain it or point to another --out_dir") from None
+    if type(metadata).__name__ != "Metadata":
+        raise ValueError(f"{path} holds a {type(metadata).__name__}, not a sharded checkpoint's index")
+
+
+def read_shards(state, shards, **kwargs):
+    """dcp.load(state, checkpoint_id=shards, **kwargs) after check_shards, with PlainDataLoadPlanner:
+    what a sharded checkpoint holds is read as data, never run. Raises ValueError for a file that
+    would run code, and what dcp.load raises."""
+    check_shards(shards)
+    try:
+        dcp.load(state, checkpoint_id=shards, planner=PlainDataLoadPlanner(), **kwargs)
+    except CheckpointException as e:  # dcp gathers every process's error; ours say what to do
+        refused = [error for error, _ in e.failures.values() if isinstance(error, ValueError)]
+        if refused:
+            raise refused[0] from None
+        raise
 
 
 def save_sharded(out_dir, model, optimizer, info):
@@ -161,8 +231,9 @@ def save_sharded(out_dir, model, optimizer, info):
 
     Every process writes its own shards of the weights and of AdamW's state (torch.distributed.checkpoint;
     no process gathers the whole model) into a directory that is not the live one, then rank 0 points
-    ckpt_sharded.pt at it (temp file + rename) and deletes the previous directory. A crash at any moment
-    leaves ckpt_sharded.pt naming a complete checkpoint. Needs out_dir on a file system every node sees.
+    ckpt_sharded.pt at it (files.write_atomic) and deletes the previous directory. A crash at any moment
+    leaves ckpt_sharded.pt naming a complete checkpoint; a full disk removes the incomplete shards and
+    raises files.DiskFull (a ValueError). Needs out_dir on a file system every node sees.
     info: the plain data saved beside the shards (model_args, iter_num, best_val_loss, config, meta, data_dir).
     """
     path = sharded_info_path(out_dir)
@@ -172,11 +243,16 @@ def save_sharded(out_dir, model, optimizer, info):
         shutil.rmtree(os.path.join(out_dir, shards), ignore_errors=True)  # what a crash mid-save left
     dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    # returns once every process's shards are written (rank 0 gathers their results, then writes the index)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(out_dir, shards))
+    try:  # returns once every process's shards are written (rank 0 gathers their results, then writes the index)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(out_dir, shards))
+    except (OSError, CheckpointException) as e:  # e.g. a full disk: the incomplete shards go, the live ones stay
+        if dist.get_rank() == 0:
+            shutil.rmtree(os.path.join(out_dir, shards), ignore_errors=True)
+        for error in [error for error, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]:
+            raise_if_disk_full(error, path, "sharded checkpoint")
+        raise
     if dist.get_rank() == 0:
-        torch.save(dict(info, shards=shards, format=FORMAT), path + ".tmp")
-        os.replace(path + ".tmp", path)
+        write_atomic(path, lambda f: torch.save(dict(info, shards=shards, format=FORMAT), f), "sharded checkpoint")
         if live is not None:
             shutil.rmtree(live, ignore_errors=True)
     dist.barrier()  # no process reads ckpt_sharded.pt for the next save before it names this one
@@ -184,9 +260,10 @@ def save_sharded(out_dir, model, optimizer, info):
 
 def load_sharded(shards, model, optimizer):
     """Fill the sharded model and its optimizer (built by make_optimizer after shard_model) from the
-    directory `shards` that save_sharded wrote; each process reads its own shards. Call on every process."""
+    directory `shards` that save_sharded wrote; each process reads its own shards (read_shards: nothing in
+    them runs). Call on every process. Raises what read_shards raises."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=shards)
+    read_shards({"model": model_state, "optimizer": optimizer_state}, shards)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
 
@@ -194,14 +271,14 @@ def consolidate(out_dir):
     """Write out_dir/ckpt.pt, the single-file checkpoint sampler.py reads, from out_dir's sharded one:
     the full float32 weights (read by this one process, no process group; it needs 4 bytes of memory
     per parameter) and the plain data, without the optimizer state: keep training from the sharded
-    checkpoint. Returns the path written. Raises what load_sharded_info raises."""
+    checkpoint. Returns the path written. Raises what load_sharded_info and read_shards raise."""
     info = load_sharded_info(out_dir)
     with torch.device("meta"):  # names and shapes only
         shapes = Transformer(ModelConfig(**info["model_args"])).state_dict()
     weights = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shapes.items()}
     with warnings.catch_warnings():  # DCP warns that no process group is set up: reading in one process is the point
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load({"model": weights}, checkpoint_id=info.pop("shards"), no_dist=True)
+        read_shards({"model": weights}, info.pop("shards"), no_dist=True)
     save_checkpoint(out_dir, dict(info, model=weights))
     return checkpoint_path(out_dir)
 

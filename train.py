@@ -14,26 +14,28 @@ import math
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from filelock import FileLock, Timeout
 from tqdm import tqdm
 
-from checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from configurator import check_device, explicit_keys, parse_args, require, run_cli, settings_in
+from checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, sharded_info_path
+from configurator import check_device, check_seed, explicit_keys, parse_args, require, run_cli, settings_in
 from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, get_tokenizer, pad_with_eos, \
     random_mask_batch, reorganize_slots, vocab_size
+from files import write_atomic
 from model import ModelConfig, Transformer
 from prepare import prepare
-from shard import check_sharding, checkpoint_blocks, load_sharded, load_sharded_info, save_sharded, shard_model, \
-    sharded_info_path
+from shard import check_sharding, checkpoint_blocks, load_sharded, load_sharded_info, save_sharded, shard_model
 
 # -----------------------------------------------------------------------------
 # default config: a small ReFusion model on the Python standard library, about 8 minutes on 2 CPU cores
@@ -156,6 +158,41 @@ def check_writable(out_dir):
                          "choose a directory you can write to") from None
 
 
+@contextmanager
+def hold_out_dir(out_dir):
+    """Hold out_dir for one training run while the block runs: a lock (filelock; the operating system
+    releases it when the process ends, however it ends) and, beside it, who holds it (pid and host).
+    A second run into the same out_dir is refused, naming the first, instead of both writing
+    checkpoints there and one run being lost. out_dir is created (check_writable) and, when this
+    run created it and wrote nothing in it, removed again at the end.
+    Raises ValueError naming the directory and the run that holds it."""
+    created = not os.path.exists(out_dir)
+    check_writable(out_dir)
+    lock_path, holder_path = os.path.join(out_dir, ".lock"), os.path.join(out_dir, ".lock.holder")
+    lock = FileLock(lock_path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        try:
+            with open(holder_path, encoding="utf-8") as f:
+                holder = f.read().strip()
+        except OSError:
+            holder = "another process"
+        raise ValueError(f"--out_dir={out_dir} is in use by another training run ({holder}); wait for it to end "
+                         "or choose another --out_dir (nothing was written)") from None
+    try:
+        write_atomic(holder_path, lambda f: f.write(
+            f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}".encode()))
+        yield
+    finally:
+        if os.path.exists(holder_path):
+            os.remove(holder_path)  # before the release: the next holder's note must not be removed
+        lock.release()
+        if created and os.listdir(out_dir) == [".lock"]:  # a run refused before writing anything
+            os.remove(lock_path)
+            os.rmdir(out_dir)
+
+
 def live_progress():
     """True when stdout and stderr are both terminals, where tqdm redraws its progress bar in place.
     Elsewhere (a log file, a pipe, a batch job) every frame of a bar would be kept, so progress is
@@ -235,6 +272,7 @@ def check_config(cfg):
                          f"context of --block_size={cfg['block_size']}; lower --gen_length or raise --block_size")
     require(cfg, ("min_lr", "weight_decay", "grad_clip"), "0 or more and finite", lambda v: 0 <= v < math.inf)
     require(cfg, ("beta1", "beta2", "mask_eps"), "in [0, 1)", lambda v: 0 <= v < 1)
+    check_seed(cfg)
     check_device(cfg["device"])
     ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or None,
                 n_embd=cfg["n_embd"])  # raises for shapes that cannot work, before any data is prepared
@@ -281,13 +319,15 @@ def estimate_loss(model, cfg, val_data, autocast):
 class Start:
     """How a run begins: the model's shape, the checkpoint whose weights it loads (load_weights),
     and, when resuming, the optimizer state and counters to continue from (or, from a sharded
-    checkpoint, the directory of its shards: shard.load_sharded)."""
+    checkpoint, the directory of its shards: shard.load_sharded) and the SHA-1 of the prepared data
+    it was trained on (prepare.py's data_sha1; None in a checkpoint from before it was recorded)."""
     model_args: dict
     weights: dict | None = None
     optimizer: dict | None = None
     iter_num: int = 0
     best_val_loss: float = math.inf
     shards: str | None = None
+    data_sha1: str | None = None
 
 
 def inherit_settings(cfg, explicit, source, keys, what):
@@ -323,10 +363,12 @@ def resume_from_checkpoint(cfg, explicit):
         raise ValueError(f"--fsdp={cfg['fsdp']}: the checkpoint in {cfg['out_dir']} was written "
                          f"{'sharded' if sharded else 'whole'}; resume it with --fsdp={sharded}")
     check_sharding(cfg, launched="RANK" in os.environ)  # again: --fsdp may have come from the checkpoint
+    data_sha1 = ckpt["meta"].get("data_sha1")
     if sharded:  # the shards are read once the model is sharded (shard.load_sharded)
         return Start(ckpt["model_args"], iter_num=ckpt["iter_num"], best_val_loss=ckpt["best_val_loss"],
-                     shards=ckpt["shards"])
-    return Start(ckpt["model_args"], ckpt, ckpt["optimizer"], ckpt["iter_num"], ckpt["best_val_loss"])
+                     shards=ckpt["shards"], data_sha1=data_sha1)
+    return Start(ckpt["model_args"], ckpt, ckpt["optimizer"], ckpt["iter_num"], ckpt["best_val_loss"],
+                 data_sha1=data_sha1)
 
 
 def start_from_pretrained(cfg, explicit):
@@ -415,10 +457,26 @@ class Run:
                                                       optimizer=self.optimizer.state_dict()))
 
 
-def train(run):
+@contextmanager
+def stop_requests():
+    """While the block runs, Ctrl-C (SIGINT) and SIGTERM (Slurm, `docker stop`, torchrun) do not end
+    the process: each is noted in the list the block gets (train finishes its step and saves); the
+    previous handlers are back after the block, however it ends."""
+    requested = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: requested.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield requested
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def train(run, stop_requested=()):
     """The training loop from run.iter_num to max_iters: evaluate and save every eval_interval
     steps, then one optimizer step of gradient_accumulation_steps micro-batches (shared among the
-    processes). Ctrl-C finishes the current step and saves. Returns True when interrupted.
+    processes). When stop_requested (stop_requests' list) is not empty on any process after a step,
+    every process stops there and saves. Returns True when so interrupted.
     Without a terminal (live_progress), one plain line every log_interval steps replaces the bar.
     Raises SystemExit when a loss stops being finite (the last checkpoint, if any, is kept)."""
     cfg, model, optimizer, world = run.cfg, run.model, run.optimizer, run.world
@@ -432,12 +490,7 @@ def train(run):
     bar = tqdm(range(run.iter_num, cfg["max_iters"]), initial=run.iter_num, total=cfg["max_iters"], desc="train",
                mininterval=1.0, disable=run.rank != 0 or not live)
     t0, n_tokens, flops, start_iter = time.perf_counter(), 0, 0, run.iter_num
-    interrupted = False  # Ctrl-C finishes the current step, then saves a checkpoint to resume from
-
-    def on_interrupt(*_):
-        nonlocal interrupted
-        interrupted = True
-    previous_handler = signal.signal(signal.SIGINT, on_interrupt)
+    interrupted = False
     for it in bar:
         run.iter_num = it
         if it % cfg["eval_interval"] == 0 or it == cfg["max_iters"] - 1:
@@ -480,7 +533,7 @@ def train(run):
             print(f"iter {it}: loss {loss.item():.4f} (ar {ar_loss.item():.4f}, mdm {mdm_loss.item():.4f}), "
                   f"{n_tokens * world / dt:.0f} tok/s, {tflops:.3f} TFLOP/s"
                   + (f", MFU {mfu['mfu']}" if mfu else ""), flush=True)
-        stop = interrupted
+        stop = bool(stop_requested)
         if world > 1:  # every process stops after the same step, even if only one saw the Ctrl-C
             flag = torch.tensor(float(stop), device=cfg["device"])
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
@@ -488,7 +541,6 @@ def train(run):
         if stop:
             interrupted = True
             break
-    signal.signal(signal.SIGINT, previous_handler)
     run.iter_num += 1  # steps completed
     run.save()
     bar.close()
@@ -500,6 +552,14 @@ def main(argv):
     explicit = explicit_keys(cfg, DEFAULTS, argv)
     check_config(cfg)
     check_sharding(cfg, launched="RANK" in os.environ)
+    # the process that writes checkpoints (RANK 0 under torchrun) holds out_dir from here to the end
+    with hold_out_dir(cfg["out_dir"]) if os.environ.get("RANK", "0") == "0" else nullcontext():
+        start_and_train(cfg, explicit)
+
+
+def start_and_train(cfg, explicit):
+    """The run main() starts once its settings are checked and out_dir is held: where it starts
+    (START_MODES), the data, the model, then train() until max_iters or a Ctrl-C / SIGTERM."""
     ckpt_file = checkpoint_path(cfg["out_dir"])
     existing = [f for f in (ckpt_file, sharded_info_path(cfg["out_dir"])) if os.path.exists(f)]
     if cfg["init_from"] != "resume" and existing:
@@ -513,11 +573,14 @@ def main(argv):
         raise ValueError(f"{ckpt_file} is already trained for {start.iter_num} iterations; "
                          f"raise --max_iters above {start.iter_num} to continue it")
     rank, world = setup_distributed(cfg)
-    if rank == 0:  # the one process that writes checkpoints
-        check_writable(cfg["out_dir"])
     torch.manual_seed(cfg["seed"])
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"], cfg["too_long"])
     train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
+    if start.data_sha1 not in (None, train_data.meta.get("data_sha1")):  # the data file changed since
+        raise ValueError(f"the prepared data {data_dir} is not the data {ckpt_file} was trained on (its SHA-1 "
+                         f"differs: --dataset={cfg['dataset']} was edited, or prepared with another tokenizer or "
+                         "Python); resume with that data, or start a new run from its weights with "
+                         f"--init_from={cfg['out_dir']} --out_dir=ANOTHER (the checkpoint is as it was)")
     if len(train_data) < cfg["batch_size"] and rank == 0:
         print(f"warning: the training split has {len(train_data)} samples, fewer than one batch of "
               f"{cfg['batch_size']}; batches draw samples with replacement, so they repeat", file=sys.stderr)
@@ -540,7 +603,8 @@ def main(argv):
     if rank == 0:
         print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
               f"{len(train_data):,} training samples, device {cfg['device']}, {world} process(es)")
-    interrupted = train(run)
+    with stop_requests() as requested:
+        interrupted = train(run, requested)
     if world > 1:
         torch.distributed.barrier()  # no process exits (ending the others) before rank 0 has saved
         torch.distributed.destroy_process_group()

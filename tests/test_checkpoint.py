@@ -1,13 +1,22 @@
 """Checkpoints that never run code and never lose a run (checkpoint.py)."""
 
+import errno
+import os
 import pickle
+import re
+import stat
+from dataclasses import asdict
 
 import pytest
 import torch
 
+import checkpoint
+import sampler
 import train
-from checkpoint import load_checkpoint
-from helpers import tiny_run_flags
+from checkpoint import load_checkpoint, save_checkpoint
+from files import DiskFull
+from helpers import tiny_model, tiny_run_flags, write
+from prepare import prepare
 
 
 
@@ -38,3 +47,98 @@ def test_bad_checkpoints_are_refused_and_never_run_code(tmp_path, qa_file):
     with pytest.raises(ValueError, match="not a checkpoint written by train.py"):
         load_checkpoint(str(tmp_path / "foreign.pt"))
     assert (tmp_path / "run" / "ckpt.pt").read_bytes() == good
+
+
+def tiny_checkpoint():
+    """A checkpoint dict as train.py writes it, of tiny_model() with the byte tokenizer's ids."""
+    model = tiny_model()
+    return {"model": model.state_dict(), "model_args": asdict(model.config), "config": dict(train.DEFAULTS),
+            "meta": {"tokenizer": "bytes", "eos_id": 39, "mask_id": 38, "pad_id": 37}, "iter_num": 0,
+            "best_val_loss": 1.0}
+
+
+def test_an_inconsistent_checkpoint_is_refused_naming_the_file(tmp_path):
+    """model_args with a key ModelConfig does not know or without one train.py always writes (a missing
+    `causal` would silently decode an MDM as causal), weights another shape than model_args build,
+    a meta without its tokenizer: refused with the file named, before any model is built."""
+    good = tiny_checkpoint()
+    save_checkpoint(str(tmp_path / "good"), good)
+    assert load_checkpoint(str(tmp_path / "good"))["model_args"] == good["model_args"]
+    args, meta = good["model_args"], good["meta"]
+    cases = {
+        "extra-arg": (dict(good, model_args=dict(args, n_experts=8)), r"model_args has unknown keys \['n_experts'\]"),
+        "missing-arg": (dict(good, model_args={k: v for k, v in args.items() if k != "causal"}),
+                        r"model_args lacks \['causal'\]"),
+        "bad-arg": (dict(good, model_args=dict(args, n_head=3)), "model_args do not make a model"),
+        "wrong-shape": (dict(good, model_args=dict(args, n_embd=64, head_dim=16)),
+                        r"the weights do not fit its model_args \(\d+ tensors differ; embed_tokens.weight: "
+                        r"\(40, 32\) in the file, \(40, 64\) from model_args\)"),
+        "no-tokenizer": (dict(good, meta={k: v for k, v in meta.items() if k != "tokenizer"}),
+                         "its meta lacks tokenizer"),
+        "no-objective": (dict(good, config={"max_iters": 2}), "its config lacks the objective"),
+    }
+    for name, (ckpt, message) in cases.items():
+        save_checkpoint(str(tmp_path / name), ckpt)
+        path = re.escape(str(tmp_path / name / "ckpt.pt"))
+        with pytest.raises(ValueError, match=rf"{path} is inconsistent: {message}.*retrain it"):
+            load_checkpoint(str(tmp_path / name))
+    with pytest.raises(ValueError, match="is inconsistent: its meta lacks tokenizer"):
+        sampler.main([f"--out_dir={tmp_path / 'no-tokenizer'}", "--prompt=x"])   # an error line, no KeyError
+
+
+def test_a_symlink_at_the_old_temp_name_is_never_followed(tmp_path, monkeypatch):
+    """The temp file of an atomic save is created exclusively, under a new unpredictable name in the
+    destination directory: a symlink planted at the fixed name out/ckpt.pt.tmp is not written through."""
+    out = tmp_path / "out"
+    out.mkdir()
+    victim = write(tmp_path, "victim.txt", "precious")
+    os.symlink(victim, out / "ckpt.pt.tmp")
+    renamed = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: renamed.append(src) or real_replace(src, dst))
+    for _ in range(2):
+        save_checkpoint(str(out), tiny_checkpoint())
+    assert open(victim).read() == "precious"
+    assert load_checkpoint(str(out))["iter_num"] == 0
+    assert [os.path.dirname(t) for t in renamed] == [str(out)] * 2 and renamed[0] != renamed[1]
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt.pt.tmp"]        # the planted link, untouched
+
+
+def _fail_mid_write(error):
+    """A stand-in for torch.save that writes part of the file, then fails with error."""
+    def save(obj, f):
+        (open(f, "wb") if isinstance(f, (str, os.PathLike)) else f).write(b"partial")
+        raise error
+    return save
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_no_temp_file(tmp_path, monkeypatch):
+    save_checkpoint(str(tmp_path), tiny_checkpoint())
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    monkeypatch.setattr(checkpoint.torch, "save", _fail_mid_write(OSError(errno.ENOSPC, "No space left on device")))
+    path = re.escape(str(tmp_path / "ckpt.pt"))
+    with pytest.raises(DiskFull, match=rf"^no space left on /\S* to write {path}; the previous checkpoint is kept: "
+                                       "free some space there and run again$"):
+        save_checkpoint(str(tmp_path), dict(tiny_checkpoint(), iter_num=5))
+    assert (tmp_path / "ckpt.pt").read_bytes() == before and os.listdir(tmp_path) == ["ckpt.pt"]
+    with pytest.raises(DiskFull, match=r"to write \S+new/ckpt.pt; nothing was written"):
+        save_checkpoint(str(tmp_path / "new"), tiny_checkpoint())
+    assert os.listdir(tmp_path / "new") == []
+
+
+def test_an_atomic_save_syncs_the_file_before_the_rename_and_the_directory_after(tmp_path, qa_file, monkeypatch):
+    """So that a power cut never loses a checkpoint (or prepared data) that was reported saved:
+    fsync(file), rename, fsync(directory), for every file written."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append("fsync directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", lambda src, dst: events.append("rename") or real_replace(src, dst))
+    save_checkpoint(str(tmp_path / "out"), tiny_checkpoint())
+    assert events == ["fsync file", "rename", "fsync directory"]
+    events.clear()
+    prepare(qa_file[0], "bytes", 64, data_root=str(tmp_path / "data"))    # 2 splits x 2 files, then meta.json
+    assert events == ["fsync file", "rename", "fsync directory"] * 5

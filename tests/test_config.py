@@ -1,10 +1,14 @@
 """Config files and --key=value flags (configurator.py), and every file under config/."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 import bench
+import shard
 import eval_humaneval
 import sampler
 import train
@@ -79,3 +83,36 @@ def test_help_lists_every_setting_with_its_default_and_description_then_exits_0(
         shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
         line = next(line for line in lines if line.startswith(f"  --{key}="))
         assert line.split()[0] == f"--{key}={shown}" and len(line.split()) > 1, line   # the default, then words
+
+
+def test_a_file_that_is_not_a_py_config_is_refused_and_never_run(tmp_path):
+    """A prompt or data file given without its flag (python sampler.py my_prompt.txt) is not run as
+    Python: refused with the flag that reads it."""
+    marker = tmp_path / "code-ran"
+    code = f"open({str(marker)!r}, 'w')\n"                           # valid Python, as a config file is
+    for script, name, flag in [(sampler, "my_prompt.txt", "--prompt_file="), (train, "data.json", "--dataset="),
+                               (shard, "notes.md", None)]:
+        path = tmp_path / name
+        path.write_text(code)
+        hint = re.escape(f"to read it, write {flag}{path}") if flag else "flags are written --key=value"
+        with pytest.raises(ConfigError, match=rf"'{re.escape(str(path))}' is not a config file \(a .py file of "
+                                              rf"assignments\); {hint}"):
+            script.main([str(path)])
+    assert not marker.exists()
+
+
+def test_output_into_a_reader_that_left_ends_every_script_quietly(tmp_path):
+    """`python X.py --help | head -1` (the reader gone before the output is written): no
+    BrokenPipeError traceback, nothing on stderr, exit status 1, for every script."""
+    scripts = ["train.py", "sampler.py", "shard.py", "bench.py", "eval_humaneval.py"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = []
+    for script in scripts:                                            # all at once: each imports torch
+        read, written = os.pipe()
+        os.close(read)                                                # the reader has left
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / script), "--help"], stdout=written,
+                                      stderr=subprocess.PIPE, env=env))
+        os.close(written)
+    for script, proc in zip(scripts, procs):
+        _, err = proc.communicate(timeout=120)
+        assert (script, proc.returncode, err.decode()) == (script, 1, "")

@@ -217,3 +217,14 @@ def test_camel_records_are_real_signatures_and_their_camel_case():
         assert corpora.score("camel", query, response) == {"exact": 1.0}
         assert corpora.score("camel", query, query) == {"exact": 0.0}
     assert corpora.score("my_data.json", "q", "a") is None       # only the built-in corpora are checked
+
+
+def test_deeply_nested_json_is_refused_naming_the_file_and_line(tmp_path):
+    """JSON nested deeper than Python's parser recurses (a RecursionError) is a malformed data file."""
+    deep = "[" * 100_000 + "]" * 100_000
+    path = write(tmp_path, "deep.json", deep)
+    with pytest.raises(ValueError, match=rf"^{re.escape(path)}: nested deeper than Python's JSON parser can read"):
+        corpora.load_records(path)
+    path = write(tmp_path, "deep.jsonl", '{"query": "a", "response": "b"}\n' + deep + "\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(path)}: line 2 is nested deeper than Python's JSON parser"):
+        corpora.load_records(path)

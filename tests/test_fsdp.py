@@ -2,20 +2,25 @@
 checkpoints and their consolidation, activation checkpointing, and the memory table."""
 
 import contextlib
+import errno
 import json
 import os
+import pickle
 import re
+import shutil
 import socket
 from dataclasses import asdict
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import sampler
 import shard
 import train
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, sharded_info_path
 from helpers import ROOT, tiny_model, tiny_run_flags
 from model import ModelConfig, Transformer
 from shard import checkpoint_blocks, consolidate, load_sharded, load_sharded_info, memory_table, save_sharded, \
@@ -27,6 +32,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 # every FSDP run: 2 micro-batches per process per step, and a clip that is active on this model
 STEPS = ["--gradient_accumulation_steps=4", "--grad_clip=0.1"]
+BYTES_META = {"tokenizer": "bytes", "eos_id": 256, "mask_id": 257, "pad_id": 258}  # of a checkpoint's data
 
 
 def _free_port():
@@ -142,7 +148,7 @@ def test_a_crash_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path, one_p
     out = str(tmp_path / "run")
     model = shard_model(tiny_model(seed=1).train(), "cpu", bf16=False)
     optimizer = make_optimizer(train.DEFAULTS, model)
-    info = {"model_args": asdict(model.config), "config": dict(train.DEFAULTS), "meta": {}, "data_dir": "",
+    info = {"model_args": asdict(model.config), "config": dict(train.DEFAULTS), "meta": BYTES_META, "data_dir": "",
             "best_val_loss": 1.0}
     _adamw_step(model, optimizer, seed=0)
     save_sharded(out, model, optimizer, dict(info, iter_num=1))
@@ -152,12 +158,14 @@ def test_a_crash_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path, one_p
     def crash(state_dict, checkpoint_id):                              # the disk fills up mid-write
         os.makedirs(checkpoint_id)
         open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb").write(b"partial")
-        raise OSError("No space left on device")
+        raise OSError(errno.ENOSPC, "No space left on device")
     with monkeypatch.context() as m:
         m.setattr(shard.dcp, "save", crash)
-        with pytest.raises(OSError, match="No space left"):
+        with pytest.raises(ValueError, match=r"^no space left on /\S* to write \S+ckpt_sharded.pt; the previous "
+                                             "sharded checkpoint is kept: free some space there and run again$"):
             save_sharded(out, model, optimizer, dict(info, iter_num=2))
     assert load_sharded_info(out)["iter_num"] == 1
+    assert sorted(os.listdir(out)) == ["ckpt_sharded.pt", "ckpt_sharded_a"]   # the incomplete shards are removed
     fresh = shard_model(tiny_model(seed=2).train(), "cpu", bf16=False)
     fresh_optimizer = make_optimizer(train.DEFAULTS, fresh)
     load_sharded(load_sharded_info(out)["shards"], fresh, fresh_optimizer)
@@ -165,7 +173,7 @@ def test_a_crash_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path, one_p
         torch.testing.assert_close(p.full_tensor(), saved[name], atol=0, rtol=0)
     assert all(s["step"] == 1 for s in fresh_optimizer.state.values())
 
-    save_sharded(out, model, optimizer, dict(info, iter_num=2))        # the next save replaces the wreck
+    save_sharded(out, model, optimizer, dict(info, iter_num=2))
     assert load_sharded_info(out)["iter_num"] == 2
     assert sorted(os.listdir(out)) == ["ckpt_sharded.pt", "ckpt_sharded_b"]   # the previous one is deleted
     for name, p in load_checkpoint(consolidate(out))["model"].items():
@@ -256,3 +264,58 @@ def test_the_readme_memory_table_is_computed_from_the_models_shapes():
         n = model.num_params()
         embeddings = shape["vocab_size"] * shape["n_embd"] * (1 if shape["tie_embeddings"] else 2)
         assert (round(n / 1e9, 1), round((n - embeddings) / 1e9, 2)) == (total, non_embedding)
+
+
+class Payload:
+    """Unpickled, it creates the file `marker`: the code a crafted checkpoint would run."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_crafted_sharded_checkpoint_runs_no_code_and_is_refused(tmp_path, one_process_group):
+    """torch.distributed.checkpoint unpickles a checkpoint's index (.metadata) and the values stored
+    beside its tensors with plain pickle; shard.py (consolidation) and an FSDP resume (load_sharded)
+    refuse either when it would construct anything else than plain data, and nothing in it runs."""
+    marker = str(tmp_path / "code-ran")
+    out = str(tmp_path / "run")
+    model = shard_model(tiny_model(seed=1).train(), "cpu", bf16=False)
+    optimizer = make_optimizer(train.DEFAULTS, model)
+    _adamw_step(model, optimizer, seed=0)
+    info = {"model_args": asdict(model.config), "config": dict(train.DEFAULTS), "meta": BYTES_META, "data_dir": "",
+            "best_val_loss": 1.0, "iter_num": 1}
+    save_sharded(out, model, optimizer, info)
+    shards = load_sharded_info(out)["shards"]
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # a value beside the tensors: a learning rate
+    optimizer_state["param_groups"][0]["lr"] = Payload(marker)
+    shutil.rmtree(shards)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=shards)
+    with pytest.raises(ValueError, match=r"value optimizer.param_groups.\S*lr is not plain data .*nothing in it ran"):
+        load_sharded(shards, model, make_optimizer(train.DEFAULTS, model))
+    with open(os.path.join(shards, ".metadata"), "wb") as f:            # the index itself
+        pickle.dump(Payload(marker), f)
+    for load in (lambda: shard.main([f"--out_dir={out}"]), lambda: load_sharded(shards, model, optimizer)):
+        with pytest.raises(ValueError, match=r"\.metadata is not a sharded checkpoint's index \(UnpicklingError: "
+                                             r"it names io.open, which a checkpoint.s index never holds.*nothing "
+                                             r"in it ran"):
+            load()
+    assert not os.path.exists(marker)
+    torch.save(dict(torch.load(sharded_info_path(out), weights_only=True), shards=".."), sharded_info_path(out))
+    with pytest.raises(ValueError, match=r"names the shards '\.\.', not one of ckpt_sharded_a, ckpt_sharded_b"):
+        load_sharded_info(out)                                          # the next save would delete what it names
+
+
+def test_the_sharded_info_file_never_follows_a_symlink_at_its_old_temp_name(tmp_path, one_process_group):
+    out = tmp_path / "run"
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.symlink(victim, out / "ckpt_sharded.pt.tmp")
+    model = shard_model(tiny_model(seed=1).train(), "cpu", bf16=False)
+    optimizer = make_optimizer(train.DEFAULTS, model)
+    save_sharded(str(out), model, optimizer, {"model_args": asdict(model.config), "iter_num": 0})
+    assert victim.read_text() == "precious" and load_sharded_info(str(out))["iter_num"] == 0
+    assert sorted(os.listdir(out)) == ["ckpt_sharded.pt", "ckpt_sharded.pt.tmp", "ckpt_sharded_a"]

@@ -1,5 +1,6 @@
 """Tokenizing a corpus once into memmapped splits (prepare.py)."""
 
+import errno
 import hashlib
 import json
 import multiprocessing
@@ -8,6 +9,7 @@ import re
 import shutil
 import time
 
+import numpy as np
 import pytest
 from filelock import FileLock
 
@@ -52,7 +54,7 @@ def test_prepare_reuses_a_finished_preparation_and_redoes_an_unfinished_one(tmp_
     os.remove(os.path.join(data_dir, "meta.json"))  # as if interrupted before the last write
     prepare(path, "bytes", 64, data_root=root)
     assert os.stat(bin_path).st_mtime > 0
-    assert not [f for f in os.listdir(data_dir) if f.startswith(".tmp")]
+    assert not [f for f in os.listdir(data_dir) if f.endswith(".tmp")]
 
 
 def test_prepare_waits_while_another_process_prepares_the_same_data(tmp_path, qa_file):
@@ -185,4 +187,18 @@ def test_a_failed_preparation_leaves_no_directory_behind(tmp_path, content, mess
     root = tmp_path / "data"
     with pytest.raises(ValueError, match=message):
         prepare(write(tmp_path, "bad.json", content), "bytes", 64, data_root=str(root))
+    assert list(root.iterdir()) == []
+
+
+def test_a_full_disk_while_preparing_is_refused_and_leaves_nothing_behind(tmp_path, qa_file, monkeypatch):
+    """ENOSPC while a split is written: one line naming the file system and the file, the temp file
+    removed, and no half-prepared directory left to keep the disk full."""
+    def fill_disk(f, array):
+        f.write(b"\x93NUMPY partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(np, "save", fill_disk)
+    root = tmp_path / "data"
+    with pytest.raises(ValueError, match=r"^no space left on /\S* to write \S+/train_samples.npy; nothing was "
+                                         r"written: free some space there and run again$"):
+        prepare(qa_file[0], "bytes", 64, data_root=str(root))
     assert list(root.iterdir()) == []

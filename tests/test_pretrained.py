@@ -149,6 +149,36 @@ def test_released_layout_loads_exactly(tmp_path, tied):
         assert torch.equal(loaded(idx, pos), saved(idx, pos))
 
 
+def test_a_weight_index_naming_a_file_outside_the_folder_is_refused(tmp_path):
+    """model.safetensors.index.json is data from elsewhere: an entry that leaves the model folder
+    (.., an absolute path, a symlink out) is refused before anything is read. The links of a Hugging
+    Face cache snapshot into its own blobs/ are the folder's own and load."""
+    saved = save_released_layout(tmp_path / "other")
+    weights = tmp_path / "other" / "model.safetensors"
+    names = list(load_file(weights))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(tmp_path / "other" / "config.json", folder)
+    os.symlink(weights, folder / "linked.safetensors")
+    index = folder / "model.safetensors.index.json"
+    for entry in ("../other/model.safetensors", str(weights), "linked.safetensors"):
+        index.write_text(json.dumps({"weight_map": {name: entry for name in names}}))
+        with pytest.raises(ValueError, match=rf"{re.escape(str(index))} lists the weights file '{re.escape(entry)}', "
+                                             rf"outside {re.escape(str(folder))}; .*download the model whole"):
+            Transformer.from_pretrained(str(folder))
+    snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / "0123abc"   # huggingface_hub's cache
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "blobs").mkdir()
+    shutil.copy(weights, snapshot.parent.parent / "blobs" / "9f8e7d")
+    shutil.copy(tmp_path / "other" / "config.json", snapshot)
+    os.symlink("../../blobs/9f8e7d", snapshot / "model-00001-of-00001.safetensors")
+    shard_map = {name: "model-00001-of-00001.safetensors" for name in names}
+    (snapshot / index.name).write_text(json.dumps({"weight_map": shard_map}))
+    idx, pos = torch.randint(0, VOCAB, (1, 10)), torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.equal(Transformer.from_pretrained(str(snapshot))(idx, pos), saved(idx, pos))
+
+
 def test_bfloat16_load_keeps_the_weights_rounded(tmp_path):
     saved = save_released_layout(tmp_path)
     loaded = Transformer.from_pretrained(str(tmp_path), dtype=torch.bfloat16)

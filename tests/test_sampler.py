@@ -1,7 +1,12 @@
 """The sampling command line (sampler.py)."""
 
+import io
 import json
+import os
 import re
+import shutil
+import sys
+import threading
 
 import pytest
 import torch
@@ -164,3 +169,40 @@ def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_
     right = sum(line.startswith("right") for line in lines)
     assert out[-1].startswith(f"3 samples: {right} of 3 right (exact); {tokens} tokens in {nfe} forward passes, "
                               f"{tokens / nfe:.2f} tokens per forward (next-token decoding: 1.00)")
+
+
+def test_an_unconsolidated_sharded_run_names_shard_py_and_a_stale_copy_warns(trained, tmp_path, capsys):
+    """A run trained with --fsdp=True has only ckpt_sharded.pt until `python shard.py` writes ckpt.pt;
+    a ckpt.pt older than the sharded checkpoint beside it is decoded with a warning saying so."""
+    out = tmp_path / "fsdp-run"
+    out.mkdir()
+    (out / "ckpt_sharded.pt").write_bytes(b"")                        # only its presence matters here
+    with pytest.raises(FileNotFoundError, match=rf"no checkpoint at \S+ckpt.pt: {re.escape(str(out))} holds a sharded "
+                                                rf"checkpoint .*`python shard.py --out_dir={re.escape(str(out))}`"):
+        sampler.main([f"--out_dir={out}", "--prompt=x"])
+    shutil.copy(os.path.join(trained, "ckpt.pt"), out)
+    os.utime(out / "ckpt.pt", (0, 0))                                 # consolidated long before the last save
+    load_checkpoint(str(out))
+    assert capsys.readouterr().err == (f"warning: {out / 'ckpt.pt'} is older than the sharded checkpoint "
+                                       f"{out / 'ckpt_sharded.pt'}; run `python shard.py --out_dir={out}` to use the "
+                                       "latest weights\n")
+    os.utime(out / "ckpt.pt")                                         # consolidated after it: no warning
+    load_checkpoint(str(out))
+    assert capsys.readouterr().err == ""
+
+
+def test_prompt_file_from_a_pipe_or_standard_input_is_read(trained, tmp_path, monkeypatch, capsys):
+    """--prompt_file=<(command), /dev/stdin or - reads the pipe (once), as it reads a file."""
+    knobs = [f"--out_dir={trained}", "--json", "--max_new_tokens=4", "--slot_size=4", "--num_blocks=1"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("What is 7 + 7?\n".encode())))
+    sampler.main(knobs + ["--prompt_file=-"])
+    assert json.loads(capsys.readouterr().out)["prompt"] == "What is 7 + 7?\n"
+    fifo = tmp_path / "fifo"                                          # what <(echo ...) hands the script
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("What is 8 + 8?"), daemon=True)
+    writer.start()
+    sampler.main(knobs + [f"--prompt_file={fifo}"])
+    writer.join(timeout=60)
+    assert json.loads(capsys.readouterr().out)["prompt"] == "What is 8 + 8?"
+    with pytest.raises(ValueError, match=rf"--prompt_file={re.escape(str(tmp_path))}: is a directory"):
+        sampler.main(knobs + [f"--prompt_file={tmp_path}"])

@@ -1,5 +1,6 @@
 """Training runs: start modes, schedule, resume, distributed, precision (train.py)."""
 
+import json
 import math
 import os
 import re
@@ -19,7 +20,7 @@ import checkpoint
 import data
 import train
 from checkpoint import load_checkpoint, save_checkpoint
-from helpers import ROOT, TOL, tiny_model, tiny_run_flags, write
+from helpers import ROOT, TOL, qa_rows, tiny_model, tiny_run_flags, write
 from test_refusion import random_samples
 from train import compile_model, flops_per_token, hybrid_loss, load_weights, make_batch
 
@@ -204,29 +205,44 @@ def test_a_loss_that_becomes_nan_stops_and_keeps_the_last_good_checkpoint(tmp_pa
     assert ckpt.read_bytes() == before
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
-def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, sig):
-    """Interrupted (Ctrl-C: saves at once) or killed (resumes from the last periodic checkpoint),
-    then resumed: the same final weights as a run that was never stopped."""
-    flags = tiny_run_flags(tmp_path, qa_file, "straight") + ["--max_iters=400", "--eval_interval=50"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(ROOT / "train.py")]
-    subprocess.run(cmd + flags, check=True, capture_output=True, env=env)
-    stopped = [f.replace("straight", "stopped") for f in flags]
-    proc = subprocess.Popen(cmd + stopped, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+KILLED_RUN = ["--max_iters=400", "--eval_interval=50"]  # long enough to be stopped after its first checkpoint
+
+
+def train_py(flags, **kwargs):
+    """train.py run as a command, on one thread (so that runs in two processes give the same weights)."""
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], check=True, capture_output=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The weights of a KILLED_RUN never stopped (trained once for every signal below)."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    train_py(tiny_run_flags(tmp, (write(tmp, "sums.json", json.dumps(qa_rows())),), "straight") + KILLED_RUN)
+    return load_checkpoint(str(tmp / "straight"))["model"]
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGKILL"])
+def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, uninterrupted, sig):
+    """Interrupted (Ctrl-C, or SIGTERM from Slurm, `docker stop` or torchrun: saves at once) or killed
+    (resumes from the last periodic checkpoint), then resumed: the same final weights as a run that
+    was never stopped."""
+    stopped = tiny_run_flags(tmp_path, qa_file, "stopped") + KILLED_RUN
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *stopped], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
     ckpt = tmp_path / "stopped" / "ckpt.pt"
     while not ckpt.exists() and proc.poll() is None:       # stop it after the first checkpoint
         time.sleep(0.05)
     proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=60)
-    if sig == "SIGINT":
+    if sig != "SIGKILL":
         assert proc.returncode == 1 and b"--init_from=resume" in err
     stopped_at = load_checkpoint(str(ckpt))["iter_num"]
     assert 0 < stopped_at < 400
-    subprocess.run(cmd + stopped + ["--init_from=resume"], check=True, capture_output=True, env=env)
-    a, b = load_checkpoint(str(tmp_path / "straight")), load_checkpoint(str(ckpt))
-    for name in a["model"]:
-        torch.testing.assert_close(b["model"][name], a["model"][name], atol=0, rtol=0)
+    train_py(stopped + ["--init_from=resume"])
+    resumed = load_checkpoint(str(ckpt))["model"]
+    for name in uninterrupted:
+        torch.testing.assert_close(resumed[name], uninterrupted[name], atol=0, rtol=0)
 
 
 def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path, qa_file, monkeypatch):
@@ -240,13 +256,14 @@ def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path,
     with pytest.raises(ValueError, match="trained with the 'gpt2' tokenizer but this run uses 'bytes'"):
         train.main(tiny_run_flags(tmp_path, qa_file, "ft") + [f"--init_from={tmp_path / 'gpt2.pt'}"])
 
-    def crash(obj, path):                                             # the disk fills up mid-write
-        open(path, "wb").write(b"partial")
-        raise OSError("No space left on device")
+    def crash(obj, f):                                                # an error mid-write
+        f.write(b"partial")
+        raise OSError("Input/output error")
     monkeypatch.setattr(checkpoint.torch, "save", crash)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match="Input/output error"):
         train.main(flags + ["--init_from=resume", "--max_iters=4"])
     assert ckpt.read_bytes() == before                                # the old checkpoint is intact
+    assert sorted(os.listdir(ckpt.parent)) == [".lock", "ckpt.pt"]    # no temp file; the lock, released
 
 
 def test_small_data_warns_and_compile_falls_back_where_it_cannot_run(tmp_path, qa_file, monkeypatch, capsys):
@@ -315,3 +332,45 @@ def test_without_a_terminal_training_prints_one_plain_line_every_log_interval(tm
                        r"\d+\.\d{3} TFLOP/s$", printed.out, re.MULTILINE)
     evals = re.findall(r"^iter (\d+): val loss \d+\.\d{4}$", printed.out, re.MULTILINE)
     assert (steps, evals) == (["0", "2", "4"], ["0", "4"])
+
+
+def test_a_second_run_into_the_same_out_dir_is_refused_naming_the_first(tmp_path, qa_file):
+    """While a run trains into out_dir, another run into it, fresh or resumed, is refused with the
+    first one's pid and host and writes nothing; once the first has ended (here: killed, its lock
+    released by the operating system), out_dir can be resumed."""
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    out, ckpt = str(tmp_path / "run"), tmp_path / "run" / "ckpt.pt"
+    first = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *flags, "--max_iters=100000"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        while not ckpt.exists() and first.poll() is None:            # training, a checkpoint written
+            time.sleep(0.05)
+        for extra in ([], ["--init_from=resume"]):
+            with pytest.raises(ValueError, match=rf"--out_dir={re.escape(out)} is in use by another training run "
+                                                 rf"\(pid {first.pid} on {re.escape(socket.gethostname())}, "
+                                                 r"started [-\d: ]+\); wait for it to end"):
+                train.main(flags + extra + ["--max_iters=200000"])
+        assert first.poll() is None                                   # still training, undisturbed
+    finally:
+        first.kill()
+        first.wait()
+    train.main(flags + ["--init_from=resume", f"--max_iters={load_checkpoint(out)['iter_num'] + 1}"])
+    assert ".lock.holder" not in os.listdir(out)
+
+
+def test_resuming_on_prepared_data_that_changed_is_refused(tmp_path, qa_file):
+    """The checkpoint records the SHA-1 of the prepared data; when the data file was edited since,
+    a resume is refused (instead of training on other data and comparing losses across validation
+    sets) and the checkpoint is kept as it was."""
+    path, rows = qa_file
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    train.main(flags + ["--max_iters=2"])
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    assert re.fullmatch(r"[0-9a-f]{40}", load_checkpoint(str(ckpt))["meta"]["data_sha1"])
+    write(tmp_path, "sums.json", json.dumps(rows + [{"query": "What is 1 + 2?", "response": " 3"}]))
+    with pytest.raises(ValueError, match=r"the prepared data \S+ is not the data \S+ckpt.pt was trained on \(its "
+                                         r"SHA-1 differs: --dataset=\S+sums.json was edited.*--init_from="):
+        train.main(flags + ["--max_iters=4", "--init_from=resume"])
+    assert ckpt.read_bytes() == before

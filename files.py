@@ -1,0 +1,77 @@
+"""
+Files written whole or not at all: checkpoints, prepared data and reports go through write_atomic.
+
+    write_atomic(path, write)   a new temp file beside path, fsync, rename over path, fsync the directory
+
+A crash, a power cut or a full disk at any moment leaves either the previous file or the new one,
+never a mix, and no temp file keeps the disk full.
+"""
+
+import errno
+import os
+import tempfile
+
+
+class DiskFull(ValueError):
+    """The disk filled up while a file was written; the file at its path is as it was before."""
+
+
+def mount_point(path):
+    """The mount point of the file system holding path (e.g. "/" or "/data"), for messages."""
+    path = os.path.realpath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def fsync_directory(directory):
+    """Make a rename in directory durable (a power cut after it cannot undo it). File systems that
+    cannot sync a directory (some network and FUSE ones answer EINVAL) are left as they are."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def raise_if_disk_full(error, path, what=None):
+    """Raise DiskFull for an OSError that says the disk is full (ENOSPC, or EDQUOT: a quota) while
+    path was written: the file system, and whether the previous `what` (default: path's base name)
+    is kept. Any other error is left to the caller."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        kept = f"the previous {what or os.path.basename(path)} is kept" if os.path.exists(path) \
+            else "nothing was written"
+        raise DiskFull(f"no space left on {mount_point(os.path.dirname(os.path.abspath(path)))} to write {path}; "
+                       f"{kept}: free some space there and run again") from None
+
+
+def write_atomic(path, write, what=None):
+    """Replace the file at path with what write(f) writes into a binary file f, atomically.
+
+    The temp file is created exclusively (O_EXCL) with an unpredictable name in path's directory, so
+    no file or symlink already there is opened, followed or overwritten, and the rename never
+    crosses file systems. It is flushed and fsynced before the rename, and the directory after it,
+    so the new file survives a power cut. On any error the temp file is removed and path is as it was.
+    what: how a message names the file ("checkpoint"); its base name by default.
+    Raises DiskFull (a ValueError) when the disk is full (raise_if_disk_full), and whatever else
+    write raises.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes files private; these are ordinary files
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None:
+            os.unlink(tmp)
+        raise_if_disk_full(e, path, what)
+        raise
+    fsync_directory(directory)
