@@ -298,7 +298,8 @@ def _p_mask(batch_size, eps, generator, device):
     return (1 - eps) * t + eps
 
 
-def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator, eps=1e-3, slot_end_labels=False):
+def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator, eps=1e-3, slot_end_labels=False,
+                     ar_fraction=0.0):
     """ReFusion's slot reorganization of a batch (SPEC section 3; paper section 3.1).
 
     tokens: (B, T) int64, each row prompt + response (ending with EOS), right-padded;
@@ -306,7 +307,10 @@ def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator,
     S uniformly from slot_sizes, p_mask = (1 - eps) t + eps with t ~ U(0, 1), which slots are masked
     (each with probability p_mask) and a random order of the clean slots, then lays the batch out
     with layout_slots. All randomness comes from `generator` (a CPU torch.Generator), in that order.
-    slot_end_labels: see layout_slots. Returns a Batch of the same (B, T). No Python loop over samples.
+    slot_end_labels: see layout_slots. ar_fraction (SPEC section 3, beyond the paper; 0 by default):
+    each sample is instead laid out as the ARM's (autoregressive_batch) with this probability, drawn
+    last, so that the next-token pathway keeps seeing whole contexts in natural order.
+    Returns a Batch of the same (B, T). No Python loop over samples.
     """
     B, T = tokens.shape
     dev = tokens.device
@@ -314,7 +318,14 @@ def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator,
     p = _p_mask(B, eps, generator, dev)
     slot_is_masked = torch.rand(B, T, generator=generator).to(dev) < p[:, None]      # indexed by slot id
     slot_rank = torch.rand(B, T, generator=generator).argsort(dim=1).argsort(dim=1).to(dev)
-    return layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels)
+    batch = layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels)
+    if ar_fraction:
+        as_arm = (torch.rand(B, generator=generator) < ar_fraction).to(dev)[:, None]    # (B, 1)
+        arm = autoregressive_batch(tokens, prompt_len, length)
+        batch = Batch(*(torch.where(as_arm, a, b) for a, b in zip(
+            (arm.idx, arm.position_ids, arm.labels, arm.mdm_weight),
+            (batch.idx, batch.position_ids, batch.labels, batch.mdm_weight))))
+    return batch
 
 
 def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels=False):

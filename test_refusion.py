@@ -315,6 +315,24 @@ def test_slot_end_labels_give_the_arm_loss_when_nothing_is_masked():
                                hybrid_loss(model(arm.idx, arm.position_ids), arm), atol=TOL, rtol=0)
 
 
+def test_ar_fraction_lays_out_that_share_of_samples_as_the_arm_does():
+    """ar_fraction draws, after everything else, which samples take the ARM's layout; the other
+    samples are exactly what reorganize_slots gives without it (same random stream before)."""
+    tokens, prompt_len, length = random_samples(10, B=16, T=50)
+    plain = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257, torch.Generator().manual_seed(3))
+    arm = data.autoregressive_batch(tokens, prompt_len, length)
+    mixed = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257, torch.Generator().manual_seed(3),
+                                  ar_fraction=0.5)
+    g = torch.Generator().manual_seed(3)
+    data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257, g)          # the same draws first
+    as_arm = torch.rand(16, generator=g) < 0.5
+    assert 0 < as_arm.sum() < 16
+    for r in range(16):
+        expected = arm if as_arm[r] else plain
+        for field in ("idx", "position_ids", "labels", "mdm_weight"):
+            assert torch.equal(getattr(mixed, field)[r], getattr(expected, field)[r])
+
+
 # ----------------------------------------------------------------------------------------------
 # generate.py: plan, verify, infill, commit on an oracle whose logits put all mass on a known target (SPEC section 4)
 

@@ -48,6 +48,7 @@ data_root = "data"        # prepared data goes to data_root/<name>-<tokenizer>-<
 too_long = "skip"         # samples longer than block_size: 'skip' them (counted) or 'fail'
 slot_sizes = (4, 8)       # S is drawn per sample from these (the paper uses 4, 8, 16, 32)
 slot_end_labels = False   # refusion: also label each clean slot's last token (and the prompt's) with the next one (SPEC 3)
+ar_fraction = 0.0         # refusion: this share of samples is laid out as the ARM's, natural order (SPEC 3); 0: none
 gen_length = 128          # mdm: responses padded with EOS to this many tokens, the canvas the MDM decodes; 0: none
 mask_eps = 1e-3           # p_mask = (1 - eps) t + eps
 # model
@@ -85,7 +86,8 @@ OBJECTIVES = ("refusion", "ar", "mdm")
 # the model's shape, which --init_from=PATH takes from its checkpoint
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "qk_norm", "rope_theta")
 # settings a resumed run cannot change (a flag that contradicts one is refused)
-RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "slot_sizes", "slot_end_labels", "gen_length")  # data_root may move
+RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "slot_sizes", "slot_end_labels", "ar_fraction",
+                             "gen_length")  # data_root may move
 
 
 def make_batch(cfg, tokens, prompt_len, length, meta, generator):
@@ -93,7 +95,7 @@ def make_batch(cfg, tokens, prompt_len, length, meta, generator):
     meta: the prepared data's meta.json (its mask, EOS and pad ids)."""
     if cfg["objective"] == "refusion":
         return reorganize_slots(tokens, prompt_len, length, cfg["slot_sizes"], meta["mask_id"], generator,
-                                cfg["mask_eps"], cfg["slot_end_labels"])
+                                cfg["mask_eps"], cfg["slot_end_labels"], cfg["ar_fraction"])
     if cfg["objective"] == "mdm":
         if cfg["gen_length"]:
             tokens, length = pad_with_eos(tokens, prompt_len, length, meta["eos_id"], meta["pad_id"],
@@ -271,7 +273,7 @@ def check_config(cfg):
         raise ValueError(f"--gen_length={cfg['gen_length']}: an MDM's canvas must leave room for a prompt in its "
                          f"context of --block_size={cfg['block_size']}; lower --gen_length or raise --block_size")
     require(cfg, ("min_lr", "weight_decay", "grad_clip"), "0 or more and finite", lambda v: 0 <= v < math.inf)
-    require(cfg, ("beta1", "beta2", "mask_eps"), "in [0, 1)", lambda v: 0 <= v < 1)
+    require(cfg, ("beta1", "beta2", "mask_eps", "ar_fraction"), "in [0, 1)", lambda v: 0 <= v < 1)
     check_seed(cfg)
     check_device(cfg["device"])
     ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or None,
