@@ -49,7 +49,7 @@ def save_tiny_hf_folder(folder, mask=True, seed=0):
 
     from safetensors.torch import save_file
 
-    from data import QWEN2_PAT, _byte_of_char
+    from pretrained import QWEN2_PAT, byte_of_char
     torch.manual_seed(seed)
     config = ModelConfig(vocab_size=300, block_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, head_dim=8,
                          intermediate_size=64, rope_theta=1e6)
@@ -63,13 +63,13 @@ def save_tiny_hf_folder(folder, mask=True, seed=0):
         json.dump(hf_config, f)
     save_file({"model." + n: t.clone() for n, t in model.state_dict().items() if n != "lm_head.weight"},
               os.path.join(folder, "model.safetensors"))
-    char_of = {b: c for c, b in _byte_of_char().items()}
+    char_of = {b: c for c, b in byte_of_char().items()}
     added = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + ["<|mask|>"] * mask
     spec = {"normalizer": {"type": "NFC"},
             "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
                 {"type": "Split", "pattern": {"Regex": QWEN2_PAT}, "behavior": "Isolated", "invert": False},
                 {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
-            "added_tokens": [{"id": 256 + i, "content": t} for i, t in enumerate(added)],
+            "added_tokens": [{"id": 256 + i, "content": t, "special": True} for i, t in enumerate(added)],
             "model": {"type": "BPE", "vocab": {char_of[b]: b for b in range(256)}, "merges": []}}
     with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(spec, f)

@@ -21,8 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import data
+import pretrained
 from helpers import save_tiny_hf_folder
 from model import ModelConfig, Transformer
+from pretrained import from_pretrained
 from generate import DecodeSettings, RefusionSettings, generate_ar, generate_refusion
 
 TOL = 1e-5
@@ -57,7 +59,7 @@ def qwen3_pair(request, tmp_path_factory):
     """(transformers' Qwen3ForCausalLM, our Transformer loaded from its save_pretrained folder)."""
     folder = tmp_path_factory.mktemp("qwen3")
     hf = save_hf_qwen3(folder, *request.param)
-    return hf, Transformer.from_pretrained(str(folder))
+    return hf, from_pretrained(str(folder))
 
 
 def position_layout(name, B, T):
@@ -116,7 +118,7 @@ def test_missing_shard_is_named(tmp_path):
     shard = sorted(tmp_path.glob("*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=f"{shard.name} not found"):
-        Transformer.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,7 +143,7 @@ def save_released_layout(folder, tied=True):
 @pytest.mark.parametrize("tied", [True, False])
 def test_released_layout_loads_exactly(tmp_path, tied):
     saved = save_released_layout(tmp_path, tied)
-    loaded = Transformer.from_pretrained(str(tmp_path))
+    loaded = from_pretrained(str(tmp_path))
     assert (loaded.lm_head.weight is loaded.embed_tokens.weight) == tied
     assert not loaded.training and loaded.config.block_size == 128 and loaded.config.rope_theta == 1e6
     idx, pos = torch.randint(0, VOCAB, (1, 10)), torch.arange(10)[None]
@@ -151,7 +153,7 @@ def test_released_layout_loads_exactly(tmp_path, tied):
 
 def test_bfloat16_load_keeps_the_weights_rounded(tmp_path):
     saved = save_released_layout(tmp_path)
-    loaded = Transformer.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    loaded = from_pretrained(str(tmp_path), dtype=torch.bfloat16)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
     w = loaded.layers[1].mlp.up_proj.weight
     assert torch.equal(w, saved.layers[1].mlp.up_proj.weight.to(torch.bfloat16))
@@ -176,7 +178,10 @@ def edit_tensors(keep=lambda name: True, add=()):
     (lambda f: shutil.rmtree(f), FileNotFoundError, "config.json not found"),
     (lambda f: (f / "config.json").unlink(), FileNotFoundError, "config.json not found"),
     (lambda f: (f / "model.safetensors").unlink(), FileNotFoundError, "model.safetensors not found"),
-    (edit_config(model_type="llama"), ValueError, "model_type='llama' is not implemented"),
+    (edit_config(model_type="mistral"), ValueError, "model_type='mistral' is not implemented"),
+    (edit_config(model_type="llama"), ValueError,  # Llama has no q/k norms: a Qwen3's are refused by name
+     r"unexpected tensors: model\.layers\.0\.self_attn\.k_norm\.weight, model\.layers\.0\.self_attn\.q_norm"),
+    (edit_config(mlp_bias=True), ValueError, "mlp_bias=True is not implemented"),
     (edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ValueError, "rope_scaling=.*yarn"),
     (edit_config(attention_bias=True), ValueError, "attention_bias=True is not implemented"),
     (edit_config(head_dim="DELETE"), ValueError, "has no 'head_dim'"),
@@ -188,14 +193,15 @@ def edit_tensors(keep=lambda name: True, add=()):
      r"unexpected tensors: model\.layers\.0\.self_attn\.q_proj\.bias\."),
     (edit_tensors(keep=lambda n: "layers" not in n), ValueError,  # 22 missing: five named, then a count
      r"missing tensors: (model\.layers\.[^,]*, ){4}model\.layers\.[^,]* and 17 more\."),
-], ids=["no-folder", "no-config", "no-weights", "model-type", "rope-scaling", "attention-bias", "no-head-dim",
+], ids=["no-folder", "no-config", "no-weights", "model-type", "llama-with-qk-norm", "mlp-bias", "rope-scaling",
+        "attention-bias", "no-head-dim",
         "wrong-shape", "missing-tensor", "unexpected-tensor", "many-missing"])
 def test_from_pretrained_errors_name_the_problem(tmp_path, edit, error, message):
     folder = tmp_path / "model"
     save_released_layout(folder)
     edit(folder)
     with pytest.raises(error, match=message):
-        Transformer.from_pretrained(str(folder))
+        from_pretrained(str(folder))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,14 +274,14 @@ def test_hf_tokenizer_matches_reference_on_qwen_vocabulary(qwen_tokenizers):
 
 
 def test_qwen_ids_of_known_text(qwen_tokenizers):
-    enc = data.hf_tokenizer(str(qwen_tokenizers[1]))
+    enc = pretrained.hf_tokenizer(str(qwen_tokenizers[1]))
     assert data.encode(enc, "Hello world") == [9707, 1879]
     assert data.encode(enc, "12345") == [16, 17, 18, 19, 20]  # Qwen splits numbers into single digits
     assert data.encode(enc, "cafe\u0301") == data.encode(enc, "café")  # NFC first, as tokenizer.json says
 
 
 def test_decode_inverts_encode_and_writes_special_tokens(qwen_tokenizers):
-    enc = data.hf_tokenizer(str(qwen_tokenizers[1]))
+    enc = pretrained.hf_tokenizer(str(qwen_tokenizers[1]))
     for text in TEXTS:
         assert data.decode(enc, data.encode(enc, text)) == unicodedata.normalize("NFC", text)
     assert data.decode(enc, [151645, 151669, 151670]) == "<|im_end|><|beginoftext|><|mask|>"
@@ -283,7 +289,7 @@ def test_decode_inverts_encode_and_writes_special_tokens(qwen_tokenizers):
 
 def test_special_token_text_in_input_stays_plain_text(qwen_tokenizers):
     reference, folder, _ = qwen_tokenizers
-    enc = data.hf_tokenizer(str(folder))
+    enc = pretrained.hf_tokenizer(str(folder))
     as_text = type(reference).from_str(reference.to_str())
     as_text.encode_special_tokens = True  # the reference's switch for "special-token strings are plain text"
     for text in ["<|im_end|>", "user: <|mask|><|endoftext|> done", "<think>\nok\n</think>"]:
@@ -295,11 +301,11 @@ def test_special_token_text_in_input_stays_plain_text(qwen_tokenizers):
 
 def test_hf_special_ids(qwen_tokenizers, tmp_path):
     _, refusion, qwen3 = qwen_tokenizers
-    assert data.hf_special_ids(str(refusion)) == ((151645, 151643), 151670, 151643)
-    assert data.hf_special_ids(str(qwen3)) == ((151645, 151643), None, 151643)
+    assert pretrained.hf_special_ids(str(refusion)) == ((151645, 151643), 151670, 151643)
+    assert pretrained.hf_special_ids(str(qwen3)) == ((151645, 151643), None, 151643)
     shutil.copy(qwen3 / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "config.json").write_text(json.dumps({"mask_token_id": 151660, "pad_token_id": 151662}))
-    assert data.hf_special_ids(str(tmp_path)) == ((151645, 151643), 151660, 151662)
+    assert pretrained.hf_special_ids(str(tmp_path)) == ((151645, 151643), 151660, 151662)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,10 +315,10 @@ def test_hf_special_ids(qwen_tokenizers, tmp_path):
 def write_tokenizer_json(folder, **changes):
     """A Qwen-style tokenizer.json with five tokens ("Ġ" is the byte-level spelling of a space)."""
     qwen_pre = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": data.QWEN2_PAT}, "behavior": "Isolated", "invert": False},
+        {"type": "Split", "pattern": {"Regex": pretrained.QWEN2_PAT}, "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
     spec = {"normalizer": {"type": "NFC"}, "pre_tokenizer": qwen_pre,
-            "added_tokens": [{"id": 5, "content": "<|endoftext|>"}],
+            "added_tokens": [{"id": 5, "content": "<|endoftext|>", "special": True}],
             "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4},
                       "merges": [["a", "b"], ["Ġ", "a"]]}}
     Path(folder, "tokenizer.json").write_text(json.dumps(spec | changes), encoding="utf-8")
@@ -320,7 +326,7 @@ def write_tokenizer_json(folder, **changes):
 
 def test_hf_tokenizer_reads_a_qwen_style_file(tmp_path):
     write_tokenizer_json(tmp_path)
-    enc = data.hf_tokenizer(str(tmp_path))
+    enc = pretrained.hf_tokenizer(str(tmp_path))
     assert data.encode(enc, " abba") == [2, 3, 1, 0] and data.encode(enc, " a") == [4]  # "ab" ranks before " a"
     assert data.decode(enc, [4, 5]) == " a<|endoftext|>"
     assert data.special_ids(data.get_tokenizer("bytes")) == (256, 257, 258)  # our own tokenizers unchanged
@@ -329,24 +335,24 @@ def test_hf_tokenizer_reads_a_qwen_style_file(tmp_path):
 
 @pytest.mark.parametrize("changes, error, message", [
     (None, FileNotFoundError, "no tokenizer.json"),
-    ({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}}, ValueError,
-     "not Qwen2/3's tokenizer"),
-    ({"normalizer": None}, ValueError, "not Qwen2/3's tokenizer"),
-    ({"model": {"type": "Unigram", "vocab": []}}, ValueError, "not Qwen2/3's tokenizer"),
+    ({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True, "use_regex": True}}, ValueError,
+     "pre_tokenizer .*'add_prefix_space': True.* not supported"),
+    ({"normalizer": {"type": "NFKC"}}, ValueError, "normalizer {'type': 'NFKC'} not supported"),
+    ({"model": {"type": "Unigram", "vocab": []}}, ValueError, "model 'Unigram' not supported"),
     ({"model": {"type": "BPE", "vocab": {"a": 0, "\x00": 1}}}, ValueError, "outside the byte-level alphabet"),
-    ({"added_tokens": [{"id": 1, "content": "<|endoftext|>"}]}, ValueError, "reuse ids"),
+    ({"added_tokens": [{"id": 1, "content": "<|endoftext|>"}]}, ValueError, "clashes with the vocabulary's 'b'"),
 ], ids=["no-file", "gpt2-pre-tokenizer", "no-normalizer", "unigram", "not-byte-level", "id-clash"])
 def test_hf_tokenizer_errors(tmp_path, changes, error, message):
     if changes is not None:
         write_tokenizer_json(tmp_path, **changes)
     with pytest.raises(error, match=message):
-        data.hf_tokenizer(str(tmp_path))
+        pretrained.hf_tokenizer(str(tmp_path))
 
 
 def test_hf_special_ids_needs_an_eos_token(tmp_path):
-    write_tokenizer_json(tmp_path, added_tokens=[{"id": 5, "content": "<|mask|>"}])
+    write_tokenizer_json(tmp_path, added_tokens=[{"id": 5, "content": "<|mask|>", "special": True}])
     with pytest.raises(ValueError, match=re.escape("neither <|im_end|> nor <|endoftext|>")):
-        data.hf_special_ids(str(tmp_path))
+        pretrained.hf_special_ids(str(tmp_path))
 
 
 # ----------------------------------------------------------------------------------------------
