@@ -487,11 +487,11 @@ def gguf_name(name):
     """The Hugging Face name of a GGUF tensor (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight),
     or None for a tensor a Llama-family model does not have."""
     parts = name.split(".")
-    if len(parts) == 2 and parts[0] in GGUF_NAMES and parts[0] not in GGUF_BLOCK:
-        return f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_BLOCK:
-        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
-    return None
+    if len(parts) == 2 and parts[0] in GGUF_NAMES and parts[0] not in GGUF_BLOCK and parts[1] == "weight":
+        return f"{GGUF_NAMES[parts[0]]}.weight"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_BLOCK and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.weight"
+    return None  # biases, rope_freqs (Llama 3.1's rope scaling), experts, ...
 
 
 

@@ -9,6 +9,24 @@ from model import ModelConfig, Transformer
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 
+# texts a tokenizer must encode as its reference does: prose, code, CJK, emoji, whitespace runs, digits, CRLF, NFC
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. It's 5 o'clock; they'll say I'M late!",
+    "def f(x):\n    if x:\n        return x * 2\n\treturn None\n\n\nclass A_b(object):  # note\n    pass\n",
+    "量子计算机使用量子比特。日本語のテキストと、한국어 문장도 있습니다.",
+    "emoji 🙂🚀 and a family 👩‍👩‍👧 and a flag 🇫🇷!",
+    "a" + " " * 17 + "b\n\n\n   \n\t\t  x" + " " * 40,
+    "12345 + 678 = 13023, pi is 3.14159 and 1e-5",
+    "line one\r\nline two\r\n\r\n  indented\r\n",
+    "café, cafe\u0301 and Å (A + ring) A\u030a",
+    "URL: https://example.com/a_b?c=1&d=2 <b>bold</b> {\"k\": [1, 2]}",
+    "ÀÉÎõü ß ΑΒΓ αβγ Привет, мир! שלום مرحبا नमस्ते",
+    "version 3.10.12, 1,000,000 items at 99.5%  42\t7  \n 8x9 x 1st 2nd",
+    "other digits: ١٢٣ ½ Ⅻ ² and spaces before them:   ١   Ⅻ",
+    "",
+]
+
 
 def tiny_model(seed=0, causal=True, **overrides):
     """A 2-layer, 32-wide Transformer over 40 token ids (float32, eval mode), seeded."""

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 import data
 import pretrained
-from helpers import save_tiny_hf_folder
+from helpers import TEXTS, save_tiny_hf_folder
 from model import ModelConfig, Transformer
 from pretrained import from_pretrained
 from generate import DecodeSettings, RefusionSettings, generate_ar, generate_refusion
@@ -37,29 +37,45 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
 # from_pretrained against transformers
 
 
-def save_hf_qwen3(folder, tied, sharded):
-    """A tiny random transformers Qwen3ForCausalLM, saved to folder by save_pretrained; returns it."""
+def save_hf_model(folder, family, tied, sharded=False, n_kv_head=2, head_dim_written=True):
+    """A tiny random transformers Qwen3ForCausalLM or LlamaForCausalLM, saved to folder by save_pretrained
+    (without head_dim in config.json when not head_dim_written); returns it."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                                      tie_word_embeddings=tied, attn_implementation="eager")
-    hf = transformers.Qwen3ForCausalLM(config).eval()
+    Config, Model = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+                     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
+    config = Config(**TINY | {"num_key_value_heads": n_kv_head}, tie_word_embeddings=tied,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, attn_implementation="eager")
+    hf = Model(config).eval()
     with torch.no_grad():  # every weight random, norms included, so a tensor loaded into the wrong place shows
         for p in hf.parameters():
             p.normal_(1.0 if p.ndim == 1 else 0.0, 0.1)
     hf.save_pretrained(folder, safe_serialization=True, max_shard_size="20KB" if sharded else "1GB")
     shards = list(folder.glob("*.safetensors"))
     assert len(shards) > 2 if sharded else [s.name for s in shards] == ["model.safetensors"]
+    if not head_dim_written:
+        written = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({k: v for k, v in written.items() if k != "head_dim"}))
     return hf
 
 
-@pytest.fixture(scope="module", params=[(False, False), (True, False), (False, True), (True, True)],
-                ids=["untied", "tied", "untied-sharded", "tied-sharded"])
-def qwen3_pair(request, tmp_path_factory):
-    """(transformers' Qwen3ForCausalLM, our Transformer loaded from its save_pretrained folder)."""
-    folder = tmp_path_factory.mktemp("qwen3")
-    hf = save_hf_qwen3(folder, *request.param)
-    return hf, from_pretrained(str(folder))
+# Qwen3 one file and sharded, tied and untied; Llama (SmolLM2's family: no q/k norms) tied, untied, and with
+# grouped-query attention (one key-value head for four query heads) and no head_dim in config.json
+MODELS = {"qwen3-untied": ("qwen3", False, False), "qwen3-tied": ("qwen3", True, False),
+          "qwen3-untied-sharded": ("qwen3", False, True), "qwen3-tied-sharded": ("qwen3", True, True),
+          "llama-tied": ("llama", True, False, 4), "llama-untied": ("llama", False, False, 4),
+          "llama-gqa": ("llama", True, False, 1, False)}
+
+
+@pytest.fixture(scope="module", params=list(MODELS.values()), ids=list(MODELS))
+def hf_pair(request, tmp_path_factory):
+    """(transformers' model, our Transformer loaded from its save_pretrained folder)."""
+    folder = tmp_path_factory.mktemp("hf")
+    hf = save_hf_model(folder, *request.param)
+    ours = from_pretrained(str(folder))
+    assert ours.config.qk_norm == (request.param[0] == "qwen3") and ours.config.head_dim == 16
+    assert (ours.lm_head.weight is ours.embed_tokens.weight) == request.param[1]
+    return hf, ours
 
 
 def position_layout(name, B, T):
@@ -76,8 +92,8 @@ def position_layout(name, B, T):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "slots-permuted", "gapped"])
-def test_logits_match_transformers(qwen3_pair, layout):
-    hf, ours = qwen3_pair
+def test_logits_match_transformers(hf_pair, layout):
+    hf, ours = hf_pair
     torch.manual_seed(1)
     idx = torch.randint(0, VOCAB, (2, 16))
     pos = position_layout(layout, 2, 16)
@@ -90,8 +106,8 @@ def test_logits_match_transformers(qwen3_pair, layout):
     assert torch.allclose(got, expected, atol=TOL, rtol=0), (got - expected).abs().max()
 
 
-def test_greedy_generate_ar_matches_transformers(qwen3_pair):
-    hf, ours = qwen3_pair
+def test_greedy_generate_ar_matches_transformers(hf_pair):
+    hf, ours = hf_pair
     prompt = [5, 17, 42, 99, 3]
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -104,8 +120,8 @@ def test_greedy_generate_ar_matches_transformers(qwen3_pair):
     assert generate_ar(ours, prompt, DecodeSettings(24), eos_id=eos).tokens == stopped == free[:free.index(eos) + 1]
 
 
-def test_refusion_decode_runs_on_loaded_model(qwen3_pair):
-    _, ours = qwen3_pair
+def test_refusion_decode_runs_on_loaded_model(hf_pair):
+    _, ours = hf_pair
     mask_id, eos_id = VOCAB - 1, VOCAB - 2
     settings = RefusionSettings(16, slot_size=4, num_blocks=2, slot_threshold=0.5, token_threshold=0.1)
     out = generate_refusion(ours, [5, 17, 42, 99, 3], settings, mask_id=mask_id, eos_id=eos_id)
@@ -114,7 +130,7 @@ def test_refusion_decode_runs_on_loaded_model(qwen3_pair):
 
 
 def test_missing_shard_is_named(tmp_path):
-    save_hf_qwen3(tmp_path, tied=False, sharded=True)
+    save_hf_model(tmp_path, "qwen3", tied=False, sharded=True)
     shard = sorted(tmp_path.glob("*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=f"{shard.name} not found"):
@@ -215,20 +231,6 @@ QWEN3_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_star
                "<tool_response>", "</tool_response>", "<think>", "</think>"]
 REFUSION_ADDED = ["<|beginoftext|>", "<|mask|>"]
 
-TEXTS = [
-    "Hello world",
-    "The quick brown fox jumps over the lazy dog. It's 5 o'clock; they'll say I'M late!",
-    "def f(x):\n    if x:\n        return x * 2\n\treturn None\n\n\nclass A_b(object):  # note\n    pass\n",
-    "量子计算机使用量子比特。日本語のテキストと、한국어 문장도 있습니다.",
-    "emoji 🙂🚀 and a family 👩‍👩‍👧 and a flag 🇫🇷!",
-    "a" + " " * 17 + "b\n\n\n   \n\t\t  x" + " " * 40,
-    "12345 + 678 = 13023, pi is 3.14159 and 1e-5",
-    "line one\r\nline two\r\n\r\n  indented\r\n",
-    "café, cafe\u0301 and Å (A + ring) A\u030a",
-    "URL: https://example.com/a_b?c=1&d=2 <b>bold</b> {\"k\": [1, 2]}",
-    "ÀÉÎõü ß ΑΒΓ αβγ Привет, мир! שלום مرحبا नमस्ते",
-    "",
-]
 
 
 @pytest.fixture(scope="module")
