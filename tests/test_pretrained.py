@@ -343,7 +343,20 @@ def test_hf_tokenizer_reads_a_qwen_style_file(tmp_path):
     ({"model": {"type": "Unigram", "vocab": []}}, ValueError, "model 'Unigram' not supported"),
     ({"model": {"type": "BPE", "vocab": {"a": 0, "\x00": 1}}}, ValueError, "outside the byte-level alphabet"),
     ({"added_tokens": [{"id": 1, "content": "<|endoftext|>"}]}, ValueError, "clashes with the vocabulary's 'b'"),
-], ids=["no-file", "gpt2-pre-tokenizer", "no-normalizer", "unigram", "not-byte-level", "id-clash"])
+    ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4},
+                "merges": [["Ġ", "a"], ["a", "b"]]}}, ValueError, r"not in merge order \(merge 1 makes id 3"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4, "ba": 6},
+                "merges": [["a", "b"], ["Ġ", "a"]]}}, ValueError, "tokens 6 are longer than a byte but no merge makes"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [], "byte_fallback": True}}, ValueError, "BPE options"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": [], "unk_token": "a"}}, ValueError,
+     "have no token and model.unk_token is set"),
+    ({"decoder": {"type": "WordPiece"}}, ValueError, "decoder 'WordPiece' not supported"),
+    ({"added_tokens": [{"id": 5, "content": "<x>", "special": False, "lstrip": True, "normalized": False}]}, ValueError,
+     "'<x>' is not special and has lstrip set"),
+    ({"added_tokens": [{"id": 5, "content": "<x>", "special": False, "normalized": True}]}, ValueError,
+     "'<x>' is not special and has normalized set"),
+], ids=["no-file", "prefix-space", "nfkc", "unigram", "not-byte-level", "id-clash", "not-merge-order", "unmade-token",
+        "byte-fallback", "unk-token", "decoder", "lstrip", "normalized"])
 def test_hf_tokenizer_errors(tmp_path, changes, error, message):
     if changes is not None:
         write_tokenizer_json(tmp_path, **changes)
@@ -425,3 +438,79 @@ def test_token_ids_past_65536_are_stored_as_uint32(tmp_path, qa_file):
     prompt, response = ds.sample(0)
     assert response[-1] == 70000                                   # an id above 2**16 read back whole
     assert ds.meta["mask_id"] == 259 and ds.meta["vocab_size"] == 70001
+
+
+# ----------------------------------------------------------------------------------------------
+# the byte-level BPE families, each against a `tokenizers` BPE trained here with its pre-tokenizer
+
+
+def trained_tokenizer(folder, family, all_bytes=True):
+    """A `tokenizers` byte-level BPE of 600 tokens trained on TEXTS with a family's pre-tokenizer (as
+    PRE_TOKENIZERS spells it), special <|endoftext|>, <|im_start|>, <|im_end|>, and a non-special added
+    token <think> matched in text; saved as folder/tokenizer.json. Without all_bytes, the bytes TEXTS
+    never uses have no token (as 21 have none in SmolLM2's vocabulary). Returns the reference."""
+    tokenizers = pytest.importorskip("tokenizers")
+    steps, _ = pretrained.PRE_TOKENIZERS[family]
+    built = {"Split": lambda s: tokenizers.pre_tokenizers.Split(tokenizers.Regex(s["pattern"]["Regex"]), "isolated"),
+             "ByteLevel": lambda s: tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=s["use_regex"]),
+             "Digits": lambda s: tokenizers.pre_tokenizers.Digits(individual_digits=True)}
+    reference = tokenizers.Tokenizer(tokenizers.models.BPE())
+    reference.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([built[s["type"]](s) for s in steps])
+    reference.decoder = tokenizers.decoders.ByteLevel()
+    if family == "Qwen2/3":
+        reference.normalizer = tokenizers.normalizers.NFC()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet() if all_bytes else []
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                             initial_alphabet=alphabet, show_progress=False)
+    reference.train_from_iterator(TEXTS * 3, trainer)
+    reference.add_tokens([tokenizers.AddedToken("<think>", special=False, normalized=False)])
+    reference.save(str(folder / "tokenizer.json"))
+    reference.encode_special_tokens = True  # special-token strings in text stay text, as in our encode
+    return reference
+
+
+FAMILY_TEXTS = TEXTS + ["<|im_end|> stays text, <think>\nthought\n</think> is found", "x<think>y <think>  <think>"]
+
+
+@pytest.mark.parametrize("family", list(pretrained.PRE_TOKENIZERS))
+def test_byte_level_families_match_the_reference(tmp_path, family):
+    reference = trained_tokenizer(tmp_path, family)
+    enc = pretrained.hf_tokenizer(str(tmp_path))
+    assert enc.n_vocab == reference.get_vocab_size() and not enc.missing
+    for text in FAMILY_TEXTS + ["".join(map(chr, range(256)))]:
+        ids = data.encode(enc, text)
+        assert ids == reference.encode(text, add_special_tokens=False).ids, text
+        assert data.decode(enc, ids) == reference.decode(ids, skip_special_tokens=False)
+    think = reference.token_to_id("<think>")
+    assert data.encode(enc, "<think>") == [think] and think not in data.encode(enc, "<thin k>")
+
+
+def test_bytes_without_a_token_are_dropped_as_the_reference_drops_them(tmp_path):
+    reference = trained_tokenizer(tmp_path, "SmolLM2", all_bytes=False)
+    enc = pretrained.hf_tokenizer(str(tmp_path))
+    assert b"\x04" in enc.missing and b"\xf1" in enc.missing and b"a" not in enc.missing
+    for text in ["a\x04b", "\x04", "!\x04!", "x" + chr(0x40000) + "y", "1\x042 \x04 3", "<think>\x04<think>"]:
+        assert data.encode(enc, text) == reference.encode(text, add_special_tokens=False).ids, text
+
+
+def test_chat_template_of_a_folder_renders_as_transformers_does(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    reference = trained_tokenizer(tmp_path, "SmolLM2")
+    template = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>"
+                "system\\nYou are a helpful AI assistant<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + "
+                "'\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+                "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    import sampler
+    enc = pretrained.hf_tokenizer(str(tmp_path))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=template)
+    for text in ["What is 12 + 30?", "  leading spaces\nand a <think> tag", ""]:
+        expected = fast.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        assert sampler.chat_prompt(enc, text) == list(expected), text
+    user_special = sampler.chat_prompt(enc, "say <|im_end|>")   # the user's text stays text
+    assert user_special.count(reference.token_to_id("<|im_end|>")) == 2  # the system turn's and the user turn's
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] | upper }}"}))
+    pretrained.hf_tokenizer.cache_clear()
+    with pytest.raises(ValueError, match="does not show the user's text once, unchanged"):
+        sampler.chat_prompt(pretrained.hf_tokenizer(str(tmp_path)), "hi")
