@@ -550,12 +550,11 @@ def gguf_config(meta, arch, tied):
         return float(np.format_float_positional(np.float32(x), unique=True))
     n_head = meta[f"{arch}.attention.head_count"]
     n_embd = meta[f"{arch}.embedding_length"]
-    head_dim = meta.get(f"{arch}.attention.key_length", n_embd // n_head)
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
             "vocab_size": len(meta["tokenizer.ggml.tokens"]), "hidden_size": n_embd,
             "intermediate_size": meta[f"{arch}.feed_forward_length"], "num_hidden_layers": meta[f"{arch}.block_count"],
             "num_attention_heads": n_head, "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", n_head),
-            "head_dim": head_dim,
+            "head_dim": meta.get(f"{arch}.attention.key_length", n_embd // n_head),
             "max_position_embeddings": meta[f"{arch}.context_length"],
             "rms_norm_eps": f32(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
             "rope_theta": f32(meta.get(f"{arch}.rope.freq_base", 10000.0)), "rope_scaling": None,
@@ -587,24 +586,24 @@ def convert_gguf(path, out_dir):
     if arch != "llama":
         raise ValueError(f"{path}: general.architecture={arch!r} is not supported; this converts the llama "
                          "architecture (Llama, SmolLM2) only")
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    head_dim = meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // meta[f"{arch}.attention.head_count"])
-    unsupported = [what for what, ok in [(f"rope scaling {scaling!r}", scaling == "none"),
-                                         ("a mixture of experts", f"{arch}.expert_count" not in meta),
-                                         ("rotary embeddings on part of each head",
-                                          meta.get(f"{arch}.rope.dimension_count", head_dim) == head_dim)] if not ok]
-    if unsupported:
-        raise ValueError(f"{path}: {', '.join(unsupported)} is not supported")
     names = {t.name: gguf_name(t.name) for t in reader.tensors}
-    unknown = sorted(n for n, hf in names.items() if hf is None)
-    if unknown:
-        raise ValueError(f"{path}: tensors {abridged(unknown)} are not part of a Llama-family model; not supported")
-    types = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in GGUF_TYPES})
-    if types:
-        raise ValueError(f"{path}: tensor type {', '.join(types)} is not supported; gguf dequantizes "
-                         f"{', '.join(t.name for t in GGUF_TYPES)}")
+    try:
+        config = gguf_config(meta, arch, tied="output.weight" not in names)
+    except KeyError as e:
+        raise ValueError(f"{path} has no {e} in its metadata; it is not a complete GGUF model") from None
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    unsupported = [what for what, ok in [
+        (f"rope scaling {scaling!r}", scaling == "none"),
+        ("a mixture of experts", f"{arch}.expert_count" not in meta),
+        ("rotary embeddings on part of each head", meta.get(f"{arch}.rope.dimension_count") in (None, config["head_dim"])),
+        (f"tensors {abridged(sorted(n for n, hf in names.items() if hf is None))} (not in a Llama-family model)",
+         None not in names.values()),
+        (f"tensor type {', '.join(sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in GGUF_TYPES}))}"
+         f" (gguf dequantizes {', '.join(t.name for t in GGUF_TYPES)})",
+         all(t.tensor_type in GGUF_TYPES for t in reader.tensors))] if not ok]
+    if unsupported:
+        raise ValueError(f"{path}: {'; '.join(unsupported)} is not supported")
     tokenizer, tokenizer_config = gguf_tokenizer_files(meta, path)
-    config = gguf_config(meta, arch, tied="output.weight" not in names)
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ValueError(f"{out_dir} is not empty: choose a new directory for the converted model")
 

@@ -151,10 +151,11 @@ def test_converted_folder_is_a_model_transformers_and_we_agree_on(tmp_path):
 @pytest.mark.parametrize("write, message", [
     (lambda p: write_gguf(p, arch="qwen3"), "general.architecture='qwen3' is not supported"),
     (lambda p: write_gguf(p, extra_tensors={"blk.0.attn_q.bias": ((N_EMBD,), Q.F32)}),
-     r"tensors blk\.0\.attn_q\.bias are not part of a Llama-family model"),
-    (lambda p: write_gguf(p, Q.Q8_1), "tensor type Q8_1 is not supported"),
+     r"tensors blk\.0\.attn_q\.bias \(not in a Llama-family model\) is not supported"),
+    (lambda p: write_gguf(p, Q.Q8_1), r"tensor type Q8_1 \(gguf dequantizes F32, F16, BF16, Q4_0"),
+    (lambda p: open(p, "w").write("not a GGUF file") and str(p), "is not a readable GGUF file"),
     (lambda p: write_gguf(p, pre="falcon"), "tokenizer.ggml.pre='falcon' is not supported"),
-], ids=["architecture", "tensor", "tensor-type", "pre-tokenizer"])
+], ids=["architecture", "tensor", "tensor-type", "not-gguf", "pre-tokenizer"])
 def test_converter_refuses_what_it_does_not_support(tmp_path, write, message):
     path = write(tmp_path / "model.gguf")
     with pytest.raises(ValueError, match=message):
