@@ -5,6 +5,7 @@ Decode prompts with a trained checkpoint, and print each response with its speed
     python sampler.py --prompt_file=my_prompt.txt --json
     python sampler.py --show --num_samples=1             # watch the slots fill in, step by step
     python sampler.py --init_from=ReFusion --chat --prompt="Write a function that ..."  # the released model
+    python sampler.py --init_from=smollm2 --chat --prompt="What is a hash table?"       # convert_gguf.py's SmolLM2
 
 The decoders themselves are in generate.py; this file only loads, chooses and prints.
 """

