@@ -230,6 +230,8 @@ QWEN3_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_star
                "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
                "<tool_response>", "</tool_response>", "<think>", "</think>"]
 REFUSION_ADDED = ["<|beginoftext|>", "<|mask|>"]
+# the added tokens Qwen3's tokenizer.json marks "special": false (151657 to 151668): found in text
+QWEN3_TEXT_TOKENS = QWEN3_ADDED[14:]
 
 
 
@@ -256,8 +258,9 @@ def qwen_tokenizers(tmp_path_factory):
     reference = TikTokenConverter(vocab_file=ranks_file, pattern=PAT_STR).converted()
     reference.normalizer = tokenizers.normalizers.NFC()
     reference.model.ignore_merges = False  # every token built by merges, no whole-word lookup: unlike tiktoken
-    reference.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                                  for t in QWEN3_ADDED + REFUSION_ADDED])
+    for t in QWEN3_ADDED + REFUSION_ADDED:  # in id order; Qwen3's tool, FIM and thinking markers are not special
+        (reference.add_tokens if t in QWEN3_TEXT_TOKENS else reference.add_special_tokens)(
+            [tokenizers.AddedToken(t, special=t not in QWEN3_TEXT_TOKENS, normalized=False)])
     assert reference.get_vocab_size() == 151671 and reference.token_to_id("<|mask|>") == 151670
     refusion, qwen3 = tmp_path_factory.mktemp("refusion"), tmp_path_factory.mktemp("qwen3")
     reference.save(str(refusion / "tokenizer.json"))
@@ -294,10 +297,11 @@ def test_special_token_text_in_input_stays_plain_text(qwen_tokenizers):
     enc = pretrained.hf_tokenizer(str(folder))
     as_text = type(reference).from_str(reference.to_str())
     as_text.encode_special_tokens = True  # the reference's switch for "special-token strings are plain text"
-    for text in ["<|im_end|>", "user: <|mask|><|endoftext|> done", "<think>\nok\n</think>"]:
+    for text in ["<|im_end|>", "user: <|mask|><|endoftext|> done", "<think>\nok\n</think>", "<tool_call>x<|im_start|>"]:
         ids = data.encode(enc, text)
         assert ids == as_text.encode(text, add_special_tokens=False).ids
-        assert max(ids) < 151643
+        assert all(i < 151643 or 151657 <= i <= 151668 for i in ids)   # no special id, markers that are not special
+    assert data.encode(enc, "<think>\nok\n</think>")[::4] == [151667, 151668]   # found in text, as the reference does
     assert reference.encode("<|im_end|>", add_special_tokens=False).ids == [151645]  # what was avoided
 
 
