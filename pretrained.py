@@ -94,7 +94,7 @@ def hf_model_config(folder):
             n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"],  # Llama: absent means n_head
             n_embd=hf["hidden_size"], head_dim=head_dim, intermediate_size=hf["intermediate_size"],
             rope_theta=hf["rope_theta"] if "rope_theta" in hf else rope["rope_theta"],
-            norm_eps=hf["rms_norm_eps"], tie_embeddings=hf.get("tie_word_embeddings", True),
+            norm_eps=hf["rms_norm_eps"], tie_embeddings=hf["tie_word_embeddings"],
             qk_norm=family["qk_norm"], causal=True)
     except KeyError as e:
         raise ValueError(f"{path} has no {e}; it is not a complete {hf['model_type']} config") from None
