@@ -9,7 +9,7 @@
 # 80 s on an A100 at 40% of its 312 bf16 TFLOP/s; a model this small reaches a lower MFU, so allow a few
 # minutes (the progress bar prints the real MFU). Memory: 2.2 GB of float32 weights, gradients and AdamW
 # state (16 bytes x 134.5M parameters), plus what autograd keeps for the backward pass under bf16 autocast:
-# at most 1.0 GB per 512-token sample (counted on CPU with saved_tensors_hooks; a third of it the
+# at most 1.0 GB per 512-token sample (counted on CPU with saved_tensors_hooks; a quarter of it the
 # 49,152-wide logits), about 17 GB for 16 samples per micro-batch, so about 20 GB on a 40 GB GPU.
 # On a CPU (one thread) a step of 2 samples x 256 tokens takes seconds: a smoke test only.
 init_from = "smollm2"
