@@ -11,7 +11,6 @@ Token batches: the tokenizer, one split of prepared data, and what each objectiv
 import json
 import os
 import re
-import unicodedata
 from dataclasses import dataclass
 from functools import cache
 
@@ -20,17 +19,13 @@ import tiktoken
 import torch
 import torch.nn.functional as F
 
+from pretrained import GPT2_PAT, hf_special_ids, hf_tokenizer  # GPT-2's regex, Hugging Face folders' tokenizers
+
 EOS, MASK, PAD = "<|endoftext|>", "<|mask|>", "<|pad|>"
 TOKENIZERS = ("bytes", "gpt2")
 
 # -----------------------------------------------------------------------------
-# tokenizer
-
-# GPT-2's pre-tokenization regex, so the byte tokenizer splits text the way GPT-2 does
-GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# Qwen2/3's (the Split pattern of their tokenizer.json): unlike GPT-2's, every digit is its own piece
-# and a letter run takes one leading non-letter ("_name", "(x")
-QWEN2_PAT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# tokenizer (the byte tokenizer splits text with GPT-2's regex, as GPT-2 does)
 
 
 @cache
@@ -43,8 +38,8 @@ def get_tokenizer(name: str = "bytes") -> tiktoken.Encoding:
              Built in code, needs no download: the offline default.
     "gpt2":  GPT-2's BPE (ids 0..50255) + EOS=50256, MASK=50257, PAD=50258; n_vocab = 50259.
              tiktoken downloads the BPE file once and caches it (see TIKTOKEN_CACHE_DIR).
-    "hf:FOLDER": the tokenizer.json of a Hugging Face model folder (Qwen3, ReFusion), see
-             hf_tokenizer; its special ids come from hf_special_ids, not special_ids.
+    "hf:FOLDER": the tokenizer.json of a Hugging Face model folder (Qwen3, ReFusion, SmolLM2), see
+             pretrained.hf_tokenizer; its special ids come from pretrained.hf_special_ids.
     Raises ValueError for an unknown name, FileNotFoundError if the GPT-2 BPE file cannot be had,
     and what hf_tokenizer raises.
     """
@@ -66,85 +61,6 @@ def get_tokenizer(name: str = "bytes") -> tiktoken.Encoding:
                                  mergeable_ranks=base._mergeable_ranks,
                                  special_tokens={EOS: 50256, MASK: 50257, PAD: 50258})
     raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS} or hf:FOLDER")
-
-
-def _byte_of_char() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: the character that stands for each byte -> that byte.
-
-    Byte-level BPE vocabularies (GPT-2's, Qwen's) spell every token with one printable character per
-    byte: the 188 printable Latin-1 bytes stand for themselves, the other 68 (controls, space, ...)
-    for chr(256), chr(257), ... in byte order.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
-
-
-def hf_tokenizer(folder: str) -> tiktoken.Encoding:
-    """
-    The tiktoken Encoding of a Hugging Face folder's tokenizer.json: Qwen2/3's byte-level BPE.
-
-    model.vocab maps each token, spelled in GPT-2's byte-level alphabet, to its id; decoded back to
-    bytes these are tiktoken's mergeable ranks (an id is a merge rank: Qwen's vocabulary was made with
-    tiktoken, its merges list follows the ids). Every entry of added_tokens becomes a special token
-    (Qwen3: <|endoftext|>=151643, <|im_start|>, <|im_end|>, ...; ReFusion adds <|beginoftext|>=151669
-    and <|mask|>=151670): decode() writes it, encode() never makes it from text. encode() also applies
-    the NFC normalizer that tokenizer.json names, so call it rather than enc.encode_ordinary.
-    Raises FileNotFoundError without tokenizer.json; ValueError when it is not Qwen2/3's tokenizer
-    (another normalizer, pre-tokenizer or model) or an added token reuses a vocabulary id.
-    """
-    path = os.path.join(folder, "tokenizer.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no tokenizer.json in {folder!r}: hf:FOLDER must name a Hugging Face model "
-                                "folder holding one (as Qwen3's and ReFusion's releases do)")
-    with open(path, encoding="utf-8") as f:
-        spec = json.load(f)
-    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
-    # Qwen2/3: split the text with QWEN2_PAT, then spell each piece's bytes in the byte-level alphabet
-    steps = [(s.get("type"), s.get("pattern"), s.get("behavior"), s.get("add_prefix_space", False),
-              s.get("use_regex", False)) for s in pre.get("pretokenizers", [pre])]
-    qwen_steps = [("Split", {"Regex": QWEN2_PAT}, "Isolated", False, False), ("ByteLevel", None, None, False, False)]
-    if model.get("type") != "BPE" or spec.get("normalizer") != {"type": "NFC"} or steps != qwen_steps:
-        raise ValueError(f"{path} is not Qwen2/3's tokenizer (NFC normalizer, split with Qwen's regex, then "
-                         "byte-level BPE); only that tokenizer family is supported")
-    byte_of = _byte_of_char()
-    try:
-        ranks = {bytes(byte_of[c] for c in token): rank for token, rank in model["vocab"].items()}
-    except KeyError as e:
-        raise ValueError(f"{path}: a vocabulary token has the character {e}, outside the byte-level alphabet; "
-                         "the file is damaged or not a byte-level BPE") from None
-    specials = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
-    if set(ranks.values()) & set(specials.values()):
-        raise ValueError(f"{path}: added_tokens reuse ids of model.vocab; give each added token an id of its own")
-    return tiktoken.Encoding(name=f"hf:{folder}", pat_str=QWEN2_PAT, mergeable_ranks=ranks, special_tokens=specials)
-
-
-def hf_special_ids(folder: str) -> tuple[tuple[int, ...], int | None, int]:
-    """
-    (eos_ids, mask_id, pad_id) of a Hugging Face folder, from its added tokens and config.json.
-
-    eos_ids: the ids of <|im_end|> (ends a chat turn: what instruction-tuned models, ReFusion among
-             them, emit) and <|endoftext|>, those the tokenizer has, in that order.
-    mask_id: <|mask|> (151670 in ReFusion's release), else config.json's mask_token_id; None for a
-             plain Qwen3, which has no mask token and so cannot be decoded with ReFusion.
-    pad_id:  config.json's pad_token_id, else the last EOS id: <|endoftext|>, Qwen's padding token.
-    Raises what hf_tokenizer raises, and ValueError when the tokenizer has neither EOS token.
-    """
-    enc = get_tokenizer(f"hf:{folder}")
-    added = {token: enc.encode_single_token(token) for token in enc.special_tokens_set}
-    eos_ids = tuple(added[token] for token in ("<|im_end|>", EOS) if token in added)
-    if not eos_ids:
-        raise ValueError(f"{folder}/tokenizer.json has neither <|im_end|> nor {EOS} among its added_tokens, "
-                         "so generation could not stop; add them as Qwen's tokenizer.json has them")
-    config_path, config = os.path.join(folder, "config.json"), {}
-    if os.path.isfile(config_path):
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    mask_id = added.get(MASK, config.get("mask_token_id"))
-    pad_id = config.get("pad_token_id")
-    if pad_id is None:
-        pad_id = eos_ids[-1]
-    return eos_ids, mask_id, pad_id
 
 
 def special_ids(enc: tiktoken.Encoding) -> tuple[int, int, int]:
@@ -169,11 +85,9 @@ def vocab_size(enc: tiktoken.Encoding) -> int:
 def encode(enc: tiktoken.Encoding, text: str) -> list[int]:
     """Token ids of `text`. Special-token strings in the text stay plain text, never special ids.
 
-    A tokenizer from a Hugging Face folder (hf:FOLDER) first NFC-normalizes the text, as its
-    tokenizer.json says (so "e" + U+0301 and "é" give the same ids).
+    A tokenizer from a Hugging Face folder (hf:FOLDER) encodes as its reference tokenizer does
+    (pretrained.HFEncoding: NFC when its tokenizer.json says so, its non-special added tokens).
     """
-    if enc.name.startswith("hf:"):
-        text = unicodedata.normalize("NFC", text)
     ids = []
     for piece in _pieces(text):
         ids += enc.encode_ordinary(piece)

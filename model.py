@@ -1,24 +1,21 @@
 """
-The network: a decoder-only transformer in the Qwen3 style (RMSNorm, rotary position embeddings
-applied from explicit position ids, SwiGLU MLP, optional QK-norm, grouped-query attention).
+The network: a decoder-only transformer in the Qwen3 / Llama style (RMSNorm, rotary position
+embeddings applied from explicit position ids, SwiGLU MLP, optional QK-norm, grouped-query attention).
 
 ReFusion needs one thing a plain GPT does not: tokens may sit anywhere in the buffer while keeping
 their true positions. So `forward` takes `position_ids` next to the tokens; attention is causal over
 the *physical* order of the buffer, RoPE uses the *logical* positions (SPEC section 2).
 
-Module names follow the Hugging Face Qwen3 checkpoints (embed_tokens, self_attn.q_proj, mlp.gate_proj,
-...), so released weights map onto this model name for name (Transformer.from_pretrained).
+Module names follow the Hugging Face Qwen3 and Llama checkpoints (embed_tokens, self_attn.q_proj,
+mlp.gate_proj, ...), so released weights map onto this model name for name (pretrained.from_pretrained).
 """
 
-import json
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from kvcache import KVCache
 
@@ -34,7 +31,7 @@ class ModelConfig:
     head_dim: int | None = None     # None means n_embd // n_head (Qwen3 sets it explicitly)
     intermediate_size: int | None = None  # SwiGLU hidden width; None means ~8/3 n_embd, rounded to 64
     rope_theta: float = 10000.0
-    qk_norm: bool = True            # RMSNorm on each head's queries and keys, as in Qwen3
+    qk_norm: bool = True            # RMSNorm on each head's queries and keys, as in Qwen3 (not Llama)
     tie_embeddings: bool = True     # lm_head shares the token embedding matrix
     norm_eps: float = 1e-6
     causal: bool = True             # False: bidirectional attention (the MDM baseline)
@@ -197,108 +194,3 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.lm_head(self.norm(x)).float()
-
-    @classmethod
-    def from_pretrained(cls, folder, dtype=torch.float32):
-        """A Qwen3 checkpoint in Hugging Face's layout (Qwen3's or ReFusion's release), on the CPU.
-
-        folder: config.json and model.safetensors, or the shards model.safetensors.index.json lists, as
-                transformers' save_pretrained writes them. Tensor names are ours prefixed "model."
-                (model.layers.0.self_attn.q_proj.weight: (n_head * head_dim, n_embd)), but lm_head.weight,
-                absent when tie_word_embeddings.
-        dtype:  of the parameters (the releases store bfloat16; float32 takes twice the memory).
-        Every name and shape is checked in the files' headers first; then the model, built on the meta
-        device (no memory, no random init), takes each shard's tensors as its parameters, so the weights
-        are held once. Returns the causal Transformer in eval mode (block_size = max_position_embeddings);
-        its forward gives (B, T, vocab_size) float32 logits.
-        Raises FileNotFoundError for a missing folder, config.json or weights file; ValueError when
-        config.json is not a Qwen3 this model implements (model_type, rope scaling, attention bias, sliding
-        window, a missing field), the tensors' names or shapes do not match it, or the index names a file
-        outside the folder (weight_file_in).
-        """
-        def need(name):
-            path = os.path.join(folder, name)
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path} not found: from_pretrained needs a Hugging Face model folder "
-                                        "(config.json and model.safetensors or its shards), downloaded whole")
-            return path
-
-        with open(need("config.json")) as f:
-            hf = json.load(f)
-        # transformers 4 writes rope_theta and rope_scaling (null when plain), transformers 5 rope_parameters
-        rope_key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-        rope = hf.get(rope_key) or {}
-        unsupported = [f"{key}={hf.get(key)!r}" for key, ok in [
-            ("model_type", hf.get("model_type") == "qwen3"),
-            (rope_key, rope.get("rope_type", rope.get("type", "default")) == "default"),
-            ("attention_bias", not hf.get("attention_bias")),
-            ("use_sliding_window", not hf.get("use_sliding_window")),
-            ("hidden_act", hf.get("hidden_act", "silu") == "silu")] if not ok]
-        if unsupported:
-            raise ValueError(f"{folder}/config.json: {', '.join(unsupported)} is not implemented here; this model "
-                             "loads Qwen3 checkpoints (plain RoPE, no attention bias, full attention, SiLU) only")
-        try:
-            config = ModelConfig(
-                vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
-                n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"], n_kv_head=hf["num_key_value_heads"],
-                n_embd=hf["hidden_size"], head_dim=hf["head_dim"], intermediate_size=hf["intermediate_size"],
-                rope_theta=hf["rope_theta"] if "rope_theta" in hf else rope["rope_theta"],
-                norm_eps=hf["rms_norm_eps"], tie_embeddings=hf["tie_word_embeddings"], qk_norm=True, causal=True)
-        except KeyError as e:
-            raise ValueError(f"{folder}/config.json has no {e}; it is not a complete Qwen3 config") from None
-        with torch.device("meta"):
-            model = cls(config)
-        # Hugging Face name -> shape; named_parameters lists a tied lm_head.weight once, as embed_tokens.weight
-        expected = {("" if name == "lm_head.weight" else "model.") + name: list(p.shape)
-                    for name, p in model.named_parameters()}
-
-        index = os.path.join(folder, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index) as f:
-                names = sorted(set(json.load(f)["weight_map"].values()), key=str)
-            files = [need(weight_file_in(folder, name, index)) for name in names]
-        else:
-            files = [need("model.safetensors")]
-        found = {}  # Hugging Face name -> shape, from the files' headers
-        for path in files:
-            with safe_open(path, framework="pt") as f:
-                found.update((name, f.get_slice(name).get_shape()) for name in f.keys())
-        if config.tie_embeddings:
-            found.pop("lm_head.weight", None)  # a stored copy of the tied matrix is ignored, as transformers does
-        missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
-        misshaped = [f"{name} {found[name]} (config.json implies {expected[name]})"
-                     for name in sorted(expected.keys() & found.keys()) if found[name] != expected[name]]
-
-        def abridged(names):
-            return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        problems = [f"{kind} tensors: {abridged(names)}" for kind, names in
-                    [("missing", missing), ("unexpected", unexpected), ("wrongly shaped", misshaped)] if names]
-        if problems:
-            raise ValueError(f"the weights in {folder} do not match its config.json: {'; '.join(problems)}. "
-                             "Check that the folder holds one whole model and its own config.json")
-
-        for path in files:  # shard by shard; its tensors become the parameters (no second copy)
-            with safe_open(path, framework="pt") as f:
-                shard = {name.removeprefix("model."): f.get_tensor(name).to(dtype)
-                         for name in f.keys() if name in expected}
-            model.load_state_dict(shard, strict=False, assign=True)
-        if config.tie_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight  # assign replaced the shared parameter
-        return model.eval()
-
-
-def weight_file_in(folder, name, index):
-    """name, a weights file that the index file `index` of the model folder `folder` lists, checked
-    to be a file of that folder: not an absolute path, no "..", no symlink leading out of it (the
-    links of a Hugging Face cache snapshot into its own blobs/ directory are the folder's own).
-    Returns name. Raises ValueError naming the index and the entry, so nothing outside is read."""
-    root = os.path.realpath(folder)
-    roots = [root]
-    if os.path.basename(os.path.dirname(root)) == "snapshots":  # ~/.cache/huggingface/hub/models--*/snapshots/REV
-        roots.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
-    inside = isinstance(name, str) and not os.path.isabs(name) and ".." not in name.replace("\\", "/").split("/") \
-        and any(os.path.commonpath([os.path.realpath(os.path.join(folder, name)), r]) == r for r in roots)
-    if not inside:
-        raise ValueError(f"{index} lists the weights file {name!r}, outside {folder}; a model folder's index "
-                         "names files of that folder only: download the model whole into one folder")
-    return name

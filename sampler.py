@@ -5,6 +5,7 @@ Decode prompts with a trained checkpoint, and print each response with its speed
     python sampler.py --prompt_file=my_prompt.txt --json
     python sampler.py --show --num_samples=1             # watch the slots fill in, step by step
     python sampler.py --init_from=ReFusion --chat --prompt="Write a function that ..."  # the released model
+    python sampler.py --init_from=smollm2 --chat --prompt="What is a hash table?"       # convert_gguf.py's SmolLM2
 
 The decoders themselves are in generate.py; this file only loads, chooses and prints.
 """
@@ -22,17 +23,17 @@ import torch
 from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import check_device, check_seed, explicit_keys, parse_args, run_cli, settings_in
 from corpora import read_utf8, score
-from data import TokenDataset, decode, encode, get_tokenizer, hf_special_ids
+from data import TokenDataset, decode, encode, get_tokenizer
 from generate import DECODERS, check_attention, eos_ids_of
-from model import Transformer
 from prepare import prepare
+from pretrained import chat_parts, from_pretrained, hf_special_ids
 
 # -----------------------------------------------------------------------------
 # default config
 out_dir = "out"            # directory holding ckpt.pt (written by train.py) ...
-init_from = ""             # ... or a Hugging Face model folder (Qwen3, the ReFusion release) to decode with
+init_from = ""             # ... or a Hugging Face model folder (Qwen3, SmolLM2, the ReFusion release) to decode with
 dtype = "float32"          # the weights in float32 or bfloat16 (half the memory)
-chat = False               # wrap the prompt in Qwen's chat template (user turn, then the assistant header)
+chat = False               # wrap the prompt in the model's chat template (user turn, then the assistant header)
 prompt = ""                # decode this text ...
 prompt_file = ""           # ... or the text of this file (a pipe too; - for standard input) ...
 num_samples = 3            # ... or this many prompts from the validation split
@@ -55,19 +56,19 @@ DEFAULTS = settings_in(globals())
 
 
 def load_model(cfg):
-    """The model to decode with: --init_from=FOLDER (Transformer.from_pretrained) or out_dir's checkpoint.
+    """The model to decode with: --init_from=FOLDER (pretrained.from_pretrained) or out_dir's checkpoint.
 
     Returns (model in eval mode on cfg["device"], tokenizer, ids {"eos_id", "mask_id", "pad_id"},
     the objective it was trained with, the checkpoint dict or None for a folder). A folder's
     eos_id is a tuple (<|im_end|>, <|endoftext|>) and its objective "refusion" when it has a mask
-    token, else "ar" (a plain Qwen3). Raises FileNotFoundError / ValueError naming the problem.
+    token, else "ar" (a plain Qwen3 or SmolLM2). Raises FileNotFoundError / ValueError naming the problem.
     """
     if cfg["dtype"] not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype={cfg['dtype']!r}: choose float32 or bfloat16")
     dtype = getattr(torch, cfg["dtype"])
     if cfg["init_from"]:
         folder = cfg["init_from"]
-        model = Transformer.from_pretrained(folder, dtype=dtype).to(cfg["device"])
+        model = from_pretrained(folder, dtype=dtype).to(cfg["device"])
         eos_ids, mask_id, pad_id = hf_special_ids(folder)
         ids = {"eos_id": eos_ids, "mask_id": mask_id, "pad_id": pad_id}
         return model, get_tokenizer(f"hf:{folder}"), ids, "ar" if mask_id is None else "refusion", None
@@ -132,16 +133,11 @@ def make_decoder(cfg, model, ids, generator):
 
 
 def chat_prompt(enc, text):
-    """Token ids of Qwen's chat template around `text`: a user turn, then the assistant header, as
-    the ReFusion release's evaluation builds its prompts (apply_chat_template with
-    add_generation_prompt). The template's markers are special ids; `text` stays plain text.
-    Raises ValueError for a tokenizer without <|im_start|> and <|im_end|> (not a chat model's)."""
-    try:
-        start, end = enc.encode_single_token("<|im_start|>"), enc.encode_single_token("<|im_end|>")
-    except KeyError:
-        raise ValueError("--chat needs a chat model's tokenizer (with <|im_start|> and <|im_end|>), e.g. "
-                         "--init_from=FOLDER of Qwen3 or the ReFusion release") from None
-    return [start, *encode(enc, "user\n" + text), end, *encode(enc, "\n"), start, *encode(enc, "assistant\n")]
+    """Token ids of a user turn holding `text`, then the assistant's header, in the model's chat template
+    (pretrained.chat_parts: the folder's template, or Qwen's ChatML), as the ReFusion release's evaluation
+    builds its prompts (apply_chat_template with add_generation_prompt). The template's markers are
+    special ids; `text` stays plain text. Raises ValueError for a tokenizer with no chat template."""
+    return [i for part in chat_parts(enc, text) for i in ([part] if isinstance(part, int) else encode(enc, part))]
 
 
 def load_prompts(cfg, enc, val_data, gen_len, block_size):

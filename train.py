@@ -35,6 +35,7 @@ from data import IGNORE, TOKENIZERS, TokenDataset, autoregressive_batch, get_tok
 from files import write_atomic
 from model import ModelConfig, Transformer
 from prepare import prepare
+from pretrained import from_pretrained
 from shard import check_sharding, checkpoint_blocks, load_sharded, load_sharded_info, save_sharded, shard_model
 
 # -----------------------------------------------------------------------------
@@ -396,8 +397,8 @@ def start_from_pretrained(cfg, explicit):
 
 
 def start_from_hf_folder(cfg, explicit):
-    """--init_from=FOLDER, the paper's recipe at full size: a pretrained Qwen3 in Hugging Face's
-    layout (Transformer.from_pretrained, float32 weights), its own tokenizer (hf:FOLDER), trained
+    """--init_from=FOLDER, the paper's recipe at full size: a pretrained Qwen3 or Llama (SmolLM2) in
+    Hugging Face's layout (pretrained.from_pretrained, float32 weights), its own tokenizer (hf:FOLDER), trained
     on with this run's objective. A folder without a mask token gets one (special_ids) and, if its
     embedding lacks the row, the row (load_weights). block_size stays the length of the longest
     sample prepared; the model keeps the folder's context. Raises ValueError for a contradicting
@@ -407,7 +408,7 @@ def start_from_hf_folder(cfg, explicit):
         raise ValueError(f"--tokenizer={cfg['tokenizer']}: a fine-tune of {folder} uses its own tokenizer; "
                          "drop the flag")
     cfg["tokenizer"] = f"hf:{folder}"
-    model = Transformer.from_pretrained(folder)
+    model = from_pretrained(folder)
     c = model.config
     shape = dict(n_layer=c.n_layer, n_head=c.n_head, n_kv_head=c.n_kv_head, n_embd=c.n_embd, qk_norm=c.qk_norm,
                  rope_theta=c.rope_theta)

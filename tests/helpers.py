@@ -9,6 +9,24 @@ from model import ModelConfig, Transformer
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 
+# texts a tokenizer must encode as its reference does: prose, code, CJK, emoji, whitespace runs, digits, CRLF, NFC
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. It's 5 o'clock; they'll say I'M late!",
+    "def f(x):\n    if x:\n        return x * 2\n\treturn None\n\n\nclass A_b(object):  # note\n    pass\n",
+    "量子计算机使用量子比特。日本語のテキストと、한국어 문장도 있습니다.",
+    "emoji 🙂🚀 and a family 👩‍👩‍👧 and a flag 🇫🇷!",
+    "a" + " " * 17 + "b\n\n\n   \n\t\t  x" + " " * 40,
+    "12345 + 678 = 13023, pi is 3.14159 and 1e-5",
+    "line one\r\nline two\r\n\r\n  indented\r\n",
+    "café, cafe\u0301 and Å (A + ring) A\u030a",
+    "URL: https://example.com/a_b?c=1&d=2 <b>bold</b> {\"k\": [1, 2]}",
+    "ÀÉÎõü ß ΑΒΓ αβγ Привет, мир! שלום مرحبا नमस्ते",
+    "version 3.10.12, 1,000,000 items at 99.5%  42\t7  \n 8x9 x 1st 2nd",
+    "other digits: ١٢٣ ½ Ⅻ ² and spaces before them:   ١   Ⅻ",
+    "",
+]
+
 
 def tiny_model(seed=0, causal=True, **overrides):
     """A 2-layer, 32-wide Transformer over 40 token ids (float32, eval mode), seeded."""
@@ -49,7 +67,7 @@ def save_tiny_hf_folder(folder, mask=True, seed=0):
 
     from safetensors.torch import save_file
 
-    from data import QWEN2_PAT, _byte_of_char
+    from pretrained import QWEN2_PAT, byte_of_char
     torch.manual_seed(seed)
     config = ModelConfig(vocab_size=300, block_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, head_dim=8,
                          intermediate_size=64, rope_theta=1e6)
@@ -63,13 +81,13 @@ def save_tiny_hf_folder(folder, mask=True, seed=0):
         json.dump(hf_config, f)
     save_file({"model." + n: t.clone() for n, t in model.state_dict().items() if n != "lm_head.weight"},
               os.path.join(folder, "model.safetensors"))
-    char_of = {b: c for c, b in _byte_of_char().items()}
+    char_of = {b: c for c, b in byte_of_char().items()}
     added = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + ["<|mask|>"] * mask
     spec = {"normalizer": {"type": "NFC"},
             "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
                 {"type": "Split", "pattern": {"Regex": QWEN2_PAT}, "behavior": "Isolated", "invert": False},
                 {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
-            "added_tokens": [{"id": 256 + i, "content": t} for i, t in enumerate(added)],
+            "added_tokens": [{"id": 256 + i, "content": t, "special": True} for i, t in enumerate(added)],
             "model": {"type": "BPE", "vocab": {char_of[b]: b for b in range(256)}, "merges": []}}
     with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(spec, f)

@@ -1,8 +1,8 @@
 """
 Released checkpoints and tokenizers in Hugging Face's layout.
 
-Transformer.from_pretrained is checked against transformers' own Qwen3 on tiny random models (logits,
-greedy decoding), and on folders written here for its error messages. hf_tokenizer is checked against
+pretrained.from_pretrained is checked against transformers' own Qwen3 and Llama on tiny random models
+(logits, greedy decoding), and on folders written here for its error messages. hf_tokenizer is checked against
 a reference tokenizer built by the `tokenizers` library from Qwen's real vocabulary.
 
 Run: python -m pytest -q tests/test_pretrained.py   (needs requirements-test.txt; skips what is missing)
@@ -21,8 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import data
-from helpers import save_tiny_hf_folder
+import pretrained
+from helpers import TEXTS, save_tiny_hf_folder
 from model import ModelConfig, Transformer
+from pretrained import from_pretrained
 from generate import DecodeSettings, RefusionSettings, generate_ar, generate_refusion
 
 TOL = 1e-5
@@ -35,29 +37,45 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
 # from_pretrained against transformers
 
 
-def save_hf_qwen3(folder, tied, sharded):
-    """A tiny random transformers Qwen3ForCausalLM, saved to folder by save_pretrained; returns it."""
+def save_hf_model(folder, family, tied, sharded=False, n_kv_head=2, head_dim_written=True):
+    """A tiny random transformers Qwen3ForCausalLM or LlamaForCausalLM, saved to folder by save_pretrained
+    (without head_dim in config.json when not head_dim_written); returns it."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                                      tie_word_embeddings=tied, attn_implementation="eager")
-    hf = transformers.Qwen3ForCausalLM(config).eval()
+    Config, Model = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+                     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
+    config = Config(**TINY | {"num_key_value_heads": n_kv_head}, tie_word_embeddings=tied,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, attn_implementation="eager")
+    hf = Model(config).eval()
     with torch.no_grad():  # every weight random, norms included, so a tensor loaded into the wrong place shows
         for p in hf.parameters():
             p.normal_(1.0 if p.ndim == 1 else 0.0, 0.1)
     hf.save_pretrained(folder, safe_serialization=True, max_shard_size="20KB" if sharded else "1GB")
     shards = list(folder.glob("*.safetensors"))
     assert len(shards) > 2 if sharded else [s.name for s in shards] == ["model.safetensors"]
+    if not head_dim_written:
+        written = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({k: v for k, v in written.items() if k != "head_dim"}))
     return hf
 
 
-@pytest.fixture(scope="module", params=[(False, False), (True, False), (False, True), (True, True)],
-                ids=["untied", "tied", "untied-sharded", "tied-sharded"])
-def qwen3_pair(request, tmp_path_factory):
-    """(transformers' Qwen3ForCausalLM, our Transformer loaded from its save_pretrained folder)."""
-    folder = tmp_path_factory.mktemp("qwen3")
-    hf = save_hf_qwen3(folder, *request.param)
-    return hf, Transformer.from_pretrained(str(folder))
+# Qwen3 one file and sharded, tied and untied; Llama (SmolLM2's family: no q/k norms) tied, untied, and with
+# grouped-query attention (one key-value head for four query heads) and no head_dim in config.json
+MODELS = {"qwen3-untied": ("qwen3", False, False), "qwen3-tied": ("qwen3", True, False),
+          "qwen3-untied-sharded": ("qwen3", False, True), "qwen3-tied-sharded": ("qwen3", True, True),
+          "llama-tied": ("llama", True, False, 4), "llama-untied": ("llama", False, False, 4),
+          "llama-gqa": ("llama", True, False, 1, False)}
+
+
+@pytest.fixture(scope="module", params=list(MODELS.values()), ids=list(MODELS))
+def hf_pair(request, tmp_path_factory):
+    """(transformers' model, our Transformer loaded from its save_pretrained folder)."""
+    folder = tmp_path_factory.mktemp("hf")
+    hf = save_hf_model(folder, *request.param)
+    ours = from_pretrained(str(folder))
+    assert ours.config.qk_norm == (request.param[0] == "qwen3") and ours.config.head_dim == 16
+    assert (ours.lm_head.weight is ours.embed_tokens.weight) == request.param[1]
+    return hf, ours
 
 
 def position_layout(name, B, T):
@@ -74,8 +92,8 @@ def position_layout(name, B, T):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "slots-permuted", "gapped"])
-def test_logits_match_transformers(qwen3_pair, layout):
-    hf, ours = qwen3_pair
+def test_logits_match_transformers(hf_pair, layout):
+    hf, ours = hf_pair
     torch.manual_seed(1)
     idx = torch.randint(0, VOCAB, (2, 16))
     pos = position_layout(layout, 2, 16)
@@ -88,8 +106,8 @@ def test_logits_match_transformers(qwen3_pair, layout):
     assert torch.allclose(got, expected, atol=TOL, rtol=0), (got - expected).abs().max()
 
 
-def test_greedy_generate_ar_matches_transformers(qwen3_pair):
-    hf, ours = qwen3_pair
+def test_greedy_generate_ar_matches_transformers(hf_pair):
+    hf, ours = hf_pair
     prompt = [5, 17, 42, 99, 3]
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -102,8 +120,8 @@ def test_greedy_generate_ar_matches_transformers(qwen3_pair):
     assert generate_ar(ours, prompt, DecodeSettings(24), eos_id=eos).tokens == stopped == free[:free.index(eos) + 1]
 
 
-def test_refusion_decode_runs_on_loaded_model(qwen3_pair):
-    _, ours = qwen3_pair
+def test_refusion_decode_runs_on_loaded_model(hf_pair):
+    _, ours = hf_pair
     mask_id, eos_id = VOCAB - 1, VOCAB - 2
     settings = RefusionSettings(16, slot_size=4, num_blocks=2, slot_threshold=0.5, token_threshold=0.1)
     out = generate_refusion(ours, [5, 17, 42, 99, 3], settings, mask_id=mask_id, eos_id=eos_id)
@@ -112,11 +130,11 @@ def test_refusion_decode_runs_on_loaded_model(qwen3_pair):
 
 
 def test_missing_shard_is_named(tmp_path):
-    save_hf_qwen3(tmp_path, tied=False, sharded=True)
+    save_hf_model(tmp_path, "qwen3", tied=False, sharded=True)
     shard = sorted(tmp_path.glob("*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=f"{shard.name} not found"):
-        Transformer.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,7 +159,7 @@ def save_released_layout(folder, tied=True):
 @pytest.mark.parametrize("tied", [True, False])
 def test_released_layout_loads_exactly(tmp_path, tied):
     saved = save_released_layout(tmp_path, tied)
-    loaded = Transformer.from_pretrained(str(tmp_path))
+    loaded = from_pretrained(str(tmp_path))
     assert (loaded.lm_head.weight is loaded.embed_tokens.weight) == tied
     assert not loaded.training and loaded.config.block_size == 128 and loaded.config.rope_theta == 1e6
     idx, pos = torch.randint(0, VOCAB, (1, 10)), torch.arange(10)[None]
@@ -165,7 +183,7 @@ def test_a_weight_index_naming_a_file_outside_the_folder_is_refused(tmp_path):
         index.write_text(json.dumps({"weight_map": {name: entry for name in names}}))
         with pytest.raises(ValueError, match=rf"{re.escape(str(index))} lists the weights file '{re.escape(entry)}', "
                                              rf"outside {re.escape(str(folder))}; .*download the model whole"):
-            Transformer.from_pretrained(str(folder))
+            from_pretrained(str(folder))
     snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / "0123abc"   # huggingface_hub's cache
     snapshot.mkdir(parents=True)
     (snapshot.parent.parent / "blobs").mkdir()
@@ -176,12 +194,12 @@ def test_a_weight_index_naming_a_file_outside_the_folder_is_refused(tmp_path):
     (snapshot / index.name).write_text(json.dumps({"weight_map": shard_map}))
     idx, pos = torch.randint(0, VOCAB, (1, 10)), torch.arange(10)[None]
     with torch.no_grad():
-        assert torch.equal(Transformer.from_pretrained(str(snapshot))(idx, pos), saved(idx, pos))
+        assert torch.equal(from_pretrained(str(snapshot))(idx, pos), saved(idx, pos))
 
 
 def test_bfloat16_load_keeps_the_weights_rounded(tmp_path):
     saved = save_released_layout(tmp_path)
-    loaded = Transformer.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    loaded = from_pretrained(str(tmp_path), dtype=torch.bfloat16)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
     w = loaded.layers[1].mlp.up_proj.weight
     assert torch.equal(w, saved.layers[1].mlp.up_proj.weight.to(torch.bfloat16))
@@ -206,7 +224,10 @@ def edit_tensors(keep=lambda name: True, add=()):
     (lambda f: shutil.rmtree(f), FileNotFoundError, "config.json not found"),
     (lambda f: (f / "config.json").unlink(), FileNotFoundError, "config.json not found"),
     (lambda f: (f / "model.safetensors").unlink(), FileNotFoundError, "model.safetensors not found"),
-    (edit_config(model_type="llama"), ValueError, "model_type='llama' is not implemented"),
+    (edit_config(model_type="mistral"), ValueError, "model_type='mistral' is not implemented"),
+    (edit_config(model_type="llama"), ValueError,  # Llama has no q/k norms: a Qwen3's are refused by name
+     r"unexpected tensors: model\.layers\.0\.self_attn\.k_norm\.weight, model\.layers\.0\.self_attn\.q_norm"),
+    (edit_config(mlp_bias=True), ValueError, "mlp_bias=True is not implemented"),
     (edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ValueError, "rope_scaling=.*yarn"),
     (edit_config(attention_bias=True), ValueError, "attention_bias=True is not implemented"),
     (edit_config(head_dim="DELETE"), ValueError, "has no 'head_dim'"),
@@ -218,14 +239,15 @@ def edit_tensors(keep=lambda name: True, add=()):
      r"unexpected tensors: model\.layers\.0\.self_attn\.q_proj\.bias\."),
     (edit_tensors(keep=lambda n: "layers" not in n), ValueError,  # 22 missing: five named, then a count
      r"missing tensors: (model\.layers\.[^,]*, ){4}model\.layers\.[^,]* and 17 more\."),
-], ids=["no-folder", "no-config", "no-weights", "model-type", "rope-scaling", "attention-bias", "no-head-dim",
+], ids=["no-folder", "no-config", "no-weights", "model-type", "llama-with-qk-norm", "mlp-bias", "rope-scaling",
+        "attention-bias", "no-head-dim",
         "wrong-shape", "missing-tensor", "unexpected-tensor", "many-missing"])
 def test_from_pretrained_errors_name_the_problem(tmp_path, edit, error, message):
     folder = tmp_path / "model"
     save_released_layout(folder)
     edit(folder)
     with pytest.raises(error, match=message):
-        Transformer.from_pretrained(str(folder))
+        from_pretrained(str(folder))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,21 +260,9 @@ QWEN3_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_star
                "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
                "<tool_response>", "</tool_response>", "<think>", "</think>"]
 REFUSION_ADDED = ["<|beginoftext|>", "<|mask|>"]
+# the added tokens Qwen3's tokenizer.json marks "special": false (151657 to 151668): found in text
+QWEN3_TEXT_TOKENS = QWEN3_ADDED[14:]
 
-TEXTS = [
-    "Hello world",
-    "The quick brown fox jumps over the lazy dog. It's 5 o'clock; they'll say I'M late!",
-    "def f(x):\n    if x:\n        return x * 2\n\treturn None\n\n\nclass A_b(object):  # note\n    pass\n",
-    "量子计算机使用量子比特。日本語のテキストと、한국어 문장도 있습니다.",
-    "emoji 🙂🚀 and a family 👩‍👩‍👧 and a flag 🇫🇷!",
-    "a" + " " * 17 + "b\n\n\n   \n\t\t  x" + " " * 40,
-    "12345 + 678 = 13023, pi is 3.14159 and 1e-5",
-    "line one\r\nline two\r\n\r\n  indented\r\n",
-    "café, cafe\u0301 and Å (A + ring) A\u030a",
-    "URL: https://example.com/a_b?c=1&d=2 <b>bold</b> {\"k\": [1, 2]}",
-    "ÀÉÎõü ß ΑΒΓ αβγ Привет, мир! שלום مرحبا नमस्ते",
-    "",
-]
 
 
 @pytest.fixture(scope="module")
@@ -278,8 +288,9 @@ def qwen_tokenizers(tmp_path_factory):
     reference = TikTokenConverter(vocab_file=ranks_file, pattern=PAT_STR).converted()
     reference.normalizer = tokenizers.normalizers.NFC()
     reference.model.ignore_merges = False  # every token built by merges, no whole-word lookup: unlike tiktoken
-    reference.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                                  for t in QWEN3_ADDED + REFUSION_ADDED])
+    for t in QWEN3_ADDED + REFUSION_ADDED:  # in id order; Qwen3's tool, FIM and thinking markers are not special
+        (reference.add_tokens if t in QWEN3_TEXT_TOKENS else reference.add_special_tokens)(
+            [tokenizers.AddedToken(t, special=t not in QWEN3_TEXT_TOKENS, normalized=False)])
     assert reference.get_vocab_size() == 151671 and reference.token_to_id("<|mask|>") == 151670
     refusion, qwen3 = tmp_path_factory.mktemp("refusion"), tmp_path_factory.mktemp("qwen3")
     reference.save(str(refusion / "tokenizer.json"))
@@ -298,14 +309,14 @@ def test_hf_tokenizer_matches_reference_on_qwen_vocabulary(qwen_tokenizers):
 
 
 def test_qwen_ids_of_known_text(qwen_tokenizers):
-    enc = data.hf_tokenizer(str(qwen_tokenizers[1]))
+    enc = pretrained.hf_tokenizer(str(qwen_tokenizers[1]))
     assert data.encode(enc, "Hello world") == [9707, 1879]
     assert data.encode(enc, "12345") == [16, 17, 18, 19, 20]  # Qwen splits numbers into single digits
     assert data.encode(enc, "cafe\u0301") == data.encode(enc, "café")  # NFC first, as tokenizer.json says
 
 
 def test_decode_inverts_encode_and_writes_special_tokens(qwen_tokenizers):
-    enc = data.hf_tokenizer(str(qwen_tokenizers[1]))
+    enc = pretrained.hf_tokenizer(str(qwen_tokenizers[1]))
     for text in TEXTS:
         assert data.decode(enc, data.encode(enc, text)) == unicodedata.normalize("NFC", text)
     assert data.decode(enc, [151645, 151669, 151670]) == "<|im_end|><|beginoftext|><|mask|>"
@@ -313,23 +324,24 @@ def test_decode_inverts_encode_and_writes_special_tokens(qwen_tokenizers):
 
 def test_special_token_text_in_input_stays_plain_text(qwen_tokenizers):
     reference, folder, _ = qwen_tokenizers
-    enc = data.hf_tokenizer(str(folder))
+    enc = pretrained.hf_tokenizer(str(folder))
     as_text = type(reference).from_str(reference.to_str())
     as_text.encode_special_tokens = True  # the reference's switch for "special-token strings are plain text"
-    for text in ["<|im_end|>", "user: <|mask|><|endoftext|> done", "<think>\nok\n</think>"]:
+    for text in ["<|im_end|>", "user: <|mask|><|endoftext|> done", "<think>\nok\n</think>", "<tool_call>x<|im_start|>"]:
         ids = data.encode(enc, text)
         assert ids == as_text.encode(text, add_special_tokens=False).ids
-        assert max(ids) < 151643
+        assert all(i < 151643 or 151657 <= i <= 151668 for i in ids)   # no special id, markers that are not special
+    assert data.encode(enc, "<think>\nok\n</think>")[::4] == [151667, 151668]   # found in text, as the reference does
     assert reference.encode("<|im_end|>", add_special_tokens=False).ids == [151645]  # what was avoided
 
 
 def test_hf_special_ids(qwen_tokenizers, tmp_path):
     _, refusion, qwen3 = qwen_tokenizers
-    assert data.hf_special_ids(str(refusion)) == ((151645, 151643), 151670, 151643)
-    assert data.hf_special_ids(str(qwen3)) == ((151645, 151643), None, 151643)
+    assert pretrained.hf_special_ids(str(refusion)) == ((151645, 151643), 151670, 151643)
+    assert pretrained.hf_special_ids(str(qwen3)) == ((151645, 151643), None, 151643)
     shutil.copy(qwen3 / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "config.json").write_text(json.dumps({"mask_token_id": 151660, "pad_token_id": 151662}))
-    assert data.hf_special_ids(str(tmp_path)) == ((151645, 151643), 151660, 151662)
+    assert pretrained.hf_special_ids(str(tmp_path)) == ((151645, 151643), 151660, 151662)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,10 +351,10 @@ def test_hf_special_ids(qwen_tokenizers, tmp_path):
 def write_tokenizer_json(folder, **changes):
     """A Qwen-style tokenizer.json with five tokens ("Ġ" is the byte-level spelling of a space)."""
     qwen_pre = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": data.QWEN2_PAT}, "behavior": "Isolated", "invert": False},
+        {"type": "Split", "pattern": {"Regex": pretrained.QWEN2_PAT}, "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
     spec = {"normalizer": {"type": "NFC"}, "pre_tokenizer": qwen_pre,
-            "added_tokens": [{"id": 5, "content": "<|endoftext|>"}],
+            "added_tokens": [{"id": 5, "content": "<|endoftext|>", "special": True}],
             "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4},
                       "merges": [["a", "b"], ["Ġ", "a"]]}}
     Path(folder, "tokenizer.json").write_text(json.dumps(spec | changes), encoding="utf-8")
@@ -350,7 +362,7 @@ def write_tokenizer_json(folder, **changes):
 
 def test_hf_tokenizer_reads_a_qwen_style_file(tmp_path):
     write_tokenizer_json(tmp_path)
-    enc = data.hf_tokenizer(str(tmp_path))
+    enc = pretrained.hf_tokenizer(str(tmp_path))
     assert data.encode(enc, " abba") == [2, 3, 1, 0] and data.encode(enc, " a") == [4]  # "ab" ranks before " a"
     assert data.decode(enc, [4, 5]) == " a<|endoftext|>"
     assert data.special_ids(data.get_tokenizer("bytes")) == (256, 257, 258)  # our own tokenizers unchanged
@@ -359,24 +371,37 @@ def test_hf_tokenizer_reads_a_qwen_style_file(tmp_path):
 
 @pytest.mark.parametrize("changes, error, message", [
     (None, FileNotFoundError, "no tokenizer.json"),
-    ({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}}, ValueError,
-     "not Qwen2/3's tokenizer"),
-    ({"normalizer": None}, ValueError, "not Qwen2/3's tokenizer"),
-    ({"model": {"type": "Unigram", "vocab": []}}, ValueError, "not Qwen2/3's tokenizer"),
+    ({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True, "use_regex": True}}, ValueError,
+     "pre_tokenizer .*'add_prefix_space': True.* not supported"),
+    ({"normalizer": {"type": "NFKC"}}, ValueError, "normalizer {'type': 'NFKC'} not supported"),
+    ({"model": {"type": "Unigram", "vocab": []}}, ValueError, "model 'Unigram' not supported"),
     ({"model": {"type": "BPE", "vocab": {"a": 0, "\x00": 1}}}, ValueError, "outside the byte-level alphabet"),
-    ({"added_tokens": [{"id": 1, "content": "<|endoftext|>"}]}, ValueError, "reuse ids"),
-], ids=["no-file", "gpt2-pre-tokenizer", "no-normalizer", "unigram", "not-byte-level", "id-clash"])
+    ({"added_tokens": [{"id": 1, "content": "<|endoftext|>"}]}, ValueError, "clashes with the vocabulary's 'b'"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4},
+                "merges": [["Ġ", "a"], ["a", "b"]]}}, ValueError, r"not in merge order \(merge 1 makes id 3"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4, "ba": 6},
+                "merges": [["a", "b"], ["Ġ", "a"]]}}, ValueError, "tokens 6 are longer than a byte but no merge makes"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [], "byte_fallback": True}}, ValueError, "BPE options"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": [], "unk_token": "a"}}, ValueError,
+     "have no token and model.unk_token is set"),
+    ({"decoder": {"type": "WordPiece"}}, ValueError, "decoder 'WordPiece' not supported"),
+    ({"added_tokens": [{"id": 5, "content": "<x>", "special": False, "lstrip": True, "normalized": False}]}, ValueError,
+     "'<x>' is not special and has lstrip set"),
+    ({"added_tokens": [{"id": 5, "content": "<x>", "special": False, "normalized": True}]}, ValueError,
+     "'<x>' is not special and has normalized set"),
+], ids=["no-file", "prefix-space", "nfkc", "unigram", "not-byte-level", "id-clash", "not-merge-order", "unmade-token",
+        "byte-fallback", "unk-token", "decoder", "lstrip", "normalized"])
 def test_hf_tokenizer_errors(tmp_path, changes, error, message):
     if changes is not None:
         write_tokenizer_json(tmp_path, **changes)
     with pytest.raises(error, match=message):
-        data.hf_tokenizer(str(tmp_path))
+        pretrained.hf_tokenizer(str(tmp_path))
 
 
 def test_hf_special_ids_needs_an_eos_token(tmp_path):
-    write_tokenizer_json(tmp_path, added_tokens=[{"id": 5, "content": "<|mask|>"}])
+    write_tokenizer_json(tmp_path, added_tokens=[{"id": 5, "content": "<|mask|>", "special": True}])
     with pytest.raises(ValueError, match=re.escape("neither <|im_end|> nor <|endoftext|>")):
-        data.hf_special_ids(str(tmp_path))
+        pretrained.hf_special_ids(str(tmp_path))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,3 +472,79 @@ def test_token_ids_past_65536_are_stored_as_uint32(tmp_path, qa_file):
     prompt, response = ds.sample(0)
     assert response[-1] == 70000                                   # an id above 2**16 read back whole
     assert ds.meta["mask_id"] == 259 and ds.meta["vocab_size"] == 70001
+
+
+# ----------------------------------------------------------------------------------------------
+# the byte-level BPE families, each against a `tokenizers` BPE trained here with its pre-tokenizer
+
+
+def trained_tokenizer(folder, family, all_bytes=True):
+    """A `tokenizers` byte-level BPE of 600 tokens trained on TEXTS with a family's pre-tokenizer (as
+    PRE_TOKENIZERS spells it), special <|endoftext|>, <|im_start|>, <|im_end|>, and a non-special added
+    token <think> matched in text; saved as folder/tokenizer.json. Without all_bytes, the bytes TEXTS
+    never uses have no token (as 21 have none in SmolLM2's vocabulary). Returns the reference."""
+    tokenizers = pytest.importorskip("tokenizers")
+    steps, _ = pretrained.PRE_TOKENIZERS[family]
+    built = {"Split": lambda s: tokenizers.pre_tokenizers.Split(tokenizers.Regex(s["pattern"]["Regex"]), "isolated"),
+             "ByteLevel": lambda s: tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=s["use_regex"]),
+             "Digits": lambda s: tokenizers.pre_tokenizers.Digits(individual_digits=True)}
+    reference = tokenizers.Tokenizer(tokenizers.models.BPE())
+    reference.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([built[s["type"]](s) for s in steps])
+    reference.decoder = tokenizers.decoders.ByteLevel()
+    if family == "Qwen2/3":
+        reference.normalizer = tokenizers.normalizers.NFC()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet() if all_bytes else []
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                             initial_alphabet=alphabet, show_progress=False)
+    reference.train_from_iterator(TEXTS * 3, trainer)
+    reference.add_tokens([tokenizers.AddedToken("<think>", special=False, normalized=False)])
+    reference.save(str(folder / "tokenizer.json"))
+    reference.encode_special_tokens = True  # special-token strings in text stay text, as in our encode
+    return reference
+
+
+FAMILY_TEXTS = TEXTS + ["<|im_end|> stays text, <think>\nthought\n</think> is found", "x<think>y <think>  <think>"]
+
+
+@pytest.mark.parametrize("family", list(pretrained.PRE_TOKENIZERS))
+def test_byte_level_families_match_the_reference(tmp_path, family):
+    reference = trained_tokenizer(tmp_path, family)
+    enc = pretrained.hf_tokenizer(str(tmp_path))
+    assert enc.n_vocab == reference.get_vocab_size() and not enc.missing
+    for text in FAMILY_TEXTS + ["".join(map(chr, range(256)))]:
+        ids = data.encode(enc, text)
+        assert ids == reference.encode(text, add_special_tokens=False).ids, text
+        assert data.decode(enc, ids) == reference.decode(ids, skip_special_tokens=False)
+    think = reference.token_to_id("<think>")
+    assert data.encode(enc, "<think>") == [think] and think not in data.encode(enc, "<thin k>")
+
+
+def test_bytes_without_a_token_are_dropped_as_the_reference_drops_them(tmp_path):
+    reference = trained_tokenizer(tmp_path, "SmolLM2", all_bytes=False)
+    enc = pretrained.hf_tokenizer(str(tmp_path))
+    assert b"\x04" in enc.missing and b"\xf1" in enc.missing and b"a" not in enc.missing
+    for text in ["a\x04b", "\x04", "!\x04!", "x" + chr(0x40000) + "y", "1\x042 \x04 3", "<think>\x04<think>"]:
+        assert data.encode(enc, text) == reference.encode(text, add_special_tokens=False).ids, text
+
+
+def test_chat_template_of_a_folder_renders_as_transformers_does(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    reference = trained_tokenizer(tmp_path, "SmolLM2")
+    template = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>"
+                "system\\nYou are a helpful AI assistant<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + "
+                "'\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+                "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    import sampler
+    enc = pretrained.hf_tokenizer(str(tmp_path))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=template)
+    for text in ["What is 12 + 30?", "  leading spaces\nand a <think> tag", ""]:
+        expected = fast.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        assert sampler.chat_prompt(enc, text) == list(expected), text
+    user_special = sampler.chat_prompt(enc, "say <|im_end|>")   # the user's text stays text
+    assert user_special.count(reference.token_to_id("<|im_end|>")) == 2  # the system turn's and the user turn's
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] | upper }}"}))
+    pretrained.hf_tokenizer.cache_clear()
+    with pytest.raises(ValueError, match="does not show the user's text once, unchanged"):
+        sampler.chat_prompt(pretrained.hf_tokenizer(str(tmp_path)), "hi")
