@@ -7,14 +7,18 @@ except to name a folder's tokenizer (data.get_tokenizer("hf:FOLDER")).
     from_pretrained(folder)        a Qwen3 or Llama-family folder (Llama, SmolLM2) -> Transformer
     hf_tokenizer(folder)           its byte-level BPE tokenizer.json -> a tiktoken Encoding
     hf_special_ids(folder)         its EOS, mask and pad ids
+    undecodable_ids(enc, rows)     a model's embedding rows its tokenizer has no token for (never generated)
     chat_parts(enc, text)          a user turn in the folder's chat template, as text and special ids
     convert_gguf(path, out_dir)    a GGUF file (llama.cpp's format) -> such a folder (convert_gguf.py)
 """
 
+import codecs
 import importlib.util
 import json
+import math
 import os
 import unicodedata
+from collections import Counter
 from functools import cache
 
 import gguf
@@ -25,7 +29,7 @@ import numpy as np
 import regex
 import tiktoken
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from model import ModelConfig, Transformer
@@ -58,8 +62,44 @@ def weight_file_in(folder, name, index):
 
 
 def read_json(path):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """The JSON object (a dict) in the file at `path`, a Hugging Face folder's config.json, index or
+    tokenizer.json. Raises ValueError naming the file when it cannot be read, is not UTF-8, starts with
+    a byte order mark (JSON has none; transformers and tokenizers refuse it too), is not valid JSON
+    (e.g. truncated), is nested deeper than Python's JSON parser can read, or holds no object."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read ({e.strerror}); check its permissions") from None
+    if raw.startswith(codecs.BOM_UTF8):
+        raise ValueError(f"{path} starts with a byte order mark, which JSON does not allow (transformers refuses "
+                         "it too); save it as UTF-8 without one, or download it again")
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 (byte offset {e.start}); {DAMAGED}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}); it may be "
+                         f"truncated; {DAMAGED}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is nested deeper than Python's JSON parser can read; {DAMAGED}") from None
+    expect(isinstance(obj, dict), path, f"its top level is a {type(obj).__name__}, not an object")
+    return obj
+
+
+DAMAGED = "the file is damaged or not from a Hugging Face model: download it again"
+
+
+def expect(ok, path, problem):
+    """Raise ValueError naming the file `path` and its `problem` unless ok: a file from elsewhere
+    whose fields have the wrong types or values."""
+    if not ok:
+        raise ValueError(f"{path}: {problem}; {DAMAGED}")
+
+
+def is_int(value, low=0):
+    """Whether value is a whole number (not a bool) of at least `low`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def abridged(names):
@@ -77,21 +117,39 @@ FAMILIES = {
     "llama": dict(qk_norm=False, derive_head_dim=True),   # Llama 2/3, SmolLM2: head_dim = hidden_size / heads
 }
 
+# config.json's fields the model is built from: the sizes, each a positive whole number (WHOLE), and the
+# others with what each must be (FIELD_KINDS)
+SIZES = ("vocab_size", "max_position_embeddings", "num_hidden_layers", "num_attention_heads", "hidden_size",
+         "intermediate_size")
+WHOLE = ("a positive whole number", lambda v: is_int(v, 1))
+POSITIVE = ("a positive finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+            and 0 < v < math.inf)
+FIELD_KINDS = {"rope_theta": POSITIVE, "rms_norm_eps": POSITIVE,
+               "tie_word_embeddings": ("true or false", lambda v: isinstance(v, bool)),
+               "head_dim": ("a positive whole number", lambda v: v is None or is_int(v, 1))}  # None: derived
+
 
 def hf_model_config(folder):
     """The ModelConfig of a folder's config.json (a Qwen3 or Llama-family model, SPEC section 5's start).
 
     Qwen3 normalizes each head's queries and keys (qk_norm), Llama does not; both may tie lm_head to the
-    embedding (tie_word_embeddings). Raises FileNotFoundError without config.json; ValueError naming each
-    field this model does not implement (model_type, rope scaling, attention or MLP bias, sliding window,
-    activation) or a missing field.
+    embedding (tie_word_embeddings). Raises FileNotFoundError without config.json; ValueError naming the
+    file and each field this model does not implement (model_type, rope scaling, attention or MLP bias,
+    sliding window, activation, quantization_config), a missing field or one of the wrong type (FIELD_KINDS),
+    or a file that is not JSON (read_json).
     """
     path = need(folder, "config.json")
     hf = read_json(path)
-    family = FAMILIES.get(hf.get("model_type"))
+    if "quantization_config" in hf:
+        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
+        raise ValueError(f"{path}: quantization_config (quant_method={method!r}) says the weights are quantized; "
+                         "this loads float weights (F16, BF16, F32) only: use the model's unquantized release")
+    model_type = hf.get("model_type")
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     # transformers 4 writes rope_theta and rope_scaling (null when plain), transformers 5 rope_parameters
     rope_key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     rope = hf.get(rope_key) or {}
+    expect(isinstance(rope, dict), path, f"{rope_key} is a {type(rope).__name__}, not an object")
     unsupported = [f"{key}={hf.get(key)!r}" for key, ok in [
         ("model_type", family is not None),
         (rope_key, rope.get("rope_type", rope.get("type", "default")) == "default"),
@@ -104,17 +162,39 @@ def hf_model_config(folder):
                          f"Llama-family checkpoints ({', '.join(FAMILIES)}: plain RoPE, no attention or MLP bias, "
                          "full attention, SiLU) only")
     try:
-        head_dim = hf["head_dim"] if "head_dim" in hf or not family["derive_head_dim"] else None
-        return ModelConfig(
-            vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
-            n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
-            n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"],  # Llama: absent means n_head
-            n_embd=hf["hidden_size"], head_dim=head_dim, intermediate_size=hf["intermediate_size"],
-            rope_theta=hf["rope_theta"] if "rope_theta" in hf else rope["rope_theta"],
-            norm_eps=hf["rms_norm_eps"], tie_embeddings=hf["tie_word_embeddings"],
-            qk_norm=family["qk_norm"], causal=True)
+        values = {key: hf[key] for key in SIZES + ("rms_norm_eps", "tie_word_embeddings")}
+        values["rope_theta"] = hf["rope_theta"] if "rope_theta" in hf else rope["rope_theta"]
+        values["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]  # Llama: absent = heads
+        values["head_dim"] = hf["head_dim"] if "head_dim" in hf or not family["derive_head_dim"] else None
     except KeyError as e:
-        raise ValueError(f"{path} has no {e}; it is not a complete {hf['model_type']} config") from None
+        raise ValueError(f"{path} has no {e}; it is not a complete {model_type} config") from None
+    wrong = [f"{key}={value!r} (expected {FIELD_KINDS.get(key, WHOLE)[0]})" for key, value in values.items()
+             if not FIELD_KINDS.get(key, WHOLE)[1](value)]
+    expect(not wrong, path, ", ".join(wrong))
+    try:
+        return ModelConfig(
+            vocab_size=values["vocab_size"], block_size=values["max_position_embeddings"],
+            n_layer=values["num_hidden_layers"], n_head=values["num_attention_heads"],
+            n_kv_head=values["num_key_value_heads"], n_embd=values["hidden_size"], head_dim=values["head_dim"],
+            intermediate_size=values["intermediate_size"], rope_theta=values["rope_theta"],
+            norm_eps=values["rms_norm_eps"], tie_embeddings=values["tie_word_embeddings"],
+            qk_norm=family["qk_norm"], causal=True)
+    except ValueError as e:  # sizes that do not fit together, e.g. heads that do not divide
+        raise ValueError(f"{path}: {e}") from None
+
+
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes from_pretrained loads
+
+
+def open_safetensors(path):
+    """safe_open(path) for torch, the header read and checked against the file's size. Raises ValueError
+    naming the file when it is not a whole safetensors file (truncated, an unfinished download or a
+    Git LFS pointer, another format)."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e}); it may be truncated or an unfinished "
+                         "download: download it again") from None
 
 
 def from_pretrained(folder, dtype=torch.float32):
@@ -130,9 +210,11 @@ def from_pretrained(folder, dtype=torch.float32):
     device (no memory, no random init), takes each shard's tensors as its parameters, so the weights
     are held once. Returns the causal Transformer in eval mode (block_size = max_position_embeddings);
     its forward gives (B, T, vocab_size) float32 logits.
-    Raises FileNotFoundError for a missing folder, config.json or weights file; ValueError for what
-    hf_model_config refuses, tensors whose names or shapes do not match config.json, or an index
-    naming a file outside the folder (weight_file_in).
+    Raises FileNotFoundError for a missing folder, config.json or weights file; ValueError naming the
+    file for what hf_model_config refuses, an index that is not JSON or has no weight_map (read_json) or
+    names a file outside the folder (weight_file_in), a weights file that is not whole (open_safetensors),
+    weights that are not floats (integer or 8-bit: quantized), or tensors whose names or shapes do not
+    match config.json.
     """
     config = hf_model_config(folder)
     with torch.device("meta"):
@@ -143,14 +225,22 @@ def from_pretrained(folder, dtype=torch.float32):
 
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        names = sorted(set(read_json(index)["weight_map"].values()), key=str)
-        files = [need(folder, weight_file_in(folder, name, index)) for name in names]
+        weight_map = read_json(index).get("weight_map")
+        expect(isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values()), index,
+               "it has no 'weight_map' object of tensor names to file names")
+        files = [need(folder, weight_file_in(folder, name, index)) for name in sorted(set(weight_map.values()))]
     else:
         files = [need(folder, "model.safetensors")]
-    found = {}  # Hugging Face name -> shape, from the files' headers
+    found, dtypes = {}, {}  # Hugging Face name -> shape, and -> dtype ("BF16", "I8", ...), from the files' headers
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            found.update((name, f.get_slice(name).get_shape()) for name in f.keys())
+        with open_safetensors(path) as f:
+            for name in f.keys():
+                found[name], dtypes[name] = f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()
+    not_float = [f"{name} ({dtypes[name]})" for name in sorted(dtypes) if dtypes[name] not in FLOAT_DTYPES]
+    if not_float:
+        raise ValueError(f"the weights in {folder} are not all floats: {abridged(not_float)}; integer or 8-bit "
+                         f"weights are quantized, and this loads {', '.join(FLOAT_DTYPES)} weights only: use the "
+                         "model's unquantized release")
     if config.tie_embeddings:
         found.pop("lm_head.weight", None)  # a stored copy of the tied matrix is ignored, as transformers does
     missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
@@ -163,7 +253,7 @@ def from_pretrained(folder, dtype=torch.float32):
                          "Check that the folder holds one whole model and its own config.json")
 
     for path in files:  # shard by shard; its tensors become the parameters (no second copy)
-        with safe_open(path, framework="pt") as f:
+        with open_safetensors(path) as f:
             shard = {name.removeprefix("model."): f.get_tensor(name).to(dtype)
                      for name in f.keys() if name in expected}
         model.load_state_dict(shard, strict=False, assign=True)
@@ -270,36 +360,46 @@ def pre_tokenizer_steps(spec):
     """tokenizer.json's pre_tokenizer as a list of steps, each with only the fields that change how
     text is split (offsets, for one, do not)."""
     pre = spec.get("pre_tokenizer") or {}
+    listed = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    if not isinstance(listed, list) or not all(isinstance(step, dict) for step in listed):
+        return pre  # not a pre-tokenizer: matches no family
     steps = []
-    for step in pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]:
+    for step in listed:
         fields = {"Split": ("type", "pattern", "behavior", "invert"), "ByteLevel": ("type", "add_prefix_space",
-                  "use_regex"), "Digits": ("type", "individual_digits")}.get(step.get("type"), step.keys())
+                  "use_regex"), "Digits": ("type", "individual_digits")}.get(str(step.get("type")), step.keys())
         steps.append({k: step.get(k) for k in fields})
     return steps
 
 
-def merge_ranks(vocab, merges, special_ids, path):
+def merge_ranks(vocab, merges, special_ids, ignore_merges, path):
     """tiktoken's mergeable ranks (token bytes -> id) of a byte-level BPE, checked against its merges.
 
-    tiktoken merges the adjacent pair whose concatenation has the lowest id; the reference merges the
-    pair listed first in `merges`. They agree when each merge's result has an id no lower than the
-    results of the merges before it and every multi-byte token is some merge's result: checked here,
-    so a vocabulary that is not in merge order is refused rather than encoded differently.
+    tiktoken joins the adjacent pair of parts whose concatenation is the token of lowest id, any such
+    pair, and takes a piece of text that is a whole token as that token; the reference joins only the
+    pairs `merges` lists, the one listed first first, and takes a whole token as itself only with
+    ignore_merges. They encode every text alike when (a) each merge's result has an id no lower than
+    the results of the merges before it, (b) every multi-byte token is some merge's result, and
+    (c) both join each token's own bytes alike (bpe_parts): into the token itself, or with ignore_merges
+    into the same parts. All three are checked here, so such a vocabulary is refused rather than
+    encoded differently ((c) holds for trained BPEs and for vocabularies converted from tiktoken's).
     Raises ValueError naming the first offending merge or token.
     """
     byte_of = byte_of_char()
-    ranks = {}
+    ranks, by_id = {}, {}  # token bytes -> id, and token as spelled -> id, for the BPE's own tokens
     for token, rank in vocab.items():
         if rank in special_ids:
             continue  # a special token listed in the vocabulary (SmolLM2's <|im_start|>) is no BPE token
         try:
-            ranks[bytes(byte_of[c] for c in token)] = rank
+            ranks[bytes(byte_of[c] for c in token)] = by_id[token] = rank
         except KeyError as e:
             raise ValueError(f"{path}: the vocabulary token {token!r} has the character {e}, outside the byte-level "
                              "alphabet; the file is damaged or not a byte-level BPE") from None
-    last, made = -1, set()
+    last, made, rank_of = -1, set(), {}  # rank_of: (left, right) -> its place in merges
     for k, merge in enumerate(merges):
-        left, right = merge.split(" ") if isinstance(merge, str) else merge
+        pair = merge.split(" ") if isinstance(merge, str) else merge
+        expect(isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair), path,
+               f"merge {k} ({merge!r}) is not two tokens")
+        left, right = pair
         rank = vocab.get(left + right)
         if rank is None or left not in vocab or right not in vocab:
             raise ValueError(f"{path}: merge {k} ({left!r}, {right!r}) joins or makes a token the vocabulary lacks; "
@@ -310,11 +410,43 @@ def merge_ranks(vocab, merges, special_ids, path):
                              "from this tokenizer: not supported")
         last = rank
         made.add(rank)
+        rank_of.setdefault((left, right), k)
     unmade = sorted(rank for token, rank in ranks.items() if len(token) > 1 and rank not in made)
     if unmade:
         raise ValueError(f"{path}: tokens {abridged([str(r) for r in unmade])} are longer than a byte but no merge makes "
                          "them; tiktoken would make them where the reference cannot: not supported")
+    differ = []
+    for token in by_id:
+        if len(token) > 1:
+            by_merges = bpe_parts(token, lambda a, b: rank_of.get((a, b)))
+            by_ids = bpe_parts(token, lambda a, b: by_id.get(a + b)) if ignore_merges else [token]
+            if by_merges != by_ids:
+                differ.append((by_id[token], token, by_merges, by_ids))
+    if differ:
+        rank, token, by_merges, by_ids = min(differ)
+        raise ValueError(f"{path}: its merges join the bytes of token {rank} ({token!r}) into {by_merges}, where "
+                         f"tiktoken makes {by_ids}" + (f" ({len(differ) - 1} more tokens alike)" if len(differ) > 1
+                                                       else "") +
+                         "; tiktoken would encode differently from this tokenizer: not supported")
     return ranks
+
+
+def bpe_parts(token, priority):
+    """The parts a byte-pair encoding makes of `token` (a str, one character a byte): while some pair of
+    adjacent parts has a priority (priority(left, right) is not None), join the pair of lowest priority,
+    the leftmost among equals, as the reference `tokenizers` does (priority: its place in merges) and
+    tiktoken does (priority: the id of the joined token)."""
+    parts = list(token)
+    while len(parts) > 1:
+        best, at = None, None
+        for i in range(len(parts) - 1):
+            p = priority(parts[i], parts[i + 1])
+            if p is not None and (best is None or p < best):
+                best, at = p, i
+        if at is None:
+            break
+        parts[at:at + 2] = [parts[at] + parts[at + 1]]
+    return parts
 
 
 @cache
@@ -332,20 +464,23 @@ def hf_tokenizer(folder: str) -> HFEncoding:
     "special": false (Qwen3's <think>) is found in the text, as the reference does. The pre-tokenizer
     must be one of PRE_TOKENIZERS, the normalizer none or NFC. A chat template, when the folder has one
     (tokenizer_config.json's chat_template or chat_template.jinja), rides along as .chat_template.
-    Raises FileNotFoundError without tokenizer.json; ValueError naming what is not supported (another
-    model, normalizer, pre-tokenizer or decoder, BPE options, an added token that is not special but
-    strips or matches words only, an unknown token for missing bytes) or is inconsistent (an added token
-    reusing another token's id, a vocabulary not in merge order).
+    Raises FileNotFoundError without tokenizer.json; ValueError naming the file and what is not supported
+    (another model, normalizer, pre-tokenizer or decoder, BPE options, an added token that is not special
+    but strips or matches words only, an unknown token for missing bytes, merges that tiktoken would apply
+    otherwise: merge_ranks), is inconsistent (an id given twice, an added token reusing another token's
+    id) or malformed (not JSON: read_json; fields of the wrong type).
     """
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no tokenizer.json in {folder!r}: hf:FOLDER must name a Hugging Face model "
                                 "folder holding one (as Qwen3's, SmolLM2's and ReFusion's releases do)")
     spec = read_json(path)
-    model = spec.get("model") or {}
+    model = spec.get("model")
+    expect(isinstance(model, dict), path, "it has no 'model' object")
     steps = pre_tokenizer_steps(spec)
     family = [name for name, (known, _) in PRE_TOKENIZERS.items() if known == steps]
-    decoder = (spec.get("decoder") or {}).get("type")
+    decoder = spec.get("decoder") or {}
+    decoder = decoder.get("type") if isinstance(decoder, dict) else decoder
     options = {k: model.get(k, v) for k, v in MODEL_OPTIONS.items()}
     unsupported = [what for what, ok in [
         (f"model {model.get('type')!r}", model.get("type") == "BPE"),
@@ -357,8 +492,19 @@ def hf_tokenizer(folder: str) -> HFEncoding:
         raise ValueError(f"{path}: {'; '.join(unsupported)} not supported: this reads byte-level BPE tokenizers "
                          f"(no normalizer or NFC; the pre-tokenizer of {', '.join(PRE_TOKENIZERS)})")
     nfc = spec.get("normalizer") is not None
-    vocab, added = model["vocab"], spec.get("added_tokens", [])
-    token_of = {rank: token for token, rank in vocab.items()}
+    vocab, merges, added = model.get("vocab"), model.get("merges", []), spec.get("added_tokens") or []
+    expect(isinstance(vocab, dict) and all(is_int(rank) for rank in vocab.values()), path,
+           "model.vocab is not an object of tokens to ids (whole numbers from 0)")
+    expect(isinstance(merges, list), path, "model.merges is not a list")
+    expect(isinstance(added, list) and all(isinstance(t, dict) and is_int(t.get("id")) and isinstance(t.get("content"), str)
+                                           and t["content"] for t in added), path,
+           "added_tokens is not a list of objects, each with an id (a whole number from 0) and a content (a string)")
+    token_of = {}
+    for token, rank in vocab.items():
+        expect(token_of.setdefault(rank, token) == token, path,
+               f"model.vocab gives id {rank} to both {token_of[rank]!r} and {token!r}")
+    twice = [repr(x) for x, n in Counter([t["id"] for t in added] + [t["content"] for t in added]).items() if n > 1]
+    expect(not twice, path, f"added_tokens lists {abridged(twice)} more than once")
     for t in added:
         clash = token_of.get(t["id"], t["content"])
         if clash != t["content"] or vocab.get(t["content"], t["id"]) != t["id"]:
@@ -368,7 +514,7 @@ def hf_tokenizer(folder: str) -> HFEncoding:
         if not t.get("special") and flags:
             raise ValueError(f"{path}: added token {t['content']!r} is not special and has {', '.join(flags)} set; only "
                              "non-special added tokens matched exactly as written are supported")
-    ranks = merge_ranks(vocab, model.get("merges", []), {t["id"] for t in added}, path)
+    ranks = merge_ranks(vocab, merges, {t["id"] for t in added}, model.get("ignore_merges", False), path)
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing and model.get("unk_token") is not None:
         raise ValueError(f"{path}: bytes {missing} have no token and model.unk_token is set; only a vocabulary "
@@ -376,9 +522,13 @@ def hf_tokenizer(folder: str) -> HFEncoding:
     config = read_json(os.path.join(folder, "tokenizer_config.json")) \
         if os.path.isfile(os.path.join(folder, "tokenizer_config.json")) else {}
     template = config.get("chat_template")
-    if os.path.isfile(os.path.join(folder, "chat_template.jinja")):
-        with open(os.path.join(folder, "chat_template.jinja"), encoding="utf-8") as f:
-            template = f.read()
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, "rb") as f:
+            try:
+                template = f.read().decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{jinja} is not UTF-8 (byte offset {e.start}); {DAMAGED}") from None
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{folder}/tokenizer_config.json: chat_template is a list of named templates; only a single "
                          "template is supported")
@@ -404,24 +554,52 @@ def hf_special_ids(folder: str) -> tuple[tuple[int, ...], int | None, int]:
     mask_id: <|mask|> (151670 in ReFusion's release), else config.json's mask_token_id; None for a
              plain Qwen3 or Llama, which has no mask token and so cannot be decoded with ReFusion.
     pad_id:  config.json's pad_token_id, else the last EOS id: <|endoftext|>, Qwen's padding token.
-    Raises what hf_tokenizer raises, and ValueError when no EOS id is found.
+    Raises what hf_tokenizer raises, and ValueError when no EOS id is found, or naming config.json when
+    one of its ids is not a whole number, or when they or the tokenizer's ids do not fit the model's
+    embedding rows, its vocab_size (undecodable_ids).
     """
     enc = hf_tokenizer(folder)
     added = {token: enc.encode_single_token(token) for token in enc.special_tokens_set}
     config_path = os.path.join(folder, "config.json")
     config = read_json(config_path) if os.path.isfile(config_path) else {}
-    eos_ids = tuple(added[token] for token in EOS_TOKENS if token in added)
-    if not eos_ids:
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    def config_ids(key, many=False):  # config.json's id (or list of ids, when many) under key, as a list
+        value = config.get(key)
+        ids = value if many and isinstance(value, list) else [] if value is None else [value]
+        expect(all(is_int(i) for i in ids), config_path, f"{key}={value!r} is not a token id (a whole number from 0)"
+               + " or a list of them" * many)
+        return ids
+    eos_ids = tuple(added[token] for token in EOS_TOKENS if token in added) or tuple(config_ids("eos_token_id", True))
     if not eos_ids:
         raise ValueError(f"{folder}/tokenizer.json has neither {' nor '.join(EOS_TOKENS)} among its added_tokens, "
                          "and config.json names no eos_token_id, so generation could not stop")
-    mask_id = added.get(MASK_TOKEN, config.get("mask_token_id"))
-    pad_id = config.get("pad_token_id")
-    if pad_id is None:
-        pad_id = eos_ids[-1]
+    mask_id = added.get(MASK_TOKEN, next(iter(config_ids("mask_token_id")), None))
+    pad_id = next(iter(config_ids("pad_token_id")), eos_ids[-1])
+    if "vocab_size" in config:
+        rows = config["vocab_size"]
+        expect(is_int(rows, 1), config_path, f"vocab_size={rows!r} is not a positive whole number")
+        undecodable_ids(enc, rows, f"the model in {config_path} (vocab_size)", (*eos_ids, mask_id, pad_id))
     return eos_ids, mask_id, pad_id
+
+
+def undecodable_ids(enc, rows, model, special_ids=()):
+    """The ids below `rows` that the tiktoken Encoding `enc` cannot decode, a tuple: a model's embedding
+    rows past its tokenizer's ids (Qwen3's and ReFusion's 151,936 rows hold 151,671 ids, the rest pad the
+    matrix to a multiple of 128) and any gap between ids. A model may still give them probability; the
+    decoders are told to ban them (sampler.make_decoder), as they ban the mask id, since decode() has
+    no text for them.
+    rows: the model's embedding rows (vocab_size); model: names it in messages; special_ids: the ids the
+    model is used with (EOS, mask, pad; None for none), checked with the tokenizer's own.
+    Raises ValueError naming enc and the model when any of these ids is at or beyond rows: the model has
+    no embedding row for it (IndexError when it is fed), so the tokenizer is not this model's.
+    """
+    known = set(enc._mergeable_ranks.values()) | set(enc._special_tokens.values())
+    beyond = sorted({i for i in known | set(special_ids) if i is not None and i >= rows})
+    if beyond:
+        raise ValueError(f"token ids {abridged([str(i) for i in beyond])} (of the tokenizer {enc.name} and its "
+                         f"special tokens) are at or beyond the {rows} embedding rows of {model}; the tokenizer is "
+                         "not this model's: use the tokenizer.json released with these weights")
+    return tuple(i for i in range(rows) if i not in known)
 
 
 # -----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from corpora import read_utf8, score
 from data import TokenDataset, decode, encode, get_tokenizer
 from generate import DECODERS, check_attention, eos_ids_of
 from prepare import prepare
-from pretrained import chat_parts, from_pretrained, hf_special_ids
+from pretrained import chat_parts, from_pretrained, hf_special_ids, undecodable_ids
 
 # -----------------------------------------------------------------------------
 # default config
@@ -58,25 +58,31 @@ DEFAULTS = settings_in(globals())
 def load_model(cfg):
     """The model to decode with: --init_from=FOLDER (pretrained.from_pretrained) or out_dir's checkpoint.
 
-    Returns (model in eval mode on cfg["device"], tokenizer, ids {"eos_id", "mask_id", "pad_id"},
-    the objective it was trained with, the checkpoint dict or None for a folder). A folder's
-    eos_id is a tuple (<|im_end|>, <|endoftext|>) and its objective "refusion" when it has a mask
-    token, else "ar" (a plain Qwen3 or SmolLM2). Raises FileNotFoundError / ValueError naming the problem.
+    Returns (model in eval mode on cfg["device"], tokenizer, ids {"eos_id", "mask_id", "pad_id",
+    "undecodable_ids"}, the objective it was trained with, the checkpoint dict or None for a folder).
+    A folder's eos_id is a tuple (<|im_end|>, <|endoftext|>) and its objective "refusion" when it has a
+    mask token, else "ar" (a plain Qwen3 or SmolLM2). undecodable_ids: the model's rows its tokenizer
+    has no token for (pretrained.undecodable_ids), never generated. Raises FileNotFoundError / ValueError
+    naming the problem (a tokenizer id the model has no row for among them).
     """
     if cfg["dtype"] not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype={cfg['dtype']!r}: choose float32 or bfloat16")
     dtype = getattr(torch, cfg["dtype"])
     if cfg["init_from"]:
-        folder = cfg["init_from"]
+        folder = source = cfg["init_from"]
         model = from_pretrained(folder, dtype=dtype).to(cfg["device"])
         eos_ids, mask_id, pad_id = hf_special_ids(folder)
         ids = {"eos_id": eos_ids, "mask_id": mask_id, "pad_id": pad_id}
-        return model, get_tokenizer(f"hf:{folder}"), ids, "ar" if mask_id is None else "refusion", None
-    ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
-    meta = ckpt["meta"]
-    ids = {k: meta[k] for k in ("eos_id", "mask_id", "pad_id")}
-    return (model_from_checkpoint(ckpt, cfg["device"]).to(dtype), get_tokenizer(meta["tokenizer"]), ids,
-            ckpt["config"]["objective"], ckpt)
+        enc, objective, ckpt = get_tokenizer(f"hf:{folder}"), "ar" if mask_id is None else "refusion", None
+    else:
+        ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
+        meta = ckpt["meta"]
+        ids = {k: meta[k] for k in ("eos_id", "mask_id", "pad_id")}
+        model = model_from_checkpoint(ckpt, cfg["device"]).to(dtype)
+        enc, objective, source = get_tokenizer(meta["tokenizer"]), ckpt["config"]["objective"], cfg["out_dir"]
+    ids["undecodable_ids"] = undecodable_ids(enc, model.config.vocab_size, f"the model in {source}",
+                                             (*eos_ids_of(ids["eos_id"]), ids["mask_id"], ids["pad_id"]))
+    return model, enc, ids, objective, ckpt
 
 
 def decoder_settings(cfg):
@@ -113,9 +119,10 @@ def fit_mdm_canvas(cfg, ckpt, explicit):
 def make_decoder(cfg, model, ids, generator):
     """(decode: prompt ids -> Generation, its settings) for cfg["method"] and cfg's knobs.
 
-    ids: {"eos_id": an id or a tuple of them, "mask_id", "pad_id"}. The settings object checks
-    every knob when it is built, before any data is prepared. The mask and pad ids are never
-    generated (unless the pad id is an EOS, as Qwen's <|endoftext|> is).
+    ids: {"eos_id": an id or a tuple of them, "mask_id", "pad_id", optionally "undecodable_ids"}. The
+    settings object checks every knob when it is built, before any data is prepared. The mask and pad
+    ids, and the ids the tokenizer cannot decode (a model's padded rows), are never generated (unless
+    one is an EOS, as Qwen's <|endoftext|>, its pad id, is).
     Raises ValueError for an unknown method, a method the model's attention does not support, a
     ReFusion decode without a mask token, or invalid settings.
     """
@@ -125,7 +132,8 @@ def make_decoder(cfg, model, ids, generator):
         raise ValueError(f"--method={cfg['method']}: this model has no mask token (a plain Qwen3 was never "
                          "trained to fill masks); use --method=ar, or fine-tune it with train.py first")
     generate = DECODERS[cfg["method"]][0]
-    banned = tuple(i for i in (ids["mask_id"], ids["pad_id"]) if i is not None and i not in eos_ids_of(ids["eos_id"]))
+    banned = tuple(i for i in (ids["mask_id"], ids["pad_id"], *ids.get("undecodable_ids", ()))
+                   if i is not None and i not in eos_ids_of(ids["eos_id"]))
     kwargs = dict(eos_id=ids["eos_id"], banned_ids=banned)
     if cfg["method"] != "ar":
         kwargs["mask_id"] = ids["mask_id"]

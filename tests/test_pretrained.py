@@ -466,6 +466,7 @@ def test_token_ids_past_65536_are_stored_as_uint32(tmp_path, qa_file):
     spec = json.loads((tmp_path / "big" / "tokenizer.json").read_text())
     spec["added_tokens"][2]["id"] = 70000                         # <|im_end|>, the EOS every sample ends with
     (tmp_path / "big" / "tokenizer.json").write_text(json.dumps(spec))
+    (tmp_path / "big" / "config.json").unlink()                   # a tokenizer alone: its 300-row model has no row 70000
     data_dir = prepare(qa_file[0], f"hf:{tmp_path / 'big'}", 64, data_root=str(tmp_path / "data"))
     ds = data.TokenDataset(data_dir, "train")
     assert ds.meta["token_dtype"] == "uint32" and ds.tokens.dtype == "uint32"
