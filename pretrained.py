@@ -127,6 +127,7 @@ POSITIVE = ("a positive finite number", lambda v: isinstance(v, (int, float)) an
 FIELD_KINDS = {"rope_theta": POSITIVE, "rms_norm_eps": POSITIVE,
                "tie_word_embeddings": ("true or false", lambda v: isinstance(v, bool)),
                "head_dim": ("a positive whole number", lambda v: v is None or is_int(v, 1))}  # None: derived
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the weight dtypes from_pretrained loads
 
 
 def hf_model_config(folder):
@@ -143,7 +144,7 @@ def hf_model_config(folder):
     if "quantization_config" in hf:
         method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
         raise ValueError(f"{path}: quantization_config (quant_method={method!r}) says the weights are quantized; "
-                         "this loads float weights (F16, BF16, F32) only: use the model's unquantized release")
+                         f"this loads {', '.join(FLOAT_DTYPES)} weights only: use the model's unquantized release")
     model_type = hf.get("model_type")
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     # transformers 4 writes rope_theta and rope_scaling (null when plain), transformers 5 rope_parameters
@@ -181,9 +182,6 @@ def hf_model_config(folder):
             qk_norm=family["qk_norm"], causal=True)
     except ValueError as e:  # sizes that do not fit together, e.g. heads that do not divide
         raise ValueError(f"{path}: {e}") from None
-
-
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes from_pretrained loads
 
 
 def open_safetensors(path):
@@ -231,16 +229,19 @@ def from_pretrained(folder, dtype=torch.float32):
         files = [need(folder, weight_file_in(folder, name, index)) for name in sorted(set(weight_map.values()))]
     else:
         files = [need(folder, "model.safetensors")]
-    found, dtypes = {}, {}  # Hugging Face name -> shape, and -> dtype ("BF16", "I8", ...), from the files' headers
+    found, not_float = {}, {}  # from the files' headers: Hugging Face name -> shape; file -> tensors not floats
     for path in files:
         with open_safetensors(path) as f:
             for name in f.keys():
-                found[name], dtypes[name] = f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()
-    not_float = [f"{name} ({dtypes[name]})" for name in sorted(dtypes) if dtypes[name] not in FLOAT_DTYPES]
+                found[name], kind = f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()  # "BF16", "I8", ...
+                if kind not in FLOAT_DTYPES:
+                    not_float.setdefault(path, []).append(f"{name} ({kind})")
     if not_float:
-        raise ValueError(f"the weights in {folder} are not all floats: {abridged(not_float)}; integer or 8-bit "
-                         f"weights are quantized, and this loads {', '.join(FLOAT_DTYPES)} weights only: use the "
-                         "model's unquantized release")
+        path, names = next(iter(not_float.items()))
+        others = f" (and {len(not_float) - 1} more files)" if len(not_float) > 1 else ""
+        raise ValueError(f"{path} holds weights that are not floats: {abridged(sorted(names))}{others}; integer or "
+                         f"8-bit weights are quantized, and this loads {', '.join(FLOAT_DTYPES)} weights only: use "
+                         "the model's unquantized release")
     if config.tie_embeddings:
         found.pop("lm_head.weight", None)  # a stored copy of the tied matrix is ignored, as transformers does
     missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())

@@ -549,3 +549,220 @@ def test_chat_template_of_a_folder_renders_as_transformers_does(tmp_path):
     pretrained.hf_tokenizer.cache_clear()
     with pytest.raises(ValueError, match="does not show the user's text once, unchanged"):
         sampler.chat_prompt(pretrained.hf_tokenizer(str(tmp_path)), "hi")
+
+
+# ----------------------------------------------------------------------------------------------
+# files from elsewhere that do not fit: padded rows, ids beyond the rows, merges tiktoken applies
+# otherwise, malformed files
+
+
+def edit_json(path, edit):
+    """Rewrite the JSON file at path with edit(its object), which changes it in place."""
+    obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    edit(obj)
+    Path(path).write_text(json.dumps(obj), encoding="utf-8")
+
+
+def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
+    """Qwen3 and ReFusion have more embedding rows (151,936) than tokenizer ids (151,671): the rows past
+    them, and any gap between ids, have no text, and a decoder that chose one crashed in decode(). Here
+    every id the tokenizer knows has a zero row in lm_head and the others random ones, so the padded
+    rows get all the probability; banned, the choice falls on the lowest id among the equal logits of
+    the others, 0 (the byte 0x00), which no EOS ever interrupts."""
+    import sampler
+    folder = tmp_path / "padded"
+    save_tiny_hf_folder(folder)
+    edit_json(folder / "tokenizer.json", lambda spec: spec["added_tokens"][3].update(id=262))  # <|mask|>: ids 259-261 a gap
+    edit_json(folder / "config.json", lambda config: config.update(tie_word_embeddings=False))
+    tensors = load_file(folder / "model.safetensors")
+    lm_head = torch.randn(300, 32)
+    lm_head[:259] = lm_head[262] = 0
+    save_file(tensors | {"lm_head.weight": lm_head}, folder / "model.safetensors")
+    enc = data.get_tokenizer(f"hf:{folder}")
+    assert pretrained.undecodable_ids(enc, 300, "the model") == (259, 260, 261, *range(263, 300))
+    flags = [f"--init_from={folder}", "--prompt=hi", "--json"]
+    sampler.main(flags + ["--method=ar", "--max_new_tokens=5"])
+    sampler.main(flags + ["--method=refusion", "--max_new_tokens=8", "--slot_size=4", "--num_blocks=1"])
+    sampler.main(flags + ["--method=ar", "--max_new_tokens=5", "--temperature=1"])
+    greedy_ar, greedy_refusion, sampled = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (greedy_ar["text"], greedy_ar["tokens"]) == ("\0" * 5, 5)
+    assert (greedy_refusion["text"], greedy_refusion["tokens"]) == ("\0" * 8, 8)
+    assert sampled["tokens"] == 5 and len(sampled["text"]) >= 1   # sampled among the tokenizer's ids only
+
+
+@pytest.mark.parametrize("edit, ids", [
+    (lambda folder: edit_json(folder / "tokenizer.json", lambda spec: spec["added_tokens"][2].update(id=300)), "300"),
+    (lambda folder: edit_json(folder / "config.json", lambda config: config.update(pad_token_id=301)), "301"),
+], ids=["tokenizer-id", "config-pad-id"])
+def test_token_ids_beyond_the_models_rows_are_refused_at_load(tmp_path, qa_file, edit, ids):
+    """An id the model has no embedding row for (a tokenizer or config.json of another model) is refused
+    when the folder is loaded, by the sampler and by a fine-tune, not met as an IndexError mid-decode."""
+    import sampler
+    import train
+    folder = tmp_path / "model"
+    save_tiny_hf_folder(folder)
+    edit(folder)
+    message = (rf"token ids {ids} \(of the tokenizer hf:{re.escape(str(folder))} and its special tokens\) are at or "
+               rf"beyond the 300 embedding rows of the model in {re.escape(str(folder / 'config.json'))}")
+    with pytest.raises(ValueError, match=message):
+        sampler.main([f"--init_from={folder}", "--chat", "--prompt=hi", "--method=ar"])
+    with pytest.raises(ValueError, match=message):
+        train.main([f"--init_from={folder}", f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
+                    f"--out_dir={tmp_path / 'ft'}", "--block_size=64", "--max_iters=1"])
+    assert not (tmp_path / "ft" / "ckpt.pt").exists()
+
+
+def write_byte_level_bpe(folder, merges, ignore_merges=False, vocab_changes=None, added=()):
+    """A GPT-2-style tokenizer.json: the 256 bytes (ids 0..255), then the token each merge makes (a pair
+    "left right" of tokens spelled in the byte-level alphabet), in merge order."""
+    char_of = {b: c for c, b in pretrained.byte_of_char().items()}
+    vocab = {char_of[b]: b for b in range(256)}
+    for merge in merges:
+        vocab.setdefault(merge.replace(" ", ""), len(vocab))
+    spec = {"added_tokens": list(added), "normalizer": None,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                      "ignore_merges": ignore_merges, "vocab": vocab | (vocab_changes or {}),
+                      "merges": [m.split(" ") for m in merges]}}
+    Path(folder, "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+
+
+# "abc" is made by the merge (a, bc), but the reference, which joins a and b first, never has that pair:
+# it leaves "ab" "c", while tiktoken joins any adjacent pair that makes a token ("ab" + "c" = "abc").
+JOINED_OTHERWISE = ["a b", "b c", "a bc"]
+ABC = r"merges join the bytes of token 258 \('abc'\) into \['ab', 'c'\], where tiktoken makes \['abc'\]"
+
+
+@pytest.mark.parametrize("merges, ignore_merges, changes, added, differs, message", [
+    (JOINED_OTHERWISE, False, None, (), "abc", ABC),
+    (JOINED_OTHERWISE, True, None, (), "abcd", ABC),     # a whole token is taken whole by both, but not inside a piece
+    (["a b"], False, {"ba": 256}, (), None, "model.vocab gives id 256 to both 'ab' and 'ba'"),
+    (["a b"], False, None, [{"id": 257, "content": "<x>", "special": True}, {"id": 257, "content": "<y>", "special": True}],
+     None, "added_tokens lists 257 more than once"),
+], ids=["merged-otherwise", "merged-otherwise-ignore-merges", "id-twice", "added-id-twice"])
+def test_a_tokenizer_tiktoken_would_encode_otherwise_is_refused(tmp_path, merges, ignore_merges, changes, added,
+                                                                differs, message):
+    """hf_tokenizer encodes exactly as the reference `tokenizers` or refuses the file at load. tiktoken
+    joins any adjacent pair that makes a token, the lowest id first; the reference only the pairs its
+    merges list: a vocabulary whose merges make a token of its own bytes otherwise is refused (shown
+    to encode differently by the reference itself), as is an id given to two tokens, which tiktoken
+    cannot decode (it panicked). The same merges in their reference order load and encode alike."""
+    write_byte_level_bpe(tmp_path, merges, ignore_merges, changes, added)
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "tokenizer.json")) + ": .*" + message):
+        pretrained.hf_tokenizer(str(tmp_path))
+    if differs:
+        tokenizers = pytest.importorskip("tokenizers")
+        reference = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+        assert reference.encode(differs).ids[:2] == [256, ord("c")]             # "ab" "c", where tiktoken made "abc"
+        folder = tmp_path / "in-order"
+        folder.mkdir()
+        write_byte_level_bpe(folder, ["a b", "b c", "ab c"], ignore_merges)   # "abc" from the pair the reference has
+        reference = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        enc = pretrained.hf_tokenizer(str(folder))
+        for text in ["abc", "abcd", "xabc", "bcab", "abcabc", "cab c"]:
+            assert data.encode(enc, text) == reference.encode(text).ids, text
+
+
+def save_sharded_tiny_hf_folder(folder):
+    """save_tiny_hf_folder's model with its weights in two shards and an index, as save_pretrained writes a large one."""
+    save_tiny_hf_folder(folder)
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:5], "model-00002-of-00002.safetensors": names[5:]}
+    for shard, part in shards.items():
+        save_file({n: tensors[n] for n in part}, folder / shard)
+    index = {"metadata": {}, "weight_map": {n: shard for shard, part in shards.items() for n in part}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def cut(path, keep=0.5):
+    """Truncate the file at path to this share of its bytes, as an interrupted download leaves it."""
+    raw = Path(path).read_bytes()
+    Path(path).write_bytes(raw[:int(len(raw) * keep)])
+
+
+def as_int8(folder):
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
+    save_file(tensors, folder / "model.safetensors")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+# (the file, how it is damaged, what the message says after the file's path)
+MALFORMED = {
+    "config-truncated": ("config.json", lambda p: cut(p), ": invalid JSON at line 1, column "),
+    "config-bom": ("config.json", lambda p: p.write_bytes(b"\xef\xbb\xbf" + p.read_bytes()),
+                   " starts with a byte order mark"),
+    "config-not-utf8": ("config.json", lambda p: p.write_bytes(p.read_bytes().replace(b"silu", b"s\xe9lu")),
+                        r" is not UTF-8 \(byte offset "),
+    "config-deep": ("config.json", lambda p: p.write_text(DEEP), " is nested deeper than Python's JSON parser can read"),
+    "config-list": ("config.json", lambda p: p.write_text("[" + p.read_text() + "]"),
+                    ": its top level is a list, not an object"),
+    "config-wrong-type": ("config.json", lambda p: edit_json(p, lambda c: c.update(num_hidden_layers="2", rms_norm_eps=None)),
+                          r": num_hidden_layers='2' \(expected a positive whole number\), rms_norm_eps=None "
+                          r"\(expected a positive finite number\)"),
+    "config-rope-type": ("config.json", lambda p: edit_json(p, lambda c: c.update(rope_scaling="linear")),
+                         ": rope_scaling is a str, not an object"),
+    "config-quantized": ("config.json", lambda p: edit_json(p, lambda c: c.update(
+        quantization_config={"quant_method": "gptq", "bits": 4})), r": quantization_config \(quant_method='gptq'\)"),
+    "config-pad-id-type": ("config.json", lambda p: edit_json(p, lambda c: c.update(pad_token_id="<pad>")),
+                           r": pad_token_id='<pad>' is not a token id"),
+    "weights-truncated": ("model.safetensors", lambda p: cut(p, 0.9), " is not a readable safetensors file"),
+    "weights-lfs-pointer": ("model.safetensors", lambda p: p.write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 123456\n"), " is not a readable safetensors file"),
+    "weights-int8": ("model.safetensors", lambda p: as_int8(p.parent),
+                     r" holds weights that are not floats: model\.layers\.0\.mlp\.up_proj\.weight \(I8\)"),
+    "index-no-weight-map": ("model.safetensors.index.json", lambda p: p.write_text('{"metadata": {}}'),
+                            ": it has no 'weight_map' object"),
+    "index-truncated": ("model.safetensors.index.json", lambda p: cut(p), ": invalid JSON"),
+    "shard-truncated": ("model-00002-of-00002.safetensors", lambda p: cut(p), " is not a readable safetensors file"),
+    "tokenizer-truncated": ("tokenizer.json", lambda p: cut(p), ": invalid JSON"),
+    "tokenizer-bom": ("tokenizer.json", lambda p: p.write_bytes(b"\xef\xbb\xbf" + p.read_bytes()),
+                      " starts with a byte order mark"),
+    "tokenizer-deep": ("tokenizer.json", lambda p: p.write_text('{"model": ' + DEEP + "}"), " is nested deeper"),
+    "tokenizer-model-type": ("tokenizer.json", lambda p: edit_json(p, lambda s: s.update(model=["BPE"])),
+                             ": it has no 'model' object"),
+    "tokenizer-vocab-type": ("tokenizer.json", lambda p: edit_json(p, lambda s: s["model"].update(vocab=["a", "b"])),
+                             ": model.vocab is not an object of tokens to ids"),
+    "tokenizer-id-type": ("tokenizer.json", lambda p: edit_json(p, lambda s: s["added_tokens"][0].update(id="256")),
+                          ": added_tokens is not a list of objects, each with an id"),
+    "tokenizer-merge-shape": ("tokenizer.json", lambda p: edit_json(p, lambda s: s["model"].update(merges=["a b c"])),
+                              r": merge 0 \('a b c'\) is not two tokens"),
+    "tokenizer-pre-tokenizer-type": ("tokenizer.json", lambda p: edit_json(p, lambda s: s.update(pre_tokenizer=[1])),
+                                     r": pre_tokenizer \[1\] not supported"),
+    "tokenizer-config-truncated": ("tokenizer_config.json", lambda p: (p.write_text('{"chat_template": "{{ x }}"}'),
+                                                                        cut(p)), ": invalid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_files_of_a_folder_are_refused_naming_the_file(tmp_path, qa_file, case):
+    """A folder's JSON files (truncated, a byte order mark, not UTF-8, nested too deep, fields of the wrong
+    type, quantization_config), its weights (truncated, a Git LFS pointer, integer) and its index are
+    refused by each command line that loads a folder with one line naming the file, before anything is
+    written; never a traceback (the message comes through run_cli, which lets no other error pass)."""
+    import eval_humaneval
+    import sampler
+    import train
+    from configurator import run_cli
+    name, damage, message = MALFORMED[case]
+    folder = tmp_path / "model"
+    (save_sharded_tiny_hf_folder if "index" in case or "shard" in case else save_tiny_hf_folder)(folder)
+    damage(folder / name)
+    commands = {
+        "sampler.py": (sampler.main, ["--prompt=hi"]),
+        "train.py": (train.main, [f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
+                                  f"--out_dir={tmp_path / 'ft'}", "--block_size=64", "--max_iters=1"]),
+        "eval_humaneval.py": (eval_humaneval.main, ["--allow_code_eval", "--limit=1"]),
+    }
+    for command, (main, flags) in commands.items():
+        with pytest.raises(SystemExit) as stop:
+            run_cli(main, [f"--init_from={folder}"] + flags)
+        line = str(stop.value.code)
+        assert "\n" not in line and re.match(f"error: {re.escape(str(folder / name))}{message}", line), (command, line)
+    assert not (tmp_path / "ft" / "ckpt.pt").exists()
