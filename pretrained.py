@@ -165,7 +165,7 @@ def hf_model_config(folder):
     try:
         values = {key: hf[key] for key in SIZES + ("rms_norm_eps", "tie_word_embeddings")}
         values["rope_theta"] = hf["rope_theta"] if "rope_theta" in hf else rope["rope_theta"]
-        values["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]  # Llama: absent = heads
+        values["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]  # absent: n_head
         values["head_dim"] = hf["head_dim"] if "head_dim" in hf or not family["derive_head_dim"] else None
     except KeyError as e:
         raise ValueError(f"{path} has no {e}; it is not a complete {model_type} config") from None
@@ -498,8 +498,9 @@ def hf_tokenizer(folder: str) -> HFEncoding:
     expect(isinstance(vocab, dict) and all(is_int(rank) for rank in vocab.values()), path,
            "model.vocab is not an object of tokens to ids (whole numbers from 0)")
     expect(isinstance(merges, list), path, "model.merges is not a list")
-    expect(isinstance(added, list) and all(isinstance(t, dict) and is_int(t.get("id")) and isinstance(t.get("content"), str)
-                                           and t["content"] for t in added), path,
+    well_formed = [isinstance(t, dict) and is_int(t.get("id")) and isinstance(t.get("content"), str) and t["content"]
+                   for t in added] if isinstance(added, list) else [False]
+    expect(all(well_formed), path,
            "added_tokens is not a list of objects, each with an id (a whole number from 0) and a content (a string)")
     token_of = {}
     for token, rank in vocab.items():

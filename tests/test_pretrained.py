@@ -466,7 +466,7 @@ def test_token_ids_past_65536_are_stored_as_uint32(tmp_path, qa_file):
     spec = json.loads((tmp_path / "big" / "tokenizer.json").read_text())
     spec["added_tokens"][2]["id"] = 70000                         # <|im_end|>, the EOS every sample ends with
     (tmp_path / "big" / "tokenizer.json").write_text(json.dumps(spec))
-    (tmp_path / "big" / "config.json").unlink()                   # a tokenizer alone: its 300-row model has no row 70000
+    (tmp_path / "big" / "config.json").unlink()                   # a tokenizer alone: its model has no row 70000
     data_dir = prepare(qa_file[0], f"hf:{tmp_path / 'big'}", 64, data_root=str(tmp_path / "data"))
     ds = data.TokenDataset(data_dir, "train")
     assert ds.meta["token_dtype"] == "uint32" and ds.tokens.dtype == "uint32"
@@ -572,7 +572,7 @@ def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
     import sampler
     folder = tmp_path / "padded"
     save_tiny_hf_folder(folder)
-    edit_json(folder / "tokenizer.json", lambda spec: spec["added_tokens"][3].update(id=262))  # <|mask|>: ids 259-261 a gap
+    edit_json(folder / "tokenizer.json", lambda spec: spec["added_tokens"][3].update(id=262))  # <|mask|>: 259-261 a gap
     edit_json(folder / "config.json", lambda config: config.update(tie_word_embeddings=False))
     tensors = load_file(folder / "model.safetensors")
     lm_head = torch.randn(300, 32)
@@ -641,8 +641,8 @@ ABC = r"merges join the bytes of token 258 \('abc'\) into \['ab', 'c'\], where t
     (JOINED_OTHERWISE, False, None, (), "abc", ABC),
     (JOINED_OTHERWISE, True, None, (), "abcd", ABC),     # a whole token is taken whole by both, but not inside a piece
     (["a b"], False, {"ba": 256}, (), None, "model.vocab gives id 256 to both 'ab' and 'ba'"),
-    (["a b"], False, None, [{"id": 257, "content": "<x>", "special": True}, {"id": 257, "content": "<y>", "special": True}],
-     None, "added_tokens lists 257 more than once"),
+    (["a b"], False, None, [{"id": 257, "content": "<x>", "special": True},
+                            {"id": 257, "content": "<y>", "special": True}], None, "added_tokens lists 257 more than once"),
 ], ids=["merged-otherwise", "merged-otherwise-ignore-merges", "id-twice", "added-id-twice"])
 def test_a_tokenizer_tiktoken_would_encode_otherwise_is_refused(tmp_path, merges, ignore_merges, changes, added,
                                                                 differs, message):
