@@ -3,7 +3,7 @@ The built-in corpora and a user's own files, as records: {"query", "response", "
 
     stdlib   every documented function of this Python's standard library (query: signature and
              docstring; response: the rest of the body)
-    camel    the standard library's one-line signatures, each rewritten with camelCase names (code editing)
+    camel    lines of the standard library's code, each rewritten with camelCase names (code editing)
     arith    20,000 worked multi-digit arithmetic problems whose answers code can check
     arith-1m a million of them, for GPU runs; arith-small 20,000 with operands of 2 and 3 digits
     transform 20,000 letter strings to copy, upper-case, shift or mirror (the parallel-friendly task)
@@ -134,32 +134,31 @@ def camel_case(line: str) -> str:
     return SNAKE_CASE.sub(to_camel, line)
 
 
-def camel_records(max_line: int = 90) -> list[dict]:
+def camel_records(max_line: int = 72) -> list[dict]:
     """
-    The built-in code-editing corpus: one record per distinct one-line `def` signature of the
-    standard library (at most max_line characters) that holds a snake_case name, as
-    {"query": "def get_close_matches(word, possibilities, n=3, cutoff=0.6):\n",
-     "response": "def getCloseMatches(word, possibilities, n=3, cutoff=0.6):\n", "module", "name"}.
+    The built-in code-editing corpus: one record per distinct line of the standard library's code
+    (stripped, at most max_line characters, comments left out) that holds a snake_case name, as
+    {"query": "matches = get_close_matches(word, possibilities)\n",
+     "response": "matches = getCloseMatches(word, possibilities)\n", "module", "name"}.
     The response is the query rewritten by camel_case: mostly a copy of the prompt with a few local
-    edits, so its tokens depend on the prompt far more than on each other. Real text, checked exactly.
+    edits, so its tokens depend on the prompt far more than on each other. Real text, checked
+    exactly. name is the line's number in its module.
     """
     records, seen = [], set()
     for path, module in _stdlib_files(sysconfig.get_paths()["stdlib"]):
         try:
             with open(path, encoding="utf-8") as f:
-                source = f.read().replace("\r\n", "\n").replace("\r", "\n")
-            tree = ast.parse(source)
-        except (UnicodeDecodeError, SyntaxError, ValueError):
+                lines = f.read().splitlines()
+        except UnicodeDecodeError:
             continue
-        lines = source.split("\n")
-        for name, node in _functions(tree):
-            line = lines[node.lineno - 1].strip()
-            if not (line.startswith("def ") and line.endswith(":")) or len(line) > max_line or line in seen:
+        for number, line in enumerate(lines, 1):
+            line = line.strip()
+            if not line or line.startswith("#") or len(line) > max_line or line in seen:
                 continue
             seen.add(line)
             if camel_case(line) != line:
                 records.append({"query": line + "\n", "response": camel_case(line) + "\n", "module": module,
-                                "name": name})
+                                "name": str(number)})
     return records
 
 
