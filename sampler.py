@@ -23,7 +23,7 @@ from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import check_device, explicit_keys, parse_args, run_cli, settings_in
 from corpora import read_utf8
 from data import TokenDataset, decode, encode, get_tokenizer, hf_special_ids
-from generate import DECODERS, check_attention, eos_ids_of
+from generate import DECODERS, ContextTooLong, RefusionSettings, check_attention, eos_ids_of
 from model import Transformer
 from prepare import prepare
 
@@ -110,7 +110,8 @@ def fit_mdm_canvas(cfg, ckpt, explicit):
 
 
 def make_decoder(cfg, model, ids, generator):
-    """(decode: prompt ids -> Generation, its settings) for cfg["method"] and cfg's knobs.
+    """(decode: prompt ids -> Generation, its settings) for cfg["method"] and cfg's knobs; decode
+    raises a prompt too long for the context as a ValueError in the knobs' words (context_words).
 
     ids: {"eos_id": an id or a tuple of them, "mask_id", "pad_id"}. The settings object checks
     every knob when it is built, before any data is prepared. The mask and pad ids are never
@@ -128,7 +129,26 @@ def make_decoder(cfg, model, ids, generator):
     kwargs = dict(eos_id=ids["eos_id"], banned_ids=banned)
     if cfg["method"] != "ar":
         kwargs["mask_id"] = ids["mask_id"]
-    return partial(generate, model, settings=settings, generator=generator, **kwargs), settings
+    decode_fn = partial(generate, model, settings=settings, generator=generator, **kwargs)
+
+    def run(prompt, **overrides):
+        try:
+            return decode_fn(prompt, **overrides)
+        except ContextTooLong as error:
+            raise ValueError(context_words(error)) from None
+    return run, settings
+
+
+def context_words(error):
+    """A ContextTooLong from a decoder (prompt + generation longer than the context), in the words of
+    the knobs the user sets: how max_new_tokens became the generation length, and what to lower."""
+    s, how, fix = error.settings, "", "lower max_new_tokens"
+    if isinstance(s, RefusionSettings):
+        how = (f", max_new_tokens={s.max_new_tokens} rounded up to {s.num_blocks} block(s) of whole "
+               f"{s.slot_size}-token slots")
+        fix = "lower max_new_tokens, slot_size or num_blocks"
+    return (f"prompt ({error.prompt_len} tokens) + generation ({s.gen_len} tokens{how}) exceeds the model's "
+            f"context of {error.limit} positions; shorten the prompt or {fix}")
 
 
 def chat_prompt(enc, text):
