@@ -4,6 +4,7 @@ Decode prompts with a trained checkpoint, and print each response with its speed
     python sampler.py --num_samples=3                    # prompts from the validation split
     python sampler.py --prompt_file=my_prompt.txt --json
     python sampler.py --show --num_samples=1             # watch the slots fill in, step by step
+    python sampler.py --plot=decode.png --num_samples=1  # draw which step committed each token
     python sampler.py --init_from=ReFusion --chat --prompt="Write a function that ..."  # the released model
 
 The decoders themselves are in generate.py; this file only loads, chooses and prints.
@@ -50,6 +51,7 @@ seed = 1337                # prompt i is sampled from a torch.Generator seeded w
 device = "cpu"             # cpu, cuda, cuda:N or mps
 json = False               # one JSON object per sample instead of text
 show = False               # redraw the response after every decoding step (masked tokens as ░)
+plot = ""                  # draw the first prompt's decode into this PNG (matplotlib): the step of each token
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
 
@@ -256,6 +258,13 @@ class LiveTrace:
             time.sleep(self.delay)
 
 
+def check_plot_path(path):
+    """Refuse a --plot path whose directory does not exist, before any decoding (FileNotFoundError)."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"--plot={path}: the directory {folder} does not exist; create it or pick another path")
+
+
 MISMATCH_NOTES = {
     ("ar", "refusion"): "a refusion model never learns a slot's first token as a next token (SPEC section 4, "
                         "known limit (a)), so plain next-token decoding does poorly; for left-to-right decoding "
@@ -272,6 +281,9 @@ def main(argv):
         raise ValueError(f"--num_samples={cfg['num_samples']}: ask for at least one validation prompt")
     if cfg["method"]:
         decoder_settings(cfg)  # bad decoder settings fail before the weights are read
+    if cfg["plot"]:
+        from figures import cell_text, plot_decode, pyplot  # matplotlib only when asked for
+        pyplot(), check_plot_path(cfg["plot"])
     model, enc, ids, objective, ckpt = load_model(cfg)
     cfg["method"] = cfg["method"] or objective
     if cfg["method"] == "mdm":
@@ -286,6 +298,13 @@ def main(argv):
         live = LiveTrace(enc, prompt, settings.max_new_tokens, ids["eos_id"]) if cfg["show"] else None
         out = run(prompt, generator=prompt_generator(cfg["device"], cfg["seed"], i), on_step=live)
         text = decode(enc, [t for t in out.tokens if t not in eos_ids_of(ids["eos_id"])])
+        if cfg["plot"] and i == 0:
+            knobs = ", ".join(f"{f.name}={getattr(settings, f.name)}" for f in fields(settings))
+            title = (f"--method={cfg['method']} ({knobs})\n{out.stats()['tokens']} tokens in {out.nfe} forward passes, "
+                     f"TPF {out.tpf:.2f}; prompt: {decode(enc, prompt)[-60:]!r}")
+            texts = {p: cell_text(enc, t, eos_ids_of(ids["eos_id"])) for step in out.trace for p, t in step}
+            pyplot().close(plot_decode(out, len(prompt), cfg["plot"], title, texts))
+            print(f"note: drew the decode of the first prompt into {cfg['plot']}", file=sys.stderr)
         if cfg["json"]:
             print(dumps({"prompt": decode(enc, prompt), "text": text, **out.stats()}))
             continue
