@@ -283,7 +283,8 @@ def main(argv):
         decoder_settings(cfg)  # bad decoder settings fail before the weights are read
     if cfg["plot"]:
         from figures import cell_text, plot_decode, pyplot  # matplotlib only when asked for
-        pyplot(), check_plot_path(cfg["plot"])
+        pyplot()
+        check_plot_path(cfg["plot"])
     model, enc, ids, objective, ckpt = load_model(cfg)
     cfg["method"] = cfg["method"] or objective
     if cfg["method"] == "mdm":
@@ -300,7 +301,7 @@ def main(argv):
         text = decode(enc, [t for t in out.tokens if t not in eos_ids_of(ids["eos_id"])])
         if cfg["plot"] and i == 0:
             knobs = ", ".join(f"{f.name}={getattr(settings, f.name)}" for f in fields(settings))
-            title = (f"--method={cfg['method']} ({knobs})\n{out.stats()['tokens']} tokens in {out.nfe} forward passes, "
+            title = (f"--method={cfg['method']} ({knobs})\n{len(out.tokens)} tokens in {out.nfe} forward passes, "
                      f"TPF {out.tpf:.2f}; prompt: {decode(enc, prompt)[-60:]!r}")
             texts = {p: cell_text(enc, t, eos_ids_of(ids["eos_id"])) for step in out.trace for p, t in step}
             pyplot().close(plot_decode(out, len(prompt), cfg["plot"], title, texts))
