@@ -67,7 +67,7 @@ def cell_text(enc, token, eos_ids, mask_id=None):
     return decode(enc, [token]).replace("\n", "↵").replace(" ", "␣")[:3]
 
 
-def plot_decode(out, prompt_len, path, title="", texts=None):
+def plot_decode(out, prompt_len, path, title="", texts=None, canvas=0):
     """--plot: draw one decode and save it to path (PNG); returns the matplotlib Figure.
 
     out: the Generation; prompt_len: its prompt's length in tokens. x: response position (true
@@ -75,12 +75,14 @@ def plot_decode(out, prompt_len, path, title="", texts=None):
     step s, coloured by the step that committed it: step s's own tokens in full colour, earlier
     ones faded. The right margin gives each step's forward passes (out.step_nfe); a dashed line
     marks where the returned response ends (cut after EOS, or at max_new_tokens). texts: optional
-    dict position -> str, drawn in the cell of the step that commits it. Raises ValueError without
-    matplotlib.
+    dict position -> str, drawn in the cell of the step that commits it. canvas: the response
+    positions drawn (the settings' gen_len, so that positions never decoded show empty); at least
+    every committed one. Raises ValueError without matplotlib.
     """
     plt = pyplot()
     import numpy as np
-    width = max(p for step in out.trace for p, _ in step) - prompt_len + 1   # every committed position
+    from matplotlib.ticker import MaxNLocator
+    width = max(canvas, max(p for step in out.trace for p, _ in step) - prompt_len + 1)
     step_of = np.zeros(width, dtype=int)                   # (width,) the step that committed each position
     for s, step in enumerate(out.trace, 1):
         for p, _ in step:
@@ -106,7 +108,8 @@ def plot_decode(out, prompt_len, path, title="", texts=None):
     ax.set_xlabel("response position (dashed: end of the returned response)")
     ax.set_ylabel("decoding step")
     ax.set_title(title, fontsize=9, loc="left")
-    fig.colorbar(image, ax=ax, pad=0.08, label="step that committed the token")
+    bar = fig.colorbar(image, ax=ax, pad=0.08, label="step that committed the token")
+    bar.locator = MaxNLocator(integer=True)                # steps are whole numbers
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return fig

@@ -304,7 +304,7 @@ def main(argv):
             title = (f"--method={cfg['method']} ({knobs})\n{len(out.tokens)} tokens in {out.nfe} forward passes, "
                      f"TPF {out.tpf:.2f}; prompt: {decode(enc, prompt)[-60:]!r}")
             texts = {p: cell_text(enc, t, eos_ids_of(ids["eos_id"])) for step in out.trace for p, t in step}
-            pyplot().close(plot_decode(out, len(prompt), cfg["plot"], title, texts))
+            pyplot().close(plot_decode(out, len(prompt), cfg["plot"], title, texts, settings.gen_len))
             print(f"note: drew the decode of the first prompt into {cfg['plot']}", file=sys.stderr)
         if cfg["json"]:
             print(dumps({"prompt": decode(enc, prompt), "text": text, **out.stats()}))

@@ -27,7 +27,8 @@ def test_decode_picture_draws_each_step_of_the_trace(tmp_path, method):
     kwargs = dict(eos_id=-1) | ({} if method == "ar" else dict(mask_id=38))
     out = generate(tiny_model(causal=method != "mdm"), [1, 2, 3], Settings(16, **knobs), **kwargs)
     assert sum(out.step_nfe) == out.nfe and len(out.step_nfe) == len(out.trace) and min(out.step_nfe) >= 1
-    fig = plot_decode(out, 3, tmp_path / "decode.png", texts={p: str(t) for step in out.trace for p, t in step})
+    texts = {p: str(t) for step in out.trace for p, t in step}
+    fig = plot_decode(out, 3, tmp_path / "decode.png", texts=texts, canvas=Settings(16, **knobs).gen_len)
     assert (tmp_path / "decode.png").read_bytes().startswith(PNG)
     ax = fig.axes[0]
     committed, new = (image.get_array() for image in ax.images)
