@@ -228,9 +228,12 @@ def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator,
     """
     B, T = tokens.shape
     dev = tokens.device
-    S = torch.tensor(slot_sizes)[torch.randint(len(slot_sizes), (B,), generator=generator)].to(dev)
-    p = _p_mask(B, eps, generator, dev)
-    slot_is_masked = torch.rand(B, T, generator=generator).to(dev) < p[:, None]      # indexed by slot id
+    S = torch.tensor(slot_sizes)[torch.randint(len(slot_sizes), (B,), generator=generator)].to(dev)  # (B,)
+    p = _p_mask(B, eps, generator, dev)                                                # (B,) p_mask
+    # (B, T) indexed by slot id (a response of <= T tokens has <= T slots): slot k masked with probability p
+    slot_is_masked = torch.rand(B, T, generator=generator).to(dev) < p[:, None]
+    # (B, T) a random order of the slots: argsort of uniform noise lists the slot ids in a random
+    # order, and argsort of that list inverts it, giving each slot k its place in that order (its rank)
     slot_rank = torch.rand(B, T, generator=generator).argsort(dim=1).argsort(dim=1).to(dev)
     batch = layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels)
     if ar_fraction:
@@ -242,11 +245,47 @@ def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator,
     return batch
 
 
+def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels=False):
+    """layout_slots for one sample, as a plain loop (SPEC section 3, steps 3-4): the reference the
+    vectorized layout_slots must equal (test_vectorized_layout_equals_the_per_sample_loop).
+
+    tokens: list of ids (prompt, response, padding); P: prompt length; n: prompt + response length;
+    S: slot size, slot k holding response positions P + kS ...; p: p_mask; slot_is_masked and
+    slot_rank: lists indexed by slot id; slot_end_labels as for layout_slots.
+    Returns (idx, position_ids, labels, mdm_weight) as lists.
+    """
+    slots = [list(range(start, min(start + S, n))) for start in range(P, n, S)]   # true positions
+    clean = sorted((k for k in range(len(slots)) if not slot_is_masked[k]), key=lambda k: slot_rank[k])
+    masked = [k for k in range(len(slots)) if slot_is_masked[k]]
+    idx, pos, labels, weight = tokens[:P], list(range(P)), [IGNORE] * P, [0.0] * P  # the prompt, first
+    if slot_end_labels:                         # the prompt's last token predicts the response's first
+        labels[P - 1] = tokens[P]
+    for k in clean:                             # clean slots in rank order: next token inside the slot
+        for i, q in enumerate(slots[k]):
+            idx.append(tokens[q])
+            pos.append(q)
+            labels.append(tokens[q + 1] if i + 1 < len(slots[k]) or slot_end_labels and q + 1 < n else IGNORE)
+            weight.append(0.0)
+    for k in masked:                            # masked slots in their own order: their own tokens
+        for q in slots[k]:
+            idx.append(mask_id)
+            pos.append(q)
+            labels.append(tokens[q])
+            weight.append(1.0 / (p * (n - P)))
+    for q in range(n, len(tokens)):             # padding, last
+        idx.append(tokens[q])
+        pos.append(q)
+        labels.append(IGNORE)
+        weight.append(0.0)
+    return idx, pos, labels, weight
+
+
 def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels=False):
     """The deterministic half of reorganize_slots: build the buffer, labels and loss weights.
 
     S: (B,) int64 slot size; p: (B,) float32 p_mask; slot_is_masked: (B, n) bool and slot_rank:
-    (B, n) int64 (a permutation), indexed by slot id (n >= number of slots; T always suffices).
+    (B, n) int64 (a permutation), indexed by slot id (n between the number of slots and T; T always
+    suffices).
     Buffer: the prompt, then the clean slots in ascending slot_rank, then the masked slots (every
     token the mask id) in their original order, then padding; every token keeps its true position.
     Labels: a clean token's next token inside its own slot (none for the slot's last token); a masked
@@ -254,32 +293,42 @@ def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, ma
     slot_end_labels (SPEC section 3, beyond the paper; off by default): the last token of every clean
     slot, and the prompt's last token, are labelled too, with the token at the next position, so the
     next-token pathway is trained at every response position (infill="ar" decodes with it there).
+    The whole batch at once, no loop: every tensor is first computed in input (true position)
+    order, then one sort per row lays it out in buffer order. layout_one_sample is the same, as a
+    plain loop per sample.
     """
     B, T = tokens.shape
-    pos = torch.arange(T, device=tokens.device).expand(B, T)
-    rel = pos - prompt_len[:, None]                          # position inside the response
-    in_response = (rel >= 0) & (pos < length[:, None])
-    slot = torch.where(in_response, rel // S[:, None], 0)    # (B, T) slot id of every response token
-    masked = in_response & slot_is_masked.gather(1, slot)
-    clean = in_response & ~masked
+    pos = torch.arange(T, device=tokens.device).expand(B, T)  # (B, T) true position: the index in the input
+    rel = pos - prompt_len[:, None]                          # (B, T) position inside the response (< 0: prompt)
+    in_response = (rel >= 0) & (pos < length[:, None])       # (B, T) response tokens, EOS included
+    slot = torch.where(in_response, rel // S[:, None], 0)    # (B, T) slot id of each response token (0 elsewhere)
+    masked = in_response & slot_is_masked.gather(1, slot)    # (B, T) the token's slot is masked
+    clean = in_response & ~masked                            # (B, T) the token's slot is clean
 
-    # physical order: prompt (group 0), clean slots by rank (1), masked slots (2), padding (3)
+    # Buffer order by one sort of a key per token. group: the buffer's four parts in order, prompt 0,
+    # clean slots 1, masked slots 2, padding 3.
     group = torch.where(pos < prompt_len[:, None], 0, torch.where(clean, 1, torch.where(masked, 2, 3)))
+    # within: the order inside a part. A clean token sorts by its slot's rank, then by position
+    # (rank * T + pos, pos < T: a slot's tokens stay together and in order); every other token by
+    # position (the prompt, the masked slots in their own order, the padding).
     within = torch.where(clean, slot_rank.gather(1, slot) * T + pos, pos)
-    order = (group * T * (T + 1) + within).argsort(dim=1)    # (B, T) original index at each buffer place
+    # within <= (T - 1) * T + T - 1 < T * (T + 1), so group * T * (T + 1) + within sorts by group
+    # first, then by within; keys are distinct (each holds its position), so the order is unique.
+    order = (group * T * (T + 1) + within).argsort(dim=1)    # (B, T) input index of the token at each buffer place
 
-    next_in_slot = torch.zeros_like(in_response)
-    next_in_slot[:, :-1] = (slot[:, 1:] == slot[:, :-1]) & in_response[:, 1:]
-    next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
-    predicts_next = clean & next_in_slot
-    if slot_end_labels:
+    next_in_slot = torch.zeros_like(in_response)             # (B, T) the next input token is a response
+    next_in_slot[:, :-1] = (slot[:, 1:] == slot[:, :-1]) & in_response[:, 1:]   # token of the same slot
+    next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)               # (B, T) the next input token
+    predicts_next = clean & next_in_slot                     # (B, T) labelled with the next token
+    if slot_end_labels:                                      # also across slot ends, and the prompt's last token
         next_in_response = torch.zeros_like(in_response)
         next_in_response[:, :-1] = in_response[:, 1:]
         predicts_next = (clean | (pos == prompt_len[:, None] - 1)) & next_in_response
+    # masked: its own token; labelled with the next token: that token; anything else: no label
     labels = torch.where(masked, tokens, torch.where(predicts_next, next_tok, IGNORE))
-    weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)
-    idx = torch.where(masked, mask_id, tokens)
-    return Batch(*(x.gather(1, order) for x in (idx, pos, labels, weight)))
+    weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)  # (B, T) MDM loss weight
+    idx = torch.where(masked, mask_id, tokens)               # (B, T) a masked slot's tokens become the mask id
+    return Batch(*(x.gather(1, order) for x in (idx, pos, labels, weight)))   # each laid out in buffer order
 
 
 def autoregressive_batch(tokens, prompt_len, length):

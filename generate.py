@@ -1,17 +1,19 @@
 """
-ReFusion's plan-and-infill decoder (SPEC section 4), told as its named steps:
+ReFusion's plan-and-infill decoder (SPEC section 4), told top-down as its named steps:
 
+    generate_refusion      the response as serial blocks, decoded one after another, cut after EOS
+    decode_block           one block: plan, verify, infill (when verify finished no slot), commit
     plan_slots     step 1  one diffusion step over the masked slots: draft them, pick the confident ones
     verify_drafts  step 2  one causal pass over the picked drafts: accept their longest confident prefix
-    infill_slots   step 3  finish the picked slots in parallel, each one left to right, one row each
-    commit_slots   step 4  append the finished slots (tokens, true positions, keys/values) to the buffer
+    infill_slots   step 3  finish the picked slots in parallel, each one left to right, one cache row each
+    commit_slots   step 4  record the finished slots, whose keys/values now follow the buffer in the cache
+    DecodeState            what the steps share: the committed buffer, the KV cache, the forward count
 
 Every committed token's keys/values are computed once and reused by every later forward pass: the
-buffer holds committed slots in commit order, the model sees their true positions through RoPE.
-
-The baselines of SPEC section 4 report the same Generation statistics: generate_ar (next-token
-decoding with the KV cache) and generate_mdm (LLaDA-style, the whole sequence recomputed each step).
-Each decoder takes a settings object, checked once when it is built.
+cache holds the committed slots in commit order, the model sees their true positions through RoPE.
+Then the baselines of SPEC section 4, reporting the same Generation statistics: generate_ar
+(next-token decoding with the KV cache) and generate_mdm (LLaDA-style, the whole sequence recomputed
+each step). Last, the settings objects (each checked once, when built), the checks and the helpers.
 """
 
 import math
@@ -19,6 +21,417 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+# -----------------------------------------------------------------------------
+# ReFusion: plan, verify, infill, commit (SPEC section 4)
+
+
+# The decoders run under inference mode: no autograd records at all, which makes the many small
+# forward passes of decoding cheaper than under no_grad (about 10% per token on a small model).
+@torch.inference_mode()
+def generate_refusion(model, prompt, settings, *, mask_id, eos_id, generator=None, on_step=None, banned_ids=()):
+    """Generate a response with ReFusion's plan-and-infill decoding (SPEC section 4; paper section 3.2).
+
+    model:    a causal Transformer (or any module with the same forward and new_kv_cache), in eval mode.
+    prompt:   list of token ids (at least one).
+    settings: RefusionSettings (slot size, serial blocks, thresholds, temperature, max_new_tokens, infill).
+    mask_id:  the id fed at still-masked positions; eos_id: the EOS id, or a tuple of them (any ends it).
+    generator: torch.Generator on the model's device, for temperature > 0 (plan drafts only).
+    on_step:  optional callable, given the (position, token) pairs each step commits (--show).
+    banned_ids: token ids never generated besides the mask id (the command line adds the pad id).
+    Returns a Generation of at most settings.max_new_tokens tokens.
+    Raises ValueError for a bidirectional model, ContextTooLong for a prompt + generation longer
+    than the context.
+    """
+    check_attention(model, "refusion")
+    check_context(model, len(prompt), settings)
+    t0 = time.perf_counter()
+    state = DecodeState(model, prompt, settings, mask_id, eos_id, generator, on_step, banned_ids)
+    S, n = settings.slot_size, settings.slots_per_block
+    for b in range(settings.num_blocks):
+        first = len(prompt) + b * n * S                                 # the block's first position
+        if decode_block(state, [first + i * S for i in range(n)], settings):
+            break                                                       # EOS: no later block starts
+    tokens = cut_after_eos([state.response[p] for p in sorted(state.response)], eos_id)
+    return Generation(tokens[:settings.max_new_tokens], state.nfe, time.perf_counter() - t0, state.trace,
+                      state.step_nfe)
+
+
+def decode_block(state, pool, settings):
+    """Decode one serial block until none of its slots is masked (SPEC section 4, steps 1-4).
+
+    state: the DecodeState (end of this section); pool: ascending start positions of the block's
+    slots. Returns True when EOS ended the block (the slots before the EOS slot are still decoded;
+    no later block starts).
+    """
+    eos = False
+    while pool:
+        starts, drafts = plan_slots(state, pool, settings.slot_size, settings.slot_threshold)
+        commit, accepted = verify_drafts(state, starts, drafts, settings.token_threshold)
+        if not commit:  # not even one whole slot passed verify: finish every selected slot in parallel
+            commit = infill_slots(state, starts, drafts, accepted, settings.token_threshold)
+        commit_slots(state, commit)
+        eos = eos or commit.eos
+        pool = [p for p in pool if p not in commit.starts and not (commit.eos and p > commit.starts[-1])]
+    return eos
+
+
+def plan_slots(state, pool, slot_size, slot_threshold):
+    """Step 1, plan: one diffusion step over every still-masked slot of the block.
+
+    pool: ascending start positions of the masked slots. Feeds (after the cache, and after the
+    pending prompt on the first call) each slot as slot_size mask ids at its true positions, drafts
+    every masked position, scores each slot by its first token's probability and selects those
+    above slot_threshold (else the single best). The masks' keys/values are not kept.
+    infill="ar" (SPEC section 4.1): the slot at the frontier takes its first token, and its score,
+    from the next-token prediction state.next_logits instead of its first mask.
+    Returns (starts: ascending start positions of the selected slots,
+             drafts: (len(starts), slot_size) int64).
+    """
+    n_pending = len(state.pending)
+    masks = [state.mask_id] * (slot_size * len(pool))
+    positions = [p + i for p in pool for i in range(slot_size)]
+    tokens = torch.tensor([state.pending + masks], device=state.device)
+    pos = torch.tensor([state.pending_pos + positions], device=state.device)
+    logits = state.forward(tokens, pos, keep=n_pending)[0]             # (n_pending + n_slots * S, V)
+    if state.ar and n_pending:              # the last prompt token predicts the first response token
+        state.next_logits = (state.pending_pos[-1] + 1, logits[n_pending - 1])
+    state.pending, state.pending_pos = [], []                           # the prompt's KV stays cached
+    drafts, probs = draft_tokens(logits[n_pending:], state.temperature, state.generator, state.banned)
+    drafts, probs = drafts.view(len(pool), slot_size), probs.view(len(pool), slot_size)
+    if state.next_logits is not None and state.next_logits[0] == pool[0]:
+        drafts[0, :1], probs[0, :1] = draft_tokens(state.next_logits[1][None], state.temperature, state.generator,
+                                                   state.banned)
+    scores = probs[:, 0]
+    selected = (scores > slot_threshold).nonzero()[:, 0].tolist() or [int(scores.argmax())]
+    return [pool[i] for i in selected], drafts[selected]
+
+
+def verify_drafts(state, starts, drafts, token_threshold):
+    """Step 2, global verify: one causal pass over the selected drafts, concatenated in slot order.
+
+    starts: true start positions of the selected slots; drafts: (k, S) int64.
+    A slot's first token is accepted as drafted; every other token passes when its next-token
+    probability (given all drafts before it) exceeds token_threshold. The longest all-passing
+    prefix of the concatenation decides:
+      - it holds EOS: a Commit of the slots up to the first EOS (that slot cut after it), eos=True;
+      - it covers whole slots: a Commit of those slots, with the keys/values this pass computed;
+      - otherwise: an empty Commit, and infill_slots finishes every selected slot.
+    The cache keeps this pass's keys/values of the committed tokens only.
+    With infill="ar" the Commit also holds the logits each committed slot's last token predicts.
+    Returns (commit, accepted: (k,) int64 each slot's own accepted prefix, for infill_slots).
+    """
+    k, S = drafts.shape
+    ctx = state.cache.pos
+    tokens = drafts.reshape(1, k * S)
+    pos = torch.tensor([[p + i for p in starts for i in range(S)]], device=state.device)
+    logits = state.forward(tokens, pos)                                 # (1, k * S, V)
+    probs = next_token_probs(logits, tokens)                            # (1, k * S)
+    passed = (probs > token_threshold).view(k, S)
+    passed[:, 0] = True
+    prefix = drafts.view(-1)[:int(leading_true(passed.view(1, -1))[0])].tolist()
+    eos_at = first_eos(prefix, state.eos_ids)
+    eos = eos_at is not None
+    n = eos_at + 1 if eos else len(prefix) // S * S                   # tokens to commit
+    state.cache.crop(ctx + n)         # the committed tokens' keys/values, already after the buffer, stay
+    slots = [prefix[i:min(i + S, n)] for i in range(0, n, S)]
+    commit = Commit(starts[:len(slots)], slots, eos)
+    if state.ar:     # each slot saw every slot before it in the concatenation
+        commit.next_logits = [logits[0, i * S + len(slot) - 1] for i, slot in enumerate(slots)]
+    return commit, leading_true(passed)
+
+
+@dataclass
+class Commit:
+    """Finished slots, as verify_drafts or infill_slots hand them to commit_slots (SPEC step 4). Their
+    keys/values already follow the committed buffer in the cache's row 0, in slot order.
+
+    starts:   true start positions of the slots, ascending.
+    tokens:   one list of ids per slot, cut after EOS.
+    eos:      True when the last slot ends with EOS: every later slot of the block is dropped and
+              no later block starts.
+    next_logits: infill="ar" only (SPEC section 4.1): per slot, the logits (V,) that its last token
+              predicts for the next position, or None where the slot did not see every slot
+              committed with it before it (infill rows after the first); an empty list otherwise.
+    """
+    starts: list[int]
+    tokens: list[list[int]]
+    eos: bool = False
+    next_logits: list = field(default_factory=list)
+
+    def __len__(self):
+        return len(self.starts)
+
+
+@dataclass
+class InfillRows:
+    """The slots of one parallel infill (SPEC step 3): row i of every field, and of the cache, is slot i.
+
+    What infill_slots keeps true between its forward passes:
+      - cache row i holds the committed buffer, then tokens[i, :shared], where `shared` (the cache's
+        length beyond the buffer) is a prefix every row has accepted: its keys/values are kept;
+      - tokens[i, :accepted[i]] are accepted and never change again; the rest are drafts;
+      - slot i commits tokens[i, :lengths[i]]: lengths[i] is S, or ends at the slot's EOS;
+        accepted <= lengths.
+    """
+    starts: list[int]          # true start position of each slot, ascending
+    positions: torch.Tensor    # (k, S) int64 true position of every token
+    tokens: torch.Tensor       # (k, S) int64
+    accepted: torch.Tensor     # (k,) int64
+    lengths: torch.Tensor      # (k,) int64
+    eos: bool = False          # a row ended at EOS (step 3c): every slot after it is dropped
+
+    def done(self):
+        """True when every row has accepted all the tokens it commits."""
+        return bool((self.accepted >= self.lengths).all())
+
+    def keep(self, n, cache):
+        """Keep rows 0..n-1, here and in the cache."""
+        if n < cache.batch:
+            cache.keep_rows(list(range(n)))
+        self.starts, self.positions, self.tokens = self.starts[:n], self.positions[:n], self.tokens[:n]
+        self.accepted, self.lengths = self.accepted[:n], self.lengths[:n]
+
+
+def infill_slots(state, starts, drafts, accepted, token_threshold):
+    """Step 3, parallel autoregressive infill: finish each selected slot in its own batch row.
+
+    starts: (k,) true start positions; drafts: (k, S) int64 tokens from the plan step;
+    accepted: (k,) int64 length of each slot's accepted prefix (at least 1). Every row starts from
+    the committed buffer (verify kept none of its pass), then each round (a) drafts every
+    unaccepted token by feeding it as a mask id, then (b) verifies: the first unaccepted token of
+    each row is accepted (it was predicted from an accepted prefix), later ones while their
+    next-token probability exceeds token_threshold. (c) A row whose accepted tokens contain EOS
+    ends there and every later row is dropped (end_rows_at_eos). (d) The prefix accepted in every
+    row is kept in the cache (never recomputed). At most S rounds. Finally each row's slot is laid
+    after the buffer in row 0, in slot order (KVCache.commit_rows), as commit_slots expects.
+    infill="ar" (SPEC section 4.1): the first unaccepted token of each row is the next-token
+    prediction at its accepted left neighbour (so each draft pass starts one token before the first
+    unaccepted token of the row furthest behind), and every row but the first starts from its first
+    token alone (verify judged the others' tokens after the drafts of the slots before them).
+    Returns a Commit of the k' <= k finished slots.
+    """
+    k, S = drafts.shape
+    ctx = state.cache.pos                          # the committed buffer, shared by every row
+    cols = torch.arange(S, device=state.device)
+    rows = InfillRows(list(starts), torch.tensor(starts, device=state.device)[:, None] + cols, drafts.clone(),
+                      accepted.clone(), torch.full_like(accepted, S))
+    if state.ar:
+        rows.accepted[1:] = 1
+    state.cache.repeat_prefix(k)
+    # Verify committed only what the whole concatenation accepted, but a later slot's own accepted
+    # prefix may already hold EOS: that slot ends there and the slots after it go before any pass.
+    end_rows_at_eos(state, rows)
+    for _ in range(S):                             # each round accepts >= 1 token of every unfinished row
+        if rows.done():
+            break
+        shared = state.cache.pos - ctx             # slot tokens [0, shared) of every row are cached
+        # (a) draft: unaccepted tokens become mask ids; each masked position predicts itself
+        window = rows.tokens[:, shared:].clone()
+        masked = cols[shared:] >= rows.accepted[:, None]
+        window[masked] = state.mask_id
+        logits = state.forward(window, rows.positions[:, shared:], keep=0)
+        rows.tokens[:, shared:][masked] = ban(logits[masked], state.banned).argmax(dim=-1)
+        if state.ar:  # the first unaccepted token of each row: what its accepted left neighbour predicts
+            r = (rows.accepted < rows.lengths).nonzero()[:, 0]
+            j = rows.accepted[r]
+            rows.tokens[r, j] = ban(logits[r, j - 1 - shared], state.banned).argmax(dim=-1)
+        # (b) verify: accept the first unaccepted token, then while the next-token probability passes
+        window = rows.tokens[:, shared:]
+        logits = state.forward(window, rows.positions[:, shared:])
+        probs = next_token_probs(logits, window)
+        last = logits[0, -1]                       # what row 0's last token predicts (for infill="ar")
+        passed = (probs > token_threshold) | (cols[shared:] <= rows.accepted[:, None])
+        rows.accepted = torch.minimum(shared + leading_true(passed), rows.lengths)
+        # (c) EOS ends its slot and the decode after it
+        end_rows_at_eos(state, rows)
+        # (d) keep the keys/values of the prefix accepted in every row (all of it once all are done);
+        # infill="ar" feeds the last of them again, since the next draft pass needs its prediction
+        state.cache.crop(ctx + (S if rows.done() else int(rows.accepted.min()) - state.ar))
+    lengths = rows.lengths.tolist()
+    state.cache.commit_rows(list(enumerate(lengths)), ctx)   # row i's slot, after the buffer in row 0
+    commit = Commit(rows.starts, [row[:n] for row, n in zip(rows.tokens.tolist(), lengths)], rows.eos)
+    if state.ar:     # only row 0 saw every slot committed with it before it (none)
+        commit.next_logits = [last] + [None] * (len(lengths) - 1)
+    return commit
+
+
+def end_rows_at_eos(state, rows):
+    """SPEC step 3c: the first row whose accepted tokens hold EOS ends after it; the rows after it
+    are dropped, from rows (an InfillRows) and from the cache, and rows.eos is set."""
+    S = rows.tokens.shape[1]
+    is_eos = torch.isin(rows.tokens, state.eos_tensor)
+    is_eos &= torch.arange(S, device=state.device) < rows.accepted[:, None]   # accepted EOS only
+    found = is_eos.any(dim=1).nonzero()[:, 0]
+    if len(found) == 0:
+        return
+    r = int(found[0])
+    rows.keep(r + 1, state.cache)
+    rows.lengths = rows.lengths.clone()
+    rows.lengths[r] = int(is_eos[r].long().argmax()) + 1
+    rows.accepted = torch.minimum(rows.accepted, rows.lengths)
+    rows.eos = True
+
+
+def commit_slots(state, commit):
+    """Step 4, commit: record the finished slots' tokens at their true positions, and the step.
+
+    commit: a Commit from verify_drafts or infill_slots, whose keys/values already follow the
+    buffer in the cache, so that afterwards the cache again holds exactly the committed buffer.
+    The step's (position, token) pairs go to state.trace (and on_step), its forward passes to
+    state.step_nfe.
+    """
+    step = [(start + i, t) for start, ids in zip(commit.starts, commit.tokens) for i, t in enumerate(ids)]
+    assert not any(p in state.response for p, _ in step), "a position was committed twice"
+    state.response.update(step)
+    assert state.cache.pos == state.prompt_len + len(state.response), "the cache holds the committed buffer"
+    state.trace.append(step)
+    state.step_nfe.append(state.nfe - sum(state.step_nfe))
+    if state.ar:
+        advance_frontier(state, commit)
+    if state.on_step:
+        state.on_step(step)
+
+
+def advance_frontier(state, commit):
+    """infill="ar" (SPEC section 4.1): move state.frontier past the committed positions and keep the
+    next-token prediction for it when the slot just committed before it saw every position to its left."""
+    frontier = state.frontier
+    while frontier in state.response:
+        frontier += 1
+    if frontier == state.frontier:
+        return
+    state.frontier, state.next_logits = frontier, None
+    for start, ids, logits in zip(commit.starts, commit.tokens, commit.next_logits):
+        if start + len(ids) == frontier and logits is not None:
+            state.next_logits = (frontier, logits)
+
+
+class DecodeState:
+    """What the decoder carries from step to step (SPEC section 4, "State").
+
+    The committed buffer is the prompt, then the committed slots in commit order; `response` maps
+    each committed response token's true position to it. Between steps the cache's row 0 holds the
+    keys/values of the buffer's tokens fed so far, in buffer order, so `cache.pos` is the committed
+    length (there is no other count of it). `pending` holds the prompt until the first plan call
+    feeds it before the masks (one forward, as in the authors' code).
+    nfe counts forward passes; per committed step, trace holds its (position, token) pairs and
+    step_nfe its forward passes.
+    infill="ar" (SPEC section 4.1): `frontier` is the first uncommitted response position and
+    `next_logits` (position, logits (V,)) the next-token prediction for it made seeing every
+    position before it, or None.
+    """
+
+    def __init__(self, model, prompt, settings, mask_id, eos_id, generator, on_step, banned_ids):
+        self.model, self.generator, self.on_step = model, generator, on_step
+        self.cache = model.new_kv_cache(max_len=len(prompt) + settings.gen_len, max_batch=settings.slots_per_block)
+        self.device = self.cache.kv.device
+        self.mask_id, self.eos_ids = mask_id, eos_ids_of(eos_id)
+        self.eos_tensor = torch.tensor(self.eos_ids, device=self.device)  # for end_rows_at_eos, made once
+        self.banned = [mask_id, *banned_ids]  # never written into the response
+        self.temperature, self.ar = settings.temperature, settings.infill == "ar"
+        self.prompt_len, self.pending, self.pending_pos = len(prompt), list(prompt), list(range(len(prompt)))
+        self.response, self.nfe, self.trace, self.step_nfe = {}, 0, [], []
+        self.frontier, self.next_logits = len(prompt), None
+
+    def forward(self, tokens, positions, keep=None):
+        """One counted forward pass of tokens (B, T) at true positions (B, T) after the cache; returns
+        logits (B, T, V). The cache keeps the keys/values of the first `keep` tokens fed (None: all)."""
+        start = self.cache.pos
+        self.nfe += 1
+        logits = self.model(tokens, positions, kv_cache=self.cache)
+        if keep is not None:
+            self.cache.crop(start + keep)
+        return logits
+
+# -----------------------------------------------------------------------------
+# baseline decoders (SPEC section 4, "Baseline decoders"): next-token (ar) and LLaDA-style (mdm)
+
+
+@torch.inference_mode()
+def generate_ar(model, prompt, settings, *, eos_id, generator=None, on_step=None, banned_ids=()):
+    """Plain next-token decoding with the KV cache: the ARM baseline.
+
+    settings: DecodeSettings (max_new_tokens, temperature). One prefill forward of the prompt
+    predicts the first token, then one forward per further token, each feeding only the newest
+    token after the cache; so NFE = number of generated tokens (TPF 1). temperature 0: argmax;
+    otherwise Gumbel-max in float64 from `generator` (draft_tokens). banned_ids are never generated
+    (the command line passes the mask and pad ids). Stops after EOS or max_new_tokens. Returns a Generation; its trace holds one
+    (position, token) pair per forward (also given to on_step, if set, as it happens).
+    Raises ValueError for a bidirectional model or a prompt + generation longer than the context.
+    """
+    check_attention(model, "ar")
+    check_context(model, len(prompt), settings)
+    t0 = time.perf_counter()
+    cache = model.new_kv_cache(max_len=len(prompt) + settings.max_new_tokens)
+    device = cache.kv.device
+    tokens = torch.tensor([prompt], device=device)                     # (1, P), the prefill
+    positions = torch.arange(len(prompt), device=device)[None]
+    out, trace, eos_ids = [], [], eos_ids_of(eos_id)
+    while True:
+        logits = model(tokens, positions, kv_cache=cache)[0, -1:]      # (1, V): the next token's
+        token, _ = draft_tokens(logits, settings.temperature, generator, banned_ids)
+        out.append(int(token))
+        trace.append([(len(prompt) + len(out) - 1, out[-1])])
+        if on_step:
+            on_step(trace[-1])
+        if out[-1] in eos_ids or len(out) == settings.max_new_tokens:
+            break
+        tokens, positions = token[None], positions[:, -1:] + 1         # (1, 1) each
+    return Generation(out, len(out), time.perf_counter() - t0, trace, [1] * len(out))
+
+
+def tokens_per_step(n_masked, steps):
+    """LLaDA's schedule: n_masked tokens spread over `steps` steps as evenly as possible, the
+    remainder going to the first steps (10 over 4 steps: [3, 3, 2, 2]). Returns a list of ints."""
+    return [n_masked // steps + (i < n_masked % steps) for i in range(steps)]
+
+
+@torch.inference_mode()
+def generate_mdm(model, prompt, settings, *, mask_id, eos_id, generator=None, on_step=None, banned_ids=()):
+    """LLaDA-style masked-diffusion decoding with low-confidence remasking: the MDM baseline.
+
+    settings: MDMSettings (max_new_tokens, steps, block_length, temperature). The sequence starts
+    as prompt + max_new_tokens mask ids and is recomputed whole at every step (bidirectional
+    attention, so no cache; NFE = steps). Each step predicts every masked position of the current
+    block (argmax, or Gumbel-max in float64 with temperature; neither the mask id nor banned_ids are
+    ever predicted: see ban) and commits the k most confident ones (confidence: the softmax
+    probability of the predicted token), k following tokens_per_step. Blocks of block_length tokens
+    go left to right, steps / n_blocks steps each. Committed tokens never change. The result is cut
+    after the first EOS. Returns a Generation; its trace holds the (position, token) pairs committed
+    at each step (also given to on_step, if set, as it happens).
+    Raises ValueError for a causal model or a prompt + generation longer than the context.
+    """
+    check_attention(model, "mdm")
+    check_context(model, len(prompt), settings)
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    P, L, n_blocks = len(prompt), settings.max_new_tokens, settings.n_blocks
+    x = torch.tensor([prompt + [mask_id] * L], device=device)          # (1, P + L)
+    positions = torch.arange(P + L, device=device)[None]
+    masked = torch.zeros(P + L, dtype=torch.bool, device=device)
+    masked[P:] = True
+    trace, nfe = [], 0
+    for b in range(n_blocks):
+        in_block = torch.zeros_like(masked)
+        in_block[P + b * settings.block_length:P + (b + 1) * settings.block_length] = True
+        for k in tokens_per_step(settings.block_length, settings.steps // n_blocks):
+            logits = model(x, positions)[0]                                 # (P + L, V)
+            nfe += 1
+            where = (masked & in_block).nonzero()[:, 0]                      # masked positions of the block
+            drafts, confidence = draft_tokens(logits[where], settings.temperature, generator,
+                                              [mask_id, *banned_ids])
+            best = confidence.topk(k).indices
+            x[0, where[best]] = drafts[best]
+            masked[where[best]] = False
+            trace.append(list(zip(where[best].tolist(), drafts[best].tolist())))
+            if on_step:
+                on_step(trace[-1])
+    tokens = cut_after_eos(x[0, P:].tolist(), eos_id)
+    return Generation(tokens, nfe, time.perf_counter() - t0, trace, [1] * nfe)
+
+# -----------------------------------------------------------------------------
+# results, settings (checked once, when built) and checks
 
 
 @dataclass
@@ -28,12 +441,14 @@ class Generation:
     tokens:  generated response ids, in position order, cut after the first EOS (EOS included).
     nfe:     model forward calls (a batched call counts once; the prompt prefill counts).
     seconds: wall-clock decode time in seconds.
-    trace:   per decoding step, the (position, token) pairs it committed.
+    trace:   per decoding step, the (position, token) pairs it committed (true positions).
+    step_nfe: per decoding step, the forward passes it made (they sum to nfe).
     """
     tokens: list[int]
     nfe: int
     seconds: float
     trace: list = field(default_factory=list, repr=False)
+    step_nfe: list = field(default_factory=list, repr=False)
 
     @property
     def tpf(self):
@@ -49,9 +464,6 @@ class Generation:
         """The statistics as a dict of plain numbers (tokens, nfe, tpf, seconds, tokens_per_s), for --json."""
         return {"tokens": len(self.tokens), "nfe": self.nfe, "tpf": round(self.tpf, 3),
                 "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2)}
-
-# -----------------------------------------------------------------------------
-# settings, checked once when built
 
 
 @dataclass
@@ -76,11 +488,6 @@ class DecodeSettings:
     def gen_len(self):
         """Positions the generation occupies in the context (tokens)."""
         return self.max_new_tokens
-
-    @property
-    def gen_len_words(self):
-        """(how gen_len was reached, how to shorten it): check_context's words for this decoder."""
-        return "", "lower max_new_tokens"
 
 
 INFILL_MODES = ("paper", "ar")
@@ -127,15 +534,14 @@ class RefusionSettings(DecodeSettings):
         return math.ceil(self.max_new_tokens / (self.slot_size * self.num_blocks)) * self.num_blocks
 
     @property
+    def slots_per_block(self):
+        """Slots in each serial block (the most infilled in parallel: the cache's rows)."""
+        return self.n_slots // self.num_blocks
+
+    @property
     def gen_len(self):
         """max_new_tokens rounded up to a multiple of slot_size * num_blocks (tokens)."""
         return self.n_slots * self.slot_size
-
-    @property
-    def gen_len_words(self):
-        """(how gen_len was reached, how to shorten it): check_context's words for this decoder."""
-        return (f", max_new_tokens={self.max_new_tokens} rounded up to {self.num_blocks} block(s) of whole "
-                f"{self.slot_size}-token slots", "lower max_new_tokens, slot_size or num_blocks")
 
 
 @dataclass
@@ -172,17 +578,26 @@ class MDMSettings(DecodeSettings):
         return self.max_new_tokens // self.block_length
 
 
+
+class ContextTooLong(ValueError):
+    """A prompt + generation longer than the model's context: prompt_len, settings (whose gen_len is
+    the generation's length in tokens) and limit (the context, in positions) say by how much. The
+    command line rewords it in its own flags (sampler.py)."""
+
+    def __init__(self, prompt_len, settings, limit):
+        super().__init__(f"prompt ({prompt_len} tokens) + generation ({settings.gen_len} tokens, "
+                         f"{type(settings).__name__}.gen_len) exceeds the model's context of {limit} positions; "
+                         "shorten the prompt or the generation")
+        self.prompt_len, self.settings, self.limit = prompt_len, settings, limit
+
+
 def check_context(model, prompt_len, settings):
-    """Refuse a prompt + generation (settings.gen_len positions) that does not fit the model's
-    positions; the message says what sets the length in the decoder's own words
-    (settings.gen_len_words). Raises ValueError."""
+    """Refuse an empty prompt (ValueError) or a prompt + generation (settings.gen_len positions)
+    that does not fit the model's positions (ContextTooLong)."""
     if prompt_len == 0:
         raise ValueError("the prompt is empty: give at least one token of context")
-    limit = model.config.block_size
-    if prompt_len + settings.gen_len > limit:
-        how, fix = settings.gen_len_words
-        raise ValueError(f"prompt ({prompt_len} tokens) + generation ({settings.gen_len} tokens{how}) exceeds "
-                         f"the model's context of {limit} positions; shorten the prompt or {fix}")
+    if prompt_len + settings.gen_len > model.config.block_size:
+        raise ContextTooLong(prompt_len, settings, model.config.block_size)
 
 
 def check_attention(model, method):
@@ -267,390 +682,6 @@ def cut_after_eos(tokens, eos_id):
     """tokens (list of ids) up to and including the first EOS (all of them if there is none)."""
     i = first_eos(tokens, eos_id)
     return tokens if i is None else tokens[:i + 1]
-
-# -----------------------------------------------------------------------------
-# ReFusion: plan, verify, infill, commit
-
-
-class DecodeState:
-    """What the decoder carries between steps: the model, its cache and the committed buffer.
-
-    The cache row 0 holds `ctx` committed tokens; `pending` are committed tokens not yet fed to the
-    model (the prompt, until the first plan call feeds it together with the masks).
-    With infill="ar" (SPEC section 4.1) it also keeps `next_logits`: (position, logits (V,)), the
-    next-token prediction for the first uncommitted response position `frontier`, made seeing
-    every position before it; None when no such prediction exists.
-    """
-
-    def __init__(self, model, prompt, cache, mask_id, eos_id, temperature, generator, on_step=None, banned_ids=(),
-                 infill="paper"):
-        self.model, self.cache = model, cache
-        self.mask_id, self.eos_ids = mask_id, eos_ids_of(eos_id)
-        self.banned = [mask_id, *banned_ids]  # never written into the response
-        self.temperature, self.generator = temperature, generator
-        self.device = cache.kv.device
-        self.eos_tensor = torch.tensor(self.eos_ids, device=self.device)  # for end_rows_at_eos, made once
-        self.pending = list(prompt)
-        self.pending_pos = list(range(len(prompt)))
-        self.ctx = 0
-        self.nfe = 0
-        self.response = {}   # true position -> committed token
-        self.trace = []
-        self.on_step = on_step  # called with each step's committed (position, token) pairs
-        self.ar = infill == "ar"
-        self.frontier = len(prompt)  # every position before it is committed
-        self.next_logits = None
-
-    def forward(self, tokens, positions):
-        """One counted forward pass of (B, T) tokens at (B, T) positions after the cache."""
-        self.nfe += 1
-        return self.model(tokens, positions, kv_cache=self.cache)
-
-
-@dataclass
-class Commit:
-    """Finished slots, as verify_drafts or infill_slots hand them to commit_slots (SPEC step 4).
-
-    starts:   true start positions of the slots, ascending.
-    tokens:   one list of ids per slot, cut after EOS.
-    segments: per slot, the cache (row, length) holding its keys/values from token `ctx` on
-              (row 0 after a verify pass, one row per slot after infill).
-    eos:      True when the last slot ends with EOS: every later slot of the block is dropped and
-              no later block starts.
-    next_logits: infill="ar" only (SPEC section 4.1): per slot, the logits (V,) that its last token
-              predicts for the next position, or None where the slot did not see every slot
-              committed with it before it (infill rows after the first); an empty list otherwise.
-    """
-    starts: list[int]
-    tokens: list[list[int]]
-    segments: list[tuple[int, int]]
-    eos: bool = False
-    next_logits: list = field(default_factory=list)
-
-    def __len__(self):
-        return len(self.starts)
-
-
-def plan_slots(state, pool, slot_size, slot_threshold):
-    """Step 1, plan: one diffusion step over every still-masked slot of the block.
-
-    pool: ascending start positions of the masked slots. Feeds (after the cache, and after the
-    pending prompt on the first call) each slot as slot_size mask ids at its true positions, drafts
-    every masked position, scores each slot by its first token's probability and selects those
-    above slot_threshold (else the single best). The masks' keys/values are discarded.
-    infill="ar" (SPEC section 4.1): the slot at the frontier takes its first token, and its score,
-    from the next-token prediction state.next_logits instead of its first mask.
-    Returns (starts: ascending start positions of the selected slots,
-             drafts: (len(starts), slot_size) int64).
-    """
-    n_pending = len(state.pending)
-    masks = [state.mask_id] * (slot_size * len(pool))
-    positions = [p + i for p in pool for i in range(slot_size)]
-    tokens = torch.tensor([state.pending + masks], device=state.device)
-    pos = torch.tensor([state.pending_pos + positions], device=state.device)
-    logits = state.forward(tokens, pos)[0]                             # (n_pending + n_slots * S, V)
-    if state.ar and n_pending:              # the last prompt token predicts the first response token
-        state.next_logits = (state.pending_pos[-1] + 1, logits[n_pending - 1])
-    state.ctx += n_pending                                              # the prompt's KV stays cached
-    state.pending, state.pending_pos = [], []
-    state.cache.crop(state.ctx)
-    drafts, probs = draft_tokens(logits[n_pending:], state.temperature, state.generator, state.banned)
-    drafts, probs = drafts.view(len(pool), slot_size), probs.view(len(pool), slot_size)
-    if state.next_logits is not None and state.next_logits[0] == pool[0]:
-        drafts[0, :1], probs[0, :1] = draft_tokens(state.next_logits[1][None], state.temperature, state.generator,
-                                                   state.banned)
-    scores = probs[:, 0]
-    selected = (scores > slot_threshold).nonzero()[:, 0].tolist() or [int(scores.argmax())]
-    return [pool[i] for i in selected], drafts[selected]
-
-
-def verify_drafts(state, starts, drafts, token_threshold):
-    """Step 2, global verify: one causal pass over the selected drafts, concatenated in slot order.
-
-    starts: true start positions of the selected slots; drafts: (k, S) int64.
-    A slot's first token is accepted as drafted; every other token passes when its next-token
-    probability (given all drafts before it) exceeds token_threshold. The longest all-passing
-    prefix of the concatenation decides:
-      - it holds EOS: a Commit of the slots up to the first EOS (that slot cut after it), eos=True;
-      - it covers whole slots: a Commit of those slots, with the keys/values this pass computed;
-      - otherwise: an empty Commit, and infill_slots finishes every selected slot.
-    With infill="ar" the Commit also holds the logits each committed slot's last token predicts.
-    Returns (commit, accepted: (k,) int64 each slot's own accepted prefix, for infill_slots).
-    """
-    k, S = drafts.shape
-    tokens = drafts.reshape(1, k * S)
-    pos = torch.tensor([[p + i for p in starts for i in range(S)]], device=state.device)
-    logits = state.forward(tokens, pos)                                 # (1, k * S, V)
-    probs = next_token_probs(logits, tokens)                            # (1, k * S)
-    passed = (probs > token_threshold).view(k, S)
-    passed[:, 0] = True
-    prefix = drafts.view(-1)[:int(leading_true(passed.view(1, -1))[0])].tolist()
-    eos_at = first_eos(prefix, state.eos_ids)
-    eos = eos_at is not None
-    n = eos_at + 1 if eos else len(prefix) // S * S                   # tokens to commit
-    slots = [prefix[i:min(i + S, n)] for i in range(0, n, S)]
-    commit = Commit(starts[:len(slots)], slots, [(0, n)] if n else [], eos)
-    if state.ar:     # each slot saw every slot before it in the concatenation
-        commit.next_logits = [logits[0, i * S + len(slot) - 1] for i, slot in enumerate(slots)]
-    return commit, leading_true(passed)
-
-
-def infill_slots(state, starts, drafts, accepted, token_threshold):
-    """Step 3, parallel autoregressive infill: finish each selected slot in its own batch row.
-
-    starts: (k,) true start positions; drafts: (k, S) int64 tokens from the plan step;
-    accepted: (k,) int64 length of each slot's accepted prefix (at least 1). The verify pass's
-    keys/values are dropped, then each iteration (a) drafts every unaccepted token by feeding it as
-    a mask id, then (b) verifies: the first unaccepted token of each row is accepted (it was
-    predicted from an accepted prefix), later ones while their next-token probability exceeds
-    token_threshold. (c) A row whose accepted tokens contain EOS ends there and every later row is
-    dropped (end_rows_at_eos). (d) The prefix accepted in every row is kept in the cache (never
-    recomputed). At most S iterations.
-    infill="ar" (SPEC section 4.1): the first unaccepted token of each row is the next-token
-    prediction at its accepted left neighbour (so each draft pass starts one token before the first
-    unaccepted token of the row furthest behind), and every row but the first starts from its first
-    token alone (verify judged the others' tokens after the drafts of the slots before them).
-    Returns a Commit of the k' <= k finished slots; the cache is left with k' rows, row i holding
-    slot i's keys/values after the shared prefix.
-    """
-    k, S = drafts.shape
-    state.cache.crop(state.ctx)
-    tokens, accepted = drafts.clone(), accepted.clone()
-    if state.ar:
-        accepted[1:] = 1
-    pos = torch.tensor(starts, device=state.device)[:, None] + torch.arange(S, device=state.device)
-    cols = torch.arange(S, device=state.device)
-    state.cache.repeat_prefix(k)
-    tokens, accepted, lengths, eos = end_rows_at_eos(state, tokens, accepted, torch.full_like(accepted, S))
-    pos = pos[:len(tokens)]
-    shared = 0                                     # slot tokens [0, shared) of every row are cached
-    for _ in range(S):                             # each iteration accepts >= 1 token of every unfinished row
-        if bool((accepted >= lengths).all()):
-            break
-        base = state.ctx + shared
-        # (a) draft: unaccepted tokens become mask ids; each masked position predicts itself
-        window = tokens[:, shared:].clone()
-        masked = cols[shared:] >= accepted[:, None]
-        window[masked] = state.mask_id
-        logits = state.forward(window, pos[:, shared:])
-        state.cache.crop(base)
-        tokens[:, shared:][masked] = ban(logits[masked], state.banned).argmax(dim=-1)
-        if state.ar:  # the first unaccepted token of each row: what its accepted left neighbour predicts
-            rows = (accepted < lengths).nonzero()[:, 0]
-            tokens[rows, accepted[rows]] = ban(logits[rows, accepted[rows] - 1 - shared], state.banned).argmax(dim=-1)
-        # (b) verify: accept the first unaccepted token, then while the next-token probability passes
-        window = tokens[:, shared:]
-        logits = state.forward(window, pos[:, shared:])
-        probs = next_token_probs(logits, window)
-        last = logits[0, -1]                       # what row 0's last token predicts (for infill="ar")
-        passed = (probs > token_threshold) | (cols[shared:] == accepted[:, None])
-        passed |= cols[shared:] < accepted[:, None]
-        accepted = torch.minimum(shared + leading_true(passed), lengths)
-        # (c) EOS ends its slot and the decode after it
-        tokens, accepted, lengths, row_eos = end_rows_at_eos(state, tokens, accepted, lengths)
-        eos, pos = eos or row_eos, pos[:len(tokens)]
-        # (d) keep the keys/values of the prefix accepted in every row (all of it once all are done);
-        # infill="ar" feeds the last of them again, since the next draft pass needs its prediction
-        shared = S if bool((accepted >= lengths).all()) else int(accepted.min()) - state.ar
-        state.cache.crop(state.ctx + shared)
-    lengths = lengths.tolist()
-    commit = Commit(starts[:len(tokens)], [row[:n] for row, n in zip(tokens.tolist(), lengths)],
-                    list(enumerate(lengths)), eos)
-    if state.ar:     # only row 0 saw every slot committed with it before it (none)
-        commit.next_logits = [last] + [None] * (len(tokens) - 1)
-    return commit
-
-
-def end_rows_at_eos(state, tokens, accepted, lengths):
-    """SPEC step 3c: the first row whose accepted tokens hold EOS ends after it; later rows go.
-
-    tokens (k, S), accepted (k,), lengths (k,). Returns the (possibly fewer) rows and lengths, and
-    whether an EOS was found; drops the cache rows of removed slots.
-    """
-    S = tokens.shape[1]
-    is_eos = torch.isin(tokens, state.eos_tensor)
-    is_eos &= torch.arange(S, device=tokens.device) < accepted[:, None]
-    rows = is_eos.any(dim=1).nonzero()[:, 0]
-    if len(rows) == 0:
-        return tokens, accepted, lengths, False
-    r = int(rows[0])
-    end = int(is_eos[r].long().argmax()) + 1
-    lengths = lengths[:r + 1].clone()
-    lengths[r] = end
-    if r + 1 < state.cache.batch:
-        state.cache.keep_rows(list(range(r + 1)))
-    return tokens[:r + 1], torch.minimum(accepted[:r + 1], lengths), lengths, True
-
-
-def commit_slots(state, commit):
-    """Step 4, commit: append finished slots to the buffer and their keys/values to the cache.
-
-    commit: a Commit from verify_drafts or infill_slots. Its cache segments are laid one after
-    another from token ctx on (KVCache.commit_rows), each token is recorded at its true position,
-    and the step is reported to on_step.
-    """
-    state.cache.commit_rows(commit.segments, state.ctx)
-    step = []
-    for start, ids in zip(commit.starts, commit.tokens):
-        for i, t in enumerate(ids):
-            assert start + i not in state.response, "a position was committed twice"
-            state.response[start + i] = t
-            step.append((start + i, t))
-    state.ctx = state.cache.pos
-    if state.ar:
-        advance_frontier(state, commit)
-    state.trace.append(step)
-    if state.on_step:
-        state.on_step(step)
-
-
-def advance_frontier(state, commit):
-    """infill="ar" (SPEC section 4.1): move state.frontier past the committed positions and keep the
-    next-token prediction for it when the slot just committed before it saw every position to its left."""
-    frontier = state.frontier
-    while frontier in state.response:
-        frontier += 1
-    if frontier == state.frontier:
-        return
-    state.frontier, state.next_logits = frontier, None
-    for start, ids, logits in zip(commit.starts, commit.tokens, commit.next_logits):
-        if start + len(ids) == frontier and logits is not None:
-            state.next_logits = (frontier, logits)
-
-
-def decode_block(state, pool, settings):
-    """Decode one serial block until none of its slots is masked (SPEC section 4, steps 1-4).
-
-    pool: ascending start positions of the block's slots. Returns True when EOS ended the block
-    (the slots before the EOS slot are still decoded; no later block starts).
-    """
-    eos = False
-    while pool:
-        starts, drafts = plan_slots(state, pool, settings.slot_size, settings.slot_threshold)
-        commit, accepted = verify_drafts(state, starts, drafts, settings.token_threshold)
-        if not commit:  # not even one whole slot passed verify: finish every selected slot in parallel
-            commit = infill_slots(state, starts, drafts, accepted, settings.token_threshold)
-        commit_slots(state, commit)
-        eos = eos or commit.eos
-        pool = [p for p in pool if p not in commit.starts and not (commit.eos and p > commit.starts[-1])]
-    return eos
-
-
-# The decoders run under inference mode: no autograd records at all, which makes the many small
-# forward passes of decoding cheaper than under no_grad (about 10% per token on a small model).
-@torch.inference_mode()
-def generate_refusion(model, prompt, settings, *, mask_id, eos_id, generator=None, on_step=None, banned_ids=()):
-    """Generate a response with ReFusion's plan-and-infill decoding (SPEC section 4; paper section 3.2).
-
-    model:    a causal Transformer (or any module with the same forward and new_kv_cache), in eval mode.
-    prompt:   list of token ids (at least one).
-    settings: RefusionSettings (slot size, serial blocks, thresholds, temperature, max_new_tokens).
-    mask_id:  the id fed at still-masked positions; eos_id: the EOS id, or a tuple of them (any ends it).
-    generator: torch.Generator on the model's device, for temperature > 0 (plan drafts only).
-    on_step:  optional callable, given the (position, token) pairs each step commits (--show).
-    banned_ids: token ids never generated besides the mask id (the command line adds the pad id).
-    Returns a Generation of at most settings.max_new_tokens tokens.
-    Raises ValueError for a bidirectional model, or a prompt + generation longer than the context.
-    """
-    check_attention(model, "refusion")
-    check_context(model, len(prompt), settings)
-    t0 = time.perf_counter()
-    S, slots_per_block = settings.slot_size, settings.n_slots // settings.num_blocks
-    cache = model.new_kv_cache(max_len=len(prompt) + settings.gen_len, max_batch=slots_per_block)
-    state = DecodeState(model, prompt, cache, mask_id, eos_id, settings.temperature, generator, on_step, banned_ids,
-                        settings.infill)
-    for b in range(settings.num_blocks):
-        first = len(prompt) + b * slots_per_block * S
-        if decode_block(state, [first + i * S for i in range(slots_per_block)], settings):
-            break
-    tokens = cut_after_eos([state.response[p] for p in sorted(state.response)], eos_id)
-    return Generation(tokens[:settings.max_new_tokens], state.nfe, time.perf_counter() - t0, state.trace)
-
-# -----------------------------------------------------------------------------
-# baseline decoders (SPEC section 4, "Baseline decoders"): next-token (ar) and LLaDA-style (mdm)
-
-
-@torch.inference_mode()
-def generate_ar(model, prompt, settings, *, eos_id, generator=None, on_step=None, banned_ids=()):
-    """Plain next-token decoding with the KV cache: the ARM baseline.
-
-    settings: DecodeSettings (max_new_tokens, temperature). One prefill forward of the prompt
-    predicts the first token, then one forward per further token, each feeding only the newest
-    token after the cache; so NFE = number of generated tokens (TPF 1). temperature 0: argmax;
-    otherwise Gumbel-max in float64 from `generator` (draft_tokens). banned_ids are never generated
-    (the command line passes the mask and pad ids). Stops after EOS or max_new_tokens. Returns a Generation; its trace holds one
-    (position, token) pair per forward (also given to on_step, if set, as it happens).
-    Raises ValueError for a bidirectional model or a prompt + generation longer than the context.
-    """
-    check_attention(model, "ar")
-    check_context(model, len(prompt), settings)
-    t0 = time.perf_counter()
-    cache = model.new_kv_cache(max_len=len(prompt) + settings.max_new_tokens)
-    device = cache.kv.device
-    tokens = torch.tensor([prompt], device=device)                     # (1, P), the prefill
-    positions = torch.arange(len(prompt), device=device)[None]
-    out, trace, eos_ids = [], [], eos_ids_of(eos_id)
-    while True:
-        logits = model(tokens, positions, kv_cache=cache)[0, -1:]      # (1, V): the next token's
-        token, _ = draft_tokens(logits, settings.temperature, generator, banned_ids)
-        out.append(int(token))
-        trace.append([(len(prompt) + len(out) - 1, out[-1])])
-        if on_step:
-            on_step(trace[-1])
-        if out[-1] in eos_ids or len(out) == settings.max_new_tokens:
-            break
-        tokens, positions = token[None], positions[:, -1:] + 1         # (1, 1) each
-    return Generation(out, len(out), time.perf_counter() - t0, trace)
-
-
-def tokens_per_step(n_masked, steps):
-    """LLaDA's schedule: n_masked tokens spread over `steps` steps as evenly as possible, the
-    remainder going to the first steps (10 over 4 steps: [3, 3, 2, 2]). Returns a list of ints."""
-    return [n_masked // steps + (i < n_masked % steps) for i in range(steps)]
-
-
-@torch.inference_mode()
-def generate_mdm(model, prompt, settings, *, mask_id, eos_id, generator=None, on_step=None, banned_ids=()):
-    """LLaDA-style masked-diffusion decoding with low-confidence remasking: the MDM baseline.
-
-    settings: MDMSettings (max_new_tokens, steps, block_length, temperature). The sequence starts
-    as prompt + max_new_tokens mask ids and is recomputed whole at every step (bidirectional
-    attention, so no cache; NFE = steps). Each step predicts every masked position of the current
-    block (argmax, or Gumbel-max in float64 with temperature; neither the mask id nor banned_ids are
-    ever predicted: see ban) and commits the k most confident ones (confidence: the softmax
-    probability of the predicted token), k following tokens_per_step. Blocks of block_length tokens
-    go left to right, steps / n_blocks steps each. Committed tokens never change. The result is cut
-    after the first EOS. Returns a Generation; its trace holds the (position, token) pairs committed
-    at each step (also given to on_step, if set, as it happens).
-    Raises ValueError for a causal model or a prompt + generation longer than the context.
-    """
-    check_attention(model, "mdm")
-    check_context(model, len(prompt), settings)
-    t0 = time.perf_counter()
-    device = next(model.parameters()).device
-    P, L, n_blocks = len(prompt), settings.max_new_tokens, settings.n_blocks
-    x = torch.tensor([prompt + [mask_id] * L], device=device)          # (1, P + L)
-    positions = torch.arange(P + L, device=device)[None]
-    masked = torch.zeros(P + L, dtype=torch.bool, device=device)
-    masked[P:] = True
-    trace, nfe = [], 0
-    for b in range(n_blocks):
-        in_block = torch.zeros_like(masked)
-        in_block[P + b * settings.block_length:P + (b + 1) * settings.block_length] = True
-        for k in tokens_per_step(settings.block_length, settings.steps // n_blocks):
-            logits = model(x, positions)[0]                                 # (P + L, V)
-            nfe += 1
-            where = (masked & in_block).nonzero()[:, 0]                      # masked positions of the block
-            drafts, confidence = draft_tokens(logits[where], settings.temperature, generator,
-                                              [mask_id, *banned_ids])
-            best = confidence.topk(k).indices
-            x[0, where[best]] = drafts[best]
-            masked[where[best]] = False
-            trace.append(list(zip(where[best].tolist(), drafts[best].tolist())))
-            if on_step:
-                on_step(trace[-1])
-    tokens = cut_after_eos(x[0, P:].tolist(), eos_id)
-    return Generation(tokens, nfe, time.perf_counter() - t0, trace)
 
 
 # the decoder and its settings for each --method

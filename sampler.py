@@ -4,6 +4,7 @@ Decode prompts with a trained checkpoint, and print each response with its speed
     python sampler.py --num_samples=3                    # prompts from the validation split
     python sampler.py --prompt_file=my_prompt.txt --json
     python sampler.py --show --num_samples=1             # watch the slots fill in, step by step
+    python sampler.py --plot=decode.png --num_samples=1  # draw which step committed each token
     python sampler.py --init_from=ReFusion --chat --prompt="Write a function that ..."  # the released model
     python sampler.py --init_from=smollm2 --chat --prompt="What is a hash table?"       # convert_gguf.py's SmolLM2
 
@@ -24,7 +25,7 @@ from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import check_device, check_seed, explicit_keys, parse_args, run_cli, settings_in
 from corpora import read_utf8, score
 from data import TokenDataset, decode, encode, get_tokenizer
-from generate import DECODERS, check_attention, eos_ids_of
+from generate import DECODERS, ContextTooLong, RefusionSettings, check_attention, eos_ids_of
 from prepare import prepare
 from pretrained import chat_parts, from_pretrained, hf_special_ids, undecodable_ids
 
@@ -51,6 +52,7 @@ seed = 1337                # prompt i is sampled from a torch.Generator seeded w
 device = "cpu"             # cpu, cuda, cuda:N or mps
 json = False               # one JSON object per sample instead of text
 show = False               # redraw the response after every decoding step (masked tokens as ░)
+plot = ""                  # draw the first prompt's decode into this PNG (matplotlib): the step of each token
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
 
@@ -117,7 +119,8 @@ def fit_mdm_canvas(cfg, ckpt, explicit):
 
 
 def make_decoder(cfg, model, ids, generator):
-    """(decode: prompt ids -> Generation, its settings) for cfg["method"] and cfg's knobs.
+    """(decode: prompt ids -> Generation, its settings) for cfg["method"] and cfg's knobs; decode
+    raises a prompt too long for the context as a ValueError in the knobs' words (context_words).
 
     ids: {"eos_id": an id or a tuple of them, "mask_id", "pad_id", optionally "undecodable_ids"}. The
     settings object checks every knob when it is built, before any data is prepared. The mask and pad
@@ -137,7 +140,26 @@ def make_decoder(cfg, model, ids, generator):
     kwargs = dict(eos_id=ids["eos_id"], banned_ids=banned)
     if cfg["method"] != "ar":
         kwargs["mask_id"] = ids["mask_id"]
-    return partial(generate, model, settings=settings, generator=generator, **kwargs), settings
+    decode_fn = partial(generate, model, settings=settings, generator=generator, **kwargs)
+
+    def run(prompt, **overrides):
+        try:
+            return decode_fn(prompt, **overrides)
+        except ContextTooLong as error:
+            raise ValueError(context_words(error)) from None
+    return run, settings
+
+
+def context_words(error):
+    """A ContextTooLong from a decoder (prompt + generation longer than the context), in the words of
+    the knobs the user sets: how max_new_tokens became the generation length, and what to lower."""
+    s, how, fix = error.settings, "", "lower max_new_tokens"
+    if isinstance(s, RefusionSettings):
+        how = (f", max_new_tokens={s.max_new_tokens} rounded up to {s.num_blocks} block(s) of whole "
+               f"{s.slot_size}-token slots")
+        fix = "lower max_new_tokens, slot_size or num_blocks"
+    return (f"prompt ({error.prompt_len} tokens) + generation ({s.gen_len} tokens{how}) exceeds the model's "
+            f"context of {error.limit} positions; shorten the prompt or {fix}")
 
 
 def chat_prompt(enc, text):
@@ -240,6 +262,13 @@ class LiveTrace:
             time.sleep(self.delay)
 
 
+def check_plot_path(path):
+    """Refuse a --plot path whose directory does not exist, before any decoding (FileNotFoundError)."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"--plot={path}: the directory {folder} does not exist; create it or pick another path")
+
+
 MISMATCH_NOTES = {
     ("ar", "refusion"): "a refusion model never learns a slot's first token as a next token (SPEC section 4, "
                         "known limit (a)), so plain next-token decoding does poorly; for left-to-right decoding "
@@ -257,6 +286,10 @@ def main(argv):
         raise ValueError(f"--num_samples={cfg['num_samples']}: ask for at least one validation prompt")
     if cfg["method"]:
         decoder_settings(cfg)  # bad decoder settings fail before the weights are read
+    if cfg["plot"]:
+        from figures import cell_text, plot_decode, pyplot  # matplotlib only when asked for
+        pyplot()
+        check_plot_path(cfg["plot"])
     model, enc, ids, objective, ckpt = load_model(cfg)
     cfg["method"] = cfg["method"] or objective
     if cfg["method"] == "mdm":
@@ -273,6 +306,13 @@ def main(argv):
         live = LiveTrace(enc, prompt, settings.max_new_tokens, ids["eos_id"]) if cfg["show"] else None
         out = run(prompt, generator=prompt_generator(cfg["device"], cfg["seed"], i), on_step=live)
         text = decode(enc, [t for t in out.tokens if t not in eos_ids_of(ids["eos_id"])])
+        if cfg["plot"] and i == 0:
+            knobs = ", ".join(f"{f.name}={getattr(settings, f.name)}" for f in fields(settings))
+            title = (f"--method={cfg['method']} ({knobs})\n{len(out.tokens)} tokens in {out.nfe} forward passes, "
+                     f"TPF {out.tpf:.2f}; prompt: {decode(enc, prompt)[-60:]!r}")
+            texts = {p: cell_text(enc, t, eos_ids_of(ids["eos_id"])) for step in out.trace for p, t in step}
+            pyplot().close(plot_decode(out, len(prompt), cfg["plot"], title, texts, settings.gen_len))
+            print(f"note: drew the decode of the first prompt into {cfg['plot']}", file=sys.stderr)
         scores = check(decode(enc, prompt), text)
         verdict = None if scores is None else next(iter(scores.items()))     # (metric, 1.0 or 0.0)
         outs.append(out)

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
+from data import layout_one_sample
 from generate import DecodeSettings, MDMSettings, RefusionSettings, draft_tokens, generate_ar, generate_mdm, \
     generate_refusion, tokens_per_step
 from kvcache import KVCache
@@ -155,38 +156,6 @@ def test_clean_slots_shuffled_masked_slots_in_order(S):
                     assert w[i] == 0
     if S < 8:
         assert shuffled_rows > 0                                                # clean slots really permuted
-
-
-def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels=False):
-    """SPEC section 3, steps 3-4, for one sample, written as a plain loop: the reference that the
-    vectorized data.layout_slots must equal. tokens: list of ids (prompt, response, padding);
-    P: prompt length; n: prompt + response length; slot k holds response positions P + kS ...
-    Returns (idx, position_ids, labels, mdm_weight) as lists."""
-    X = data.IGNORE
-    slots = [list(range(start, min(start + S, n))) for start in range(P, n, S)]   # true positions
-    clean = sorted((k for k in range(len(slots)) if not slot_is_masked[k]), key=lambda k: slot_rank[k])
-    masked = [k for k in range(len(slots)) if slot_is_masked[k]]
-    idx, pos, labels, weight = tokens[:P], list(range(P)), [X] * P, [0.0] * P   # the prompt, first
-    if slot_end_labels:                         # the prompt's last token predicts the response's first
-        labels[P - 1] = tokens[P]
-    for k in clean:                             # clean slots in rank order: next token inside the slot
-        for i, q in enumerate(slots[k]):
-            idx.append(tokens[q])
-            pos.append(q)
-            labels.append(tokens[q + 1] if i + 1 < len(slots[k]) or slot_end_labels and q + 1 < n else X)
-            weight.append(0.0)
-    for k in masked:                            # masked slots in their own order: their own tokens
-        for q in slots[k]:
-            idx.append(mask_id)
-            pos.append(q)
-            labels.append(tokens[q])
-            weight.append(1.0 / (p * (n - P)))
-    for q in range(n, len(tokens)):             # padding, last
-        idx.append(tokens[q])
-        pos.append(q)
-        labels.append(X)
-        weight.append(0.0)
-    return idx, pos, labels, weight
 
 
 @pytest.mark.parametrize("slot_end_labels", [False, True])

@@ -60,8 +60,8 @@ def test_decoder_refuses_a_model_of_the_other_attention_with_the_fix(method):
     (list(range(120)), {}, r"prompt \(120 tokens\) \+ generation \(16 tokens.*exceeds the model's context of 128"),
     ([1, 2], dict(max_new_tokens=0), "max_new_tokens=0: ask for at least one"),
     ([1, 2], dict(slot_size=0), "slot_size=0: a slot holds at least one token"),
-    (list(range(100)), dict(max_new_tokens=10, num_blocks=4), r"generation \(32 tokens, max_new_tokens=10 rounded up "
-     r"to 4 block\(s\) of whole 8-token slots\) exceeds .* 128 .*lower max_new_tokens, slot_size or num_blocks"),
+    (list(range(100)), dict(max_new_tokens=10, num_blocks=4), r"prompt \(100 tokens\) \+ generation \(32 tokens, "
+     r"RefusionSettings.gen_len\) exceeds the model's context of 128 positions; shorten the prompt or the generation"),
     ([1, 2], dict(slot_threshold=-0.1), "slot_threshold=-0.1: thresholds are finite probabilities >= 0"),
     ([1, 2], dict(token_threshold=float("nan")), "token_threshold=nan"),
     ([1, 2], dict(slot_threshold=float("inf")), "slot_threshold=inf: thresholds are finite .* >= 1 already means"),
@@ -111,20 +111,26 @@ def test_a_vanishing_temperature_samples_the_greedy_choice_and_never_a_banned_id
 def test_generation_length_rounds_up_to_whole_blocks_of_slots_and_returns_at_most_max_new_tokens():
     """max_new_tokens below slot_size, or not a multiple of slot_size x num_blocks, decodes whole
     slots in equal blocks (10 tokens, S=8, B=4: 32 positions) and returns at most max_new_tokens;
-    only a rounded length that does not fit the context is refused, and the AR and MDM baselines,
-    which have no slots, say so in their own words."""
+    only a rounded length that does not fit the context is refused, and the command line says how
+    the knobs set it: the AR and MDM baselines, which have no slots, in their own words."""
     settings = RefusionSettings(10, slot_size=8, num_blocks=4, slot_threshold=0.0)
     assert (settings.gen_len, settings.n_slots) == (32, 4)
     assert RefusionSettings(3, slot_size=8).gen_len == 8
     out = generate_refusion(tiny_model(), [1, 2, 3], settings, mask_id=38, eos_id=-1)
     assert len(out.tokens) == 10 and 38 not in out.tokens
-    with pytest.raises(ValueError, match=r"generation \(32 tokens, max_new_tokens=10 rounded up to 4 block"):
-        generate_refusion(tiny_model(), [1] * 97, settings, mask_id=38, eos_id=-1)
-    generate_refusion(tiny_model(), [1] * 96, settings, mask_id=38, eos_id=-1)    # 96 + 32 = 128 fits
-    for generate, model, kwargs in [(generate_ar, tiny_model(), {}),
-                                    (generate_mdm, tiny_model(causal=False), dict(mask_id=38))]:
+    meta = {"eos_id": -1, "mask_id": 38, "pad_id": 37}
+    cfg = dict(DEFAULTS, method="refusion", max_new_tokens=10, slot_size=8, num_blocks=4, slot_threshold=0.0)
+    run, _ = make_decoder(cfg, tiny_model(), meta, torch.Generator())
+    with pytest.raises(ValueError, match=r"^prompt \(97 tokens\) \+ generation \(32 tokens, max_new_tokens=10 rounded "
+                                         r"up to 4 block\(s\) of whole 8-token slots\) exceeds the model's context of "
+                                         r"128 positions; shorten the prompt or lower max_new_tokens, slot_size or "
+                                         r"num_blocks$"):
+        run([1] * 97)
+    run([1] * 96)                                                                 # 96 + 32 = 128 fits
+    for method in ("ar", "mdm"):
+        run, _ = make_decoder(dict(DEFAULTS, method=method, max_new_tokens=16), tiny_model(causal=method == "ar"),
+                              meta, torch.Generator())
         with pytest.raises(ValueError, match=r"generation \(16 tokens\) exceeds .* shorten the prompt or lower "
                                              r"max_new_tokens$") as error:
-            generate(model, list(range(120)), DecodeSettings(16) if generate is generate_ar else MDMSettings(16),
-                     eos_id=-1, **kwargs)
+            run(list(range(120)))
         assert "slot" not in str(error.value)

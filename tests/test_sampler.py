@@ -102,6 +102,17 @@ def test_seed_samples_a_prompt_as_the_api_does_with_that_seed(trained, capsys, m
     assert row["text"] == texts[0] != texts[1]                       # the seed decides, and only the seed
 
 
+def test_plot_draws_the_first_decode_and_refuses_a_missing_directory_before_reading_weights(trained, tmp_path,
+                                                                                            capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "decode.png"
+    sampler.main([f"--out_dir={trained}", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4", "--num_blocks=1",
+                  f"--plot={path}"])
+    assert path.read_bytes().startswith(b"\x89PNG") and "drew the decode of the first prompt" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match=r"--plot=.*: the directory .*nope does not exist; create it"):
+        sampler.main([f"--out_dir={tmp_path / 'no-model-here'}", f"--plot={tmp_path / 'nope' / 'decode.png'}"])
+
+
 def test_live_trace_draws_characters_whole_eos_as_a_marker_and_ends_on_the_returned_response(trained, capsys):
     """--show decodes each run of committed neighbours together (the two bytes of "é" committed in two
     steps are one character once both are there), draws EOS as EOS_MARK and nothing after it or past

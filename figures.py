@@ -1,0 +1,221 @@
+"""
+Pictures of what the code computes, drawn from its own output, never by hand (needs matplotlib):
+
+    plot_decode   one decode: which step committed each response position, and each step's forward
+                  passes (python sampler.py --plot=decode.png draws it)
+    plot_layout   ReFusion's training buffer (SPEC section 3): the prompt, the clean slots in a random
+                  order, the masked slots in their own order, each token at its true position, and
+                  the labels of each loss term (AR: the next token inside a clean slot; MDM: a masked
+                  token's own token)
+
+As a script it draws the pictures of docs/:
+
+    python figures.py                  # docs/layout.png: reorganize_slots of one transform sample
+    python figures.py --out_dir=bench/transform-refusion-ft --sampler_flags="--slot_size=8 --num_blocks=1"
+                                       # ... and docs/decode.png: sampler.py --plot for that checkpoint's
+                                       # first validation prompt
+
+docs/decode.png shows a 3-layer, 96-wide model trained on the transform task in about 10 CPU minutes,
+the paper's way (an ARM first, then fine-tuned into ReFusion; M="--dataset=transform --block_size=200
+--n_layer=3 --n_head=4 --n_embd=96 --batch_size=32"):
+
+    python train.py $M --out_dir=out/tr-ar --objective=ar --max_iters=1200 --learning_rate=3e-3 --min_lr=3e-4 \
+        --eval_interval=300
+    python train.py $M --out_dir=out/tr-ft --objective=refusion --init_from=out/tr-ar/ckpt.pt --max_iters=500 \
+        --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=20 --slot_sizes=4,8
+    python train.py $M --out_dir=out/tr-ft2 --objective=refusion --init_from=out/tr-ft/ckpt.pt --max_iters=1000 \
+        --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=20 --slot_sizes=4,8
+    python figures.py --layout_png= --out_dir=out/tr-ft2 \
+        --sampler_flags="--max_new_tokens=72 --slot_size=4 --num_blocks=2"
+"""
+
+import shlex
+import sys
+
+import torch
+
+from configurator import parse_args, run_cli, settings_in
+from data import IGNORE, TokenDataset, decode, get_tokenizer, reorganize_slots
+from prepare import prepare
+
+# -----------------------------------------------------------------------------
+# default config
+dataset = "transform"          # the data set (built-in name or file) whose validation sample layout.png shows
+tokenizer = "bytes"            # its tokenizer
+block_size = 200               # its context (prepare.py's data dir: data_root/<dataset>-<tokenizer>-<block_size>)
+data_root = "data"             # where prepared data sets live
+sample = 2                     # the validation sample drawn (2: a short "copy:" one; seed 16 shuffles its slots)
+slot_size = 4                  # the slot size S of the layout
+seed = 16                      # reorganize_slots' generator: p_mask, the masked slots, the clean slots' order
+layout_png = "docs/layout.png" # where the layout figure goes
+out_dir = ""                   # a checkpoint (train.py's out_dir) to draw the decode figure with; empty: none
+decode_png = "docs/decode.png" # where the decode figure goes
+sampler_flags = ""             # more sampler.py flags for the decode figure, e.g. "--slot_size=8 --num_blocks=1"
+# -----------------------------------------------------------------------------
+DEFAULTS = settings_in(globals())
+
+PARTS = {"prompt": "tab:gray", "clean slot": "tab:blue", "masked slot": "tab:orange", "padding": "whitesmoke"}
+TERMS = {"no label": "white", "AR loss: next token in the slot": "tab:green",
+         "MDM loss: the masked token itself": "tab:red"}
+
+
+def pyplot():
+    """matplotlib.pyplot, drawing to files only (Agg). Raises ValueError saying how to install it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("drawing a picture needs matplotlib: pip install matplotlib") from None
+    return plt
+
+
+def cell_text(enc, token, eos_ids, mask_id=None):
+    """One token as a picture draws it in its cell (str): EOS as ■, a mask as ░, a newline as ↵ and a
+    space as ␣, anything else decoded (at most 3 characters)."""
+    if token in eos_ids:
+        return "■"
+    if token == mask_id:
+        return "░"
+    return decode(enc, [token]).replace("\n", "↵").replace(" ", "␣")[:3]
+
+
+def plot_decode(out, prompt_len, path, title="", texts=None, canvas=0):
+    """--plot: draw one decode and save it to path (PNG); returns the matplotlib Figure.
+
+    out: the Generation; prompt_len: its prompt's length in tokens. x: response position (true
+    position - prompt_len), y: decoding step, from the top. Row s shows every token committed by
+    step s, coloured by the step that committed it: step s's own tokens in full colour, earlier
+    ones faded. The right margin gives each step's forward passes (out.step_nfe); a dashed line
+    marks where the returned response ends (cut after EOS, or at max_new_tokens). texts: optional
+    dict position -> str, drawn in the cell of the step that commits it. canvas: the response
+    positions drawn (the settings' gen_len, so that positions never decoded show empty); at least
+    every committed one. Raises ValueError without matplotlib.
+    """
+    plt = pyplot()
+    import numpy as np
+    from matplotlib.ticker import MaxNLocator
+    width = max(canvas, max(p for step in out.trace for p, _ in step) - prompt_len + 1)
+    step_of = np.zeros(width, dtype=int)                   # (width,) the step that committed each position
+    for s, step in enumerate(out.trace, 1):
+        for p, _ in step:
+            step_of[p - prompt_len] = s
+    n = len(out.trace)
+    steps = np.arange(1, n + 1)[:, None]                   # (n, 1) the step of each row
+    by_step = np.broadcast_to(step_of, (n, width))         # (n, width)
+    committed = np.ma.masked_where((by_step == 0) | (by_step > steps), by_step)   # committed by step s
+    new = np.ma.masked_where(by_step != steps, by_step)    # committed at step s
+    fig, ax = plt.subplots(figsize=(min(2.5 + 0.17 * width, 18), min(1.8 + 0.2 * n, 18)))
+    style = dict(cmap="viridis", vmin=1, vmax=max(n, 2), aspect="auto", interpolation="nearest",
+                 extent=(-0.5, width - 0.5, n + 0.5, 0.5))
+    ax.imshow(committed, alpha=0.3, **style)
+    image = ax.imshow(new, **style)
+    for s, k in enumerate(out.step_nfe, 1):
+        ax.text(1.01, s, f"{k} fwd", transform=ax.get_yaxis_transform(), va="center", fontsize=7)
+    for p, text in (texts or {}).items():
+        s = step_of[p - prompt_len]
+        light = image.norm(s) > 0.6                        # viridis runs from dark blue to light yellow
+        ax.text(p - prompt_len, s, text, ha="center", va="center", fontsize=6, color="black" if light else "white",
+                parse_math=False)
+    ax.axvline(len(out.tokens) - 0.5, color="tab:red", linestyle="--", linewidth=1)
+    ax.set_xlabel("response position (dashed: end of the returned response)")
+    ax.set_ylabel("decoding step")
+    ax.set_title(title, fontsize=9, loc="left")
+    bar = fig.colorbar(image, ax=ax, pad=0.08, label="step that committed the token")
+    bar.locator = MaxNLocator(integer=True)                # steps are whole numbers
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return fig
+
+
+def layout_codes(batch, prompt_len, length, mask_id):
+    """What layout.png colours, per buffer place of a Batch (data.py), as (B, T) int64 tensors:
+    part (0 prompt, 1 clean slot, 2 masked slot, 3 padding, from the position ids and tokens) and
+    term (0 no label, 1 AR label, 2 MDM label, from the labels and mdm_weight)."""
+    pos = batch.position_ids
+    part = torch.where(pos < prompt_len[:, None], 0,
+                       torch.where(pos >= length[:, None], 3, torch.where(batch.idx == mask_id, 2, 1)))
+    term = torch.where(batch.labels == IGNORE, 0, torch.where(batch.mdm_weight > 0, 2, 1))
+    return part, term
+
+
+def plot_layout(batch, prompt_len, length, slot_size, mask_id, path, texts=None, title=""):
+    """Draw row 0 of a reorganized Batch (reorganize_slots or layout_slots) and save it to path (PNG);
+    returns the matplotlib Figure.
+
+    prompt_len, length: (B,) int64 as given to reorganize_slots; slot_size: that row's S. Top: true
+    position (position_ids) against buffer place, coloured by part, each slot named; below, one
+    strip of the input tokens coloured by part and one of the labels coloured by loss term
+    (layout_codes). texts: optional (input texts, label texts), one str per buffer place.
+    Raises ValueError without matplotlib.
+    """
+    plt = pyplot()
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+    part, term = (x[0].tolist() for x in layout_codes(batch, prompt_len, length, mask_id))
+    pos, P, T = batch.position_ids[0].tolist(), int(prompt_len[0]), len(part)
+    fig, (top, fed, labels) = plt.subplots(3, 1, sharex=True, figsize=(2 + 0.22 * T, 5.2),
+                                           gridspec_kw=dict(height_ratios=[5, 1, 1]))
+    colors = list(PARTS.values())
+    top.scatter(range(T), pos, c=[colors[k] for k in part], s=14, zorder=2)
+    top.set_ylabel("true position (position id)")
+    slot = [(q - P) // slot_size if k in (1, 2) else None for q, k in zip(pos, part)]
+    for i in range(T):                          # name each slot above its first token in the buffer
+        if slot[i] is not None and (i == 0 or slot[i - 1] != slot[i]):
+            top.text(i - 0.4, pos[i] + 1.5, f"slot {slot[i]}", fontsize=7, rotation=90, va="bottom")
+            top.axvline(i - 0.5, color="lightgray", linewidth=0.8, zorder=1)
+    top.set_ylim(-1, max(pos) + 8)
+    top.legend(handles=[Patch(color=c, label=n) for n, c in PARTS.items()], fontsize=7, loc="upper left", ncol=4)
+    top.set_title(title, fontsize=9, loc="left")
+    fed_texts, label_texts = texts or ([], [])
+    for ax, codes, names, row_texts in ((fed, part, PARTS, fed_texts), (labels, term, TERMS, label_texts)):
+        ax.imshow([codes], cmap=ListedColormap(list(names.values())), vmin=0, vmax=len(names) - 1,
+                  aspect="auto", interpolation="nearest", extent=(-0.5, T - 0.5, 0.5, -0.5))
+        ax.set_yticks([])
+        for i, text in enumerate(row_texts):
+            ax.text(i, 0, text, ha="center", va="center", fontsize=7, parse_math=False)
+    fed.set_ylabel("input", rotation=0, ha="right", va="center")
+    labels.set_ylabel("label", rotation=0, ha="right", va="center")
+    labels.legend(handles=[Patch(facecolor=c, edgecolor="gray", label=n) for n, c in TERMS.items()], fontsize=7,
+                  loc="upper left", bbox_to_anchor=(0, -0.9), ncol=3)
+    labels.set_xlabel("place in the buffer (what the model reads, left to right, with causal attention)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return fig
+
+
+def draw_layout(cfg):
+    """layout.png from cfg's data set, sample, slot size and seed: reorganize_slots of that one sample."""
+    data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"])
+    val = TokenDataset(data_dir, "val")
+    if not 0 <= cfg["sample"] < len(val):
+        raise ValueError(f"--sample={cfg['sample']}: the validation split holds {len(val)} samples (0..{len(val) - 1})")
+    tokens, prompt_len, length = val.get_batch_at([cfg["sample"]])
+    enc, eos_id, mask_id = get_tokenizer(cfg["tokenizer"]), val.meta["eos_id"], val.meta["mask_id"]
+    batch = reorganize_slots(tokens, prompt_len, length, (cfg["slot_size"],), mask_id,
+                             torch.Generator().manual_seed(cfg["seed"]))
+    texts = ([cell_text(enc, t, (eos_id,), mask_id) for t in batch.idx[0].tolist()],
+             [cell_text(enc, t, (eos_id,)) if t != IGNORE else "" for t in batch.labels[0].tolist()])
+    title = (f"reorganize_slots of validation sample {cfg['sample']} of {cfg['dataset']}: slot size "
+             f"{cfg['slot_size']}, generator seed {cfg['seed']} (■: EOS, ░: the mask id, ↵: newline)")
+    fig = plot_layout(batch, prompt_len, length, cfg["slot_size"], mask_id, cfg["layout_png"], texts, title)
+    pyplot().close(fig)
+    print(f"wrote {cfg['layout_png']}")
+
+
+def main(argv):
+    cfg = parse_args(DEFAULTS, argv)
+    pyplot()
+    if cfg["slot_size"] <= 0:
+        raise ValueError(f"--slot_size={cfg['slot_size']}: a slot holds at least one token")
+    if cfg["layout_png"]:
+        draw_layout(cfg)
+    if cfg["out_dir"]:
+        import sampler  # the command line that decodes and draws (it imports this file for the drawing)
+        sampler.main([f"--out_dir={cfg['out_dir']}", "--num_samples=1", f"--plot={cfg['decode_png']}",
+                      *shlex.split(cfg["sampler_flags"])])
+        print(f"wrote {cfg['decode_png']}")
+
+
+if __name__ == "__main__":
+    run_cli(main, sys.argv[1:])

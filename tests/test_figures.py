@@ -1,0 +1,79 @@
+"""The pictures (sampler.py --plot, figures.py): each draws the decoder's or the layout's own output."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import figures
+import train
+from data import layout_slots
+from generate import DECODERS
+from helpers import tiny_model, tiny_run_flags
+from figures import plot_decode, pyplot
+
+pytest.importorskip("matplotlib")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_decode_picture_draws_each_step_of_the_trace(tmp_path, method):
+    """Row s holds exactly the positions step s committed (full colour, value s) on top of every
+    position committed by step s (faded); the margin gives each step's forward passes, which add
+    up to the decode's NFE."""
+    generate, Settings = DECODERS[method]
+    knobs = dict(slot_size=4, num_blocks=2, slot_threshold=0.0, token_threshold=0.05) if method == "refusion" else {}
+    kwargs = dict(eos_id=-1) | ({} if method == "ar" else dict(mask_id=38))
+    out = generate(tiny_model(causal=method != "mdm"), [1, 2, 3], Settings(16, **knobs), **kwargs)
+    assert sum(out.step_nfe) == out.nfe and len(out.step_nfe) == len(out.trace) and min(out.step_nfe) >= 1
+    texts = {p: str(t) for step in out.trace for p, t in step}
+    fig = plot_decode(out, 3, tmp_path / "decode.png", texts=texts, canvas=Settings(16, **knobs).gen_len)
+    assert (tmp_path / "decode.png").read_bytes().startswith(PNG)
+    ax = fig.axes[0]
+    committed, new = (image.get_array() for image in ax.images)
+    assert new.shape == (len(out.trace), 16)
+    done = set()
+    for s, step in enumerate(out.trace, 1):
+        done |= {p - 3 for p, _ in step}
+        assert set(np.flatnonzero(~np.ma.getmaskarray(new[s - 1]))) == {p - 3 for p, _ in step}
+        assert set(np.flatnonzero(~np.ma.getmaskarray(committed[s - 1]))) == done
+        assert (new[s - 1].compressed() == s).all()
+    margin = [t.get_text() for t in ax.texts if t.get_text().endswith(" fwd")]
+    assert margin == [f"{k} fwd" for k in out.step_nfe]
+    pyplot().close(fig)
+
+
+def test_layout_picture_draws_the_reorganized_buffer(tmp_path):
+    """Prompt [10, 11], response [1, 2, 3, 4, 5, EOS] in slots of 2 (slot 1 masked, clean slots in
+    the order 2, 0), two pads: the points are (buffer place, position id), the input strip gives
+    each place's part and the label strip its loss term, all as a hand-computed layout says."""
+    E, M, PAD_ID = 256, 257, 258
+    tokens = torch.tensor([[10, 11, 1, 2, 3, 4, 5, E, PAD_ID, PAD_ID]])
+    prompt_len, length = torch.tensor([2]), torch.tensor([8])
+    batch = layout_slots(tokens, prompt_len, length, S=torch.tensor([2]), p=torch.tensor([0.5]),
+                         slot_is_masked=torch.tensor([[False, True, False] + [False] * 7]),
+                         slot_rank=torch.tensor([[1, 2, 0] + list(range(3, 10))]), mask_id=M)
+    fig = figures.plot_layout(batch, prompt_len, length, 2, M, tmp_path / "layout.png")
+    assert (tmp_path / "layout.png").read_bytes().startswith(PNG)
+    top, fed, labels = fig.axes
+    assert top.collections[0].get_offsets().tolist() == [[i, q] for i, q in enumerate([0, 1, 6, 7, 2, 3, 4, 5, 8, 9])]
+    # parts: prompt 0, clean slot 1, masked slot 2, padding 3; terms: none 0, AR 1, MDM 2
+    assert fed.images[0].get_array().tolist() == [[0, 0, 1, 1, 1, 1, 2, 2, 3, 3]]
+    assert labels.images[0].get_array().tolist() == [[0, 0, 1, 0, 1, 0, 2, 2, 0, 0]]
+    assert [t.get_text() for t in top.texts] == ["slot 2", "slot 0", "slot 1"]
+    pyplot().close(fig)
+
+
+def test_figures_script_draws_both_pictures_from_a_real_sample_and_checkpoint(tmp_path, qa_file, capsys):
+    train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"])
+    layout, decode = tmp_path / "layout.png", tmp_path / "decode.png"
+    figures.main([f"--dataset={qa_file[0]}", "--block_size=64", f"--data_root={tmp_path / 'data'}", "--sample=0",
+                  "--slot_size=2", f"--layout_png={layout}", f"--out_dir={tmp_path / 'run'}", f"--decode_png={decode}",
+                  "--sampler_flags=--max_new_tokens=8 --slot_size=4 --num_blocks=1 --json"])
+    assert layout.read_bytes().startswith(PNG) and decode.read_bytes().startswith(PNG)
+    printed = capsys.readouterr().out.splitlines()
+    assert json.loads(next(line for line in printed if line.startswith("{")))["tokens"] >= 1   # the decode drawn
+    with pytest.raises(ValueError, match="--sample=999: the validation split holds"):
+        figures.main([f"--dataset={qa_file[0]}", "--block_size=64", f"--data_root={tmp_path / 'data'}",
+                      "--sample=999", f"--layout_png={layout}"])
