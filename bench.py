@@ -41,11 +41,11 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import train
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from configurator import parse_args, require, run_cli, settings_in
 from corpora import score
 from data import TokenDataset, decode, get_tokenizer
-from generate import INFILL_MODES, MDMSettings, RefusionSettings, cut_after_eos, eos_ids_of
+from generate import INFILL_MODES, MDMSettings, RefusionSettings, cut_after_eos
 from model import ModelConfig, Transformer
 from prepare import prepare
 from sampler import make_decoder, prompt_generator
@@ -92,10 +92,10 @@ TASKS = {
 OVERRIDES = ("dataset", "block_size", "max_new_tokens", "max_iters", "finetune_iters", "n_layer", "n_head", "n_embd",
              "batch_size", "learning_rate", "finetune_lr")
 # the ReFusion sweep: every slot size x (slot_threshold, token_threshold) x serial blocks
-SWEEP = dict(slot_sizes=(4, 8, 16), thresholds=((0.9, 0.3), (0.7, 0.1), (0.5, 0.0)), num_blocks=(1, 4))
+SWEEP = dict(slot_sizes=(4, 8, 16), thresholds=((0.9, 0.3), (0.7, 0.1), (0.5, 0.0)), serial_num_blocks=(1, 4))
 QUICK = dict(tasks=("transform",), num_prompts=8, model=dict(n_layer=2, n_head=2, n_embd=64, max_iters=60,
                                                               finetune_iters=30),
-             sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3), (0.5, 0.0)), num_blocks=(1,)), step_times=3)
+             sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3), (0.5, 0.0)), serial_num_blocks=(1,)), step_times=3)
 
 
 def recipe(cfg, task):
@@ -195,7 +195,7 @@ def run_decoder(method, model, prompts, ids, settings):
     decode_fn(prompts[0])  # warm-up, untimed
     timed.calls.update(n=0, seconds=0.0)
     outs = [decode_fn(p, generator=prompt_generator(device, 0, i)) for i, p in enumerate(prompts)]
-    texts = [[t for t in o.tokens if t not in eos_ids_of(ids["eos_id"])] for o in outs]
+    texts = [[t for t in o.tokens if t not in ids["eos_ids"]] for o in outs]
     return texts, totals(sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs), sum(o.seconds for o in outs),
                          timed.calls)
 
@@ -224,16 +224,16 @@ def hf_generate(model, prompts, ids, max_new_tokens):
         t0 = time.perf_counter()
         with torch.no_grad():
             out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                              eos_token_id=ids["eos_id"], pad_token_id=ids["eos_id"],
+                              eos_token_id=list(ids["eos_ids"]), pad_token_id=ids["eos_ids"][0],
                               suppress_tokens=[ids["mask_id"], ids["pad_id"]])[0, len(prompt):].tolist()
-        return cut_after_eos(out, ids["eos_id"]), time.perf_counter() - t0
+        return cut_after_eos(out, ids["eos_ids"]), time.perf_counter() - t0
 
     decode_one(prompts[0])  # warm-up, untimed
     hf.forward, calls = counting(hf.forward, device)
     outs = [decode_one(p) for p in prompts]
     tokens = sum(len(o) for o, _ in outs)
     seconds = sum(s for _, s in outs)
-    return [[t for t in o if t not in eos_ids_of(ids["eos_id"])] for o, _ in outs], totals(tokens, calls["n"], seconds, calls)
+    return [[t for t in o if t not in ids["eos_ids"]] for o, _ in outs], totals(tokens, calls["n"], seconds, calls)
 
 
 def counting(forward, device):
@@ -274,9 +274,9 @@ def decoder_points(cfg, task):
         for infill in INFILL_MODES:
             for S in sweep["slot_sizes"]:
                 for slot_thr, token_thr in sweep["thresholds"]:
-                    for blocks in sweep["num_blocks"]:
+                    for blocks in sweep["serial_num_blocks"]:
                         label = f"{NAMES[model]} S={S} B={blocks} slot>{slot_thr} token>{token_thr} infill={infill}"
-                        points.append((label, "refusion", model, dict(slot_size=S, num_blocks=blocks, infill=infill,
+                        points.append((label, "refusion", model, dict(slot_size=S, serial_num_blocks=blocks, infill=infill,
                                                                       slot_threshold=slot_thr,
                                                                       token_threshold=token_thr)))
     return points
@@ -297,7 +297,7 @@ def bench_task(cfg, task, prompts, references):
     ckpts = {name: load_checkpoint(d, cfg["device"]) for name, d in dirs.items()}
     models = {name: model_from_checkpoint(c, cfg["device"]) for name, c in ckpts.items()}
     meta = ckpts["ar"]["meta"]
-    ids = {k: meta[k] for k in ("eos_id", "mask_id", "pad_id")}
+    ids = decoder_ids(meta)
     enc = get_tokenizer(meta["tokenizer"])
     queries, refs = [decode(enc, p) for p in prompts], [decode(enc, q[:-1]) for q in references]
 

@@ -122,3 +122,9 @@ def model_from_checkpoint(ckpt, device="cpu"):
     model = Transformer(ModelConfig(**ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval()
+
+
+def decoder_ids(meta):
+    """The token ids a decoder needs, from a checkpoint's meta: {"eos_ids": (its EOS id,), "mask_id",
+    "pad_id"} (the decoders take every EOS id as one tuple)."""
+    return {"eos_ids": (meta["eos_id"],), "mask_id": meta["mask_id"], "pad_id": meta["pad_id"]}

@@ -109,10 +109,20 @@ def _check_key(key, defaults, where):
         raise ConfigError(f"unknown config key {key!r} in {where}{hint} Known keys: {', '.join(sorted(defaults))}")
 
 
+# settings renamed, whose old spelling is still accepted (in flags and config files): old -> new
+OLD_NAMES = {"num_blocks": "serial_num_blocks"}
+
+
+def new_name(key, defaults):
+    """key, or the setting it was renamed to (OLD_NAMES) when that is a setting of defaults."""
+    return OLD_NAMES[key] if key not in defaults and OLD_NAMES.get(key) in defaults else key
+
+
 def explicit_keys(cfg, defaults, argv):
     """The settings a run chose itself: named by a --key flag, or given a value other than the
     default (by a config file). Returns a set of keys."""
-    return {a[2:].partition("=")[0] for a in argv if a.startswith("--")} | {k for k in cfg if cfg[k] != defaults[k]}
+    return ({new_name(a[2:].partition("=")[0], defaults) for a in argv if a.startswith("--")}
+            | {k for k in cfg if cfg[k] != defaults[k]})
 
 
 def parse_args(defaults, argv):
@@ -149,10 +159,12 @@ def parse_args(defaults, argv):
             for key, value in namespace.items():
                 if key.startswith("_") or callable(value) or type(value).__name__ == "module":
                     continue  # imports and helpers are not settings
+                key = new_name(key, defaults)
                 _check_key(key, defaults, arg)
                 config[key] = _coerce(key, value, defaults[key], arg)
             continue
         key, _, text = arg[2:].partition("=")
+        key = new_name(key, defaults)
         _check_key(key, defaults, "the command line")
         if "=" not in arg:
             if not isinstance(defaults[key], bool):

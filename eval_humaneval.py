@@ -47,7 +47,6 @@ from tqdm import tqdm
 from configurator import check_device, check_seed, parse_args, require, run_cli, settings_in
 from data import decode, encode
 from files import write_atomic
-from generate import eos_ids_of
 from sampler import MISMATCH_NOTES, chat_prompt, decoder_settings, load_model, make_decoder, prompt_generator
 
 # -----------------------------------------------------------------------------
@@ -58,9 +57,9 @@ dtype = "float32"          # the weights in float32 or bfloat16 (half the memory
 chat = False               # the release's instruct prompt in the chat template; on by default for a folder
 method = ""                # refusion, ar or mdm; empty: the one the model was trained for
 limit = 0                  # the first this many problems; 0: all 164
-max_new_tokens = 512       # refusion: rounded up to whole blocks of slots (slot_size x num_blocks)
+max_new_tokens = 512       # refusion: rounded up to whole blocks of slots (slot_size x serial_num_blocks)
 slot_size = 32             # refusion: tokens per slot (S)
-num_blocks = 4             # refusion: serial blocks, decoded one after another
+serial_num_blocks = 4             # refusion: serial blocks, decoded one after another
 slot_threshold = 0.9       # refusion: a slot is planned when its first draft's probability exceeds this
 token_threshold = 0.4      # refusion: a draft token is accepted when its probability exceeds this
 infill = "paper"           # refusion: 'paper' (each infill round forces its masked draft) or 'ar' (the next-token prediction, SPEC 4.1)
@@ -248,7 +247,7 @@ def main(argv):
     bar = tqdm(chosen, desc="HumanEval", unit="problem")
     for i, (problem, prompt) in enumerate(bar):
         out = run(prompt, generator=prompt_generator(cfg["device"], cfg["seed"], i))
-        text = decode(enc, [t for t in out.tokens if t not in eos_ids_of(ids["eos_id"])])
+        text = decode(enc, [t for t in out.tokens if t not in ids["eos_ids"]])
         completion, verdict = check_generation(problem, text, cfg["chat"], cfg["timeout"], cfg["max_memory_gb"])
         results.append({"task_id": problem["task_id"], "passed": verdict == "passed", "verdict": verdict,
                         "tokens": len(out.tokens), "nfe": out.nfe, "seconds": out.seconds, "completion": completion})

@@ -11,7 +11,7 @@ Pictures of what the code computes, drawn from its own output, never by hand (ne
 As a script it draws the pictures of docs/:
 
     python figures.py                  # docs/layout.png: reorganize_slots of one transform sample
-    python figures.py --out_dir=bench/transform-refusion-ft --sampler_flags="--slot_size=8 --num_blocks=1"
+    python figures.py --out_dir=bench/transform-refusion-ft --sampler_flags="--slot_size=8 --serial_num_blocks=1"
                                        # ... and docs/decode.png: sampler.py --plot for that checkpoint's
                                        # first validation prompt
 
@@ -26,7 +26,7 @@ the paper's way (an ARM first, then fine-tuned into ReFusion; M="--dataset=trans
     python train.py $M --out_dir=out/tr-ft2 --objective=refusion --init_from=out/tr-ft/ckpt.pt --max_iters=1000 \
         --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=20 --slot_sizes=4,8
     python figures.py --layout_png= --out_dir=out/tr-ft2 \
-        --sampler_flags="--max_new_tokens=72 --slot_size=4 --num_blocks=2"
+        --sampler_flags="--max_new_tokens=72 --slot_size=4 --serial_num_blocks=2"
 """
 
 import shlex
@@ -50,7 +50,7 @@ seed = 16                      # reorganize_slots' generator: p_mask, the masked
 layout_png = "docs/layout.png" # where the layout figure goes
 out_dir = ""                   # a checkpoint (train.py's out_dir) to draw the decode figure with; empty: none
 decode_png = "docs/decode.png" # where the decode figure goes
-sampler_flags = ""             # more sampler.py flags for the decode figure, e.g. "--slot_size=8 --num_blocks=1"
+sampler_flags = ""             # more sampler.py flags for the decode figure, e.g. "--slot_size=8 --serial_num_blocks=1"
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
 

@@ -2,7 +2,7 @@
 ReFusion's plan-and-infill decoder (SPEC section 4), told top-down as its named steps:
 
     generate_refusion      the response as serial blocks, decoded one after another, cut after EOS
-    decode_block           one block: plan, verify, infill (when verify finished no slot), commit
+    decode_serial_block    one serial block: plan, verify, infill (when verify finished no slot), commit
     plan_slots     step 1  one diffusion step over the masked slots: draft them, pick the confident ones
     verify_drafts  step 2  one causal pass over the picked drafts: accept their longest confident prefix
     infill_slots   step 3  finish the picked slots in parallel, each one left to right, one cache row each
@@ -29,13 +29,13 @@ import torch
 # The decoders run under inference mode: no autograd records at all, which makes the many small
 # forward passes of decoding cheaper than under no_grad (about 10% per token on a small model).
 @torch.inference_mode()
-def generate_refusion(model, prompt, settings, *, mask_id, eos_id, generator=None, on_step=None, banned_ids=()):
+def generate_refusion(model, prompt, settings, *, mask_id, eos_ids, generator=None, on_step=None, banned_ids=()):
     """Generate a response with ReFusion's plan-and-infill decoding (SPEC section 4; paper section 3.2).
 
     model:    a causal Transformer (or any module with the same forward and new_kv_cache), in eval mode.
     prompt:   list of token ids (at least one).
     settings: RefusionSettings (slot size, serial blocks, thresholds, temperature, max_new_tokens, infill).
-    mask_id:  the id fed at still-masked positions; eos_id: the EOS id, or a tuple of them (any ends it).
+    mask_id:  the id fed at still-masked positions; eos_ids: tuple of the EOS ids (any of them ends it).
     generator: torch.Generator on the model's device, for temperature > 0 (plan drafts only).
     on_step:  optional callable, given the (position, token) pairs each step commits (--show).
     banned_ids: token ids never generated besides the mask id (the command line adds the pad id).
@@ -46,23 +46,23 @@ def generate_refusion(model, prompt, settings, *, mask_id, eos_id, generator=Non
     check_attention(model, "refusion")
     check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
-    state = DecodeState(model, prompt, settings, mask_id, eos_id, generator, on_step, banned_ids)
-    S, n = settings.slot_size, settings.slots_per_block
-    for b in range(settings.num_blocks):
-        first = len(prompt) + b * n * S                                 # the block's first position
-        if decode_block(state, [first + i * S for i in range(n)], settings):
-            break                                                       # EOS: no later block starts
-    tokens = cut_after_eos([state.response[p] for p in sorted(state.response)], eos_id)
+    state = DecodeState(model, prompt, settings, mask_id, eos_ids, generator, on_step, banned_ids)
+    S, n = settings.slot_size, settings.slots_per_serial_block
+    for b in range(settings.serial_num_blocks):
+        first = len(prompt) + b * n * S                                 # the serial block's first position
+        if decode_serial_block(state, [first + i * S for i in range(n)], settings):
+            break                                                       # EOS: no later serial block starts
+    tokens = cut_after_eos([state.response[p] for p in sorted(state.response)], eos_ids)
     return Generation(tokens[:settings.max_new_tokens], state.nfe, time.perf_counter() - t0, state.trace,
                       state.step_nfe)
 
 
-def decode_block(state, pool, settings):
+def decode_serial_block(state, pool, settings):
     """Decode one serial block until none of its slots is masked (SPEC section 4, steps 1-4).
 
-    state: the DecodeState (end of this section); pool: ascending start positions of the block's
-    slots. Returns True when EOS ended the block (the slots before the EOS slot are still decoded;
-    no later block starts).
+    state: the DecodeState (end of this section); pool: ascending start positions of the serial
+    block's slots. Returns True when EOS ended it (the slots before the EOS slot are still decoded;
+    no later serial block starts).
     """
     eos = False
     while pool:
@@ -77,7 +77,7 @@ def decode_block(state, pool, settings):
 
 
 def plan_slots(state, pool, slot_size, slot_threshold):
-    """Step 1, plan: one diffusion step over every still-masked slot of the block.
+    """Step 1, plan: one diffusion step over every still-masked slot of the serial block.
 
     pool: ascending start positions of the masked slots. Feeds (after the cache, and after the
     pending prompt on the first call) each slot as slot_size mask ids at its true positions, drafts
@@ -148,8 +148,8 @@ class Commit:
 
     starts:   true start positions of the slots, ascending.
     tokens:   one list of ids per slot, cut after EOS.
-    eos:      True when the last slot ends with EOS: every later slot of the block is dropped and
-              no later block starts.
+    eos:      True when the last slot ends with EOS: every later slot of the serial block is dropped
+              and no later serial block starts.
     next_logits: infill="ar" only (SPEC section 4.1): per slot, the logits (V,) that its last token
               predicts for the next position, or None where the slot did not see every slot
               committed with it before it (infill rows after the first); an empty list otherwise.
@@ -322,11 +322,11 @@ class DecodeState:
     position before it, or None.
     """
 
-    def __init__(self, model, prompt, settings, mask_id, eos_id, generator, on_step, banned_ids):
+    def __init__(self, model, prompt, settings, mask_id, eos_ids, generator, on_step, banned_ids):
         self.model, self.generator, self.on_step = model, generator, on_step
-        self.cache = model.new_kv_cache(max_len=len(prompt) + settings.gen_len, max_batch=settings.slots_per_block)
+        self.cache = model.new_kv_cache(max_len=len(prompt) + settings.gen_len, max_batch=settings.slots_per_serial_block)
         self.device = self.cache.kv.device
-        self.mask_id, self.eos_ids = mask_id, eos_ids_of(eos_id)
+        self.mask_id, self.eos_ids = mask_id, tuple(eos_ids)
         self.eos_tensor = torch.tensor(self.eos_ids, device=self.device)  # for end_rows_at_eos, made once
         self.banned = [mask_id, *banned_ids]  # never written into the response
         self.temperature, self.ar = settings.temperature, settings.infill == "ar"
@@ -349,7 +349,7 @@ class DecodeState:
 
 
 @torch.inference_mode()
-def generate_ar(model, prompt, settings, *, eos_id, generator=None, on_step=None, banned_ids=()):
+def generate_ar(model, prompt, settings, *, eos_ids, generator=None, on_step=None, banned_ids=()):
     """Plain next-token decoding with the KV cache: the ARM baseline.
 
     settings: DecodeSettings (max_new_tokens, temperature). One prefill forward of the prompt
@@ -367,7 +367,7 @@ def generate_ar(model, prompt, settings, *, eos_id, generator=None, on_step=None
     device = cache.kv.device
     tokens = torch.tensor([prompt], device=device)                     # (1, P), the prefill
     positions = torch.arange(len(prompt), device=device)[None]
-    out, trace, eos_ids = [], [], eos_ids_of(eos_id)
+    out, trace = [], []
     while True:
         logits = model(tokens, positions, kv_cache=cache)[0, -1:]      # (1, V): the next token's
         token, _ = draft_tokens(logits, settings.temperature, generator, banned_ids)
@@ -388,7 +388,7 @@ def tokens_per_step(n_masked, steps):
 
 
 @torch.inference_mode()
-def generate_mdm(model, prompt, settings, *, mask_id, eos_id, generator=None, on_step=None, banned_ids=()):
+def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, on_step=None, banned_ids=()):
     """LLaDA-style masked-diffusion decoding with low-confidence remasking: the MDM baseline.
 
     settings: MDMSettings (max_new_tokens, steps, block_length, temperature). The sequence starts
@@ -427,7 +427,7 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_id, generator=None, on
             trace.append(list(zip(where[best].tolist(), drafts[best].tolist())))
             if on_step:
                 on_step(trace[-1])
-    tokens = cut_after_eos(x[0, P:].tolist(), eos_id)
+    tokens = cut_after_eos(x[0, P:].tolist(), eos_ids)
     return Generation(tokens, nfe, time.perf_counter() - t0, trace, [1] * nfe)
 
 # -----------------------------------------------------------------------------
@@ -501,14 +501,14 @@ class RefusionSettings(DecodeSettings):
     draft, as the paper and the authors' code do; "ar" takes it from the next-token prediction at
     its accepted left neighbour, and starts the leftmost slot from the next-token prediction when
     everything before it is committed (SPEC section 4.1, beyond the paper).
-    The generation length is max_new_tokens rounded up to a multiple of S * B, so that every block
+    The generation length is max_new_tokens rounded up to a multiple of S * B, so that every serial block
     holds the same whole number of slots; at most max_new_tokens tokens are returned. Thresholds are
     probabilities compared with `>`: any finite value >= 0 is accepted, and a value of 1 or more
     means "never" (one slot per plan step / only forced tokens accepted).
     Raises ValueError naming the setting and the fix.
     """
     slot_size: int = 8
-    num_blocks: int = 1
+    serial_num_blocks: int = 1
     slot_threshold: float = 0.9
     token_threshold: float = 0.3
     infill: str = "paper"
@@ -521,8 +521,8 @@ class RefusionSettings(DecodeSettings):
         S = self.slot_size
         if S <= 0:
             raise ValueError(f"slot_size={S}: a slot holds at least one token (the paper uses 4 to 32)")
-        if self.num_blocks <= 0:
-            raise ValueError(f"num_blocks={self.num_blocks}: use at least one serial block")
+        if self.serial_num_blocks <= 0:
+            raise ValueError(f"serial_num_blocks={self.serial_num_blocks}: use at least one serial block")
         for name in ("slot_threshold", "token_threshold"):
             if not 0 <= getattr(self, name) < math.inf:  # also catches NaN
                 raise ValueError(f"{name}={getattr(self, name)}: thresholds are finite probabilities >= 0 "
@@ -530,17 +530,17 @@ class RefusionSettings(DecodeSettings):
 
     @property
     def n_slots(self):
-        """Slots in the whole generation: a multiple of num_blocks."""
-        return math.ceil(self.max_new_tokens / (self.slot_size * self.num_blocks)) * self.num_blocks
+        """Slots in the whole generation: a multiple of serial_num_blocks."""
+        return math.ceil(self.max_new_tokens / (self.slot_size * self.serial_num_blocks)) * self.serial_num_blocks
 
     @property
-    def slots_per_block(self):
+    def slots_per_serial_block(self):
         """Slots in each serial block (the most infilled in parallel: the cache's rows)."""
-        return self.n_slots // self.num_blocks
+        return self.n_slots // self.serial_num_blocks
 
     @property
     def gen_len(self):
-        """max_new_tokens rounded up to a multiple of slot_size * num_blocks (tokens)."""
+        """max_new_tokens rounded up to a multiple of slot_size * serial_num_blocks (tokens)."""
         return self.n_slots * self.slot_size
 
 
@@ -667,20 +667,14 @@ def leading_true(x):
     return x.long().cumprod(dim=1).sum(dim=1)
 
 
-def eos_ids_of(eos_id):
-    """The EOS ids as a tuple: eos_id is one id, or several (a chat model ends with <|im_end|> or
-    <|endoftext|>); any of them ends a response."""
-    return (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+def first_eos(tokens, eos_ids):
+    """Index of the first EOS (any id of the tuple eos_ids) in tokens (list of ids), or None."""
+    return next((i for i, t in enumerate(tokens) if t in eos_ids), None)
 
 
-def first_eos(tokens, eos_id):
-    """Index of the first EOS (any of eos_ids_of(eos_id)) in tokens (list of ids), or None."""
-    return next((i for i, t in enumerate(tokens) if t in eos_ids_of(eos_id)), None)
-
-
-def cut_after_eos(tokens, eos_id):
+def cut_after_eos(tokens, eos_ids):
     """tokens (list of ids) up to and including the first EOS (all of them if there is none)."""
-    i = first_eos(tokens, eos_id)
+    i = first_eos(tokens, eos_ids)
     return tokens if i is None else tokens[:i + 1]
 
 

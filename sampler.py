@@ -21,11 +21,11 @@ from json import dumps
 
 import torch
 
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from configurator import check_device, check_seed, explicit_keys, parse_args, run_cli, settings_in
 from corpora import read_utf8, score
 from data import TokenDataset, decode, encode, get_tokenizer
-from generate import DECODERS, ContextTooLong, RefusionSettings, check_attention, eos_ids_of
+from generate import DECODERS, ContextTooLong, RefusionSettings, check_attention
 from prepare import prepare
 from pretrained import chat_parts, from_pretrained, hf_special_ids, undecodable_ids
 
@@ -41,7 +41,7 @@ num_samples = 3            # ... or this many prompts from the validation split
 method = ""                # refusion, ar or mdm; empty: the one the checkpoint was trained for
 max_new_tokens = 128       # at most this many tokens are returned (refusion decodes whole blocks of slots)
 slot_size = 8              # refusion: tokens per slot (S)
-num_blocks = 4             # refusion: serial blocks, each of the same whole number of slots
+serial_num_blocks = 4             # refusion: serial blocks, each of the same whole number of slots
 slot_threshold = 0.9       # refusion: a slot is planned when its first draft's probability exceeds this
 token_threshold = 0.3      # refusion: a draft token is accepted when its probability exceeds this
 infill = "paper"           # refusion: 'paper' (each infill round forces its masked draft) or 'ar' (the next-token prediction, SPEC 4.1)
@@ -60,9 +60,10 @@ DEFAULTS = settings_in(globals())
 def load_model(cfg):
     """The model to decode with: --init_from=FOLDER (pretrained.from_pretrained) or out_dir's checkpoint.
 
-    Returns (model in eval mode on cfg["device"], tokenizer, ids {"eos_id", "mask_id", "pad_id",
+    Returns (model in eval mode on cfg["device"], tokenizer, ids {"eos_ids", "mask_id", "pad_id",
     "undecodable_ids"}, the objective it was trained with, the checkpoint dict or None for a folder).
-    A folder's eos_id is a tuple (<|im_end|>, <|endoftext|>) and its objective "refusion" when it has a
+    eos_ids is a tuple: a checkpoint's EOS, or a folder's (<|im_end|>, <|endoftext|>), whose objective
+    is "refusion" when it has a
     mask token, else "ar" (a plain Qwen3 or SmolLM2). undecodable_ids: the model's rows its tokenizer
     has no token for (pretrained.undecodable_ids), never generated. Raises FileNotFoundError / ValueError
     naming the problem (a tokenizer id the model has no row for among them).
@@ -74,16 +75,16 @@ def load_model(cfg):
         folder = source = cfg["init_from"]
         model = from_pretrained(folder, dtype=dtype).to(cfg["device"])
         eos_ids, mask_id, pad_id = hf_special_ids(folder)
-        ids = {"eos_id": eos_ids, "mask_id": mask_id, "pad_id": pad_id}
+        ids = {"eos_ids": eos_ids, "mask_id": mask_id, "pad_id": pad_id}
         enc, objective, ckpt = get_tokenizer(f"hf:{folder}"), "ar" if mask_id is None else "refusion", None
     else:
         ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
         meta = ckpt["meta"]
-        ids = {k: meta[k] for k in ("eos_id", "mask_id", "pad_id")}
+        ids = decoder_ids(meta)
         model = model_from_checkpoint(ckpt, cfg["device"]).to(dtype)
         enc, objective, source = get_tokenizer(meta["tokenizer"]), ckpt["config"]["objective"], cfg["out_dir"]
     ids["undecodable_ids"] = undecodable_ids(enc, model.config.vocab_size, f"the model in {source}",
-                                             (*eos_ids_of(ids["eos_id"]), ids["mask_id"], ids["pad_id"]))
+                                             (*ids["eos_ids"], ids["mask_id"], ids["pad_id"]))
     return model, enc, ids, objective, ckpt
 
 
@@ -122,7 +123,7 @@ def make_decoder(cfg, model, ids, generator):
     """(decode: prompt ids -> Generation, its settings) for cfg["method"] and cfg's knobs; decode
     raises a prompt too long for the context as a ValueError in the knobs' words (context_words).
 
-    ids: {"eos_id": an id or a tuple of them, "mask_id", "pad_id", optionally "undecodable_ids"}. The
+    ids: {"eos_ids": a tuple of ids, "mask_id", "pad_id", optionally "undecodable_ids"}. The
     settings object checks every knob when it is built, before any data is prepared. The mask and pad
     ids, and the ids the tokenizer cannot decode (a model's padded rows), are never generated (unless
     one is an EOS, as Qwen's <|endoftext|>, its pad id, is).
@@ -136,8 +137,8 @@ def make_decoder(cfg, model, ids, generator):
                          "trained to fill masks); use --method=ar, or fine-tune it with train.py first")
     generate = DECODERS[cfg["method"]][0]
     banned = tuple(i for i in (ids["mask_id"], ids["pad_id"], *ids.get("undecodable_ids", ()))
-                   if i is not None and i not in eos_ids_of(ids["eos_id"]))
-    kwargs = dict(eos_id=ids["eos_id"], banned_ids=banned)
+                   if i is not None and i not in ids["eos_ids"])
+    kwargs = dict(eos_ids=ids["eos_ids"], banned_ids=banned)
     if cfg["method"] != "ar":
         kwargs["mask_id"] = ids["mask_id"]
     decode_fn = partial(generate, model, settings=settings, generator=generator, **kwargs)
@@ -155,9 +156,9 @@ def context_words(error):
     the knobs the user sets: how max_new_tokens became the generation length, and what to lower."""
     s, how, fix = error.settings, "", "lower max_new_tokens"
     if isinstance(s, RefusionSettings):
-        how = (f", max_new_tokens={s.max_new_tokens} rounded up to {s.num_blocks} block(s) of whole "
+        how = (f", max_new_tokens={s.max_new_tokens} rounded up to {s.serial_num_blocks} serial block(s) of whole "
                f"{s.slot_size}-token slots")
-        fix = "lower max_new_tokens, slot_size or num_blocks"
+        fix = "lower max_new_tokens, slot_size or serial_num_blocks"
     return (f"prompt ({error.prompt_len} tokens) + generation ({s.gen_len} tokens{how}) exceeds the model's "
             f"context of {error.limit} positions; shorten the prompt or {fix}")
 
@@ -227,9 +228,9 @@ class LiveTrace:
     (stdout keeps the results, e.g. --json); on a terminal each frame replaces the last.
     """
 
-    def __init__(self, enc, prompt, max_new_tokens, eos_id, delay=0.25):
+    def __init__(self, enc, prompt, max_new_tokens, eos_ids, delay=0.25):
         self.enc, self.prompt, self.delay = enc, prompt, delay
-        self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids_of(eos_id)
+        self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
         self.tty = sys.stderr.isatty()
         self.filled, self.step = {}, 0
 
@@ -272,7 +273,7 @@ def check_plot_path(path):
 MISMATCH_NOTES = {
     ("ar", "refusion"): "a refusion model never learns a slot's first token as a next token (SPEC section 4, "
                         "known limit (a)), so plain next-token decoding does poorly; for left-to-right decoding "
-                        "use --method=refusion --num_blocks=<number of slots>",
+                        "use --method=refusion --serial_num_blocks=<number of slots>",
     ("refusion", "ar"): "an ar model was never trained to predict mask tokens, so its plan drafts are poor and "
                         "ReFusion decoding falls back to about two forward passes per token; use --method=ar",
 }
@@ -303,14 +304,14 @@ def main(argv):
     check = partial(score, ckpt["config"]["dataset"]) if ckpt else lambda *_: None
     outs, verdicts = [], []
     for i, prompt in enumerate(prompts):
-        live = LiveTrace(enc, prompt, settings.max_new_tokens, ids["eos_id"]) if cfg["show"] else None
+        live = LiveTrace(enc, prompt, settings.max_new_tokens, ids["eos_ids"]) if cfg["show"] else None
         out = run(prompt, generator=prompt_generator(cfg["device"], cfg["seed"], i), on_step=live)
-        text = decode(enc, [t for t in out.tokens if t not in eos_ids_of(ids["eos_id"])])
+        text = decode(enc, [t for t in out.tokens if t not in ids["eos_ids"]])
         if cfg["plot"] and i == 0:
             knobs = ", ".join(f"{f.name}={getattr(settings, f.name)}" for f in fields(settings))
             title = (f"--method={cfg['method']} ({knobs})\n{len(out.tokens)} tokens in {out.nfe} forward passes, "
                      f"TPF {out.tpf:.2f}; prompt: {decode(enc, prompt)[-60:]!r}")
-            texts = {p: cell_text(enc, t, eos_ids_of(ids["eos_id"])) for step in out.trace for p, t in step}
+            texts = {p: cell_text(enc, t, ids["eos_ids"]) for step in out.trace for p, t in step}
             pyplot().close(plot_decode(out, len(prompt), cfg["plot"], title, texts, settings.gen_len))
             print(f"note: drew the decode of the first prompt into {cfg['plot']}", file=sys.stderr)
         scores = check(decode(enc, prompt), text)

@@ -340,14 +340,14 @@ def oracle_target(prompt_len, gen_len, eos_at=None, seed=0):
     return target
 
 
-@pytest.mark.parametrize("slot_size,num_blocks", [(4, 1), (4, 3), (8, 3), (6, 2), (1, 4)])
-def test_oracle_decode_reproduces_target_in_few_forwards(slot_size, num_blocks):
+@pytest.mark.parametrize("slot_size,serial_num_blocks", [(4, 1), (4, 3), (8, 3), (6, 2), (1, 4)])
+def test_oracle_decode_reproduces_target_in_few_forwards(slot_size, serial_num_blocks):
     P, L = 5, 24
     target = oracle_target(P, L)
-    settings = RefusionSettings(L, slot_size=slot_size, num_blocks=num_blocks)
-    out = generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(), settings, mask_id=MASK, eos_id=EOS)
+    settings = RefusionSettings(L, slot_size=slot_size, serial_num_blocks=serial_num_blocks)
+    out = generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(), settings, mask_id=MASK, eos_ids=(EOS,))
     assert out.tokens == target[P:P + L].tolist()
-    assert out.nfe == 2 * num_blocks      # per block: one plan picks every slot, one verify accepts all
+    assert out.nfe == 2 * serial_num_blocks      # per block: one plan picks every slot, one verify accepts all
     assert out.tpf > 1
     positions = [p for step in out.trace for p, _ in step]
     assert sorted(positions) == list(range(P, P + L))    # every position filled exactly once
@@ -357,8 +357,8 @@ def test_oracle_decode_reproduces_target_in_few_forwards(slot_size, num_blocks):
 def test_oracle_decode_cuts_at_eos(eos_at):
     P, L = 3, 24
     target = oracle_target(P, L, eos_at=eos_at, seed=1)
-    settings = RefusionSettings(L, slot_size=4, num_blocks=2)
-    out = generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(), settings, mask_id=MASK, eos_id=EOS)
+    settings = RefusionSettings(L, slot_size=4, serial_num_blocks=2)
+    out = generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(), settings, mask_id=MASK, eos_ids=(EOS,))
     assert out.tokens == target[P:P + eos_at + 1].tolist()
     positions = sorted(p for step in out.trace for p, _ in step)
     assert positions == list(range(P, P + eos_at + 1))
@@ -368,7 +368,7 @@ def test_unconfident_model_still_finishes_one_slot_per_plan_step():
     P, L, S = 4, 16, 4
     target = oracle_target(P, L, seed=2)
     model = OracleModel(target, V, MASK, confident=False)     # uniform logits: every probability is 1/V
-    out = generate_refusion(model, target[:P].tolist(), RefusionSettings(L, slot_size=S), mask_id=MASK, eos_id=EOS)
+    out = generate_refusion(model, target[:P].tolist(), RefusionSettings(L, slot_size=S), mask_id=MASK, eos_ids=(EOS,))
     assert len(out.tokens) == L and len(out.trace) == L // S
     assert all(len(step) == S for step in out.trace)
     # one plan and one verify per slot, then S - 1 infill iterations of draft + verify
@@ -382,7 +382,7 @@ def test_parallel_infill_fills_every_selected_slot(eos_at):
     P, L, S = 5, 16, 4
     target = oracle_target(P, L, eos_at=eos_at, seed=3)
     settings = RefusionSettings(L, slot_size=S, slot_threshold=0.0, token_threshold=1.5)
-    out = generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(), settings, mask_id=MASK, eos_id=EOS)
+    out = generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(), settings, mask_id=MASK, eos_ids=(EOS,))
     end = L if eos_at is None else eos_at + 1
     assert out.tokens == target[P:P + end].tolist()
     assert len(out.trace) == 1                       # one plan step commits every slot (up to EOS)
@@ -394,7 +394,7 @@ def test_parallel_infill_fills_every_selected_slot(eos_at):
 # generate.py against a naive reference decoder that recomputes the whole buffer for every prediction
 
 @torch.no_grad()
-def naive_one_slot_decode(model, prompt, gen_len, slot_size, num_blocks, accept_all, eos_id, mask_id):
+def naive_one_slot_decode(model, prompt, gen_len, slot_size, serial_num_blocks, accept_all, eos_id, mask_id):
     """SPEC section 4 in the regime slot_threshold > 1 (one slot per plan step), without a cache.
     accept_all: token_threshold 0 (the plan's drafts are committed whole), else token_threshold > 1
     (each later token is drafted from the accepted prefix and forced in, one at a time).
@@ -408,8 +408,8 @@ def naive_one_slot_decode(model, prompt, gen_len, slot_size, num_blocks, accept_
     def pick(probs):                                                  # the mask id is never drafted
         return probs.clone().index_fill_(-1, torch.tensor([mask_id]), -1.0).argmax(-1)
 
-    n_block = gen_len // slot_size // num_blocks
-    for b in range(num_blocks):
+    n_block = gen_len // slot_size // serial_num_blocks
+    for b in range(serial_num_blocks):
         pool = [len(prompt) + (b * n_block + i) * slot_size for i in range(n_block)]
         stop = False
         while pool:
@@ -445,18 +445,18 @@ def naive_one_slot_decode(model, prompt, gen_len, slot_size, num_blocks, accept_
 
 
 @pytest.mark.parametrize("accept_all", [False, True], ids=["token_threshold_above_1", "token_threshold_0"])
-@pytest.mark.parametrize("seed,slot_size,num_blocks", [(0, 4, 1), (1, 4, 2), (2, 8, 1), (3, 2, 3)])
-def test_decode_matches_naive_reference_with_one_slot_per_step(accept_all, seed, slot_size, num_blocks):
+@pytest.mark.parametrize("seed,slot_size,serial_num_blocks", [(0, 4, 1), (1, 4, 2), (2, 8, 1), (3, 2, 3)])
+def test_decode_matches_naive_reference_with_one_slot_per_step(accept_all, seed, slot_size, serial_num_blocks):
     model = tiny_model(seed=seed)
     prompt = torch.randint(0, 36, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
     gen_len = 24
-    settings = RefusionSettings(gen_len, slot_size=slot_size, num_blocks=num_blocks, slot_threshold=1.5,
+    settings = RefusionSettings(gen_len, slot_size=slot_size, serial_num_blocks=serial_num_blocks, slot_threshold=1.5,
                                 token_threshold=0.0 if accept_all else 1.5)
     # once with an EOS the model never emits, once with one it emits mid-way
-    ref, _ = naive_one_slot_decode(model, prompt, gen_len, slot_size, num_blocks, accept_all, -1, 38)
+    ref, _ = naive_one_slot_decode(model, prompt, gen_len, slot_size, serial_num_blocks, accept_all, -1, 38)
     for eos in (-1, ref[len(ref) // 2]):
-        ref, ref_nfe = naive_one_slot_decode(model, prompt, gen_len, slot_size, num_blocks, accept_all, eos, 38)
-        out = generate_refusion(model, prompt, settings, mask_id=38, eos_id=eos)
+        ref, ref_nfe = naive_one_slot_decode(model, prompt, gen_len, slot_size, serial_num_blocks, accept_all, eos, 38)
+        out = generate_refusion(model, prompt, settings, mask_id=38, eos_ids=(eos,))
         assert out.tokens == ref
         assert out.nfe == ref_nfe
 
@@ -483,42 +483,42 @@ class BadDrafterOracle(OracleModel):
         return torch.where(bad[..., None], F.one_hot(wrong, self.vocab_size) * 100.0, logits)
 
 
-@pytest.mark.parametrize("slot_size,num_blocks", [(4, 1), (8, 3), (6, 2), (1, 4)])
-def test_ar_infill_matches_the_paper_on_a_confident_oracle(slot_size, num_blocks):
+@pytest.mark.parametrize("slot_size,serial_num_blocks", [(4, 1), (8, 3), (6, 2), (1, 4)])
+def test_ar_infill_matches_the_paper_on_a_confident_oracle(slot_size, serial_num_blocks):
     """Where both pathways agree, the variant changes nothing: the same tokens in the same NFE."""
     P, L = 5, 24
     target = oracle_target(P, L)
     for eos_at in (None, 13):
         target = oracle_target(P, L, eos_at=eos_at)
         runs = [generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(),
-                                  RefusionSettings(L, slot_size=slot_size, num_blocks=num_blocks, infill=infill),
-                                  mask_id=MASK, eos_id=EOS) for infill in ("paper", "ar")]
+                                  RefusionSettings(L, slot_size=slot_size, serial_num_blocks=serial_num_blocks, infill=infill),
+                                  mask_id=MASK, eos_ids=(EOS,)) for infill in ("paper", "ar")]
         assert runs[0].tokens == runs[1].tokens == target[P:P + L if eos_at is None else P + eos_at + 1].tolist()
         assert runs[0].nfe == runs[1].nfe
 
 
-@pytest.mark.parametrize("num_blocks", [1, 4])
-def test_ar_infill_keeps_the_next_token_pathway_where_the_paper_forces_bad_drafts(num_blocks):
+@pytest.mark.parametrize("serial_num_blocks", [1, 4])
+def test_ar_infill_keeps_the_next_token_pathway_where_the_paper_forces_bad_drafts(serial_num_blocks):
     """slot_threshold 0 plans every slot of a block at once; the drafter is always wrong, so each
     infill round accepts only its forced token. The paper forces the wrong masked drafts; the
     variant forces next-token predictions, so only the first token of a slot that did not start at
     the frontier (drafted from masks) is wrong. With one slot per block everything is right."""
     P, L, S = 5, 16, 4
     target = oracle_target(P, L, seed=5)
-    settings = dict(slot_size=S, num_blocks=num_blocks, slot_threshold=0.0, token_threshold=0.5)
+    settings = dict(slot_size=S, serial_num_blocks=serial_num_blocks, slot_threshold=0.0, token_threshold=0.5)
     paper, ar = (generate_refusion(BadDrafterOracle(target, V, MASK), target[:P].tolist(),
-                                   RefusionSettings(L, infill=infill, **settings), mask_id=MASK, eos_id=EOS)
+                                   RefusionSettings(L, infill=infill, **settings), mask_id=MASK, eos_ids=(EOS,))
                  for infill in ("paper", "ar"))
     wrong = ((target + 1) % 30)[P:P + L].tolist()
     assert paper.tokens == wrong
     expected = target[P:P + L].tolist()
-    slots_per_block = L // S // num_blocks
+    slots_per_serial_block = L // S // serial_num_blocks
     for i in range(L // S):
-        if i % slots_per_block:              # planned together with a slot to its left
+        if i % slots_per_serial_block:              # planned together with a slot to its left
             expected[i * S] = wrong[i * S]
     assert ar.tokens == expected
     # per block: plan, verify, then S - 1 rounds of draft + verify, one forced token per row each
-    assert paper.nfe == ar.nfe == num_blocks * (2 + 2 * (S - 1))
+    assert paper.nfe == ar.nfe == serial_num_blocks * (2 + 2 * (S - 1))
 
 
 @pytest.mark.parametrize("seed,slot_size", [(0, 4), (1, 8), (2, 3), (3, 1)])
@@ -531,12 +531,12 @@ def test_ar_infill_with_one_slot_per_block_equals_next_token_decoding(seed, slot
         model.lm_head.weight.mul_(8.0)      # confident enough that some drafts pass 0.5
     prompt = torch.randint(0, 36, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
     L = 24
-    ref = generate_ar(model, prompt, DecodeSettings(L), eos_id=-1).tokens
+    ref = generate_ar(model, prompt, DecodeSettings(L), eos_ids=(-1,)).tokens
     for eos in (-1, ref[len(ref) // 2]):
-        ref = generate_ar(model, prompt, DecodeSettings(L), eos_id=eos).tokens
-        settings = RefusionSettings(L, slot_size=slot_size, num_blocks=L // slot_size, token_threshold=0.5,
+        ref = generate_ar(model, prompt, DecodeSettings(L), eos_ids=(eos,)).tokens
+        settings = RefusionSettings(L, slot_size=slot_size, serial_num_blocks=L // slot_size, token_threshold=0.5,
                                     infill="ar")
-        out = generate_refusion(model, prompt, settings, mask_id=38, eos_id=eos)
+        out = generate_refusion(model, prompt, settings, mask_id=38, eos_ids=(eos,))
         assert out.tokens == ref
 
 
@@ -552,7 +552,7 @@ def test_ar_infill_restarts_later_rows_from_their_first_token():
                                   ("ar", [int(target[P + S])] + [MASK] * 3, target)):
         model = BadDrafterOracle(target, V, MASK, bad=list(range(P + 1, P + S)))
         settings = RefusionSettings(L, slot_size=S, slot_threshold=0.0, token_threshold=0.5, infill=infill)
-        out = generate_refusion(model, target[:P].tolist(), settings, mask_id=MASK, eos_id=EOS)
+        out = generate_refusion(model, target[:P].tolist(), settings, mask_id=MASK, eos_ids=(EOS,))
         first_draft_pass = model.fed[2]                      # after plan and verify: 3 rows, one per slot
         assert first_draft_pass.shape == (3, S) and first_draft_pass[1].tolist() == row
         assert out.tokens == expected[P:P + L].tolist()
@@ -598,7 +598,7 @@ def test_ar_infill_of_parallel_rows_matches_naive_reference(seed, slot_size):
     for eos in (-1, ref[len(ref) // 2 + 1]):
         ref, ref_nfe = naive_ar_infill_of_one_block(model, prompt, L, slot_size, eos, 38)
         settings = RefusionSettings(L, slot_size=slot_size, slot_threshold=0.0, token_threshold=1.5, infill="ar")
-        out = generate_refusion(model, prompt, settings, mask_id=38, eos_id=eos)
+        out = generate_refusion(model, prompt, settings, mask_id=38, eos_ids=(eos,))
         assert out.tokens == ref
         assert out.nfe == ref_nfe
 
@@ -623,7 +623,7 @@ def test_ar_decode_with_cache_matches_no_cache_reference(temperature):
     ref = naive_next_token_decode(model, prompt, 20, -1, temperature, torch.Generator().manual_seed(0))
     for eos in (-1, ref[len(ref) // 2]):    # an EOS the model never emits, then one it emits mid-way
         ref = naive_next_token_decode(model, prompt, 20, eos, temperature, torch.Generator().manual_seed(0))
-        out = generate_ar(model, prompt, DecodeSettings(20, temperature=temperature), eos_id=eos,
+        out = generate_ar(model, prompt, DecodeSettings(20, temperature=temperature), eos_ids=(eos,),
                           generator=torch.Generator().manual_seed(0))
         assert out.tokens == ref and len(ref) == (20 if eos == -1 else ref.index(eos) + 1)
         # the prefill predicts the first token, then one forward per further token: TPF is exactly 1
@@ -648,7 +648,7 @@ def test_mdm_commits_the_most_confident_token_each_step_and_never_changes_it(blo
     P, L, M = 5, 12, 38
     model = RecordingModel(tiny_model(seed=5, causal=False))
     prompt = torch.randint(0, 36, (P,), generator=torch.Generator().manual_seed(5)).tolist()
-    out = generate_mdm(model, prompt, MDMSettings(L, steps=L, block_length=block_length), mask_id=M, eos_id=-1)
+    out = generate_mdm(model, prompt, MDMSettings(L, steps=L, block_length=block_length), mask_id=M, eos_ids=(-1,))
     assert out.nfe == len(model.calls) == L and len(out.tokens) == L
     block = block_length or L
     inputs = [idx for idx, _ in model.calls] + [torch.tensor(prompt + out.tokens)]
@@ -676,7 +676,7 @@ def test_mdm_schedule_spreads_each_blocks_tokens_evenly_over_its_steps():
     for L, steps, block_length, per_step in [(12, 4, None, [3, 3, 3, 3]), (10, 4, None, [3, 3, 2, 2]),
                                              (12, 6, 6, [2, 2, 2, 2, 2, 2]), (12, 4, 3, [3, 3, 3, 3])]:
         settings = MDMSettings(L, steps=steps, block_length=block_length)
-        out = generate_mdm(model, prompt, settings, mask_id=38, eos_id=-1)
+        out = generate_mdm(model, prompt, settings, mask_id=38, eos_ids=(-1,))
         assert [len(s) for s in out.trace] == per_step and out.nfe == steps and len(out.tokens) == L
         block, n_blocks = block_length or L, L // (block_length or L)
         for b in range(n_blocks):                # block b is filled by its own steps, left to right

@@ -120,10 +120,10 @@ def test_quick_refuses_tasks_it_would_not_run(tmp_path):
 def test_each_prompt_is_sampled_from_its_own_seeded_generator():
     """bench decodes prompt i with a generator seeded with i, whatever the warm-up drew: the same
     tokens as the decoder given torch.Generator().manual_seed(i) for that prompt alone."""
-    model, ids = tiny_model(), {"eos_id": 39, "mask_id": 38, "pad_id": 37}
+    model, ids = tiny_model(), {"eos_ids": (39,), "mask_id": 38, "pad_id": 37}
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     texts, _ = bench.run_decoder("ar", model, prompts, ids, {"temperature": 1.0, "max_new_tokens": 12})
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
-        out = generate_ar(model, prompt, DecodeSettings(12, temperature=1.0), eos_id=39,
+        out = generate_ar(model, prompt, DecodeSettings(12, temperature=1.0), eos_ids=(39,),
                           generator=torch.Generator().manual_seed(i), banned_ids=(38, 37))
         assert text == [t for t in out.tokens if t != 39]

@@ -116,3 +116,13 @@ def test_output_into_a_reader_that_left_ends_every_script_quietly(tmp_path):
     for script, proc in zip(scripts, procs):
         _, err = proc.communicate(timeout=120)
         assert (script, proc.returncode, err.decode()) == (script, 1, "")
+
+
+def test_a_renamed_setting_is_still_accepted_by_its_old_name(tmp_path):
+    """--num_blocks (and num_blocks = ... in a config file) set serial_num_blocks, as before the rename."""
+    assert parse_args(sampler.DEFAULTS, ["--num_blocks=2"])["serial_num_blocks"] == 2
+    config = tmp_path / "decode.py"
+    config.write_text("num_blocks = 3\n")
+    assert parse_args(sampler.DEFAULTS, [str(config)])["serial_num_blocks"] == 3
+    with pytest.raises(ValueError, match="unknown config key 'num_block'"):
+        parse_args(sampler.DEFAULTS, ["--num_block=2"])

@@ -194,7 +194,7 @@ def test_a_converted_llama_fine_tunes_into_refusion_and_decodes(tmp_path, qa_fil
         torch.testing.assert_close(ckpt["model"][name][:len(p)], p, atol=1e-6, rtol=0)
     capsys.readouterr()
     sampler.main([f"--out_dir={tmp_path / 'ft'}", "--prompt=What is 2 + 2?", "--max_new_tokens=8", "--slot_size=4",
-                  "--num_blocks=1", "--json"])
+                  "--serial_num_blocks=1", "--json"])
     assert 1 <= json.loads(capsys.readouterr().out)["tokens"] <= 8
 
 
@@ -263,6 +263,6 @@ def test_smollm2_converted_equals_transformers(tmp_path):
         eos_ids, _, pad_id = pretrained.hf_special_ids(folder)
         answer = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                                     eos_token_id=list(eos_ids), pad_token_id=pad_id)[0, len(prompt):].tolist()
-    ours_answer = generate_ar(ours, prompt, DecodeSettings(32), eos_id=eos_ids).tokens
+    ours_answer = generate_ar(ours, prompt, DecodeSettings(32), eos_ids=eos_ids).tokens
     assert ours_answer == answer and answer[-1] in eos_ids
     assert "Paris" in enc.decode(answer)

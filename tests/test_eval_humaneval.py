@@ -49,7 +49,7 @@ def test_report_of_an_untrained_checkpoint(tmp_path, qa_file, capsys):
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", "--block_size=512"])
     capsys.readouterr()
     out_json = tmp_path / "humaneval.json"
-    flags = [f"--out_dir={tmp_path / 'run'}", "--max_new_tokens=16", "--slot_size=4", "--num_blocks=1",
+    flags = [f"--out_dir={tmp_path / 'run'}", "--max_new_tokens=16", "--slot_size=4", "--serial_num_blocks=1",
              "--allow_code_eval"]
     eval_humaneval.main(flags + ["--limit=5", f"--out_json={out_json}"])
     header, _, row = capsys.readouterr().out.splitlines()[-3:]
@@ -84,7 +84,7 @@ def test_a_folder_is_asked_in_the_release_instruct_format_by_default(tmp_path, c
         "<|im_start|>user\nWrite a solution to the following problem and make sure that it passes the tests:\n"
         "```def f():\n```<|im_end|>\n<|im_start|>assistant\n```python\n")
     assert build_prompt(enc, problem, chat=False) == list(b"def f():\n")
-    flags = [f"--init_from={tmp_path / 'refusion'}", "--max_new_tokens=16", "--slot_size=4", "--num_blocks=1",
+    flags = [f"--init_from={tmp_path / 'refusion'}", "--max_new_tokens=16", "--slot_size=4", "--serial_num_blocks=1",
              "--allow_code_eval"]
     runs = {}
     for chat in ([], ["--chat=False"]):

@@ -23,8 +23,8 @@ def test_decode_picture_draws_each_step_of_the_trace(tmp_path, method):
     position committed by step s (faded); the margin gives each step's forward passes, which add
     up to the decode's NFE."""
     generate, Settings = DECODERS[method]
-    knobs = dict(slot_size=4, num_blocks=2, slot_threshold=0.0, token_threshold=0.05) if method == "refusion" else {}
-    kwargs = dict(eos_id=-1) | ({} if method == "ar" else dict(mask_id=38))
+    knobs = dict(slot_size=4, serial_num_blocks=2, slot_threshold=0.0, token_threshold=0.05) if method == "refusion" else {}
+    kwargs = dict(eos_ids=(-1,)) | ({} if method == "ar" else dict(mask_id=38))
     out = generate(tiny_model(causal=method != "mdm"), [1, 2, 3], Settings(16, **knobs), **kwargs)
     assert sum(out.step_nfe) == out.nfe and len(out.step_nfe) == len(out.trace) and min(out.step_nfe) >= 1
     texts = {p: str(t) for step in out.trace for p, t in step}
@@ -70,7 +70,7 @@ def test_figures_script_draws_both_pictures_from_a_real_sample_and_checkpoint(tm
     layout, decode = tmp_path / "layout.png", tmp_path / "decode.png"
     figures.main([f"--dataset={qa_file[0]}", "--block_size=64", f"--data_root={tmp_path / 'data'}", "--sample=0",
                   "--slot_size=2", f"--layout_png={layout}", f"--out_dir={tmp_path / 'run'}", f"--decode_png={decode}",
-                  "--sampler_flags=--max_new_tokens=8 --slot_size=4 --num_blocks=1 --json"])
+                  "--sampler_flags=--max_new_tokens=8 --slot_size=4 --serial_num_blocks=1 --json"])
     assert layout.read_bytes().startswith(PNG) and decode.read_bytes().startswith(PNG)
     printed = capsys.readouterr().out.splitlines()
     assert json.loads(next(line for line in printed if line.startswith("{")))["tokens"] >= 1   # the decode drawn

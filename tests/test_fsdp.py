@@ -109,7 +109,7 @@ def test_a_sharded_checkpoint_resumes_exactly_and_consolidates_for_the_sampler(t
 
     capsys.readouterr()
     sampler.main([f"--out_dir={tmp_path / 'resumed'}", "--json", "--num_samples=1", "--max_new_tokens=8",
-                  "--slot_size=4", "--num_blocks=1"])
+                  "--slot_size=4", "--serial_num_blocks=1"])
     assert json.loads(capsys.readouterr().out)["tokens"] > 0
 
     out = f"--out_dir={tmp_path / 'resumed'}"

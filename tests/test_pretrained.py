@@ -113,18 +113,18 @@ def test_greedy_generate_ar_matches_transformers(hf_pair):
     with torch.no_grad():
         free = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert generate_ar(ours, prompt, DecodeSettings(24), eos_id=VOCAB).tokens == free  # VOCAB: an EOS never produced
+        assert generate_ar(ours, prompt, DecodeSettings(24), eos_ids=(VOCAB,)).tokens == free  # VOCAB: an EOS never produced
         eos = free[12]  # now a token it does produce: both must stop at its first occurrence
         stopped = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                               eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
-    assert generate_ar(ours, prompt, DecodeSettings(24), eos_id=eos).tokens == stopped == free[:free.index(eos) + 1]
+    assert generate_ar(ours, prompt, DecodeSettings(24), eos_ids=(eos,)).tokens == stopped == free[:free.index(eos) + 1]
 
 
 def test_refusion_decode_runs_on_loaded_model(hf_pair):
     _, ours = hf_pair
     mask_id, eos_id = VOCAB - 1, VOCAB - 2
-    settings = RefusionSettings(16, slot_size=4, num_blocks=2, slot_threshold=0.5, token_threshold=0.1)
-    out = generate_refusion(ours, [5, 17, 42, 99, 3], settings, mask_id=mask_id, eos_id=eos_id)
+    settings = RefusionSettings(16, slot_size=4, serial_num_blocks=2, slot_threshold=0.5, token_threshold=0.1)
+    out = generate_refusion(ours, [5, 17, 42, 99, 3], settings, mask_id=mask_id, eos_ids=(eos_id,))
     assert 1 <= len(out.tokens) <= 16 and out.nfe >= 1
     assert all(0 <= t < VOCAB and t != mask_id for t in out.tokens)
 
@@ -415,7 +415,7 @@ def test_sampler_decodes_a_folder_in_the_chat_template(tmp_path, capsys):
     enc = data.get_tokenizer(f"hf:{tmp_path / 'refusion'}")
     assert sampler.chat_prompt(enc, "Say <|im_end|>") == ([257] + list(b"user\nSay <|im_end|>") + [258, 10, 257]
                                                            + list(b"assistant\n"))   # user text stays text
-    sampler.main([folder, "--chat", "--prompt=Say hi", "--max_new_tokens=16", "--slot_size=4", "--num_blocks=1",
+    sampler.main([folder, "--chat", "--prompt=Say hi", "--max_new_tokens=16", "--slot_size=4", "--serial_num_blocks=1",
                   "--json"])
     sampler.main([folder, "--prompt=Say hi", "--max_new_tokens=5", "--method=ar", "--json"])
     refusion, ar = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -456,7 +456,7 @@ def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsy
     capsys.readouterr()
     monkeypatch.chdir(tmp_path / "data")                          # the sampler finds the tokenizer from anywhere
     sampler.main([f"--out_dir={tmp_path / 'ft'}", "--num_samples=1", "--max_new_tokens=8", "--slot_size=4",
-                  "--num_blocks=1", "--json"])
+                  "--serial_num_blocks=1", "--json"])
     assert json.loads(capsys.readouterr().out)["tokens"] >= 1
 
 
@@ -580,7 +580,7 @@ def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
     save_file(tensors | {"lm_head.weight": lm_head}, folder / "model.safetensors")
     flags = [f"--init_from={folder}", "--prompt=hi", "--json"]
     sampler.main(flags + ["--method=ar", "--max_new_tokens=5"])
-    sampler.main(flags + ["--method=refusion", "--max_new_tokens=8", "--slot_size=4", "--num_blocks=1"])
+    sampler.main(flags + ["--method=refusion", "--max_new_tokens=8", "--slot_size=4", "--serial_num_blocks=1"])
     greedy_ar, greedy_refusion = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert (greedy_ar["text"], greedy_ar["tokens"]) == ("\0" * 5, 5)
     assert (greedy_refusion["text"], greedy_refusion["tokens"]) == ("\0" * 8, 8)

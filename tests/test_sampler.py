@@ -13,7 +13,7 @@ import torch
 
 import sampler
 import train
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from data import decode, encode, get_tokenizer
 from generate import DECODERS
 from helpers import qa_rows, tiny_model, tiny_run_flags, write
@@ -30,14 +30,14 @@ def trained(tmp_path_factory):
 
 
 def test_cli_builds_each_decoder_and_refuses_an_unknown_method():
-    meta = {"eos_id": 39, "mask_id": 38, "pad_id": 37}
+    ids = {"eos_ids": (39,), "mask_id": 38, "pad_id": 37}
     for method, causal, gen_len in [("refusion", True, 16), ("ar", True, 10), ("mdm", False, 10)]:
-        cfg = dict(DEFAULTS, method=method, max_new_tokens=10, num_blocks=1)  # refusion: 10 -> 2 slots of 8
-        run, settings = make_decoder(cfg, tiny_model(causal=causal), meta, torch.Generator())
+        cfg = dict(DEFAULTS, method=method, max_new_tokens=10, serial_num_blocks=1)  # refusion: 10 -> 2 slots of 8
+        run, settings = make_decoder(cfg, tiny_model(causal=causal), ids, torch.Generator())
         out = run([1, 2, 3])
         assert settings.gen_len == gen_len and 0 < len(out.tokens) <= 10 and out.nfe > 0
     with pytest.raises(ValueError, match="--method='beam': choose one of refusion, ar, mdm"):
-        make_decoder(dict(DEFAULTS, method="beam"), tiny_model(), meta, torch.Generator())
+        make_decoder(dict(DEFAULTS, method="beam"), tiny_model(), ids, torch.Generator())
 
 
 @pytest.mark.parametrize("flag, message", [("--method=beam", "choose one of refusion, ar, mdm"),
@@ -54,15 +54,15 @@ def test_sampler_cli_prints_one_json_object_per_sample(tmp_path, qa_file, capsys
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"])
     capsys.readouterr()
     out_dir = f"--out_dir={tmp_path / 'run'}"
-    sampler.main([out_dir, "--json", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4", "--num_blocks=1"])
+    sampler.main([out_dir, "--json", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4", "--serial_num_blocks=1"])
     sampler.main([out_dir, "--json", "--prompt=What is 7 + 7?", "--max_new_tokens=6", "--slot_size=4",
-                  "--num_blocks=2", "--method=refusion"])
+                  "--serial_num_blocks=2", "--method=refusion"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(lines) == 3 and lines[2]["prompt"] == "What is 7 + 7?"
     for row, limit in zip(lines, (8, 8, 6)):
         assert {"text", "tokens", "nfe", "tpf", "seconds", "tokens_per_s"} <= set(row)
         assert 0 < row["tokens"] <= limit and row["tpf"] == round(row["tokens"] / row["nfe"], 3)
-    sampler.main([out_dir, "--json", "--num_samples=1000", "--max_new_tokens=8", "--slot_size=4", "--num_blocks=1"])
+    sampler.main([out_dir, "--json", "--num_samples=1000", "--max_new_tokens=8", "--slot_size=4", "--serial_num_blocks=1"])
     printed = capsys.readouterr()                                     # every fitting prompt, and a note saying so
     assert len(printed.out.splitlines()) < 1000 and "validation prompts leave room for 8 new tokens" in printed.err
     for bad, message in [(["--num_samples=0"], "--num_samples=0"), (["--prompt_file=nope.txt"], "no such file"),
@@ -76,7 +76,7 @@ def test_sampler_prepares_damaged_validation_data_anew(tmp_path, qa_file, capsys
     val_bin = next((tmp_path / "data").glob("*/val.bin"))
     whole = val_bin.read_bytes()
     val_bin.write_bytes(whole[:-4])                                   # cut short
-    sampler.main([f"--out_dir={tmp_path / 'run'}", "--num_samples=1", "--max_new_tokens=8", "--num_blocks=1", "--json"])
+    sampler.main([f"--out_dir={tmp_path / 'run'}", "--num_samples=1", "--max_new_tokens=8", "--serial_num_blocks=1", "--json"])
     assert val_bin.read_bytes() == whole
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] >= 1
 
@@ -85,14 +85,14 @@ def test_sampler_prepares_damaged_validation_data_anew(tmp_path, qa_file, capsys
 def test_seed_samples_a_prompt_as_the_api_does_with_that_seed(trained, capsys, method):
     """--seed=7 --temperature=1 draws exactly what the decoder draws from torch.Generator().manual_seed(7):
     the warm-up decode has a generator of its own, so it consumes none of the sample's random numbers."""
-    knobs = ["--temperature=1", "--prompt=What is 7 + 7?", "--max_new_tokens=16", "--slot_size=4", "--num_blocks=1"]
+    knobs = ["--temperature=1", "--prompt=What is 7 + 7?", "--max_new_tokens=16", "--slot_size=4", "--serial_num_blocks=1"]
     sampler.main([f"--out_dir={trained}", "--json", "--seed=7", f"--method={method}"] + knobs)
     row = json.loads(capsys.readouterr().out)
     ckpt = load_checkpoint(trained)
     meta, model, enc = ckpt["meta"], model_from_checkpoint(ckpt), get_tokenizer("bytes")
     generate, Settings = DECODERS[method]
-    settings = Settings(16, temperature=1.0, **({} if method == "ar" else dict(slot_size=4, num_blocks=1)))
-    ids = dict(eos_id=meta["eos_id"], banned_ids=(meta["mask_id"], meta["pad_id"]))
+    settings = Settings(16, temperature=1.0, **({} if method == "ar" else dict(slot_size=4, serial_num_blocks=1)))
+    ids = dict(eos_ids=(meta["eos_id"],), banned_ids=(meta["mask_id"], meta["pad_id"]))
     ids |= {} if method == "ar" else dict(mask_id=meta["mask_id"])
     texts = []
     for seed in (7, 8):
@@ -106,7 +106,7 @@ def test_plot_draws_the_first_decode_and_refuses_a_missing_directory_before_read
                                                                                             capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "decode.png"
-    sampler.main([f"--out_dir={trained}", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4", "--num_blocks=1",
+    sampler.main([f"--out_dir={trained}", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4", "--serial_num_blocks=1",
                   f"--plot={path}"])
     assert path.read_bytes().startswith(b"\x89PNG") and "drew the decode of the first prompt" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match=r"--plot=.*: the directory .*nope does not exist; create it"):
@@ -121,7 +121,7 @@ def test_live_trace_draws_characters_whole_eos_as_a_marker_and_ends_on_the_retur
     prompt = encode(enc, "s = '")
     P = len(prompt)
     e_acute = list("é".encode())
-    live = LiveTrace(enc, prompt, max_new_tokens=6, eos_id=eos)
+    live = LiveTrace(enc, prompt, max_new_tokens=6, eos_ids=(eos,))
     live([(P + 1, e_acute[1])])                                      # the second byte first, out of order
     assert live.response() == "░\ufffd░░░░"                          # six positions, none past max_new_tokens
     live([(P, e_acute[0]), (P + 3, eos)])
@@ -132,9 +132,9 @@ def test_live_trace_draws_characters_whole_eos_as_a_marker_and_ends_on_the_retur
     ckpt = load_checkpoint(trained)
     model, meta = model_from_checkpoint(ckpt), ckpt["meta"]
     for method in ("refusion", "ar"):                               # real decodes: the last frame is the response
-        cfg = dict(DEFAULTS, method=method, max_new_tokens=6, slot_size=4, num_blocks=1, temperature=1.0)
-        run, _ = make_decoder(cfg, model, meta, torch.Generator().manual_seed(0))
-        live = LiveTrace(enc, prompt, 6, meta["eos_id"])
+        cfg = dict(DEFAULTS, method=method, max_new_tokens=6, slot_size=4, serial_num_blocks=1, temperature=1.0)
+        run, _ = make_decoder(cfg, model, decoder_ids(meta), torch.Generator().manual_seed(0))
+        live = LiveTrace(enc, prompt, 6, (meta["eos_id"],))
         out = run(prompt, on_step=live)
         ended = out.tokens[-1] == meta["eos_id"]
         assert live.response() == decode(enc, out.tokens[:len(out.tokens) - ended]) + EOS_MARK * ended
@@ -145,7 +145,7 @@ def test_prompt_file_is_read_as_written_and_bad_utf8_names_the_byte(trained, tmp
     note), and a byte that is not UTF-8 is named by its offset, with the file."""
     out_dir = f"--out_dir={trained}"
     path = write(tmp_path, "p.txt", b"\xef\xbb\xbfdef f(x):\r\n    return")
-    sampler.main([out_dir, "--json", f"--prompt_file={path}", "--max_new_tokens=4", "--slot_size=4", "--num_blocks=1"])
+    sampler.main([out_dir, "--json", f"--prompt_file={path}", "--max_new_tokens=4", "--slot_size=4", "--serial_num_blocks=1"])
     captured = capsys.readouterr()
     assert json.loads(captured.out)["prompt"] == "def f(x):\r\n    return"
     assert f"--prompt_file={path}: removed the UTF-8 byte order mark" in captured.err
@@ -171,7 +171,7 @@ def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_
     verdict and its speed, and one summary line adds them up (TPF = all tokens / all forward passes)."""
     flags = tiny_run_flags(tmp_path, ("transform",), "run") + ["--block_size=160", "--max_iters=2"]
     train.main(flags)
-    sampler.main([f"--out_dir={tmp_path / 'run'}", "--num_samples=3", "--max_new_tokens=16", "--num_blocks=1"])
+    sampler.main([f"--out_dir={tmp_path / 'run'}", "--num_samples=3", "--max_new_tokens=16", "--serial_num_blocks=1"])
     out = capsys.readouterr().out.strip().split("\n")
     lines = [line for line in out if re.match(r"(right|wrong) \(exact\): ", line)]
     assert len(lines) == 3
@@ -204,7 +204,7 @@ def test_an_unconsolidated_sharded_run_names_shard_py_and_a_stale_copy_warns(tra
 
 def test_prompt_file_from_a_pipe_or_standard_input_is_read(trained, tmp_path, monkeypatch, capsys):
     """--prompt_file=<(command), /dev/stdin or - reads the pipe (once), as it reads a file."""
-    knobs = [f"--out_dir={trained}", "--json", "--max_new_tokens=4", "--slot_size=4", "--num_blocks=1"]
+    knobs = [f"--out_dir={trained}", "--json", "--max_new_tokens=4", "--slot_size=4", "--serial_num_blocks=1"]
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("What is 7 + 7?\n".encode())))
     sampler.main(knobs + ["--prompt_file=-"])
     assert json.loads(capsys.readouterr().out)["prompt"] == "What is 7 + 7?\n"
