@@ -3,7 +3,7 @@ The built-in corpora and a user's own files, as records: {"query", "response", "
 
     stdlib   every documented function of this Python's standard library (query: signature and
              docstring; response: the rest of the body)
-    camel    lines of the standard library's code, each rewritten with camelCase names (code editing)
+    quotes   lines of the standard library's code, their string literals double-quoted (code editing)
     arith    20,000 worked multi-digit arithmetic problems whose answers code can check
     arith-1m a million of them, for GPU runs; arith-small 20,000 with operands of 2 and 3 digits
     transform 20,000 letter strings to copy, upper-case, shift or mirror (the parallel-friendly task)
@@ -13,12 +13,14 @@ prepare.py tokenizes them once; nothing here knows about tokens.
 """
 
 import ast
+import io
 import json
 import os
 import random
 import re
 import sys
 import sysconfig
+import tokenize
 from itertools import zip_longest
 
 TEXT_WINDOW_BYTES = 1024  # plain-text files are cut into windows of at most this many UTF-8 bytes
@@ -118,31 +120,42 @@ def stdlib_records(max_chars: int | None = None) -> list[dict]:
     return records
 
 # -----------------------------------------------------------------------------
-# the built-in code-editing corpus: the standard library's signatures, renamed to camelCase
-
-# a snake_case name (at least one inner "_", any leading "_" kept), not an attribute ("os.path_sep")
-SNAKE_CASE = re.compile(r"(?<![\w.])(_*)([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?!\w)")
+# the built-in code-editing corpus: the standard library's lines, their string quotes normalized
 
 
-def camel_case(line: str) -> str:
-    """line with every snake_case name written in camelCase: "def get_close_matches(word, max_n=3):"
-    -> "def getCloseMatches(word, maxN=3):". Leading underscores stay ("_ensure_future" ->
-    "_ensureFuture"); dunder names ("__init__"), attributes after a dot and other names are unchanged."""
-    def to_camel(m):
-        first, *rest = m[2].split("_")
-        return m[1] + first + "".join(word.capitalize() for word in rest)
-    return SNAKE_CASE.sub(to_camel, line)
+def double_quoted(line: str) -> str:
+    """line with every single-quoted string literal written in double quotes, as the formatter black
+    normalizes them: 'a.b' -> "a.b", f'{x}' -> f"{x}". A literal whose text holds a quote or a
+    backslash, a triple-quoted one, and everything that is not a string literal stay as written.
+    Raises ValueError when the line does not tokenize as Python on its own (an unfinished bracket is
+    fine; an unterminated string is not)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line).readline))
+    except (tokenize.TokenError, SyntaxError) as e:
+        raise ValueError(f"not a line of Python: {line!r} ({e})") from None
+    if any(tok.type == tokenize.ERRORTOKEN for tok in tokens):  # e.g. an unterminated string
+        raise ValueError(f"not a line of Python: {line!r} (a token that is not Python's)")
+    chars = list(line)
+    for tok in tokens:
+        if tok.type != tokenize.STRING or tok.start[0] != 1 or tok.end[0] != 1:
+            continue
+        prefix = len(tok.string) - len(tok.string.lstrip("rRbBuUfF"))
+        body = tok.string[prefix:]
+        if body.startswith("'") and not body.startswith("\'\'\'") and not set(body[1:-1]) & set("'\"\\"):
+            chars[tok.start[1] + prefix] = chars[tok.end[1] - 1] = '"'
+    return "".join(chars)
 
 
-def camel_records(max_line: int = 72) -> list[dict]:
+def quote_records(max_line: int = 72) -> list[dict]:
     """
     The built-in code-editing corpus: one record per distinct line of the standard library's code
-    (stripped, at most max_line characters, comments left out) that holds a snake_case name, as
-    {"query": "matches = get_close_matches(word, possibilities)\n",
-     "response": "matches = getCloseMatches(word, possibilities)\n", "module", "name"}.
-    The response is the query rewritten by camel_case: mostly a copy of the prompt with a few local
-    edits, so its tokens depend on the prompt far more than on each other. Real text, checked
-    exactly. name is the line's number in its module.
+    (stripped, at most max_line characters, comments left out) that holds a single-quoted string
+    black would rewrite, as {"query": "self.message('Disabled %s' % bp)\n",
+    "response": "self.message(\"Disabled %s\" % bp)\n", "module", "name"}, the response being
+    double_quoted(query). It is the prompt copied with a few characters changed in place, so every
+    response token is a function of the prompt token at a fixed distance: given the prompt, the
+    response's tokens hardly depend on each other. Real text, checked exactly. name: the line's
+    number in its module.
     """
     records, seen = [], set()
     for path, module in _stdlib_files(sysconfig.get_paths()["stdlib"]):
@@ -156,8 +169,12 @@ def camel_records(max_line: int = 72) -> list[dict]:
             if not line or line.startswith("#") or len(line) > max_line or line in seen:
                 continue
             seen.add(line)
-            if camel_case(line) != line:
-                records.append({"query": line + "\n", "response": camel_case(line) + "\n", "module": module,
+            try:
+                edited = double_quoted(line)
+            except ValueError:
+                continue
+            if edited != line:
+                records.append({"query": line + "\n", "response": edited + "\n", "module": module,
                                 "name": str(number)})
     return records
 
@@ -468,13 +485,13 @@ def score(dataset: str, query: str, text: str, reference: str = "") -> dict[str,
     built-in corpora whose answers code can check; None for any other data set. The first metric is
     the data set's quality measure:
 
-    camel, transform: "exact", the response is the expected line(s) exactly;
+    quotes, transform: "exact", the response is the expected line exactly;
     arith*: "accuracy", the final answer is right;
     stdlib: "parse_rate", the function parses with at least one statement after its docstring (the
     prompt alone already parses), and "first_line", its first line is the reference's.
     """
-    if dataset == "camel":
-        return {"exact": float(text == camel_case(query.rstrip("\n")) + "\n")}
+    if dataset == "quotes":
+        return {"exact": float(text == double_quoted(query.rstrip("\n")) + "\n")}
     if dataset == "transform":
         return {"exact": float(text == transform_expected(query) + "\n")}
     if dataset.startswith("arith"):
@@ -492,6 +509,6 @@ def score(dataset: str, query: str, text: str, reference: str = "") -> dict[str,
 # of training data) for GPU runs; its first 20,000 are "arith"'s, in the same splits. "arith-small"
 # has operands of 2 and 3 digits (responses of up to 63 bytes): the benchmark's serial task, which a
 # small ARM learns on a CPU.
-DATASETS = {"stdlib": stdlib_records, "camel": camel_records, "arith": arithmetic_records, "transform": transform_records,
+DATASETS = {"stdlib": stdlib_records, "quotes": quote_records, "arith": arithmetic_records, "transform": transform_records,
             "arith-1m": lambda: arithmetic_records(1_000_000),
             "arith-small": lambda: arithmetic_records(20000, digits=(2, 3))}

@@ -197,25 +197,32 @@ def test_load_records_errors_say_what_is_wrong(tmp_path, name, content, error, m
 
 
 @pytest.mark.parametrize("line, expected", [
-    ("def get_close_matches(word, possibilities, n=3, cutoff=0.6):", "def getCloseMatches(word, possibilities, n=3, cutoff=0.6):"),
-    ("def _ensure_future(coro_or_future, *, loop=None):", "def _ensureFuture(coroOrFuture, *, loop=None):"),
-    ("def __init__(self, date_time=(1980,1,1), sep=os.path_sep):", "def __init__(self, dateTime=(1980,1,1), sep=os.path_sep):"),
-    ("def f(x2_y, a__b, CONST_NAME, already_):", "def f(x2Y, a__b, CONST_NAME, already_):"),
+    ("parent, dot, me = name.rpartition('.')", 'parent, dot, me = name.rpartition(".")'),
+    ("x = f'{a}' + b'y' + u'z' + 'w'", 'x = f"{a}" + b"y" + u"z" + "w"'),
+    (r"""say('it\'s', 'a "b"', r'\d', '''doc''', "ok")""", r"""say('it\'s', 'a "b"', r'\d', '''doc''', "ok")"""),
+    ("return {'a': 1}  # 'comment'", "return {\"a\": 1}  # 'comment'"),
 ])
-def test_camel_case_renames_snake_case_names_only(line, expected):
-    assert corpora.camel_case(line) == expected
+def test_double_quoted_rewrites_plain_single_quoted_literals_only(line, expected):
+    assert corpora.double_quoted(line) == expected
 
 
-def test_camel_records_are_lines_of_the_standard_library_and_their_camel_case():
-    records = corpora.camel_records()
-    assert len(records) > 20000 and len({r["query"] for r in records}) == len(records)
+@pytest.mark.parametrize("line", ["x = 'abc", "call(a, 'b',"])
+def test_double_quoted_refuses_what_is_not_a_line_of_python(line):
+    with pytest.raises(ValueError, match="not a line of Python"):
+        corpora.double_quoted(line)
+
+
+def test_quote_records_are_lines_of_the_standard_library_and_their_edit():
+    records = corpora.quote_records()
+    assert len(records) > 15000 and len({r["query"] for r in records}) == len(records)
     by_module = {}
     for r in records:
         query, response = r["query"], r["response"]
         assert query.endswith("\n") and 0 < len(query) <= 73 and not query.startswith("#")
-        assert response == corpora.camel_case(query[:-1]) + "\n" != query
-        assert corpora.score("camel", query, response) == {"exact": 1.0}
-        assert corpora.score("camel", query, query) == {"exact": 0.0}
+        assert response == corpora.double_quoted(query[:-1]) + "\n" != query
+        assert len(response) == len(query)                   # every character stays in its place
+        assert corpora.score("quotes", query, response) == {"exact": 1.0}
+        assert corpora.score("quotes", query, query) == {"exact": 0.0}
         by_module.setdefault(r["module"], []).append(r)
     lines = open(json.decoder.__file__, encoding="utf-8").read().splitlines()   # each record is a real line
     for r in by_module["json.decoder"]:
