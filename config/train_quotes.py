@@ -1,0 +1,19 @@
+# The quick start: a 0.9M-parameter ReFusion model trained from scratch on the `quotes` corpus (lines
+# of the standard library whose single-quoted strings black would double-quote), TRAIN_MINUTES on 2 CPU
+# cores. Two training options beyond the paper (SPEC section 3) keep the next-token pathway trained,
+# which sample_quotes.py's infill="ar" decodes with: without them the same budget gets QUOTES_PAPER.
+out_dir = "out-quotes"
+objective = "refusion"
+dataset = "quotes"
+slot_sizes = (4, 8)
+slot_end_labels = True
+ar_fraction = 0.5
+n_layer = 4
+n_head = 4
+n_embd = 128
+block_size = 160
+batch_size = 32
+max_iters = 2000
+learning_rate = 3e-3
+min_lr = 3e-4
+eval_interval = 500
