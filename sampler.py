@@ -279,14 +279,20 @@ MISMATCH_NOTES = {
 }
 
 
-def main(argv):
-    cfg = parse_args(DEFAULTS, argv)
+def check_config(cfg):
+    """Raise ValueError on settings that cannot work, before any weights are read (config/sample_*.py
+    pass it; tests/test_config.py checks that they do)."""
     check_device(cfg["device"])
     check_seed(cfg)
     if cfg["num_samples"] <= 0:
         raise ValueError(f"--num_samples={cfg['num_samples']}: ask for at least one validation prompt")
     if cfg["method"]:
         decoder_settings(cfg)  # bad decoder settings fail before the weights are read
+
+
+def main(argv):
+    cfg = parse_args(DEFAULTS, argv)
+    check_config(cfg)
     if cfg["plot"]:
         from figures import cell_text, plot_decode, pyplot  # matplotlib only when asked for
         pyplot()

@@ -75,7 +75,7 @@ def unit_sizes(model):
 
 
 def memory_table(world=8):
-    """The README's table (markdown): parameters and model-state memory per GPU of each model in
+    """docs/training.md's table (markdown): parameters and model-state memory per GPU of each model in
     QWEN3_SHAPES under DDP and under FSDP over `world` GPUs (training_memory; GB = 1e9 bytes)."""
     rows = [f"| model | parameters | largest FSDP unit | DDP, each GPU | FSDP over {world} GPUs, each GPU |",
             "| --- | ---: | ---: | ---: | ---: |"]

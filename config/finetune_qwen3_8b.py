@@ -1,5 +1,5 @@
 # The paper's recipe at its own size: fine-tune a pretrained Qwen3-8B into a ReFusion model on one node
-# of 8 GPUs with 80 GB each, sharded with FSDP (README, "Models larger than one GPU").
+# of 8 GPUs with 80 GB each, sharded with FSDP (docs/training.md, "Models larger than one GPU").
 # Download the weights yourself first (this code never uses the network):
 #   huggingface-cli download Qwen/Qwen3-8B --local-dir Qwen3-8B
 # and point `dataset` at prompt/response data in the ReFusion release's format (a JSON list of
@@ -7,7 +7,7 @@
 #   torchrun --standalone --nproc_per_node=8 train.py config/finetune_qwen3_8b.py
 #   python shard.py --out_dir=out-qwen3-8b && python sampler.py --out_dir=out-qwen3-8b --prompt="..."
 # Not yet run on GPUs: every figure below is an estimate.
-# Memory per GPU, from the parameter count (8.19B: shard.memory_table, as in the README):
+# Memory per GPU, from the parameter count (8.19B: shard.memory_table, as in docs/training.md):
 #   weights, gradients and AdamW state, sharded 8 ways: 16 bytes / 8 per parameter, 16.4 GB;
 #   the largest unit FSDP gathers (embedding and lm_head, 1.24B parameters) in bf16 with its float32
 #   gradients: 7.5 GB; so 23.8 GB of model state (training with DDP instead would need 131 GB per GPU).

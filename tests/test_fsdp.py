@@ -253,10 +253,10 @@ def test_a_sharded_model_counts_its_full_size_and_computes_in_bf16(sharded_step)
         assert abs(rank["loss"] - rank["float32_loss"]) < 0.01 * rank["float32_loss"]
 
 
-def test_the_readme_memory_table_is_computed_from_the_models_shapes():
-    """The README's table is memory_table()'s output, from parameter counts that match the ones Qwen
+def test_the_training_guides_memory_table_is_computed_from_the_models_shapes():
+    """docs/training.md's table is memory_table()'s output, from parameter counts that match the ones Qwen
     publishes for its models (total, and without the embedding matrices)."""
-    assert memory_table() in (ROOT / "README.md").read_text(encoding="utf-8")
+    assert memory_table() in (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
     for name, total, non_embedding in [("Qwen3-0.6B", 0.6, 0.44), ("Qwen3-8B", 8.2, 6.95)]:
         shape = shard.QWEN3_SHAPES[name]
         with torch.device("meta"):
