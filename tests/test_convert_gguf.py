@@ -55,22 +55,29 @@ def tensor_shapes(tied):
     return shapes if tied else shapes | {"output.weight": (len(TOKENS), N_EMBD)}
 
 
-def write_gguf(path, qtype=Q.F32, tied=False, arch="llama", pre="smollm", seed=0, extra_tensors=()):
+def write_gguf(path, qtype=Q.F32, tied=False, arch="llama", pre="smollm", seed=0, extra_tensors=(), rope_dims=None,
+               tokenizer_model="gpt2", extra_meta=(), no_ffn_length=False):
     """A random one-layer Llama (width 256, 4 query / 2 key-value heads) as a GGUF file, its matrices
     of type qtype (random bytes for quantized types: every bit pattern gguf must decode), its norms
-    float32, with a tiny byte-level BPE tokenizer and SmolLM2's chat template. Returns the path."""
+    float32, with a tiny byte-level BPE tokenizer and SmolLM2's chat template. The other arguments
+    write what a converter must refuse: rotary dimensions other than the head's, another tokenizer
+    model, extra metadata (key, value) such as rope scaling or experts, no feed-forward length.
+    Returns the path."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_context_length(128)
     w.add_embedding_length(N_EMBD)
-    w.add_feed_forward_length(FFN)
+    if not no_ffn_length:
+        w.add_feed_forward_length(FFN)
     w.add_head_count(N_HEAD)
     w.add_head_count_kv(N_KV_HEAD)
-    w.add_rope_dimension_count(N_EMBD // N_HEAD)
+    w.add_rope_dimension_count(rope_dims or N_EMBD // N_HEAD)
     w.add_rope_freq_base(100000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
+    for key, value in extra_meta:
+        (w.add_string if isinstance(value, str) else w.add_uint32)(key, value)
+    w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(pre)
     w.add_token_list(TOKENS)
     w.add_token_types(TOKEN_TYPES)
@@ -155,7 +162,13 @@ def test_converted_folder_is_a_model_transformers_and_we_agree_on(tmp_path):
     (lambda p: write_gguf(p, Q.Q8_1), r"tensor type Q8_1 \(gguf dequantizes F32, F16, BF16, Q4_0"),
     (lambda p: open(p, "w").write("not a GGUF file") and str(p), "is not a readable GGUF file"),
     (lambda p: write_gguf(p, pre="falcon"), "tokenizer.ggml.pre='falcon' is not supported"),
-], ids=["architecture", "tensor", "tensor-type", "not-gguf", "pre-tokenizer"])
+    (lambda p: write_gguf(p, tokenizer_model="llama"), "tokenizer.ggml.model='llama', .* is not supported"),
+    (lambda p: write_gguf(p, extra_meta=[("llama.rope.scaling.type", "yarn")]), "rope scaling 'yarn' is not supported"),
+    (lambda p: write_gguf(p, extra_meta=[("llama.expert_count", 8)]), "a mixture of experts is not supported"),
+    (lambda p: write_gguf(p, rope_dims=N_EMBD // N_HEAD // 2), "rotary embeddings on part of each head is not supported"),
+    (lambda p: write_gguf(p, no_ffn_length=True), "has no 'llama.feed_forward_length' in its metadata"),
+], ids=["architecture", "tensor", "tensor-type", "not-gguf", "pre-tokenizer", "tokenizer-model", "rope-scaling",
+        "experts", "partial-rotary", "missing-metadata"])
 def test_converter_refuses_what_it_does_not_support(tmp_path, write, message):
     path = write(tmp_path / "model.gguf")
     with pytest.raises(ValueError, match=message):
