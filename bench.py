@@ -8,7 +8,7 @@ that span the range from parallel-friendly to strictly serial:
     arith      worked column arithmetic: each line depends on the line before (its carry)
     stdlib     real code: the bodies of the standard library's documented functions
 
-    python bench.py              # the full run (TASKS' recipes), 53.5 minutes on 2 CPU cores (README)
+    python bench.py              # the full run (TASKS' recipes), 92 minutes on 2 CPU cores (docs/benchmark.md)
     python bench.py --quick      # one task, tiny models, a small sweep: a smoke run of 20 to 30 seconds
 
 For each task it trains (or reuses, from out_dir) an ARM, a ReFusion model and an MDM with the same
@@ -20,8 +20,8 @@ blocks (SWEEP), each with the paper's infill and infill="ar" (SPEC section 4.1),
 `transformers` is installed, Hugging Face's `generate` on the ARM's weights. Each point records its quality, tokens,
 forward passes (NFE), TPF, tokens/s, milliseconds per forward pass and the share of decode time
 spent outside the model (bookkeeping). It writes out_dir/bench.json (every point), bench.md (the
-table: the baselines, and per ReFusion model its fastest setting within 1 point of the ARM's quality,
-its most accurate setting and its fastest setting) and, with matplotlib, bench.png (quality against speed relative to
+headline, then the table: the baselines, and per ReFusion model and infill mode its fastest setting
+within 1 point of the ARM's quality, its most accurate setting and its fastest setting) and, with matplotlib, bench.png (quality against speed relative to
 the ARM, as the paper's MBPP figure). Every figure comes from this run.
 """
 
@@ -45,6 +45,7 @@ from checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from configurator import parse_args, require, run_cli, settings_in
 from corpora import score
 from data import TokenDataset, decode, get_tokenizer
+from files import write_atomic
 from generate import INFILL_MODES, MDMSettings, RefusionSettings, cut_after_eos
 from model import ModelConfig, Transformer
 from prepare import prepare
@@ -365,6 +366,28 @@ def highlights(rows):
     return chosen
 
 
+def headline(rows):
+    """The README's table: per task the ARM, the MDM point "vs MDM" compares with, and for each infill
+    mode the best ReFusion point of either model (its fastest point within 1 point of the ARM's
+    quality, or, when none is, its most accurate point, the fastest of those that tie), as markdown."""
+    lines = ["| task | decoder | quality | tokens | TPF | tokens/s | vs ARM | vs MDM |", "| --- " * 8 + "|"]
+    for task in dict.fromkeys(r["task"] for r in rows):
+        task_rows = [r for r in rows if r["task"] == task]
+        ar_quality = first_quality(task_rows[0])
+        picks = [(task_rows[0], "ARM"), (best_mdm(task_rows), best_mdm(task_rows)["label"])]
+        for infill in INFILL_MODES:
+            points = [r for r in task_rows if r["method"] == "refusion" and r["settings"]["infill"] == infill]
+            close = [r for r in points if first_quality(r) >= ar_quality - 0.01]
+            best = (max(close, key=lambda r: r["tokens_per_s"]) if close
+                    else max(points, key=lambda r: (first_quality(r), r["tokens_per_s"])))
+            picks.append((best, best["label"]))
+        for r, label in picks:
+            lines.append(f"| {task} | {label} | {', '.join(f'{m} {q:.1%}' for m, q in r['quality'].items())} | "
+                         f"{r['tokens']} | {r['tpf']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup_vs_ar']:.2f}x | "
+                         f"{r['speedup_vs_mdm']:.1f}x |")
+    return "\n".join(lines)
+
+
 def first_quality(row):
     """A point's quality measure: the first metric of its task (exact, accuracy or parse_rate)."""
     return next(iter(row["quality"].values()))
@@ -429,7 +452,7 @@ def plot(rows, path):
         ax.set_title(task)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda f: fig.savefig(f, dpi=120, format="png"))
     return True
 
 
@@ -517,18 +540,17 @@ def main(argv):
     step_times = {task: training_step_times(cfg, task, QUICK["step_times"] if cfg["quick"] else 20)
                   for task in cfg["tasks"]}
     minutes = (time.perf_counter() - t0) / 60
-    table = markdown_table(highlights(rows)) + "\n\n" + "\n".join(
+    table = headline(rows) + "\n\n" + markdown_table(highlights(rows)) + "\n\n" + "\n".join(
         f"Training step ({task}, batch {recipe(cfg, task)['batch_size']}): ReFusion {t['refusion'] * 1e3:.0f} ms, "
         f"AR {t['ar'] * 1e3:.0f} ms, ratio {t['ratio']:.2f}x" for task, t in step_times.items())
     table += "\n\n" + "\n".join(f"{task}: training {m['train']:.1f} minutes (5 models; near 0 when reused), "
                                  f"decoding {m['decode']:.1f} minutes" for task, m in task_minutes.items())
     host = machine()
     table += f"\n\nWhole run: {minutes:.1f} minutes on {host['processor']} ({host['cpu_threads']} threads)"
-    with open(os.path.join(cfg["out_dir"], "bench.json"), "w") as f:
-        json.dump({"config": cfg, "machine": host, "minutes": minutes, "task_minutes": task_minutes, "rows": rows,
-                   "training_step_seconds": step_times}, f, indent=2)
-    with open(os.path.join(cfg["out_dir"], "bench.md"), "w") as f:
-        f.write(table + "\n")
+    report = {"config": cfg, "machine": host, "minutes": minutes, "task_minutes": task_minutes, "rows": rows,
+              "training_step_seconds": step_times}
+    write_atomic(os.path.join(cfg["out_dir"], "bench.json"), lambda f: f.write(json.dumps(report, indent=2).encode()))
+    write_atomic(os.path.join(cfg["out_dir"], "bench.md"), lambda f: f.write((table + "\n").encode()))
     print("\n" + table)
     if plot(rows, os.path.join(cfg["out_dir"], "bench.png")):
         print(f"wrote {cfg['out_dir']}/bench.png")

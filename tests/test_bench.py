@@ -12,7 +12,7 @@ from checkpoint import load_checkpoint, save_checkpoint
 from configurator import parse_args
 from corpora import score, transform_records
 from generate import DecodeSettings, generate_ar
-from helpers import tiny_model
+from helpers import ROOT, tiny_model
 
 ROW_FIELDS = {"task", "dataset", "label", "method", "model", "settings", "train_iters", "val_loss", "quality", "tokens",
               "nfe", "tpf", "seconds", "tokens_per_s", "forward_calls", "ms_per_forward", "bookkeeping_share",
@@ -52,7 +52,8 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
     steps = report["training_step_seconds"]["transform"]
     assert steps["ratio"] == steps["refusion"] / steps["ar"]
     table = (tmp_path / "bench" / "bench.md").read_text()
-    assert table.startswith("| task | decoder | why |") and "Training step (transform" in table
+    assert table.startswith(bench.headline(rows) + "\n\n| task | decoder | why |") and "Training step (transform" in table
+    check_headline(rows)
     assert "fastest" in table and (tmp_path / "bench" / "bench.png").stat().st_size > 10_000
     # with transformers installed, Hugging Face's generate on the ARM's weights is a row of its own, and
     # greedy decoding of the same weights gives what our cached ARM decoder gives
@@ -60,6 +61,34 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
     assert len(hf_rows) == (importlib.util.find_spec("transformers") is not None)
     for hf_row in hf_rows:
         assert (hf_row["tokens"], hf_row["quality"]) == (ar_row["tokens"], ar_row["quality"])
+
+
+def check_headline(rows):
+    """The README's table lists, per task, the ARM, the MDM compared with, and per infill mode one ReFusion
+    point: no point of that mode within 1 point of the ARM is faster, and when none is within 1 point,
+    none is more accurate."""
+    by_label = {(r["task"], r["label"]): r for r in rows}
+    lines = bench.headline(rows).splitlines()[2:]
+    for task in dict.fromkeys(r["task"] for r in rows):
+        task_rows = [r for r in rows if r["task"] == task]
+        labels = [line.split(" | ")[1] for line in lines if line.startswith(f"| {task} |")]
+        assert labels[:2] == ["ARM", bench.best_mdm(task_rows)["label"]] and len(labels) == 4
+        ar_quality = bench.first_quality(task_rows[0])
+        for label, infill in zip(labels[2:], ("paper", "ar")):
+            pick = by_label[task, label]
+            points = [r for r in task_rows if r["method"] == "refusion" and r["settings"]["infill"] == infill]
+            assert pick in points
+            close = [r for r in points if bench.first_quality(r) >= ar_quality - 0.01]
+            if close:
+                assert pick in close and all(r["tokens_per_s"] <= pick["tokens_per_s"] for r in close)
+            else:
+                assert all(bench.first_quality(r) <= bench.first_quality(pick) for r in points)
+
+
+def test_the_readmes_benchmark_table_is_the_recorded_runs_headline():
+    rows = json.loads((ROOT / "docs" / "bench.json").read_text())["rows"]
+    check_headline(rows)
+    assert bench.headline(rows) in (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def test_transform_answers_are_checked_independently():
