@@ -22,4 +22,4 @@ def test_quick_start_trains_and_prints_a_verdict_per_sample_and_a_summary(tmp_pa
     right = sum(line.startswith("right") for line in verdicts)
     assert re.match(rf"3 samples: {right} of 3 right \(exact\); \d+ tokens in \d+ forward passes", printed[-1])
     cfg = load_checkpoint(str(tmp_path / "out"))["config"]
-    assert (cfg["dataset"], cfg["slot_end_labels"], cfg["ar_fraction"]) == ("quotes", True, 0.5)
+    assert (cfg["dataset"], cfg["slot_end_labels"], cfg["ar_fraction"]) == ("quotes", True, 0.25)
