@@ -280,8 +280,9 @@ MISMATCH_NOTES = {
 
 
 def check_config(cfg):
-    """Raise ValueError on settings that cannot work, before any weights are read (config/sample_*.py
-    pass it; tests/test_config.py checks that they do)."""
+    """Refuse settings that cannot work before any weights are read: the device, the seed, the number
+    of samples and, when --method is given, the decoder's settings (SPEC section 4). Raises
+    ConfigError or ValueError naming the flag. config/sample_*.py pass it (tests/test_config.py)."""
     check_device(cfg["device"])
     check_seed(cfg)
     if cfg["num_samples"] <= 0:

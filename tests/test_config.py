@@ -54,10 +54,10 @@ def test_config_file_errors_name_the_file_and_line(tmp_path, content, message):
 def test_every_config_file_names_known_keys_and_passes_the_scripts_checks(path):
     """config/train_*.py and finetune_*.py are read by train.py, sample_*.py by sampler.py, bench_*.py by
     bench.py; a GPU config is checked as if on CPU, since this machine may have no GPU."""
+    assert path.startswith(("train_", "finetune_", "sample_", "bench_")), "name a config after the script that reads it"
     script, check = ((train, train.check_config) if path.startswith(("train_", "finetune_"))
                      else (sampler, sampler.check_config) if path.startswith("sample_")
                      else (bench, bench.check_bench_config))
-    assert path.startswith(("train_", "finetune_", "sample_", "bench_")), "name a config after the script that reads it"
     cfg = parse_args(script.DEFAULTS, [str(ROOT / "config" / path), "--device=cpu"])
     check(cfg)                                                        # raises on a setting that cannot work
 
