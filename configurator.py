@@ -52,6 +52,17 @@ def descriptions(script):
     return found
 
 
+def command_of(script):
+    """How a script is run: `train.py` for a file at the top level, `-m tools.bench` for a module of a
+    package (a directory holding __init__.py), run from the repository's root."""
+    if not script:
+        return "script.py"
+    folder, name = os.path.split(os.path.abspath(script))
+    if os.path.isfile(os.path.join(folder, "__init__.py")):
+        return f"-m {os.path.basename(folder)}.{os.path.splitext(name)[0]}"
+    return name
+
+
 def usage(defaults):
     """The --help text: how to call the script, then one line per setting: --key=default and its
     description (from the script's source when defaults are Defaults)."""
@@ -60,7 +71,7 @@ def usage(defaults):
     shown = {k: ",".join(map(str, v)) if isinstance(v, tuple) else v if isinstance(v, str) else repr(v)
              for k, v in defaults.items()}
     width = max(len(f"--{k}={v}") for k, v in shown.items())
-    lines = [f"usage: python {os.path.basename(script or 'script.py')} [config.py ...] [--key=value ...]",
+    lines = [f"usage: python {command_of(script)} [config.py ...] [--key=value ...]",
              "Config files and flags apply left to right. Settings, with their defaults:"]
     lines += [f"  {f'--{k}={v}':<{width}}  {about.get(k, '')}".rstrip() for k, v in shown.items()]
     return "\n".join(lines)

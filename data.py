@@ -1,189 +1,20 @@
 """
-Token batches: the tokenizer, one split of prepared data, and what each objective feeds the model.
+ReFusion's training layout (SPEC section 3) and the baselines', as batches of tensors: what each
+objective feeds the model and what it asks it to predict.
 
-    get_tokenizer / encode / decode   text <-> token ids (tiktoken)
-    TokenDataset(data_dir, split)     a split written by prepare.py, as right-padded (B, T) batches
-    reorganize_slots                  ReFusion's training layout (SPEC section 3)
-    autoregressive_batch, random_mask_batch   the ARM and MDM baselines' layouts
-    pad_with_eos                      the MDM's responses padded with EOS to its canvas (LLaDA's SFT)
+    reorganize_slots     ReFusion: slots, masking, the clean slots shuffled before the masked ones
+    layout_one_sample    the same layout for one sample, as a plain loop (the reference layout_slots equals)
+    layout_slots         the deterministic half of reorganize_slots, vectorized over the batch
+    autoregressive_batch the ARM baseline's layout
+    pad_with_eos, random_mask_batch   the MDM baseline's layout (LLaDA's SFT: EOS padding, random masks)
+
+Token ids come in from support/prepare.py's TokenDataset; nothing here reads files or text.
 """
 
-import json
-import os
-import re
 from dataclasses import dataclass
-from functools import cache
 
-import numpy as np
-import tiktoken
 import torch
 import torch.nn.functional as F
-
-from pretrained import GPT2_PAT, hf_special_ids, hf_tokenizer  # GPT-2's regex, Hugging Face folders' tokenizers
-
-EOS, MASK, PAD = "<|endoftext|>", "<|mask|>", "<|pad|>"
-TOKENIZERS = ("bytes", "gpt2")
-
-# -----------------------------------------------------------------------------
-# tokenizer (the byte tokenizer splits text with GPT-2's regex, as GPT-2 does)
-
-
-@cache
-def get_tokenizer(name: str = "bytes") -> tiktoken.Encoding:
-    """
-    Return the tiktoken Encoding called `name`, with EOS, MASK and PAD as special tokens
-    (hf:FOLDER: the folder's own special tokens).
-
-    "bytes": one token per byte (ids 0..255) + EOS=256, MASK=257, PAD=258; n_vocab = 259.
-             Built in code, needs no download: the offline default.
-    "gpt2":  GPT-2's BPE (ids 0..50255) + EOS=50256, MASK=50257, PAD=50258; n_vocab = 50259.
-             tiktoken downloads the BPE file once and caches it (see TIKTOKEN_CACHE_DIR).
-    "hf:FOLDER": the tokenizer.json of a Hugging Face model folder (Qwen3, ReFusion, SmolLM2), see
-             pretrained.hf_tokenizer; its special ids come from pretrained.hf_special_ids.
-    Raises ValueError for an unknown name, FileNotFoundError if the GPT-2 BPE file cannot be had,
-    and what hf_tokenizer raises.
-    """
-    if name.startswith("hf:"):
-        return hf_tokenizer(name[len("hf:"):])
-    if name == "bytes":
-        ranks = {bytes([i]): i for i in range(256)}
-        return tiktoken.Encoding(name="bytes", pat_str=GPT2_PAT, mergeable_ranks=ranks,
-                                 special_tokens={EOS: 256, MASK: 257, PAD: 258})
-    if name == "gpt2":
-        try:
-            base = tiktoken.get_encoding("gpt2")
-        except Exception as e:
-            raise FileNotFoundError(
-                "the GPT-2 BPE file could not be downloaded or found in tiktoken's cache "
-                "(set TIKTOKEN_CACHE_DIR to a directory that holds it); "
-                "use --tokenizer=bytes (the offline default) instead") from e
-        return tiktoken.Encoding(name="gpt2-refusion", pat_str=base._pat_str,
-                                 mergeable_ranks=base._mergeable_ranks,
-                                 special_tokens={EOS: 50256, MASK: 50257, PAD: 50258})
-    raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS} or hf:FOLDER")
-
-
-def special_ids(enc: tiktoken.Encoding) -> tuple[int, int, int]:
-    """(eos_id, mask_id, pad_id) that training appends, masks with and pads with.
-
-    bytes / gpt2: EOS, MASK and PAD of get_tokenizer. hf:FOLDER (hf_special_ids): the first EOS id
-    (<|im_end|> for Qwen3), <|mask|>, or for a folder without one (a plain Qwen3, fine-tuned into a
-    ReFusion model) the first id after the tokenizer's own, and the pad id. Raises what
-    hf_special_ids raises.
-    """
-    if enc.name.startswith("hf:"):
-        eos_ids, mask_id, pad_id = hf_special_ids(enc.name[len("hf:"):])
-        return eos_ids[0], enc.n_vocab if mask_id is None else mask_id, pad_id
-    return enc.encode_single_token(EOS), enc.encode_single_token(MASK), enc.encode_single_token(PAD)
-
-
-def vocab_size(enc: tiktoken.Encoding) -> int:
-    """Rows a model's embedding needs for this tokenizer: every id, the mask id of special_ids included."""
-    return max(enc.n_vocab, max(special_ids(enc)) + 1)
-
-
-def encode(enc: tiktoken.Encoding, text: str) -> list[int]:
-    """Token ids of `text`. Special-token strings in the text stay plain text, never special ids.
-
-    A tokenizer from a Hugging Face folder (hf:FOLDER) encodes as its reference tokenizer does
-    (pretrained.HFEncoding: NFC when its tokenizer.json says so, its non-special added tokens).
-    """
-    ids = []
-    for piece in _pieces(text):
-        ids += enc.encode_ordinary(piece)
-    return ids
-
-
-def decode(enc: tiktoken.Encoding, ids) -> str:
-    """Text of `ids` (ints, special ids included); broken UTF-8 becomes U+FFFD, never an error."""
-    return enc.decode([int(i) for i in ids], errors="replace")
-
-
-# tiktoken's pre-tokenizing regex (GPT-2's, whose whitespace alternative looks ahead) runs out of its
-# backtracking stack on a run of about 500,000 whitespace characters and panics: encode() feeds it a
-# longer run than this in pieces
-MAX_SPACE_RUN = 10_000
-_LONG_SPACE_RUN = re.compile(r"(?<!\s)\s{%d,}" % (MAX_SPACE_RUN + 1))  # from the run's start: linear time
-
-
-def _pieces(text: str) -> list[str]:
-    """text cut every MAX_SPACE_RUN characters inside each run of more whitespace than that, for
-    encode(); text without such a run is one piece. A cut is exact for the byte tokenizer (one token
-    per byte however the text is cut); a BPE may merge such a run's whitespace differently at a cut."""
-    cuts = [0]
-    for run in _LONG_SPACE_RUN.finditer(text):
-        cuts += range(run.start() + MAX_SPACE_RUN, run.end(), MAX_SPACE_RUN)
-    return [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)])]
-
-# -----------------------------------------------------------------------------
-# reading prepared data back (prepare.py writes it)
-
-
-class TokenDataset:
-    """One split of a prepared data dir: samples of prompt + response + EOS tokens."""
-
-    def __init__(self, data_dir: str, split: str):
-        names = ("meta.json", f"{split}.bin", f"{split}_samples.npy")
-        paths = [os.path.join(data_dir, fn) for fn in names]
-        for p in paths:
-            if not os.path.isfile(p):
-                raise FileNotFoundError(f"{p} not found; run prepare.prepare(...) or train.py "
-                                        "first to prepare the data")
-        with open(paths[0]) as f:
-            self.meta = json.load(f)
-        damaged = damaged_file(data_dir, self.meta, split)
-        if damaged:
-            raise ValueError(f"{damaged} does not hold what {paths[0]} counts: the prepared data is damaged; "
-                             "prepare.prepare() writes it anew, as train.py and sampler.py do when they start")
-        self.tokens = np.memmap(paths[1], dtype=self.meta.get("token_dtype", "uint16"), mode="r")
-        self.samples = np.load(paths[2], allow_pickle=False)  # (N, 3): start, prompt_len, total_len
-        self.pad_id = self.meta["pad_id"]
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def sample(self, i: int) -> tuple[list[int], list[int]]:
-        """(prompt_ids, response_ids) of sample i; the response ends with EOS."""
-        start, prompt_len, total_len = (int(x) for x in self.samples[i])
-        ids = self.tokens[start:start + total_len].tolist()
-        return ids[:prompt_len], ids[prompt_len:]
-
-    def get_batch(self, batch_size: int, rng: np.random.Generator, device="cpu"):
-        """get_batch_at for `batch_size` sample indices drawn uniformly (with replacement) by rng."""
-        return self.get_batch_at(rng.integers(0, len(self), size=batch_size), device)
-
-    def get_batch_at(self, indices, device="cpu"):
-        """
-        The samples at `indices`, right-padded with pad_id to the longest of them (T tokens):
-        tokens (B, T) int64, prompt_len (B,) int64, length (B,) int64 (tokens incl. EOS, no pad).
-        """
-        rows = self.samples[np.asarray(indices, dtype=np.int64)]  # (B, 3)
-        tokens = np.full((len(rows), int(rows[:, 2].max())), self.pad_id, dtype=np.int64)
-        for b, (start, _, total_len) in enumerate(rows):
-            tokens[b, :total_len] = self.tokens[start:start + total_len]
-        prompt_len, length = np.ascontiguousarray(rows[:, 1]), np.ascontiguousarray(rows[:, 2])
-        return tuple(torch.from_numpy(a).to(device) for a in (tokens, prompt_len, length))
-
-
-
-def damaged_file(data_dir: str, meta: dict, split: str) -> str | None:
-    """The path of the first of a split's files that is missing or does not hold as many tokens or
-    samples as meta.json counts (e.g. cut short by a full disk), or None when both are whole."""
-    counts = meta.get("counts", {}).get(split, {})
-    bin_path, samples_path = (os.path.join(data_dir, f"{split}{end}") for end in (".bin", "_samples.npy"))
-    itemsize = np.dtype(meta.get("token_dtype", "uint16")).itemsize
-    if not os.path.isfile(bin_path) or os.path.getsize(bin_path) != itemsize * counts.get("tokens", -1):
-        return bin_path
-    try:
-        if len(np.load(samples_path, mmap_mode="r", allow_pickle=False)) != counts.get("samples"):
-            return samples_path
-    except (OSError, ValueError):
-        return samples_path
-    return None
-
-
-# -----------------------------------------------------------------------------
-# training inputs: what each objective feeds the model and what it asks it to predict
 
 IGNORE = -100  # label of a token that is not predicted (F.cross_entropy's ignore_index)
 
@@ -375,3 +206,4 @@ def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3):
     labels = torch.where(masked, tokens, IGNORE)
     weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)
     return Batch(torch.where(masked, mask_id, tokens), pos, labels, weight, key_mask=pos < length[:, None])
+

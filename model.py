@@ -7,7 +7,8 @@ their true positions. So `forward` takes `position_ids` next to the tokens; atte
 the *physical* order of the buffer, RoPE uses the *logical* positions (SPEC section 2).
 
 Module names follow the Hugging Face Qwen3 and Llama checkpoints (embed_tokens, self_attn.q_proj,
-mlp.gate_proj, ...), so released weights map onto this model name for name (pretrained.from_pretrained).
+mlp.gate_proj, ...), so released weights map onto this model name for name
+(support.hf_folder.from_pretrained).
 """
 
 import math
@@ -23,7 +24,7 @@ from kvcache import KVCache
 @dataclass
 class ModelConfig:
     vocab_size: int = 259           # the byte tokenizer: 256 bytes + EOS, mask, pad
-    block_size: int = 512           # context length: position ids are < block_size
+    block_size: int = 512           # the context (nanoGPT's name): position ids are < block_size
     n_layer: int = 4
     n_head: int = 4
     n_kv_head: int | None = None    # grouped-query attention; None means n_head (plain multi-head)
@@ -112,7 +113,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Block(nn.Module):
+class DecoderLayer(nn.Module):
 
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -133,7 +134,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layer))
         self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -189,8 +190,8 @@ class Transformer(nn.Module):
             mask = km if mask is None else mask & km
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         x = self.embed_tokens(idx)
-        for block in self.layers:
-            x = block(x, cos, sin, mask, is_causal, kv_cache)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, is_causal, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.lm_head(self.norm(x)).float()

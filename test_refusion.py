@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import data
 from data import layout_one_sample
-from generate import DecodeSettings, MDMSettings, RefusionSettings, draft_tokens, generate_ar, generate_mdm, \
+from sampler import DecodeSettings, MDMSettings, RefusionSettings, draft_tokens, generate_ar, generate_mdm, \
     generate_refusion, tokens_per_step
 from kvcache import KVCache
 from model import ModelConfig, Transformer
@@ -303,7 +303,7 @@ def test_ar_fraction_lays_out_that_share_of_samples_as_the_arm_does():
 
 
 # ----------------------------------------------------------------------------------------------
-# generate.py: plan, verify, infill, commit on an oracle whose logits put all mass on a known target (SPEC section 4)
+# sampler.py: plan, verify, infill, commit on an oracle whose logits put all mass on a known target (SPEC section 4)
 
 class OracleModel(nn.Module):
     """Knows the target token at every position. A mask token predicts its own position's target,
@@ -391,7 +391,7 @@ def test_parallel_infill_fills_every_selected_slot(eos_at):
 
 
 # ----------------------------------------------------------------------------------------------
-# generate.py against a naive reference decoder that recomputes the whole buffer for every prediction
+# sampler.py against a naive reference decoder that recomputes the whole buffer for every prediction
 
 @torch.no_grad()
 def naive_one_slot_decode(model, prompt, gen_len, slot_size, serial_num_blocks, accept_all, eos_id, mask_id):
@@ -462,7 +462,7 @@ def test_decode_matches_naive_reference_with_one_slot_per_step(accept_all, seed,
 
 
 # ----------------------------------------------------------------------------------------------
-# generate.py, infill="ar" (SPEC section 4.1, beyond the paper): the next-token pathway forces the tokens
+# sampler.py, infill="ar" (SPEC section 4.1, beyond the paper): the next-token pathway forces the tokens
 
 class BadDrafterOracle(OracleModel):
     """An oracle whose clean tokens predict the next target token, but whose mask tokens at the
@@ -604,7 +604,7 @@ def test_ar_infill_of_parallel_rows_matches_naive_reference(seed, slot_size):
 
 
 # ----------------------------------------------------------------------------------------------
-# generate.py: the baselines' defining properties (SPEC section 4, "Baseline decoders")
+# sampler.py: the baselines' defining properties (SPEC section 4, "Baseline decoders")
 
 @torch.no_grad()
 def naive_next_token_decode(model, prompt, max_new_tokens, eos_id, temperature, generator):

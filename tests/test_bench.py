@@ -1,4 +1,4 @@
-"""The side-by-side benchmark (bench.py)."""
+"""The side-by-side benchmark (tools/bench.py)."""
 
 import importlib.util
 import json
@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-import bench
-from checkpoint import load_checkpoint, save_checkpoint
 from configurator import parse_args
-from corpora import score, transform_records
-from generate import DecodeSettings, generate_ar
 from helpers import ROOT, tiny_model
+from sampler import DecodeSettings, generate_ar
+from support.checkpoint import load_checkpoint, save_checkpoint
+from support.corpora import score, transform_records
+from tools import bench
 
 ROW_FIELDS = {"task", "dataset", "label", "method", "model", "settings", "train_iters", "val_loss", "quality", "tokens",
               "nfe", "tpf", "seconds", "tokens_per_s", "forward_calls", "ms_per_forward", "bookkeeping_share",
@@ -21,7 +21,7 @@ QUICK = ["--quick", "--max_iters=3", "--finetune_iters=2", "--num_prompts=2"]
 
 
 def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, capsys):
-    """bench.py --quick, shortened: bench.json holds every point with every field, bench.md the table,
+    """python -m tools.bench --quick, shortened: bench.json holds every point with every field, bench.md the table,
     bench.png the plot. The figures themselves are not checked, only that they are consistent."""
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)                                       # data/ and bench/ land here

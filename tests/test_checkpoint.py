@@ -1,4 +1,4 @@
-"""Checkpoints that never run code and never lose a run (checkpoint.py)."""
+"""Checkpoints that never run code and never lose a run (support/checkpoint.py)."""
 
 import errno
 import os
@@ -10,13 +10,13 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import checkpoint
 import sampler
 import train
-from checkpoint import load_checkpoint, save_checkpoint
-from files import DiskFull
 from helpers import tiny_model, tiny_run_flags, write
-from prepare import prepare
+from support import checkpoint
+from support.checkpoint import load_checkpoint, save_checkpoint
+from support.files import DiskFull
+from support.prepare import prepare
 
 
 

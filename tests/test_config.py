@@ -7,14 +7,12 @@ import sys
 
 import pytest
 
-import bench
-import shard
-import eval_humaneval
 import sampler
 import train
 from configurator import ConfigError, parse_args
 from helpers import ROOT
-
+from support import runs
+from tools import bench, consolidate, eval_humaneval
 
 
 def test_flags_override_defaults_with_type_checks():
@@ -53,9 +51,9 @@ def test_config_file_errors_name_the_file_and_line(tmp_path, content, message):
 @pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "config").glob("*.py")))
 def test_every_config_file_names_known_keys_and_passes_the_scripts_checks(path):
     """config/train_*.py and finetune_*.py are read by train.py, sample_*.py by sampler.py, bench_*.py by
-    bench.py; a GPU config is checked as if on CPU, since this machine may have no GPU."""
+    tools/bench.py; a GPU config is checked as if on CPU, since this machine may have no GPU."""
     assert path.startswith(("train_", "finetune_", "sample_", "bench_")), "name a config after the script that reads it"
-    script, check = ((train, train.check_config) if path.startswith(("train_", "finetune_"))
+    script, check = ((train, runs.check_config) if path.startswith(("train_", "finetune_"))
                      else (sampler, sampler.check_config) if path.startswith("sample_")
                      else (bench, bench.check_bench_config))
     cfg = parse_args(script.DEFAULTS, [str(ROOT / "config" / path), "--device=cpu"])
@@ -80,7 +78,8 @@ def test_help_lists_every_setting_with_its_default_and_description_then_exits_0(
         script.main(["--no_such_key=1", flag])                        # help wins over a flag it cannot read
     assert stop.value.code == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"usage: python {script.__name__}.py [config.py ...] [--key=value ...]"
+    command = f"-m {script.__name__}" if script.__name__.startswith("tools.") else f"{script.__name__}.py"
+    assert lines[0] == f"usage: python {command} [config.py ...] [--key=value ...]"
     for key, value in script.DEFAULTS.items():
         shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
         line = next(line for line in lines if line.startswith(f"  --{key}="))
@@ -93,7 +92,7 @@ def test_a_file_that_is_not_a_py_config_is_refused_and_never_run(tmp_path):
     marker = tmp_path / "code-ran"
     code = f"open({str(marker)!r}, 'w')\n"                           # valid Python, as a config file is
     for script, name, flag in [(sampler, "my_prompt.txt", "--prompt_file="), (train, "data.json", "--dataset="),
-                               (shard, "notes.md", None)]:
+                               (consolidate, "notes.md", None)]:
         path = tmp_path / name
         path.write_text(code)
         hint = re.escape(f"to read it, write {flag}{path}") if flag else "flags are written --key=value"
@@ -105,15 +104,16 @@ def test_a_file_that_is_not_a_py_config_is_refused_and_never_run(tmp_path):
 
 def test_output_into_a_reader_that_left_ends_every_script_quietly(tmp_path):
     """`python X.py --help | head -1` (the reader gone before the output is written): no
-    BrokenPipeError traceback, nothing on stderr, exit status 1, for every script."""
-    scripts = ["train.py", "sampler.py", "shard.py", "bench.py", "eval_humaneval.py"]
+    BrokenPipeError traceback, nothing on stderr, exit status 1, for every script and tool."""
+    scripts = [[str(ROOT / "train.py")], [str(ROOT / "sampler.py")]] + [
+        ["-m", f"tools.{name}"] for name in ("consolidate", "bench", "eval_humaneval", "figures")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = []
     for script in scripts:                                            # all at once: each imports torch
         read, written = os.pipe()
         os.close(read)                                                # the reader has left
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / script), "--help"], stdout=written,
-                                      stderr=subprocess.PIPE, env=env))
+        procs.append(subprocess.Popen([sys.executable, *script, "--help"], stdout=written,
+                                      stderr=subprocess.PIPE, env=env, cwd=ROOT))
         os.close(written)
     for script, proc in zip(scripts, procs):
         _, err = proc.communicate(timeout=120)

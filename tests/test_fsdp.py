@@ -1,4 +1,4 @@
-"""Sharded training (shard.py; train.py --fsdp=True): FSDP2 over 2 processes with gloo on CPU, sharded
+"""Sharded training (support/shard.py; train.py --fsdp=True): FSDP2 over 2 processes with gloo on CPU, sharded
 checkpoints and their consolidation, activation checkpointing, and the memory table."""
 
 import contextlib
@@ -18,13 +18,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import sampler
-import shard
 import train
-from checkpoint import load_checkpoint, sharded_info_path
 from helpers import ROOT, tiny_model, tiny_run_flags
 from model import ModelConfig, Transformer
-from shard import checkpoint_blocks, consolidate, load_sharded, load_sharded_info, memory_table, save_sharded, \
-    shard_model, training_memory, unit_sizes
+from support import shard
+from support.checkpoint import load_checkpoint, sharded_info_path
+from support.shard import checkpoint_layers, consolidate, load_sharded, load_sharded_info, memory_table, \
+    save_sharded, shard_model, training_memory, unit_sizes
+from tools import consolidate as consolidate_cli
 from train import flops_per_token, make_optimizer
 
 if not dist.is_available() or not dist.is_gloo_available():
@@ -42,7 +43,7 @@ def _free_port():
 
 
 def _join_as(rank, port):
-    """Make this process rank `rank` of 2, as torchrun does (train.setup_distributed reads these)."""
+    """Make this process rank `rank` of 2, as torchrun does (support.runs.setup_distributed reads these)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
 
@@ -186,7 +187,7 @@ def test_activation_checkpointing_keeps_less_for_backward_and_changes_no_gradien
     def train_step(checkpointed):
         model = tiny_model(seed=6).train()
         if checkpointed:
-            checkpoint_blocks(model)
+            checkpoint_layers(model)
         saved = []                                                     # bytes autograd keeps for backward
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):
             loss = model(idx, torch.arange(32).expand(3, 32)).logsumexp(-1).mean()
@@ -278,7 +279,7 @@ class Payload:
 
 def test_a_crafted_sharded_checkpoint_runs_no_code_and_is_refused(tmp_path, one_process_group):
     """torch.distributed.checkpoint unpickles a checkpoint's index (.metadata) and the values stored
-    beside its tensors with plain pickle; shard.py (consolidation) and an FSDP resume (load_sharded)
+    beside its tensors with plain pickle; consolidation (tools.consolidate) and an FSDP resume (load_sharded)
     refuse either when it would construct anything else than plain data, and nothing in it runs."""
     marker = str(tmp_path / "code-ran")
     out = str(tmp_path / "run")
@@ -297,7 +298,7 @@ def test_a_crafted_sharded_checkpoint_runs_no_code_and_is_refused(tmp_path, one_
         load_sharded(shards, model, make_optimizer(train.DEFAULTS, model))
     with open(os.path.join(shards, ".metadata"), "wb") as f:            # the index itself
         pickle.dump(Payload(marker), f)
-    for load in (lambda: shard.main([f"--out_dir={out}"]), lambda: load_sharded(shards, model, optimizer)):
+    for load in (lambda: consolidate_cli.main([f"--out_dir={out}"]), lambda: load_sharded(shards, model, optimizer)):
         with pytest.raises(ValueError, match=r"\.metadata is not a sharded checkpoint's index \(UnpicklingError: "
                                              r"it names io.open, which a checkpoint.s index never holds.*nothing "
                                              r"in it ran"):

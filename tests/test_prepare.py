@@ -1,4 +1,4 @@
-"""Tokenizing a corpus once into memmapped splits (prepare.py)."""
+"""Tokenizing a corpus once into memmapped splits (support/prepare.py)."""
 
 import errno
 import hashlib
@@ -13,15 +13,14 @@ import numpy as np
 import pytest
 from filelock import FileLock
 
-import corpora
-import data
 from helpers import write
-from prepare import prepare, split_of
+from support import corpora, tokenizer
+from support.prepare import TokenDataset, prepare, split_of
 
 
 def test_prepare_round_trips_tokens_and_skips_too_long(tmp_path, qa_file):
     path, rows = qa_file
-    enc = data.get_tokenizer("bytes")
+    enc = tokenizer.get_tokenizer("bytes")
     data_dir = prepare(path, "bytes", 64, data_root=str(tmp_path / "data"))
     digest = hashlib.sha1(open(path, "rb").read()).hexdigest()[:8]
     assert data_dir == str(tmp_path / "data" / f"sums-{digest}-bytes-64")    # name + content hash
@@ -32,13 +31,13 @@ def test_prepare_round_trips_tokens_and_skips_too_long(tmp_path, qa_file):
     assert counts["train"]["skipped_too_long"] + counts["val"]["skipped_too_long"] == 3
     records = corpora.load_records(path)
     for split in ("train", "val"):
-        ds = data.TokenDataset(data_dir, split)
+        ds = TokenDataset(data_dir, split)
         expected = [r for r in records if split_of(r, by_content=True) == split and len(r["query"]) < 50]
         assert len(ds) == len(expected) == counts[split]["samples"] > 0
         for i, r in enumerate(expected):
             prompt, response = ds.sample(i)
-            assert prompt == data.encode(enc, r["query"])
-            assert response == data.encode(enc, r["response"]) + [256]
+            assert prompt == tokenizer.encode(enc, r["query"])
+            assert response == tokenizer.encode(enc, r["response"]) + [256]
         assert counts[split]["tokens"] == sum(len(p) + len(q) for p, q in map(ds.sample, range(len(ds))))
 
 
@@ -88,8 +87,8 @@ def test_two_data_files_with_the_same_name_never_share_a_prepared_dir(tmp_path, 
         path = write(tmp_path / sub, "train.json", json.dumps([dict(r, response=f" {text}") for r in rows]))
         dirs.append(prepare(path, "bytes", 64, data_root=str(tmp_path / "data")))
     assert dirs[0] != dirs[1]
-    first = data.TokenDataset(dirs[0], "val")
-    assert data.decode(data.get_tokenizer("bytes"), first.sample(0)[1]).startswith(" first")
+    first = TokenDataset(dirs[0], "val")
+    assert tokenizer.decode(tokenizer.get_tokenizer("bytes"), first.sample(0)[1]).startswith(" first")
 
 
 @pytest.mark.parametrize("name", ["train.bin", "val_samples.npy"])
@@ -104,9 +103,9 @@ def test_damaged_prepared_data_is_named_and_prepared_anew(tmp_path, qa_file, nam
         f.write(whole[:-6])
     split = name.split(".")[0].split("_")[0]
     with pytest.raises(ValueError, match=f"{re.escape(path)} does not hold what .*meta.json counts: .*writes it anew"):
-        data.TokenDataset(data_dir, split)
+        TokenDataset(data_dir, split)
     assert prepare(qa_file[0], "bytes", 64, data_root=root) == data_dir
-    assert open(path, "rb").read() == whole and len(data.TokenDataset(data_dir, split)) > 0
+    assert open(path, "rb").read() == whole and len(TokenDataset(data_dir, split)) > 0
 
 
 def test_prepare_with_block_size_too_small_says_what_to_change(tmp_path, qa_file):
@@ -159,9 +158,9 @@ def test_identical_records_of_a_file_share_a_split_and_are_counted(tmp_path, qa_
     doubled = write(tmp_path, "doubled.json", json.dumps(rows[:100] + rows[:100][::-1]))
     data_dir = prepare(doubled, "bytes", 64, data_root=str(tmp_path / "data"))
     assert "doubled.json: 100 duplicate records" in capsys.readouterr().out
-    enc = data.get_tokenizer("bytes")
-    seen = {split: {data.decode(enc, data.TokenDataset(data_dir, split).sample(i)[0])
-                    for i in range(len(data.TokenDataset(data_dir, split)))} for split in ("train", "val")}
+    enc = tokenizer.get_tokenizer("bytes")
+    seen = {split: {tokenizer.decode(enc, TokenDataset(data_dir, split).sample(i)[0])
+                    for i in range(len(TokenDataset(data_dir, split)))} for split in ("train", "val")}
     assert seen["train"] and seen["val"] and not seen["train"] & seen["val"]
     assert len(seen["train"]) + len(seen["val"]) == 100
     assert split_of({"module": "m", "name": "1", "query": "q", "response": "r"}) == \

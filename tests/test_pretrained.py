@@ -1,7 +1,7 @@
 """
 Released checkpoints and tokenizers in Hugging Face's layout.
 
-pretrained.from_pretrained is checked against transformers' own Qwen3 and Llama on tiny random models
+support.hf_folder.from_pretrained is checked against transformers' own Qwen3 and Llama on tiny random models
 (logits, greedy decoding), and on folders written here for its error messages. hf_tokenizer is checked against
 a reference tokenizer built by the `tokenizers` library from Qwen's real vocabulary.
 
@@ -20,12 +20,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import data
-import pretrained
 from helpers import TEXTS, save_tiny_hf_folder
 from model import ModelConfig, Transformer
-from pretrained import from_pretrained
-from generate import DecodeSettings, RefusionSettings, generate_ar, generate_refusion
+from sampler import DecodeSettings, RefusionSettings, generate_ar, generate_refusion
+from support import tokenizer
+from support.chat import chat_prompt
+from support.hf_folder import from_pretrained
+from support.hf_tokenizer import PRE_TOKENIZERS, QWEN2_PAT, byte_of_char, hf_special_ids, hf_tokenizer, undecodable_ids
+from support.sampling import load_model
 
 TOL = 1e-5
 VOCAB = 300
@@ -302,46 +304,46 @@ def qwen_tokenizers(tmp_path_factory):
 
 def test_hf_tokenizer_matches_reference_on_qwen_vocabulary(qwen_tokenizers):
     reference, folder, _ = qwen_tokenizers
-    enc = data.get_tokenizer(f"hf:{folder}")
+    enc = tokenizer.get_tokenizer(f"hf:{folder}")
     assert enc.n_vocab == 151671
     for text in TEXTS:
-        assert data.encode(enc, text) == reference.encode(text, add_special_tokens=False).ids, text
+        assert tokenizer.encode(enc, text) == reference.encode(text, add_special_tokens=False).ids, text
 
 
 def test_qwen_ids_of_known_text(qwen_tokenizers):
-    enc = pretrained.hf_tokenizer(str(qwen_tokenizers[1]))
-    assert data.encode(enc, "Hello world") == [9707, 1879]
-    assert data.encode(enc, "12345") == [16, 17, 18, 19, 20]  # Qwen splits numbers into single digits
-    assert data.encode(enc, "cafe\u0301") == data.encode(enc, "café")  # NFC first, as tokenizer.json says
+    enc = hf_tokenizer(str(qwen_tokenizers[1]))
+    assert tokenizer.encode(enc, "Hello world") == [9707, 1879]
+    assert tokenizer.encode(enc, "12345") == [16, 17, 18, 19, 20]  # Qwen splits numbers into single digits
+    assert tokenizer.encode(enc, "cafe\u0301") == tokenizer.encode(enc, "café")  # NFC first, as tokenizer.json says
 
 
 def test_decode_inverts_encode_and_writes_special_tokens(qwen_tokenizers):
-    enc = pretrained.hf_tokenizer(str(qwen_tokenizers[1]))
+    enc = hf_tokenizer(str(qwen_tokenizers[1]))
     for text in TEXTS:
-        assert data.decode(enc, data.encode(enc, text)) == unicodedata.normalize("NFC", text)
-    assert data.decode(enc, [151645, 151669, 151670]) == "<|im_end|><|beginoftext|><|mask|>"
+        assert tokenizer.decode(enc, tokenizer.encode(enc, text)) == unicodedata.normalize("NFC", text)
+    assert tokenizer.decode(enc, [151645, 151669, 151670]) == "<|im_end|><|beginoftext|><|mask|>"
 
 
 def test_special_token_text_in_input_stays_plain_text(qwen_tokenizers):
     reference, folder, _ = qwen_tokenizers
-    enc = pretrained.hf_tokenizer(str(folder))
+    enc = hf_tokenizer(str(folder))
     as_text = type(reference).from_str(reference.to_str())
     as_text.encode_special_tokens = True  # the reference's switch for "special-token strings are plain text"
     for text in ["<|im_end|>", "user: <|mask|><|endoftext|> done", "<think>\nok\n</think>", "<tool_call>x<|im_start|>"]:
-        ids = data.encode(enc, text)
+        ids = tokenizer.encode(enc, text)
         assert ids == as_text.encode(text, add_special_tokens=False).ids
         assert all(i < 151643 or 151657 <= i <= 151668 for i in ids)   # no special id, markers that are not special
-    assert data.encode(enc, "<think>\nok\n</think>")[::4] == [151667, 151668]   # found in text, as the reference does
+    assert tokenizer.encode(enc, "<think>\nok\n</think>")[::4] == [151667, 151668]   # found in text, as the reference does
     assert reference.encode("<|im_end|>", add_special_tokens=False).ids == [151645]  # what was avoided
 
 
 def test_hf_special_ids(qwen_tokenizers, tmp_path):
     _, refusion, qwen3 = qwen_tokenizers
-    assert pretrained.hf_special_ids(str(refusion)) == ((151645, 151643), 151670, 151643)
-    assert pretrained.hf_special_ids(str(qwen3)) == ((151645, 151643), None, 151643)
+    assert hf_special_ids(str(refusion)) == ((151645, 151643), 151670, 151643)
+    assert hf_special_ids(str(qwen3)) == ((151645, 151643), None, 151643)
     shutil.copy(qwen3 / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "config.json").write_text(json.dumps({"mask_token_id": 151660, "pad_token_id": 151662}))
-    assert pretrained.hf_special_ids(str(tmp_path)) == ((151645, 151643), 151660, 151662)
+    assert hf_special_ids(str(tmp_path)) == ((151645, 151643), 151660, 151662)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,7 +353,7 @@ def test_hf_special_ids(qwen_tokenizers, tmp_path):
 def write_tokenizer_json(folder, **changes):
     """A Qwen-style tokenizer.json with five tokens ("Ġ" is the byte-level spelling of a space)."""
     qwen_pre = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": pretrained.QWEN2_PAT}, "behavior": "Isolated", "invert": False},
+        {"type": "Split", "pattern": {"Regex": QWEN2_PAT}, "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
     spec = {"normalizer": {"type": "NFC"}, "pre_tokenizer": qwen_pre,
             "added_tokens": [{"id": 5, "content": "<|endoftext|>", "special": True}],
@@ -362,11 +364,11 @@ def write_tokenizer_json(folder, **changes):
 
 def test_hf_tokenizer_reads_a_qwen_style_file(tmp_path):
     write_tokenizer_json(tmp_path)
-    enc = pretrained.hf_tokenizer(str(tmp_path))
-    assert data.encode(enc, " abba") == [2, 3, 1, 0] and data.encode(enc, " a") == [4]  # "ab" ranks before " a"
-    assert data.decode(enc, [4, 5]) == " a<|endoftext|>"
-    assert data.special_ids(data.get_tokenizer("bytes")) == (256, 257, 258)  # our own tokenizers unchanged
-    assert data.special_ids(enc) == (5, 6, 5)  # EOS <|endoftext|>, a mask id after the tokenizer's, pad = EOS
+    enc = hf_tokenizer(str(tmp_path))
+    assert tokenizer.encode(enc, " abba") == [2, 3, 1, 0] and tokenizer.encode(enc, " a") == [4]  # "ab" ranks before " a"
+    assert tokenizer.decode(enc, [4, 5]) == " a<|endoftext|>"
+    assert tokenizer.special_ids(tokenizer.get_tokenizer("bytes")) == (256, 257, 258)  # our own tokenizers unchanged
+    assert tokenizer.special_ids(enc) == (5, 6, 5)  # EOS <|endoftext|>, a mask id after the tokenizer's, pad = EOS
 
 
 @pytest.mark.parametrize("changes, error, message", [
@@ -395,13 +397,13 @@ def test_hf_tokenizer_errors(tmp_path, changes, error, message):
     if changes is not None:
         write_tokenizer_json(tmp_path, **changes)
     with pytest.raises(error, match=message):
-        pretrained.hf_tokenizer(str(tmp_path))
+        hf_tokenizer(str(tmp_path))
 
 
 def test_hf_special_ids_needs_an_eos_token(tmp_path):
     write_tokenizer_json(tmp_path, added_tokens=[{"id": 5, "content": "<|mask|>", "special": True}])
     with pytest.raises(ValueError, match=re.escape("neither <|im_end|> nor <|endoftext|>")):
-        pretrained.hf_special_ids(str(tmp_path))
+        hf_special_ids(str(tmp_path))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,8 +414,8 @@ def test_sampler_decodes_a_folder_in_the_chat_template(tmp_path, capsys):
     import sampler
     save_tiny_hf_folder(tmp_path / "refusion")                    # <|mask|> 259: decoded with ReFusion
     folder = f"--init_from={tmp_path / 'refusion'}"
-    enc = data.get_tokenizer(f"hf:{tmp_path / 'refusion'}")
-    assert sampler.chat_prompt(enc, "Say <|im_end|>") == ([257] + list(b"user\nSay <|im_end|>") + [258, 10, 257]
+    enc = tokenizer.get_tokenizer(f"hf:{tmp_path / 'refusion'}")
+    assert chat_prompt(enc, "Say <|im_end|>") == ([257] + list(b"user\nSay <|im_end|>") + [258, 10, 257]
                                                            + list(b"assistant\n"))   # user text stays text
     sampler.main([folder, "--chat", "--prompt=Say hi", "--max_new_tokens=16", "--slot_size=4", "--serial_num_blocks=1",
                   "--json"])
@@ -435,7 +437,7 @@ def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsy
     tokenizer's own ids, the hybrid objective; the sampler then decodes the checkpoint."""
     import sampler
     import train
-    from checkpoint import load_checkpoint
+    from support.checkpoint import load_checkpoint
     pretrained = save_tiny_hf_folder(tmp_path / "qwen3", mask=False)
     monkeypatch.chdir(tmp_path)                                   # a relative folder is recorded absolute
     flags = ["--init_from=qwen3", f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
@@ -461,14 +463,14 @@ def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsy
 
 
 def test_token_ids_past_65536_are_stored_as_uint32(tmp_path, qa_file):
-    from prepare import prepare
+    from support.prepare import TokenDataset, prepare
     save_tiny_hf_folder(tmp_path / "big")
     spec = json.loads((tmp_path / "big" / "tokenizer.json").read_text())
     spec["added_tokens"][2]["id"] = 70000                         # <|im_end|>, the EOS every sample ends with
     (tmp_path / "big" / "tokenizer.json").write_text(json.dumps(spec))
     (tmp_path / "big" / "config.json").unlink()                   # a tokenizer alone: its model has no row 70000
     data_dir = prepare(qa_file[0], f"hf:{tmp_path / 'big'}", 64, data_root=str(tmp_path / "data"))
-    ds = data.TokenDataset(data_dir, "train")
+    ds = TokenDataset(data_dir, "train")
     assert ds.meta["token_dtype"] == "uint32" and ds.tokens.dtype == "uint32"
     prompt, response = ds.sample(0)
     assert response[-1] == 70000                                   # an id above 2**16 read back whole
@@ -485,7 +487,7 @@ def trained_tokenizer(folder, family, all_bytes=True):
     token <think> matched in text; saved as folder/tokenizer.json. Without all_bytes, the bytes TEXTS
     never uses have no token (as 21 have none in SmolLM2's vocabulary). Returns the reference."""
     tokenizers = pytest.importorskip("tokenizers")
-    steps, _ = pretrained.PRE_TOKENIZERS[family]
+    steps, _ = PRE_TOKENIZERS[family]
     built = {"Split": lambda s: tokenizers.pre_tokenizers.Split(tokenizers.Regex(s["pattern"]["Regex"]), "isolated"),
              "ByteLevel": lambda s: tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=s["use_regex"]),
              "Digits": lambda s: tokenizers.pre_tokenizers.Digits(individual_digits=True)}
@@ -507,25 +509,25 @@ def trained_tokenizer(folder, family, all_bytes=True):
 FAMILY_TEXTS = TEXTS + ["<|im_end|> stays text, <think>\nthought\n</think> is found", "x<think>y <think>  <think>"]
 
 
-@pytest.mark.parametrize("family", list(pretrained.PRE_TOKENIZERS))
+@pytest.mark.parametrize("family", list(PRE_TOKENIZERS))
 def test_byte_level_families_match_the_reference(tmp_path, family):
     reference = trained_tokenizer(tmp_path, family)
-    enc = pretrained.hf_tokenizer(str(tmp_path))
+    enc = hf_tokenizer(str(tmp_path))
     assert enc.n_vocab == reference.get_vocab_size() and not enc.missing
     for text in FAMILY_TEXTS + ["".join(map(chr, range(256)))]:
-        ids = data.encode(enc, text)
+        ids = tokenizer.encode(enc, text)
         assert ids == reference.encode(text, add_special_tokens=False).ids, text
-        assert data.decode(enc, ids) == reference.decode(ids, skip_special_tokens=False)
+        assert tokenizer.decode(enc, ids) == reference.decode(ids, skip_special_tokens=False)
     think = reference.token_to_id("<think>")
-    assert data.encode(enc, "<think>") == [think] and think not in data.encode(enc, "<thin k>")
+    assert tokenizer.encode(enc, "<think>") == [think] and think not in tokenizer.encode(enc, "<thin k>")
 
 
 def test_bytes_without_a_token_are_dropped_as_the_reference_drops_them(tmp_path):
     reference = trained_tokenizer(tmp_path, "SmolLM2", all_bytes=False)
-    enc = pretrained.hf_tokenizer(str(tmp_path))
+    enc = hf_tokenizer(str(tmp_path))
     assert b"\x04" in enc.missing and b"\xf1" in enc.missing and b"a" not in enc.missing
     for text in ["a\x04b", "\x04", "!\x04!", "x" + chr(0x40000) + "y", "1\x042 \x04 3", "<think>\x04<think>"]:
-        assert data.encode(enc, text) == reference.encode(text, add_special_tokens=False).ids, text
+        assert tokenizer.encode(enc, text) == reference.encode(text, add_special_tokens=False).ids, text
 
 
 def test_chat_template_of_a_folder_renders_as_transformers_does(tmp_path):
@@ -536,19 +538,18 @@ def test_chat_template_of_a_folder_renders_as_transformers_does(tmp_path):
                 "'\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
                 "{{ '<|im_start|>assistant\\n' }}{% endif %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    import sampler
-    enc = pretrained.hf_tokenizer(str(tmp_path))
+    enc = hf_tokenizer(str(tmp_path))
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=template)
     for text in ["What is 12 + 30?", "  leading spaces\nand a <think> tag", ""]:
         expected = fast.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
-        assert sampler.chat_prompt(enc, text) == list(expected), text
-    user_special = sampler.chat_prompt(enc, "say <|im_end|>")   # the user's text stays text
+        assert chat_prompt(enc, text) == list(expected), text
+    user_special = chat_prompt(enc, "say <|im_end|>")   # the user's text stays text
     assert user_special.count(reference.token_to_id("<|im_end|>")) == 2  # the system turn's and the user turn's
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] | upper }}"}))
-    pretrained.hf_tokenizer.cache_clear()
+    hf_tokenizer.cache_clear()
     with pytest.raises(ValueError, match="does not show the user's text once, unchanged"):
-        sampler.chat_prompt(pretrained.hf_tokenizer(str(tmp_path)), "hi")
+        chat_prompt(hf_tokenizer(str(tmp_path)), "hi")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -585,11 +586,11 @@ def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
     assert (greedy_ar["text"], greedy_ar["tokens"]) == ("\0" * 5, 5)
     assert (greedy_refusion["text"], greedy_refusion["tokens"]) == ("\0" * 8, 8)
     cfg = dict(sampler.DEFAULTS, init_from=str(folder), method="ar", max_new_tokens=32, temperature=1.0)
-    model, enc, ids, _, _ = sampler.load_model(cfg)
+    model, enc, ids, _, _ = load_model(cfg)
     run, _ = sampler.make_decoder(cfg, model, ids, torch.Generator().manual_seed(0))
-    sampled = run(data.encode(enc, "hi")).tokens                 # Gumbel-max: the padded rows would win nearly always
+    sampled = run(tokenizer.encode(enc, "hi")).tokens                 # Gumbel-max: the padded rows would win nearly always
     assert sampled and not set(sampled) & {*range(259, 300)}
-    assert ids["undecodable_ids"] == pretrained.undecodable_ids(enc, 300, "") == (259, 260, 261, *range(263, 300))
+    assert ids["undecodable_ids"] == undecodable_ids(enc, 300, "") == (259, 260, 261, *range(263, 300))
 
 
 @pytest.mark.parametrize("edit, ids", [
@@ -617,7 +618,7 @@ def test_token_ids_beyond_the_models_rows_are_refused_at_load(tmp_path, qa_file,
 def write_byte_level_bpe(folder, merges, ignore_merges=False, vocab_changes=None, added=()):
     """A GPT-2-style tokenizer.json: the 256 bytes (ids 0..255), then the token each merge makes (a pair
     "left right" of tokens spelled in the byte-level alphabet), in merge order."""
-    char_of = {b: c for c, b in pretrained.byte_of_char().items()}
+    char_of = {b: c for c, b in byte_of_char().items()}
     vocab = {char_of[b]: b for b in range(256)}
     for merge in merges:
         vocab.setdefault(merge.replace(" ", ""), len(vocab))
@@ -653,7 +654,7 @@ def test_a_tokenizer_tiktoken_would_encode_otherwise_is_refused(tmp_path, merges
     cannot decode (it panicked). The same merges in their reference order load and encode alike."""
     write_byte_level_bpe(tmp_path, merges, ignore_merges, changes, added)
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / "tokenizer.json")) + ": .*" + message):
-        pretrained.hf_tokenizer(str(tmp_path))
+        hf_tokenizer(str(tmp_path))
     if differs:
         tokenizers = pytest.importorskip("tokenizers")
         reference = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
@@ -662,9 +663,9 @@ def test_a_tokenizer_tiktoken_would_encode_otherwise_is_refused(tmp_path, merges
         folder.mkdir()
         write_byte_level_bpe(folder, ["a b", "b c", "ab c"], ignore_merges)   # "abc" from the pair the reference has
         reference = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-        enc = pretrained.hf_tokenizer(str(folder))
+        enc = hf_tokenizer(str(folder))
         for text in ["abc", "abcd", "xabc", "bcab", "abcabc", "cab c"]:
-            assert data.encode(enc, text) == reference.encode(text).ids, text
+            assert tokenizer.encode(enc, text) == reference.encode(text).ids, text
 
 
 def save_sharded_tiny_hf_folder(folder):
@@ -748,9 +749,9 @@ def test_malformed_files_of_a_folder_are_refused_naming_the_file(tmp_path, qa_fi
     type, quantization_config), its weights (truncated, a Git LFS pointer, integer) and its index are
     refused by each command line that loads a folder with one line naming the file, before anything is
     written; never a traceback (the message comes through run_cli, which lets no other error pass)."""
-    import eval_humaneval
     import sampler
     import train
+    from tools import eval_humaneval
     from configurator import run_cli
     name, damage, message = MALFORMED[case]
     folder = tmp_path / "model"
@@ -760,7 +761,7 @@ def test_malformed_files_of_a_folder_are_refused_naming_the_file(tmp_path, qa_fi
         "sampler.py": (sampler.main, ["--prompt=hi"]),
         "train.py": (train.main, [f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
                                   f"--out_dir={tmp_path / 'ft'}", "--block_size=64", "--max_iters=1"]),
-        "eval_humaneval.py": (eval_humaneval.main, ["--allow_code_eval", "--limit=1"]),
+        "tools.eval_humaneval": (eval_humaneval.main, ["--allow_code_eval", "--limit=1"]),
     }
     for command, (main, flags) in commands.items():
         with pytest.raises(SystemExit) as stop:

@@ -5,8 +5,8 @@ import re
 
 import sampler
 import train
-from checkpoint import load_checkpoint
 from helpers import ROOT
+from support.checkpoint import load_checkpoint
 
 
 def test_quick_start_trains_and_prints_a_verdict_per_sample_and_a_summary(tmp_path, capsys):

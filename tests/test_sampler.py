@@ -1,4 +1,4 @@
-"""The sampling command line (sampler.py)."""
+"""The sampling command line (sampler.py, support/sampling.py)."""
 
 import io
 import json
@@ -13,11 +13,11 @@ import torch
 
 import sampler
 import train
-from checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
-from data import decode, encode, get_tokenizer
-from generate import DECODERS
 from helpers import qa_rows, tiny_model, tiny_run_flags, write
-from sampler import DEFAULTS, EOS_MARK, LiveTrace, make_decoder
+from sampler import DECODERS, DEFAULTS, make_decoder
+from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
+from support.sampling import EOS_MARK, LiveTrace
+from support.tokenizer import decode, encode, get_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +31,11 @@ def trained(tmp_path_factory):
 
 def test_cli_builds_each_decoder_and_refuses_an_unknown_method():
     ids = {"eos_ids": (39,), "mask_id": 38, "pad_id": 37}
-    for method, causal, gen_len in [("refusion", True, 16), ("ar", True, 10), ("mdm", False, 10)]:
+    for method, causal, gen_length in [("refusion", True, 16), ("ar", True, 10), ("mdm", False, 10)]:
         cfg = dict(DEFAULTS, method=method, max_new_tokens=10, serial_num_blocks=1)  # refusion: 10 -> 2 slots of 8
         run, settings = make_decoder(cfg, tiny_model(causal=causal), ids, torch.Generator())
         out = run([1, 2, 3])
-        assert settings.gen_len == gen_len and 0 < len(out.tokens) <= 10 and out.nfe > 0
+        assert settings.gen_length == gen_length and 0 < len(out.tokens) <= 10 and out.nfe > 0
     with pytest.raises(ValueError, match="--method='beam': choose one of refusion, ar, mdm"):
         make_decoder(dict(DEFAULTS, method="beam"), tiny_model(), ids, torch.Generator())
 
@@ -168,10 +168,12 @@ def test_an_mdm_is_decoded_on_the_canvas_it_was_trained_for(tmp_path, capsys):
 
 def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_counts_them(tmp_path, capsys):
     """On a built-in corpus whose answers code checks (here transform), every sample ends with its
-    verdict and its speed, and one summary line adds them up (TPF = all tokens / all forward passes)."""
+    verdict and its speed, and one summary line adds them up (TPF = all tokens / all forward passes),
+    then gives next-token decoding of the same prompts (compare_ar): what --method=ar makes of them."""
     flags = tiny_run_flags(tmp_path, ("transform",), "run") + ["--block_size=160", "--max_iters=2"]
     train.main(flags)
-    sampler.main([f"--out_dir={tmp_path / 'run'}", "--num_samples=3", "--max_new_tokens=16", "--serial_num_blocks=1"])
+    sample = [f"--out_dir={tmp_path / 'run'}", "--num_samples=3", "--max_new_tokens=16", "--serial_num_blocks=1"]
+    sampler.main(sample)
     out = capsys.readouterr().out.strip().split("\n")
     lines = [line for line in out if re.match(r"(right|wrong) \(exact\): ", line)]
     assert len(lines) == 3
@@ -179,23 +181,30 @@ def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_
     tokens, nfe = sum(t for t, _ in figures), sum(n for _, n in figures)
     right = sum(line.startswith("right") for line in lines)
     assert out[-1].startswith(f"3 samples: {right} of 3 right (exact); {tokens} tokens in {nfe} forward passes, "
-                              f"{tokens / nfe:.2f} tokens per forward (next-token decoding: 1.00)")
+                              f"{tokens / nfe:.2f} tokens per forward, ")
+    sampler.main(sample + ["--method=ar", "--json"])                  # next-token decoding, one sample a line
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ar_right, ar_tokens = sum(r["exact"] for r in rows), sum(r["tokens"] for r in rows)
+    assert re.search(rf"; next-token decoding \(--method=ar\) of the same prompts: {ar_right} of 3 right \(exact\); "
+                     rf"{ar_tokens} tokens in {ar_tokens} forward passes, [\d.]+ tokens/s; speed-up [\d.]+x$", out[-1])
+    sampler.main(sample + ["--compare_ar=False"])
+    assert "next-token" not in capsys.readouterr().out.strip().split("\n")[-1]
 
 
 def test_an_unconsolidated_sharded_run_names_shard_py_and_a_stale_copy_warns(trained, tmp_path, capsys):
-    """A run trained with --fsdp=True has only ckpt_sharded.pt until `python shard.py` writes ckpt.pt;
+    """A run trained with --fsdp=True has only ckpt_sharded.pt until `python -m tools.consolidate` writes ckpt.pt;
     a ckpt.pt older than the sharded checkpoint beside it is decoded with a warning saying so."""
     out = tmp_path / "fsdp-run"
     out.mkdir()
     (out / "ckpt_sharded.pt").write_bytes(b"")                        # only its presence matters here
     with pytest.raises(FileNotFoundError, match=rf"no checkpoint at \S+ckpt.pt: {re.escape(str(out))} holds a sharded "
-                                                rf"checkpoint .*`python shard.py --out_dir={re.escape(str(out))}`"):
+                                                rf"checkpoint .*`python -m tools.consolidate --out_dir={re.escape(str(out))}`"):
         sampler.main([f"--out_dir={out}", "--prompt=x"])
     shutil.copy(os.path.join(trained, "ckpt.pt"), out)
     os.utime(out / "ckpt.pt", (0, 0))                                 # consolidated long before the last save
     load_checkpoint(str(out))
     assert capsys.readouterr().err == (f"warning: {out / 'ckpt.pt'} is older than the sharded checkpoint "
-                                       f"{out / 'ckpt_sharded.pt'}; run `python shard.py --out_dir={out}` to use the "
+                                       f"{out / 'ckpt_sharded.pt'}; run `python -m tools.consolidate --out_dir={out}` to use the "
                                        "latest weights\n")
     os.utime(out / "ckpt.pt")                                         # consolidated after it: no warning
     load_checkpoint(str(out))

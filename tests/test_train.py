@@ -1,4 +1,4 @@
-"""Training runs: start modes, schedule, resume, distributed, precision (train.py)."""
+"""Training runs: start modes, schedule, resume, distributed, precision (train.py, support/runs.py)."""
 
 import json
 import math
@@ -16,13 +16,13 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import checkpoint
 import data
 import train
-from checkpoint import load_checkpoint, save_checkpoint
 from helpers import ROOT, TOL, qa_rows, tiny_model, tiny_run_flags, write
+from support import checkpoint, runs
+from support.checkpoint import load_checkpoint, save_checkpoint
 from test_refusion import random_samples
-from train import compile_model, flops_per_token, hybrid_loss, load_weights, make_batch
+from train import flops_per_token, hybrid_loss, load_weights, make_batch
 
 
 
@@ -164,11 +164,13 @@ def test_compile_never_changes_the_loss_or_the_gradients():
         return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
 
     eager = loss_and_grads(model)
+    cfg = {"compile": True, "device": "cpu"}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compiled = compile_model(model)
-    if compiled is model:
+        runs.check_compile(cfg)                                       # what train.py does with --compile=True
+    if not cfg["compile"]:
         pytest.skip(f"torch.compile cannot run here: {caught[0].message}")
+    compiled = torch.compile(model)
     for a, b in zip(loss_and_grads(compiled), eager, strict=True):
         torch.testing.assert_close(a, b, atol=TOL, rtol=0)
 
@@ -267,7 +269,7 @@ def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path,
 
 
 def test_small_data_warns_and_compile_falls_back_where_it_cannot_run(tmp_path, qa_file, monkeypatch, capsys):
-    monkeypatch.setattr(train.shutil, "which", lambda name: None)     # no C compiler on this machine
+    monkeypatch.setattr(runs.shutil, "which", lambda name: None)     # no C compiler on this machine
     with pytest.warns(UserWarning, match="torch.compile cannot run here"):
         train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=1", "--compile=True", "--batch_size=200"])
     assert "fewer than one batch of 200; batches draw samples with replacement" in capsys.readouterr().err

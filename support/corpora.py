@@ -9,7 +9,7 @@ The built-in corpora and a user's own files, as records: {"query", "response", "
     transform 20,000 letter strings to copy, upper-case, shift or mirror (the parallel-friendly task)
     a path   .json / .jsonl query-response records (the ReFusion release's format), or plain text
 
-prepare.py tokenizes them once; nothing here knows about tokens.
+support/prepare.py tokenizes them once; nothing here knows about tokens.
 """
 
 import ast

@@ -3,11 +3,11 @@ Models larger than one GPU: sharded training with PyTorch FSDP (`fully_shard`, "
 checkpointing, sharded checkpoints, and the memory arithmetic that says when they are needed.
 
     torchrun --standalone --nproc_per_node=8 train.py config/finetune_qwen3_8b.py   # --fsdp=True
-    python shard.py --out_dir=out-qwen3-8b     # consolidate: one ckpt.pt (weights only) for sampler.py
+    python -m tools.consolidate --out_dir=out-qwen3-8b   # one ckpt.pt (weights only) for sampler.py
 
 Plain data parallelism (DDP) keeps the whole float32 weights, gradients and AdamW state on every GPU.
-FSDP cuts each of them into one shard per process and all-gathers a block's weights only while that
-block computes; its gradients are reduce-scattered straight back into shards (ZeRO stage 3, in
+FSDP cuts each of them into one shard per process and all-gathers a layer's weights only while that
+layer computes; its gradients are reduce-scattered straight back into shards (ZeRO stage 3, in
 DeepSpeed's words). train.py calls `shard_model` and saves with `save_sharded`; everything else in the
 training loop (data, loss, clipping, the schedule) is the same code as under DDP. Sharded checkpoints
 are read as data only (`read_shards`): the pickles torch.distributed.checkpoint keeps beside the
@@ -18,7 +18,6 @@ runs code from it.
 import os
 import pickle
 import shutil
-import sys
 import warnings
 from functools import partial
 
@@ -31,10 +30,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from checkpoint import FORMAT, checkpoint_path, save_checkpoint, sharded_info_path
-from configurator import Defaults, parse_args, run_cli
-from files import raise_if_disk_full, write_atomic
 from model import ModelConfig, Transformer
+from support.checkpoint import FORMAT, checkpoint_path, save_checkpoint, sharded_info_path
+from support.files import raise_if_disk_full, write_atomic
 
 # The shapes of the two Qwen3 models the configs fine-tune, from their releases' config.json (hidden_size,
 # num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size,
@@ -68,10 +66,10 @@ def training_memory(num_params, world=1, fsdp=False, gathered=0):
 
 
 def unit_sizes(model):
-    """Parameters in each unit shard_model all-gathers at once: every block, then the root (the embedding,
+    """Parameters in each unit shard_model all-gathers at once: every layer, then the root (the embedding,
     the final norm and lm_head)."""
-    blocks = [sum(p.numel() for p in block.parameters()) for block in model.layers]
-    return blocks + [model.num_params() - sum(blocks)]
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    return layers + [model.num_params() - sum(layers)]
 
 
 def memory_table(world=8):
@@ -102,34 +100,34 @@ def check_sharding(cfg, launched):
         raise ValueError(f"--fsdp=True runs on cuda (NCCL) or cpu (gloo), not --device={cfg['device']}")
 
 
-def checkpoint_blocks(model):
-    """Activation checkpointing, block by block: the forward pass keeps only each block's input, and
-    the backward pass runs the block again to recompute the rest (torch.utils.checkpoint,
+def checkpoint_layers(model):
+    """Activation checkpointing, layer by layer: the forward pass keeps only each layer's input, and
+    the backward pass runs the layer again to recompute the rest (torch.utils.checkpoint,
     non-reentrant). Costs one more forward pass (about a third more compute) and saves the
-    activations of every block but the one being recomputed. The wrapper replaces each block's
-    forward, not the block, so parameter names and state dicts stay as they were, and FSDP's hooks
-    (on the block, outside the recomputed function) still gather its weights. Changes model in place."""
-    for block in model.layers:
-        block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+    activations of every layer but the one being recomputed. The wrapper replaces each layer's
+    forward, not the layer, so parameter names and state dicts stay as they were, and FSDP's hooks
+    (on the layer, outside the recomputed function) still gather its weights. Changes model in place."""
+    for layer in model.layers:
+        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 def shard_model(model, device, bf16):
     """Shard model over the processes of the process group with FSDP2 (fully_shard), in place.
 
-    Each block is one unit, all-gathered just before it computes and freed after; the rest (embedding,
+    Each layer is one unit, all-gathered just before it computes and freed after; the rest (embedding,
     final norm, lm_head) is the root unit. Parameters become DTensors of their full shape, each process
     holding 1/world of dim 0, moved to `device` ("cpu" or "cuda:N") unit by unit, so the full model
     never sits on one GPU. numel() still counts full parameters (num_params, flops_per_token), the
     optimizer must be built after this, and clip_grad_norm_ computes the norm over all shards.
     bf16: compute with bf16 copies of the gathered weights and reduce-scatter float32 gradients
     (mixed precision, for GPUs); the float32 shards are what AdamW updates.
-    Needs the process group (train.setup_distributed). Returns model.
+    Needs the process group (support.runs.setup_distributed). Returns model.
     """
     mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
@@ -281,18 +279,3 @@ def consolidate(out_dir):
         read_shards({"model": weights}, info.pop("shards"), no_dist=True)
     save_checkpoint(out_dir, dict(info, model=weights))
     return checkpoint_path(out_dir)
-
-
-# -----------------------------------------------------------------------------
-# command line: python shard.py --out_dir=DIR
-out_dir = "out"            # the run whose sharded checkpoint becomes DIR/ckpt.pt (weights only, for sampler.py)
-
-
-def main(argv):
-    cfg = parse_args(Defaults({"out_dir": out_dir}, __file__), argv)
-    path = consolidate(cfg["out_dir"])
-    print(f"wrote {path}: weights only, for `python sampler.py --out_dir={cfg['out_dir']}`")
-
-
-if __name__ == "__main__":
-    run_cli(main, sys.argv[1:])

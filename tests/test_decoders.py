@@ -1,15 +1,15 @@
-"""Decoder settings, the choice of tokens and the step trace (generate.py), beyond the specification."""
+"""Decoder settings, the choice of tokens and the step trace (sampler.py), beyond the specification."""
 
 import re
+from dataclasses import MISSING, fields
 
 import pytest
 import torch
 import torch.nn as nn
 
-from generate import DECODERS, DecodeSettings, MDMSettings, RefusionSettings, draft_tokens, generate_ar, \
-    generate_mdm, generate_refusion
 from helpers import tiny_model
-from sampler import DEFAULTS, make_decoder
+from sampler import DECODERS, DEFAULTS, DecodeSettings, MDMSettings, RefusionSettings, draft_tokens, generate_ar, \
+    generate_refusion, make_decoder
 from test_refusion import EOS, MASK, V, OracleModel, oracle_target
 
 class PrefersSpecialIds(nn.Module):
@@ -61,7 +61,8 @@ def test_decoder_refuses_a_model_of_the_other_attention_with_the_fix(method):
     ([1, 2], dict(max_new_tokens=0), "max_new_tokens=0: ask for at least one"),
     ([1, 2], dict(slot_size=0), "slot_size=0: a slot holds at least one token"),
     (list(range(100)), dict(max_new_tokens=10, serial_num_blocks=4), r"prompt \(100 tokens\) \+ generation \(32 tokens, "
-     r"RefusionSettings.gen_len\) exceeds the model's context of 128 positions; shorten the prompt or the generation"),
+     r"max_new_tokens=10 rounded up to 4 serial block\(s\) of whole 8-token slots\) exceeds the model's context of "
+     r"128 positions; shorten the prompt or lower max_new_tokens, slot_size or serial_num_blocks"),
     ([1, 2], dict(slot_threshold=-0.1), "slot_threshold=-0.1: thresholds are finite probabilities >= 0"),
     ([1, 2], dict(token_threshold=float("nan")), "token_threshold=nan"),
     ([1, 2], dict(slot_threshold=float("inf")), "slot_threshold=inf: thresholds are finite .* >= 1 already means"),
@@ -76,7 +77,7 @@ def test_decoder_settings_errors_name_the_setting_and_the_fix(prompt, kwargs, me
 
 @pytest.mark.parametrize("steps, block_length, message", [
     (12, 5, "max_new_tokens=12 is not a multiple of block_length=5"),
-    (5, 4, "steps=5 cannot be shared equally by the 3 blocks"),
+    (5, 4, "steps=5 cannot be shared equally by the 3 semi-autoregressive blocks"),
     (13, None, "steps=13 > max_new_tokens=12"),
     (0, None, "must be positive"),
 ])
@@ -114,8 +115,8 @@ def test_generation_length_rounds_up_to_whole_blocks_of_slots_and_returns_at_mos
     only a rounded length that does not fit the context is refused, and the command line says how
     the knobs set it: the AR and MDM baselines, which have no slots, in their own words."""
     settings = RefusionSettings(10, slot_size=8, serial_num_blocks=4, slot_threshold=0.0)
-    assert (settings.gen_len, settings.n_slots) == (32, 4)
-    assert RefusionSettings(3, slot_size=8).gen_len == 8
+    assert (settings.gen_length, settings.n_slots) == (32, 4)
+    assert RefusionSettings(3, slot_size=8).gen_length == 8
     out = generate_refusion(tiny_model(), [1, 2, 3], settings, mask_id=38, eos_ids=(-1,))
     assert len(out.tokens) == 10 and 38 not in out.tokens
     ids = {"eos_ids": (-1,), "mask_id": 38, "pad_id": 37}
@@ -134,3 +135,12 @@ def test_generation_length_rounds_up_to_whole_blocks_of_slots_and_returns_at_mos
                                              r"max_new_tokens$") as error:
             run(list(range(120)))
         assert "slot" not in str(error.value)
+
+
+def test_the_command_lines_defaults_are_the_settings_defaults():
+    """sampler.py's default for every decoder knob is the settings object's own (one default each)."""
+    defaults = {f.name: f.default for _, Settings in DECODERS.values() for f in fields(Settings)
+                if f.default is not MISSING and f.default is not None}
+    assert set(defaults) == {"temperature", "slot_size", "serial_num_blocks", "slot_threshold", "token_threshold",
+                             "infill"}
+    assert {name: DEFAULTS[name] for name in defaults} == defaults

@@ -1,4 +1,4 @@
-"""The pictures (sampler.py --plot, figures.py): each draws the decoder's or the layout's own output."""
+"""The pictures (support/drawing.py: sampler.py --plot, python -m tools.figures): each draws the decoder's or the layout's own output."""
 
 import json
 
@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-import figures
 import train
 from data import layout_slots
-from generate import DECODERS
 from helpers import tiny_model, tiny_run_flags
-from figures import plot_decode, pyplot
+from sampler import DECODERS
+from support import drawing
+from support.drawing import plot_decode, pyplot
+from tools import figures
 
 pytest.importorskip("matplotlib")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -28,7 +29,7 @@ def test_decode_picture_draws_each_step_of_the_trace(tmp_path, method):
     out = generate(tiny_model(causal=method != "mdm"), [1, 2, 3], Settings(16, **knobs), **kwargs)
     assert sum(out.step_nfe) == out.nfe and len(out.step_nfe) == len(out.trace) and min(out.step_nfe) >= 1
     texts = {p: str(t) for step in out.trace for p, t in step}
-    fig = plot_decode(out, 3, tmp_path / "decode.png", texts=texts, canvas=Settings(16, **knobs).gen_len)
+    fig = plot_decode(out, 3, tmp_path / "decode.png", texts=texts, canvas=Settings(16, **knobs).gen_length)
     assert (tmp_path / "decode.png").read_bytes().startswith(PNG)
     ax = fig.axes[0]
     committed, new = (image.get_array() for image in ax.images)
@@ -54,7 +55,7 @@ def test_layout_picture_draws_the_reorganized_buffer(tmp_path):
     batch = layout_slots(tokens, prompt_len, length, S=torch.tensor([2]), p=torch.tensor([0.5]),
                          slot_is_masked=torch.tensor([[False, True, False] + [False] * 7]),
                          slot_rank=torch.tensor([[1, 2, 0] + list(range(3, 10))]), mask_id=M)
-    fig = figures.plot_layout(batch, prompt_len, length, 2, M, tmp_path / "layout.png")
+    fig = drawing.plot_layout(batch, prompt_len, length, 2, M, tmp_path / "layout.png")
     assert (tmp_path / "layout.png").read_bytes().startswith(PNG)
     top, fed, labels = fig.axes
     assert top.collections[0].get_offsets().tolist() == [[i, q] for i, q in enumerate([0, 1, 6, 7, 2, 3, 4, 5, 8, 9])]

@@ -8,8 +8,8 @@ that span the range from parallel-friendly to strictly serial:
     arith      worked column arithmetic: each line depends on the line before (its carry)
     stdlib     real code: the bodies of the standard library's documented functions
 
-    python bench.py              # the full run (TASKS' recipes), 92 minutes on 2 CPU cores (docs/benchmark.md)
-    python bench.py --quick      # one task, tiny models, a small sweep: a smoke run of 20 to 30 seconds
+    python -m tools.bench              # the full run (TASKS' recipes), 92 minutes on 2 CPU cores (docs/benchmark.md)
+    python -m tools.bench --quick      # one task, tiny models, a small sweep: a smoke run of 20 to 30 seconds
 
 For each task it trains (or reuses, from out_dir) an ARM, a ReFusion model and an MDM with the same
 budget, and the paper's recipe: ReFusion fine-tuned from the ARM, next to an MDM fine-tuned from it
@@ -41,15 +41,16 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import train
-from checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from configurator import parse_args, require, run_cli, settings_in
-from corpora import score
-from data import TokenDataset, decode, get_tokenizer
-from files import write_atomic
-from generate import INFILL_MODES, MDMSettings, RefusionSettings, cut_after_eos
 from model import ModelConfig, Transformer
-from prepare import prepare
-from sampler import make_decoder, prompt_generator
+from sampler import INFILL_MODES, MDMSettings, RefusionSettings, cut_after_eos, make_decoder
+from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
+from support.corpora import score
+from support.files import write_atomic
+from support.prepare import TokenDataset, prepare
+from support.runs import check_writable, live_progress
+from support.sampling import prompt_generator
+from support.tokenizer import decode, get_tokenizer
 
 # -----------------------------------------------------------------------------
 # default config
@@ -151,14 +152,14 @@ def validation_prompts(cfg, task):
     token-id lists. Raises ValueError when none fits."""
     r = recipe(cfg, task)
     L = r["max_new_tokens"]
-    room = max([L] + [RefusionSettings(L, **knobs).gen_len for _, method, _, knobs in decoder_points(cfg, task)
+    room = max([L] + [RefusionSettings(L, **knobs).gen_length for _, method, _, knobs in decoder_points(cfg, task)
                       if method == "refusion"])
     val = TokenDataset(prepare(r["dataset"], "bytes", r["block_size"]), "val")
     pairs = [val.sample(i) for i in range(len(val))]
     fits = [(p, q) for p, q in pairs if len(p) + room <= r["block_size"]][:cfg["num_prompts"]]
     if not fits:
         raise ValueError(f"no {task} validation prompt leaves room for {room} new tokens in the "
-                         f"context of {r['block_size']}; change the task's recipe (TASKS in bench.py)")
+                         f"context of {r['block_size']}; change the task's recipe (TASKS in tools/bench.py)")
     if len(fits) < cfg["num_prompts"]:
         print(f"note: {len(fits)} {task} validation prompts leave room for {room} new tokens in the "
               f"context of {r['block_size']}; decoding those, not {cfg['num_prompts']}")
@@ -316,7 +317,7 @@ def bench_task(cfg, task, prompts, references):
                 "train_options": r["refusion_ft_options"] if name == "refusion-ft" else {},
                 "val_loss": ckpts[name]["best_val_loss"], "quality": quality, **speed}
 
-    rows, live = [], train.live_progress()
+    rows, live = [], live_progress()
     for label, method, name, knobs in tqdm(decoder_points(cfg, task), desc=f"decode {task}", disable=not live):
         texts, speed = run_decoder(method, models[name], prompts, ids, dict(knobs, max_new_tokens=r["max_new_tokens"]))
         rows.append(point(label, method, name, knobs, texts, speed))
@@ -540,7 +541,7 @@ def main(argv):
             raise ValueError(f"--quick runs {', '.join(QUICK['tasks'])} alone: drop --tasks, or drop --quick")
         cfg.update(tasks=QUICK["tasks"], num_prompts=min(cfg["num_prompts"], QUICK["num_prompts"]))
     check_bench_config(cfg)
-    train.check_writable(cfg["out_dir"])
+    check_writable(cfg["out_dir"])
     t0 = time.perf_counter()
     # prepares the data and raises before any training if no prompt fits
     prompts = {task: validation_prompts(cfg, task) for task in cfg["tasks"]}

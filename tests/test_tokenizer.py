@@ -1,4 +1,4 @@
-"""The tokenizer and reading prepared data back (data.py)."""
+"""The tokenizers (support/tokenizer.py) and reading prepared data back (support/prepare.py's TokenDataset)."""
 
 import json
 
@@ -6,80 +6,80 @@ import numpy as np
 import pytest
 import torch
 
-import data
-from prepare import prepare
+from support import tokenizer
+from support.prepare import TokenDataset, prepare
 
 
 
 def test_byte_tokenizer_round_trips_any_text():
-    enc = data.get_tokenizer("bytes")
+    enc = tokenizer.get_tokenizer("bytes")
     text = "def f(x):\n    return x  # naïve 😀 λ\t\r\n"
-    ids = data.encode(enc, text)
+    ids = tokenizer.encode(enc, text)
     assert len(ids) == len(text.encode("utf-8"))  # one token per byte
     assert all(0 <= i < 256 for i in ids)
-    assert data.decode(enc, ids) == text
+    assert tokenizer.decode(enc, ids) == text
 
 
 def test_a_long_run_of_whitespace_is_encoded_without_crashing_the_tokenizer():
     """tiktoken's regex panics on about 500,000 whitespace characters in a row; encode() cuts longer
     runs than MAX_SPACE_RUN and gets the very tokens an uncut encoding gives (one per byte), and text
     without such a run is encoded whole."""
-    enc = data.get_tokenizer("bytes")
+    enc = tokenizer.get_tokenizer("bytes")
     for text in (" " * 1_000_000 + "x", "a" + " \n" * 600_000 + "b"):
-        assert data.encode(enc, text) == list(text.encode())
+        assert tokenizer.encode(enc, text) == list(text.encode())
     text = "def f(x):\n" + " " * 25_000 + "return x\n" + "\t" * 10_001    # runs tiktoken still takes whole
-    assert data.encode(enc, text) == enc.encode_ordinary(text)
+    assert tokenizer.encode(enc, text) == enc.encode_ordinary(text)
     source = open(json.decoder.__file__, encoding="utf-8").read()
-    assert data._pieces(source) == [source] and data.encode(enc, source) == enc.encode_ordinary(source)
+    assert tokenizer._pieces(source) == [source] and tokenizer.encode(enc, source) == enc.encode_ordinary(source)
 
 
 def test_byte_tokenizer_special_ids_and_vocab():
-    enc = data.get_tokenizer("bytes")
-    assert data.special_ids(enc) == (256, 257, 258)
+    enc = tokenizer.get_tokenizer("bytes")
+    assert tokenizer.special_ids(enc) == (256, 257, 258)
     assert enc.n_vocab == 259
 
 
 def test_literal_mask_text_is_not_the_mask_id():
-    enc = data.get_tokenizer("bytes")
-    ids = data.encode(enc, "x = '<|mask|>' + '<|endoftext|>'")
-    assert not set(ids) & set(data.special_ids(enc))
-    assert data.decode(enc, ids) == "x = '<|mask|>' + '<|endoftext|>'"
+    enc = tokenizer.get_tokenizer("bytes")
+    ids = tokenizer.encode(enc, "x = '<|mask|>' + '<|endoftext|>'")
+    assert not set(ids) & set(tokenizer.special_ids(enc))
+    assert tokenizer.decode(enc, ids) == "x = '<|mask|>' + '<|endoftext|>'"
 
 
 def test_decode_tolerates_special_ids_and_broken_utf8():
-    enc = data.get_tokenizer("bytes")
-    eos, mask, pad = data.special_ids(enc)
-    assert data.decode(enc, [104, 105, mask, eos, pad]) == "hi<|mask|><|endoftext|><|pad|>"
-    assert data.decode(enc, [0xE2, 0x82]) == "\ufffd"  # first two bytes of the 3-byte "€"
-    assert data.decode(enc, torch.tensor([104, 105])) == "hi"
+    enc = tokenizer.get_tokenizer("bytes")
+    eos, mask, pad = tokenizer.special_ids(enc)
+    assert tokenizer.decode(enc, [104, 105, mask, eos, pad]) == "hi<|mask|><|endoftext|><|pad|>"
+    assert tokenizer.decode(enc, [0xE2, 0x82]) == "\ufffd"  # first two bytes of the 3-byte "€"
+    assert tokenizer.decode(enc, torch.tensor([104, 105])) == "hi"
 
 
 def test_unknown_tokenizer_is_a_value_error_listing_the_choices():
     with pytest.raises(ValueError, match="bytes.*gpt2"):
-        data.get_tokenizer("llama")
+        tokenizer.get_tokenizer("llama")
 
 
 def test_gpt2_tokenizer_or_a_clear_offline_error():
     try:
-        enc = data.get_tokenizer("gpt2")
+        enc = tokenizer.get_tokenizer("gpt2")
     except FileNotFoundError as e:
         msg = str(e)
         assert "GPT-2 BPE" in msg and "TIKTOKEN_CACHE_DIR" in msg and "--tokenizer=bytes" in msg
         pytest.skip("GPT-2 BPE file not downloadable or cached here (offline); error message checked")
     assert enc.n_vocab == 50259
-    assert data.special_ids(enc) == (50256, 50257, 50258)
-    assert data.encode(enc, "hello world") == [31373, 995]  # GPT-2's own ids
-    assert 50257 not in data.encode(enc, "<|mask|>")
+    assert tokenizer.special_ids(enc) == (50256, 50257, 50258)
+    assert tokenizer.encode(enc, "hello world") == [31373, 995]  # GPT-2's own ids
+    assert 50257 not in tokenizer.encode(enc, "<|mask|>")
 
 
 def test_token_dataset_without_preparation_says_to_prepare(tmp_path):
     with pytest.raises(FileNotFoundError, match="prepare"):
-        data.TokenDataset(str(tmp_path / "nothing"), "train")
+        TokenDataset(str(tmp_path / "nothing"), "train")
 
 
 def test_get_batch_pads_right_to_longest_sample(tmp_path, qa_file):
     data_dir = prepare(qa_file[0], "bytes", 64, data_root=str(tmp_path / "data"))
-    ds = data.TokenDataset(data_dir, "train")
+    ds = TokenDataset(data_dir, "train")
     indices = [0, 11, 99 % len(ds), 0]
     tokens, prompt_len, length = ds.get_batch_at(indices)
     assert tokens.dtype == prompt_len.dtype == length.dtype == torch.int64

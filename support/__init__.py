@@ -1,0 +1,21 @@
+"""
+What the scripts need that is not the method: tokenizers, corpora and prepared data, checkpoints
+and atomic files, the command lines' plumbing, FSDP, other people's formats (Hugging Face folders,
+tokenizer.json, chat templates, GGUF) and drawing. The method is the top level (model.py,
+kvcache.py, data.py, train.py, sampler.py); nothing there imports this package except the
+command lines' main functions.
+
+    tokenizer      text <-> token ids (tiktoken): bytes, GPT-2, a Hugging Face folder's
+    corpora        the built-in data sets (records), their checkers, a user's files
+    prepare        records -> memmapped token files, and TokenDataset reading them back
+    files          files written whole or not at all
+    checkpoint     code-free checkpoints: ckpt.pt written by train.py, read by everything else
+    runs           train.py's plumbing: checks, out_dir lock, start modes, signals, processes
+    sampling       sampler.py's plumbing: models, prompts, the live trace, what is printed
+    shard          FSDP: sharded training and sharded checkpoints
+    hf_folder      Hugging Face model folders -> Transformer
+    hf_tokenizer   tokenizer.json -> tiktoken, and a folder's special ids
+    chat           chat templates
+    gguf_file      llama.cpp's GGUF -> a Hugging Face folder
+    drawing        the pictures of a decode and of the training layout (matplotlib)
+"""

@@ -1,0 +1,282 @@
+"""
+What sampler.py's command line needs besides the decoders: the model and its tokenizer, the
+prompts, the live trace (--show), the picture (--plot), and what is printed.
+
+    load_model(cfg)            a checkpoint (out_dir) or a Hugging Face folder (--init_from), its ids
+    load_prompts(cfg, ...)     --prompt, --prompt_file (--chat: in the chat template) or validation prompts
+    LiveTrace                  --show: the response redrawn after every decoding step
+    Report                     each sample's response, verdict and speed, then the summary line
+"""
+
+import os
+import sys
+import time
+from dataclasses import fields
+from functools import partial
+from itertools import groupby
+from json import dumps
+
+import torch
+
+from support.chat import chat_prompt
+from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
+from support.corpora import read_utf8, score
+from support.drawing import cell_text, plot_decode, pyplot
+from support.hf_folder import from_pretrained
+from support.hf_tokenizer import hf_special_ids, undecodable_ids
+from support.prepare import TokenDataset, prepare
+from support.tokenizer import decode, encode, get_tokenizer
+
+
+def load_model(cfg):
+    """The model to decode with: --init_from=FOLDER (support.hf_folder.from_pretrained) or out_dir's
+    checkpoint.
+
+    Returns (model in eval mode on cfg["device"], tokenizer, ids {"eos_ids", "mask_id", "pad_id",
+    "undecodable_ids"}, the objective it was trained with, the checkpoint dict or None for a
+    folder). eos_ids is a tuple: a checkpoint's EOS, or a folder's (<|im_end|>, <|endoftext|>),
+    whose objective is "refusion" when it has a mask token, else "ar" (a plain Qwen3 or SmolLM2).
+    undecodable_ids: the model's rows its tokenizer has no token for, never generated.
+    Raises FileNotFoundError / ValueError naming the problem (a tokenizer id the model has no row
+    for among them).
+    """
+    if cfg["dtype"] not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype={cfg['dtype']!r}: choose float32 or bfloat16")
+    dtype = getattr(torch, cfg["dtype"])
+    if cfg["init_from"]:
+        folder = source = cfg["init_from"]
+        model = from_pretrained(folder, dtype=dtype).to(cfg["device"])
+        eos_ids, mask_id, pad_id = hf_special_ids(folder)
+        ids = {"eos_ids": eos_ids, "mask_id": mask_id, "pad_id": pad_id}
+        objective = "ar" if mask_id is None else "refusion"
+        enc, ckpt = get_tokenizer(f"hf:{folder}"), None
+    else:
+        ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
+        meta = ckpt["meta"]
+        ids = decoder_ids(meta)
+        model = model_from_checkpoint(ckpt, cfg["device"]).to(dtype)
+        enc, objective, source = get_tokenizer(meta["tokenizer"]), ckpt["config"]["objective"], cfg["out_dir"]
+    ids["undecodable_ids"] = undecodable_ids(enc, model.config.vocab_size, f"the model in {source}",
+                                             (*ids["eos_ids"], ids["mask_id"], ids["pad_id"]))
+    return model, enc, ids, objective, ckpt
+
+
+def fit_mdm_canvas(cfg, ckpt, explicit):
+    """An MDM checkpoint trained on canvases of G tokens (train.py --gen_length: answers padded with
+    EOS to G, LLaDA's layout) is decoded on a canvas of G: cfg["max_new_tokens"] becomes G, with a
+    note, unless it was given explicitly as another value, which is refused (the model never saw
+    that layout). Raises ValueError."""
+    G = (ckpt or {}).get("config", {}).get("gen_length", 0)
+    if not G or cfg["max_new_tokens"] == G:
+        return
+    if explicit:
+        raise ValueError(f"--max_new_tokens={cfg['max_new_tokens']}: this MDM was trained to fill canvases "
+                         f"of {G} tokens (answers padded with EOS to {G}, train.py --gen_length), and a canvas "
+                         f"of another length is a layout it never saw; use --max_new_tokens={G}")
+    print(f"note: decoding on the canvas of {G} tokens this MDM was trained for (--max_new_tokens={G})",
+          file=sys.stderr)
+    cfg["max_new_tokens"] = G
+
+
+MISMATCH_NOTES = {
+    ("ar", "refusion"): "a refusion model never learns a slot's first token as a next token (SPEC "
+                        "section 4, known limit (a)), so plain next-token decoding does poorly; for "
+                        "left-to-right decoding use --method=refusion --serial_num_blocks=<number of slots>",
+    ("refusion", "ar"): "an ar model was never trained to predict mask tokens, so its plan drafts are poor "
+                        "and ReFusion decoding falls back to about two forward passes per token; use "
+                        "--method=ar",
+}
+
+
+def note_mismatch(method, objective):
+    """Say on stderr when a model is decoded by a method its objective does not prepare it for."""
+    if (method, objective) in MISMATCH_NOTES:
+        print("note: " + MISMATCH_NOTES[method, objective], file=sys.stderr)
+
+
+def load_prompts(cfg, enc, ckpt, gen_length, block_size):
+    """Prompts (lists of token ids) from --prompt, --prompt_file (in the chat template with --chat)
+    or evenly spread over the validation split of the checkpoint's data (validation_split), those
+    that leave room for gen_length new tokens in the context of block_size.
+    Raises ValueError / FileNotFoundError naming the problem."""
+    if cfg["prompt"] and cfg["prompt_file"]:
+        raise ValueError("give either --prompt or --prompt_file, not both")
+    wrap = partial(chat_prompt, enc) if cfg["chat"] else partial(encode, enc)
+    if cfg["prompt_file"]:
+        return [wrap(read_utf8(cfg["prompt_file"], f"--prompt_file={cfg['prompt_file']}"))]
+    if cfg["prompt"]:
+        return [wrap(cfg["prompt"])]
+    if ckpt is None:
+        raise ValueError("--init_from=FOLDER has no validation split: give --prompt or --prompt_file")
+    val_data = validation_split(ckpt)
+    fits = [i for i in range(len(val_data)) if len(val_data.sample(i)[0]) + gen_length <= block_size]
+    if not fits:
+        raise ValueError(f"no validation prompt leaves room for {gen_length} new tokens in the context of "
+                         f"{block_size}; lower --max_new_tokens")
+    if cfg["num_samples"] > len(fits):
+        print(f"note: {len(fits)} of the {len(val_data)} validation prompts leave room for {gen_length} new "
+              f"tokens; decoding those {len(fits)}, not --num_samples={cfg['num_samples']}", file=sys.stderr)
+    picks = [fits[int(j)] for j in torch.linspace(0, len(fits) - 1, min(cfg["num_samples"], len(fits)))]
+    return [val_data.sample(i)[0] for i in picks]
+
+
+def validation_split(ckpt):
+    """The validation split the checkpoint was trained with, prepared anew (as training did) when
+    it was moved or damaged."""
+    data_dir, tcfg = ckpt.get("data_dir", ""), ckpt["config"]  # absolute: the sampler runs from anywhere
+    try:
+        return TokenDataset(data_dir, "val")
+    except (FileNotFoundError, ValueError):
+        data_root = os.path.dirname(data_dir) if os.path.isdir(data_dir) else tcfg["data_root"]
+        return TokenDataset(prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["block_size"], data_root,
+                                    tcfg.get("too_long", "skip")), "val")
+
+EOS_MARK = "<EOS>"  # how --show draws the EOS that ends a response
+
+
+def prompt_generator(device, seed, i):
+    """The random stream that prompt i is decoded with (temperature > 0): a torch.Generator of its
+    own, seeded with seed + i, so a sample depends neither on a warm-up decode nor on the prompts
+    decoded before it, and seed s decodes the first prompt as the API does with
+    generator=torch.Generator().manual_seed(s)."""
+    return torch.Generator(device).manual_seed(seed + i)
+
+
+class LiveTrace:
+    """--show: after every decoding step, redraw the response with still-masked tokens as '░'.
+
+    Called with each step's committed (position, token) pairs; positions are true positions, so a
+    ReFusion step fills its slots in place, out of order. Each run of committed neighbours is
+    decoded together, so a character of several tokens (UTF-8 bytes, BPE pieces) is drawn whole;
+    EOS is drawn as EOS_MARK, and nothing after it or past max_new_tokens (where the decoder cuts
+    the response it returns), so the last frame shows the returned response. Frames go to stderr
+    (stdout keeps the results, e.g. --json); on a terminal each frame replaces the last.
+    """
+
+    def __init__(self, enc, prompt, max_new_tokens, eos_ids, delay=0.25):
+        self.enc, self.prompt, self.delay = enc, prompt, delay
+        self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
+        self.tty = sys.stderr.isatty()
+        self.filled, self.step = {}, 0
+
+    def cut(self):
+        """(end, eos): the response is drawn up to position `end`, max_new_tokens after the prompt or,
+        when eos is True, its first committed EOS, as the decoder cuts the response it returns."""
+        limit = len(self.prompt) + self.max_new_tokens
+        eos = min((p for p, t in self.filled.items() if t in self.eos_ids), default=limit)
+        return min(eos, limit), eos < limit
+
+    def response(self):
+        """The response as drawn now (str): committed runs decoded, '░' per masked token, then EOS_MARK."""
+        (end, eos), parts = self.cut(), []
+        for committed, run in groupby(range(len(self.prompt), end), key=self.filled.__contains__):
+            run = list(run)
+            parts.append(decode(self.enc, [self.filled[p] for p in run]) if committed else "░" * len(run))
+        return "".join(parts) + (EOS_MARK if eos else "")
+
+    def __call__(self, step):
+        self.step += 1
+        self.filled.update(step)
+        P = len(self.prompt)
+        end, _ = self.cut()
+        spans = sorted(p - P for p, _ in step)
+        clear = "\033[H\033[J" if self.tty else ""
+        print(f"{clear}{decode(self.enc, self.prompt)}{self.response()}\n"
+              f"step {self.step}: {len(step)} token(s) committed at response offsets {spans[0]}..{spans[-1]}"
+              f" ({sum(p in self.filled for p in range(P, end))}/{end - P} filled)\n", file=sys.stderr, flush=True)
+        if self.tty:
+            time.sleep(self.delay)
+
+
+def check_plot_path(path):
+    """Refuse --plot before any weights are read: without matplotlib (ValueError), or when the path's
+    directory does not exist (FileNotFoundError)."""
+    pyplot()
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"--plot={path}: the directory {folder} does not exist; create it or pick another path")
+
+
+
+def plot_first_decode(cfg, enc, ids, settings, prompt, out):
+    """--plot: draw the decode `out` of the first prompt (support.drawing.plot_decode) into cfg["plot"],
+    titled with the decoder's settings and the prompt's end."""
+    knobs = ", ".join(f"{f.name}={getattr(settings, f.name)}" for f in fields(settings))
+    title = (f"--method={cfg['method']} ({knobs})\n{len(out.tokens)} tokens in {out.nfe} forward passes, "
+             f"TPF {out.tpf:.2f}; prompt: {decode(enc, prompt)[-60:]!r}")
+    texts = {p: cell_text(enc, t, ids["eos_ids"]) for step in out.trace for p, t in step}
+    pyplot().close(plot_decode(out, len(prompt), cfg["plot"], title, texts, settings.gen_length))
+    print(f"note: drew the decode of the first prompt into {cfg['plot']}", file=sys.stderr)
+
+
+VERDICT = {True: "right", False: "wrong"}
+
+
+class Report:
+    """What the command line prints (stdout): per sample its prompt and response, its verdict where
+    the checkpoint's data set has a check (support.corpora.score), and its statistics; or, with
+    --json, one JSON object per sample. Then, for more than one sample and without --json, one
+    summary line, with next-token decoding of the same prompts beside it when it was decoded
+    (next_token)."""
+
+    def __init__(self, cfg, enc, ids, ckpt):
+        self.enc, self.eos_ids, self.json = enc, ids["eos_ids"], cfg["json"]
+        self.check = partial(score, ckpt["config"]["dataset"]) if ckpt else lambda *_: None
+        self.decoded, self.next_tokens = [], []   # (Generation, verdict) of every sample
+
+    def judge(self, prompt, out):
+        """(the response's text without EOS, verdict: (metric, 1.0 or 0.0), or None without a check)."""
+        text = decode(self.enc, [t for t in out.tokens if t not in self.eos_ids])
+        scores = self.check(decode(self.enc, prompt), text)
+        return text, None if scores is None else next(iter(scores.items()))
+
+    def sample(self, prompt, out):
+        """Print one decoded sample (prompt: ids; out: its Generation)."""
+        text, verdict = self.judge(prompt, out)
+        self.decoded.append((out, verdict))
+        if self.json:
+            print(dumps({"prompt": decode(self.enc, prompt), "text": text, **out.stats(),
+                         **({} if verdict is None else {verdict[0]: bool(verdict[1])})}))
+            return
+        print("=" * 80)
+        print(decode(self.enc, prompt) + text)
+        print("-" * 80)
+        s = out.stats()
+        print(("" if verdict is None else f"{VERDICT[verdict[1] == 1.0]} ({verdict[0]}): ") +
+              f"{s['tokens']} tokens in {s['nfe']} forward passes (NFE), {s['tpf']:.2f} tokens per forward "
+              f"(TPF), {s['seconds']:.3f} s, {s['tokens_per_s']:.1f} tokens/s")
+
+    def next_token(self, prompt, out):
+        """Record next-token decoding's Generation of the same prompt, for the summary line."""
+        self.next_tokens.append((out, self.judge(prompt, out)[1]))
+
+    def summary(self):
+        """Print the summary line (more than one sample, no --json)."""
+        if self.json or len(self.decoded) < 2:
+            return
+        print("=" * 80)
+        print(summary(self.decoded, self.next_tokens))
+
+
+def totals(decoded):
+    """(right-answers text, tokens, forward passes, tokens/s) over (Generation, verdict) pairs."""
+    tokens = sum(len(o.tokens) for o, _ in decoded)
+    nfe, seconds = sum(o.nfe for o, _ in decoded), sum(o.seconds for o, _ in decoded)
+    checked = [v for _, v in decoded if v is not None]
+    right = f"{sum(v[1] == 1.0 for v in checked)} of {len(checked)} right ({checked[0][0]}); " if checked else ""
+    return right, tokens, nfe, tokens / max(seconds, 1e-9)
+
+
+def summary(decoded, next_tokens=()):
+    """One line over all samples: how many were right (where the data set has a check), tokens,
+    forward passes, TPF (tokens / NFE) and tokens/s over all of them; then, when given, the same of
+    next-token decoding of the same prompts, and the speed-up: the decode's tokens/s over its.
+    decoded, next_tokens: lists of (Generation, verdict)."""
+    right, tokens, nfe, speed = totals(decoded)
+    line = (f"{len(decoded)} samples: {right}{tokens} tokens in {nfe} forward passes, "
+            f"{tokens / max(nfe, 1):.2f} tokens per forward, {speed:.1f} tokens/s")
+    if next_tokens:
+        ar_right, ar_tokens, ar_nfe, ar_speed = totals(next_tokens)
+        line += (f"; next-token decoding (--method=ar) of the same prompts: {ar_right}{ar_tokens} tokens "
+                 f"in {ar_nfe} forward passes, {ar_speed:.1f} tokens/s; speed-up {speed / ar_speed:.2f}x")
+    return line
