@@ -1,0 +1,146 @@
+"""The repository's layout: the method at the top level, the rest in support/ and tools/, and imports
+that flow one way (read from the code with `ast`; every violation is named)."""
+
+import ast
+import subprocess
+import sys
+
+from helpers import ROOT
+
+METHOD = {"model", "kvcache", "data", "train", "sampler"}        # the design card's files
+TOP = METHOD | {"configurator", "test_refusion"}
+CORE = {"model", "kvcache", "data"}                                # the network, its cache, the training layouts
+ALLOWED_PACKAGES = {                                               # third-party packages each kind may import
+    "core": {"torch", "numpy", "tiktoken"},
+    "script": {"torch", "numpy", "tiktoken", "tqdm"},
+    "test_refusion": {"torch", "numpy", "pytest"},
+}
+HEAVY = ("gguf", "safetensors", "jinja2", "regex", "filelock", "torch.distributed.fsdp", "matplotlib", "support")
+
+
+def modules():
+    """{module name: path} of every Python file of the project outside tests/ (support.runs, tools.bench)."""
+    found = {p.stem: p for p in ROOT.glob("*.py")}
+    for folder in ("support", "tools"):
+        found |= {f"{folder}.{p.stem}": p for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"}
+    return found
+
+
+def imports(path):
+    """[(imported name, the function it is imported in or None at module level, line)] of one file;
+    `from support import runs` is support.runs."""
+    found = []
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, function, child.lineno) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0:
+                found.extend((f"{child.module}.{alias.name}", function, child.lineno) for alias in child.names)
+            visit(child, inner)
+    visit(ast.parse(path.read_text(encoding="utf-8")), None)
+    return found
+
+
+def project_name(name, project):
+    """The project module an imported name belongs to (support.runs for support.runs.Run), or None."""
+    project = set(project) | set(modules()) | {"support", "tools"}
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in project:
+            return ".".join(parts[:n])
+    return None
+
+
+def kind_of(module):
+    if module in CORE:
+        return "core"
+    if module in ("train", "sampler"):
+        return "script"
+    return module if module == "test_refusion" else None
+
+
+def violations(project):
+    """Every import of the files `project` ({module: path}) that breaks the layout's rules, as text
+    naming the file, the line and the rule."""
+    found = []
+    for module, path in project.items():
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        for name, function, line in imports(path):
+            target, top = project_name(name, project), name.split(".")[0]
+            if target is None:                                      # the standard library or a package
+                allowed = ALLOWED_PACKAGES.get(kind_of(module))
+                if allowed is not None and top not in sys.stdlib_module_names and top not in allowed:
+                    found.append(f"{where}:{line} imports {name}: {module} may import only "
+                                 f"{', '.join(sorted(allowed))} besides the standard library")
+                continue
+            if target.startswith("tools"):
+                found.append(f"{where}:{line} imports {target}: no module imports a tool")
+            if module in CORE and target not in CORE:
+                found.append(f"{where}:{line} imports {target}: model, kvcache and data import only each other")
+            if module == "test_refusion" and target not in METHOD:
+                found.append(f"{where}:{line} imports {target}: test_refusion imports only the method files")
+            if kind_of(module) == "script" and target not in TOP and function != "main":
+                found.append(f"{where}:{line} imports {target} {'at module level' if function is None else 'in ' + function}:"
+                             f" {module}.py reaches support/ only in main, its command line")
+            if module.startswith("support") and target in ("train", "sampler"):
+                found.append(f"{where}:{line} imports {target}: support/ serves the scripts, never imports them")
+    return found
+
+
+def test_the_top_level_is_the_design_cards_files():
+    assert {p.stem for p in ROOT.glob("*.py")} == TOP
+    assert not (ROOT / "generate.py").exists()
+
+
+def test_imports_flow_one_way():
+    assert violations(modules()) == []
+
+
+def test_the_import_graph_has_no_circle():
+    project = modules()
+    graph = {m: {project_name(n, project) for n, _, _ in imports(p)} - {None, m} for m, p in project.items()}
+    graph = {m: {t for t in targets if t in graph} for m, targets in graph.items()}
+    state = {}
+
+    def circle_from(m, path):
+        state[m] = "open"
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                return path + [t]
+            if t not in state and (found := circle_from(t, path + [t])):
+                return found
+        state[m] = "done"
+        return None
+    for m in sorted(graph):
+        if m not in state:
+            assert circle_from(m, [m]) is None, f"import circle: {' -> '.join(circle_from(m, [m]) or [])}"
+
+
+def test_the_checker_names_each_kind_of_forbidden_import(tmp_path):
+    """The rules can fail: files that break each of them, in the places of the method files, are named."""
+    files = {"sampler": "import torch\nfrom support.shard import shard_model\n\ndef main():\n    from support import runs\n",
+             "data": "import safetensors\nfrom support.tokenizer import encode\n",
+             "test_refusion": "from support import corpora\n",
+             "support.runs": "import train\n",
+             "support.files": "from tools import bench\n"}
+    bad = {m: tmp_path / f"{m}.py" for m in files}
+    for m, text in files.items():
+        bad[m].write_text(text)
+    assert violations(bad) == [
+        f"{bad['sampler']}:2 imports support.shard at module level: sampler.py reaches support/ only in main, its "
+        "command line",
+        f"{bad['data']}:1 imports safetensors: data may import only numpy, tiktoken, torch besides the standard library",
+        f"{bad['data']}:2 imports support.tokenizer: model, kvcache and data import only each other",
+        f"{bad['test_refusion']}:1 imports support.corpora: test_refusion imports only the method files",
+        f"{bad['support.runs']}:1 imports train: support/ serves the scripts, never imports them",
+        f"{bad['support.files']}:1 imports tools.bench: no module imports a tool"]
+
+
+def test_the_method_imports_without_the_plumbings_packages():
+    """Importing the loss, the layouts and the decoders loads no FSDP, GGUF, safetensors, jinja2 or support/."""
+    code = ("import sys, model, kvcache, data, train, sampler, test_refusion; "
+            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
