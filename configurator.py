@@ -30,8 +30,9 @@ def settings_in(namespace):
     """The settings a script declares as module-level assignments (lowercase names holding an int,
     float, bool, str or tuple, in the order written), as Defaults: `settings_in(globals())`
     right after the block of defaults, as nanoGPT's train.py does."""
+    kinds = (int, float, bool, str, tuple)
     return Defaults({k: v for k, v in namespace.items()
-                     if not k.startswith("_") and k.islower() and isinstance(v, (int, float, bool, str, tuple))},
+                     if not k.startswith("_") and k.islower() and isinstance(v, kinds)},
                     namespace.get("__file__"))
 
 
@@ -40,8 +41,9 @@ def descriptions(script):
     (`beta1, beta2 = 0.9, 0.95  # AdamW's betas` describes both); what --help prints beside each."""
     with open(script, encoding="utf-8") as f:
         source = f.read()
-    comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = {tok.start[0]: tok.string.lstrip("#").strip() for tok in tokens
+                if tok.type == tokenize.COMMENT}
     found = {}
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign):
@@ -53,8 +55,8 @@ def descriptions(script):
 
 
 def command_of(script):
-    """How a script is run: `train.py` for a file at the top level, `-m tools.bench` for a module of a
-    package (a directory holding __init__.py), run from the repository's root."""
+    """How a script is run: `train.py` for a file at the top level, `-m tools.bench` for a module of
+    a package (a directory holding __init__.py), run from the repository's root."""
     if not script:
         return "script.py"
     folder, name = os.path.split(os.path.abspath(script))
@@ -68,8 +70,8 @@ def usage(defaults):
     description (from the script's source when defaults are Defaults)."""
     script = getattr(defaults, "script", None)
     about = descriptions(script) if script else {}
-    shown = {k: ",".join(map(str, v)) if isinstance(v, tuple) else v if isinstance(v, str) else repr(v)
-             for k, v in defaults.items()}
+    shown = {k: ",".join(map(str, v)) if isinstance(v, tuple) else v if isinstance(v, str)
+             else repr(v) for k, v in defaults.items()}
     width = max(len(f"--{k}={v}") for k, v in shown.items())
     lines = [f"usage: python {command_of(script)} [config.py ...] [--key=value ...]",
              "Config files and flags apply left to right. Settings, with their defaults:"]
@@ -96,12 +98,14 @@ def _coerce(key, value, default, where="the command line"):
     or a comma-separated string for a tuple (--tasks=arith,stdlib). Raises ConfigError."""
     shown = f"--{key}={value!r}" if where == "the command line" else f"{key} = {value!r} in {where}"
     if isinstance(default, tuple):
-        if isinstance(value, str):  # items of a tuple of text are taken as written, others as literals
+        # items of a tuple of text are taken as written, others as literals
+        if isinstance(value, str):
             texts = default and isinstance(default[0], str)
             value = tuple(v.strip() if texts else _literal(v.strip()) for v in value.split(","))
         value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
         if default and any(type(v) is not type(default[0]) for v in value):
-            raise ConfigError(f"{shown}: expected a tuple of {type(default[0]).__name__} like {default!r}")
+            raise ConfigError(f"{shown}: expected a tuple of {type(default[0]).__name__} "
+                              f"like {default!r}")
         return value
     if isinstance(default, float) and type(value) is int:
         return float(value)
@@ -117,7 +121,8 @@ def _check_key(key, defaults, where):
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=3)
         hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else "."
-        raise ConfigError(f"unknown config key {key!r} in {where}{hint} Known keys: {', '.join(sorted(defaults))}")
+        raise ConfigError(f"unknown config key {key!r} in {where}{hint} Known keys: "
+                          f"{', '.join(sorted(defaults))}")
 
 
 # settings renamed, whose old spelling is still accepted (in flags and config files): old -> new
@@ -152,21 +157,25 @@ def parse_args(defaults, argv):
     for arg in argv:
         if not arg.startswith("--"):
             if not arg.endswith(".py"):
-                flags = " or ".join(f"--{key}={arg}" for key in ("prompt_file", "dataset") if key in defaults)
+                flags = " or ".join(f"--{key}={arg}" for key in ("prompt_file", "dataset")
+                                    if key in defaults)
+                fix = f"to read it, write {flags}" if flags else "flags are written --key=value"
                 raise ConfigError(f"{arg!r} is not a config file (a .py file of assignments); "
-                                  + (f"to read it, write {flags}" if flags else "flags are written --key=value"))
+                                  f"{fix}")
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file {arg!r} not found (flags are written --key=value)")
             namespace = {}
             try:
                 with open(arg, encoding="utf-8") as f:
-                    exec(compile(f.read(), arg, "exec"), namespace)  # a config file is the user's own code
+                    # a config file is the user's own code
+                    exec(compile(f.read(), arg, "exec"), namespace)
             except Exception as e:  # any error in the user's file: say which file and line
-                lineno = ([f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
-                          or [getattr(e, "lineno", None)])[-1]            # a SyntaxError has no frame
+                frames = traceback.extract_tb(e.__traceback__)
+                lineno = ([f.lineno for f in frames if f.filename == arg]
+                          or [getattr(e, "lineno", None)])[-1]      # a SyntaxError has no frame
                 line = f", line {lineno}" if lineno else ""
-                raise ConfigError(f"config file {arg}{line}: {type(e).__name__}: {e}; a config file holds "
-                                  "plain assignments such as max_iters = 300") from None
+                raise ConfigError(f"config file {arg}{line}: {type(e).__name__}: {e}; a config "
+                                  "file holds plain assignments such as max_iters = 300") from None
             for key, value in namespace.items():
                 if key.startswith("_") or callable(value) or type(value).__name__ == "module":
                     continue  # imports and helpers are not settings
@@ -181,7 +190,8 @@ def parse_args(defaults, argv):
             if not isinstance(defaults[key], bool):
                 raise ConfigError(f"flag {arg!r} has no value: write it as {arg}=VALUE")
             text = "True"  # a bare boolean flag such as --json switches it on
-        # text is taken as written: --out_dir=1e1 is the directory "1e1", --prompt='x' keeps its quotes
+        # text is taken as written: --out_dir=1e1 is the directory "1e1", --prompt='x' keeps its
+        # quotes
         value = text if isinstance(defaults[key], str) else _literal(text)
         config[key] = _coerce(key, value, defaults[key])
     return config
@@ -202,7 +212,8 @@ def check_device(device):
         return
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ConfigError(f"--device={device}: no CUDA GPU is visible to torch here; use --device=cpu")
+            raise ConfigError(f"--device={device}: no CUDA GPU is visible to torch here; use "
+                              "--device=cpu")
         return
     raise ConfigError(f"--device={device}: use cpu, cuda (or cuda:N), or mps where available")
 
@@ -225,5 +236,6 @@ def run_cli(main, argv):
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+        # what is still buffered goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(1) from None

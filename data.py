@@ -2,11 +2,12 @@
 ReFusion's training layout (SPEC section 3) and the baselines', as batches of tensors: what each
 objective feeds the model and what it asks it to predict.
 
-    reorganize_slots     ReFusion: slots, masking, the clean slots shuffled before the masked ones
-    layout_one_sample    the same layout for one sample, as a plain loop (the reference layout_slots equals)
-    layout_slots         the deterministic half of reorganize_slots, vectorized over the batch
-    autoregressive_batch the ARM baseline's layout
-    pad_with_eos, random_mask_batch   the MDM baseline's layout (LLaDA's SFT: EOS padding, random masks)
+    reorganize_slots      ReFusion: slots, masking, the clean slots shuffled before the masked ones
+    layout_one_sample     one sample's layout as a plain loop, the reference layout_slots equals
+    layout_slots          the deterministic half of reorganize_slots, vectorized over the batch
+    autoregressive_batch  the ARM baseline's layout
+    pad_with_eos          the MDM baseline's canvas (LLaDA's supervised fine-tuning: EOS padding)
+    random_mask_batch     the MDM baseline's layout (each response token masked independently)
 
 Token ids come in from support/prepare.py's TokenDataset; nothing here reads files or text.
 """
@@ -26,8 +27,9 @@ class Batch:
     idx:          (B, T) int64 input tokens (mask ids where masked, pad_id after the sample).
     position_ids: (B, T) int64 true position of every token (RoPE).
     labels:       (B, T) int64 target at each input token, IGNORE where none.
-    mdm_weight:   (B, T) float32 1 / (p_mask * response length) where the label is a masked token's
-                  own token (masked-diffusion loss), 0 where it is a next token (autoregressive loss).
+    mdm_weight:   (B, T) float32 1 / (p_mask * response length) where the label is a masked
+                  token's own token (masked-diffusion loss), 0 where it is a next token
+                  (autoregressive loss).
     key_mask:     (B, T) bool, False on padding (used by bidirectional attention), or None.
     """
     idx: torch.Tensor
@@ -43,8 +45,8 @@ def _p_mask(batch_size, eps, generator, device):
     return (1 - eps) * t + eps
 
 
-def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator, eps=1e-3, slot_end_labels=False,
-                     ar_fraction=0.0):
+def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator, eps=1e-3,
+                     slot_end_labels=False, ar_fraction=0.0):
     """ReFusion's slot reorganization of a batch (SPEC section 3; paper section 3.1).
 
     tokens: (B, T) int64, each row prompt + response (ending with EOS), right-padded;
@@ -59,14 +61,18 @@ def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator,
     """
     B, T = tokens.shape
     dev = tokens.device
-    S = torch.tensor(slot_sizes)[torch.randint(len(slot_sizes), (B,), generator=generator)].to(dev)  # (B,)
-    p = _p_mask(B, eps, generator, dev)                                                # (B,) p_mask
-    # (B, T) indexed by slot id (a response of <= T tokens has <= T slots): slot k masked with probability p
+    pick = torch.randint(len(slot_sizes), (B,), generator=generator)
+    S = torch.tensor(slot_sizes)[pick].to(dev)                           # (B,) slot size
+    p = _p_mask(B, eps, generator, dev)                                  # (B,) p_mask
+    # (B, T) indexed by slot id (a response of <= T tokens has <= T slots): slot k masked with
+    # probability p
     slot_is_masked = torch.rand(B, T, generator=generator).to(dev) < p[:, None]
     # (B, T) a random order of the slots: argsort of uniform noise lists the slot ids in a random
-    # order, and argsort of that list inverts it, giving each slot k its place in that order (its rank)
+    # order, and argsort of that list inverts it, giving each slot k its place in that order (its
+    # rank)
     slot_rank = torch.rand(B, T, generator=generator).argsort(dim=1).argsort(dim=1).to(dev)
-    batch = layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels)
+    batch = layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id,
+                         slot_end_labels)
     if ar_fraction:
         as_arm = (torch.rand(B, generator=generator) < ar_fraction).to(dev)[:, None]    # (B, 1)
         arm = autoregressive_batch(tokens, prompt_len, length)
@@ -76,7 +82,8 @@ def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator,
     return batch
 
 
-def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels=False):
+def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id,
+                      slot_end_labels=False):
     """layout_slots for one sample, as a plain loop (SPEC section 3, steps 3-4): the reference the
     vectorized layout_slots must equal (test_vectorized_layout_equals_the_per_sample_loop).
 
@@ -86,24 +93,26 @@ def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id, sl
     Returns (idx, position_ids, labels, mdm_weight) as lists.
     """
     slots = [list(range(start, min(start + S, n))) for start in range(P, n, S)]   # true positions
-    clean = sorted((k for k in range(len(slots)) if not slot_is_masked[k]), key=lambda k: slot_rank[k])
+    clean = sorted((k for k in range(len(slots)) if not slot_is_masked[k]),
+                   key=lambda k: slot_rank[k])
     masked = [k for k in range(len(slots)) if slot_is_masked[k]]
-    idx, pos, labels, weight = tokens[:P], list(range(P)), [IGNORE] * P, [0.0] * P  # the prompt, first
-    if slot_end_labels:                         # the prompt's last token predicts the response's first
+    idx, pos, labels, weight = tokens[:P], list(range(P)), [IGNORE] * P, [0.0] * P  # the prompt
+    if slot_end_labels:                      # the prompt's last token predicts the response's first
         labels[P - 1] = tokens[P]
-    for k in clean:                             # clean slots in rank order: next token inside the slot
+    for k in clean:                          # clean slots in rank order: next token inside the slot
         for i, q in enumerate(slots[k]):
             idx.append(tokens[q])
             pos.append(q)
-            labels.append(tokens[q + 1] if i + 1 < len(slots[k]) or slot_end_labels and q + 1 < n else IGNORE)
+            has_next = i + 1 < len(slots[k]) or slot_end_labels and q + 1 < n
+            labels.append(tokens[q + 1] if has_next else IGNORE)
             weight.append(0.0)
-    for k in masked:                            # masked slots in their own order: their own tokens
+    for k in masked:                         # masked slots in their own order: their own tokens
         for q in slots[k]:
             idx.append(mask_id)
             pos.append(q)
             labels.append(tokens[q])
             weight.append(1.0 / (p * (n - P)))
-    for q in range(n, len(tokens)):             # padding, last
+    for q in range(n, len(tokens)):          # padding, last
         idx.append(tokens[q])
         pos.append(q)
         labels.append(IGNORE)
@@ -111,55 +120,54 @@ def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id, sl
     return idx, pos, labels, weight
 
 
-def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id, slot_end_labels=False):
-    """The deterministic half of reorganize_slots: build the buffer, labels and loss weights.
+def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id,
+                 slot_end_labels=False):
+    """The deterministic half of reorganize_slots: the buffer, labels and loss weights of SPEC
+    section 3, steps 3-4 (the clean slots in ascending slot_rank; every token at its true position).
 
     S: (B,) int64 slot size; p: (B,) float32 p_mask; slot_is_masked: (B, n) bool and slot_rank:
-    (B, n) int64 (a permutation), indexed by slot id (n between the number of slots and T; T always
-    suffices).
-    Buffer: the prompt, then the clean slots in ascending slot_rank, then the masked slots (every
-    token the mask id) in their original order, then padding; every token keeps its true position.
-    Labels: a clean token's next token inside its own slot (none for the slot's last token); a masked
-    token's own token, with mdm_weight 1 / (p * response length); none for prompt and padding.
-    slot_end_labels (SPEC section 3, beyond the paper; off by default): the last token of every clean
-    slot, and the prompt's last token, are labelled too, with the token at the next position, so the
-    next-token pathway is trained at every response position (infill="ar" decodes with it there).
+    (B, n) int64 (a permutation), indexed by slot id (n between the number of slots and T; T
+    always suffices). slot_end_labels (SPEC section 3, beyond the paper; off by default): the last
+    token of every clean slot, and the prompt's last token, are labelled with the next position's.
     The whole batch at once, no loop: every tensor is first computed in input (true position)
     order, then one sort per row lays it out in buffer order. layout_one_sample is the same, as a
-    plain loop per sample.
+    plain loop per sample. Returns a Batch of the same (B, T).
     """
     B, T = tokens.shape
-    pos = torch.arange(T, device=tokens.device).expand(B, T)  # (B, T) true position: the index in the input
-    rel = pos - prompt_len[:, None]                          # (B, T) position inside the response (< 0: prompt)
-    in_response = (rel >= 0) & (pos < length[:, None])       # (B, T) response tokens, EOS included
-    slot = torch.where(in_response, rel // S[:, None], 0)    # (B, T) slot id of each response token (0 elsewhere)
-    masked = in_response & slot_is_masked.gather(1, slot)    # (B, T) the token's slot is masked
-    clean = in_response & ~masked                            # (B, T) the token's slot is clean
+    # each (B, T), in input order
+    pos = torch.arange(T, device=tokens.device).expand(B, T)  # true position: index in the input
+    rel = pos - prompt_len[:, None]                          # position in the response (<0: prompt)
+    in_response = (rel >= 0) & (pos < length[:, None])       # response tokens, EOS included
+    slot = torch.where(in_response, rel // S[:, None], 0)    # slot id of a response token (else 0)
+    masked = in_response & slot_is_masked.gather(1, slot)    # the token's slot is masked
+    clean = in_response & ~masked                            # the token's slot is clean
 
-    # Buffer order by one sort of a key per token. group: the buffer's four parts in order, prompt 0,
-    # clean slots 1, masked slots 2, padding 3.
-    group = torch.where(pos < prompt_len[:, None], 0, torch.where(clean, 1, torch.where(masked, 2, 3)))
+    # Buffer order by one sort of a key per token. group: the buffer's four parts in order, prompt
+    # 0, clean slots 1, masked slots 2, padding 3.
+    group = torch.where(pos < prompt_len[:, None], 0,
+                        torch.where(clean, 1, torch.where(masked, 2, 3)))
     # within: the order inside a part. A clean token sorts by its slot's rank, then by position
     # (rank * T + pos, pos < T: a slot's tokens stay together and in order); every other token by
     # position (the prompt, the masked slots in their own order, the padding).
     within = torch.where(clean, slot_rank.gather(1, slot) * T + pos, pos)
     # within <= (T - 1) * T + T - 1 < T * (T + 1), so group * T * (T + 1) + within sorts by group
     # first, then by within; keys are distinct (each holds its position), so the order is unique.
-    order = (group * T * (T + 1) + within).argsort(dim=1)    # (B, T) input index of the token at each buffer place
+    # (B, T) the input index of the token at each buffer place
+    order = (group * T * (T + 1) + within).argsort(dim=1)
 
-    next_in_slot = torch.zeros_like(in_response)             # (B, T) the next input token is a response
-    next_in_slot[:, :-1] = (slot[:, 1:] == slot[:, :-1]) & in_response[:, 1:]   # token of the same slot
-    next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)               # (B, T) the next input token
+    next_in_slot = torch.zeros_like(in_response)  # (B, T) the next input token: of the same slot
+    next_in_slot[:, :-1] = (slot[:, 1:] == slot[:, :-1]) & in_response[:, 1:]
+    next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # (B, T) the next input token
     predicts_next = clean & next_in_slot                     # (B, T) labelled with the next token
-    if slot_end_labels:                                      # also across slot ends, and the prompt's last token
+    if slot_end_labels:                     # also across slot ends, and the prompt's last token
         next_in_response = torch.zeros_like(in_response)
         next_in_response[:, :-1] = in_response[:, 1:]
         predicts_next = (clean | (pos == prompt_len[:, None] - 1)) & next_in_response
     # masked: its own token; labelled with the next token: that token; anything else: no label
     labels = torch.where(masked, tokens, torch.where(predicts_next, next_tok, IGNORE))
-    weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)  # (B, T) MDM loss weight
-    idx = torch.where(masked, mask_id, tokens)               # (B, T) a masked slot's tokens become the mask id
-    return Batch(*(x.gather(1, order) for x in (idx, pos, labels, weight)))   # each laid out in buffer order
+    weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)  # MDM loss weight
+    idx = torch.where(masked, mask_id, tokens)               # a masked slot's tokens: the mask id
+    return Batch(*(x.gather(1, order) for x in (idx, pos, labels, weight)))  # in buffer order
 
 
 def autoregressive_batch(tokens, prompt_len, length):
@@ -186,8 +194,8 @@ def pad_with_eos(tokens, prompt_len, length, eos_id, pad_id, gen_length, max_len
     EOS padding); random_mask_batch then masks, labels and attends the padding EOS like any response
     token.
     """
-    end = torch.maximum(length, (prompt_len + gen_length).clamp(max=max_len))          # (B,) new lengths
-    wide = F.pad(tokens, (0, int(end.max()) - tokens.shape[1]), value=pad_id)           # (B, T')
+    end = torch.maximum(length, (prompt_len + gen_length).clamp(max=max_len))  # (B,) new lengths
+    wide = F.pad(tokens, (0, int(end.max()) - tokens.shape[1]), value=pad_id)   # (B, T')
     pos = torch.arange(wide.shape[1], device=tokens.device)
     return torch.where((pos >= length[:, None]) & (pos < end[:, None]), eos_id, wide), end
 
@@ -196,7 +204,8 @@ def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3):
     """The LLaDA-style MDM baseline's batch: each response token masked independently with p_mask.
 
     tokens (B, T), prompt_len (B,), length (B,) int64. Labels: a masked token's own token, weighted
-    1 / (p_mask * response length). key_mask hides padding from bidirectional attention. Returns a Batch.
+    1 / (p_mask * response length). key_mask hides padding from bidirectional attention.
+    Returns a Batch.
     """
     B, T = tokens.shape
     pos = torch.arange(T, device=tokens.device).expand(B, T)
@@ -205,5 +214,6 @@ def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3):
     masked = in_response & (torch.rand(B, T, generator=generator).to(tokens.device) < p[:, None])
     labels = torch.where(masked, tokens, IGNORE)
     weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)
-    return Batch(torch.where(masked, mask_id, tokens), pos, labels, weight, key_mask=pos < length[:, None])
+    return Batch(torch.where(masked, mask_id, tokens), pos, labels, weight,
+                 key_mask=pos < length[:, None])
 

@@ -18,8 +18,10 @@ class KVCache:
     batch: number of active rows (1 outside parallel infill). pos: tokens held in every row.
     """
 
-    def __init__(self, n_layer, n_kv_head, head_dim, max_len, max_batch=1, dtype=torch.float32, device="cpu"):
-        self.kv = torch.zeros(n_layer, 2, max_batch, n_kv_head, max_len, head_dim, dtype=dtype, device=device)
+    def __init__(self, n_layer, n_kv_head, head_dim, max_len, max_batch=1, dtype=torch.float32,
+                 device="cpu"):
+        self.kv = torch.zeros(n_layer, 2, max_batch, n_kv_head, max_len, head_dim, dtype=dtype,
+                              device=device)
         self.n_layer, self.max_batch, self.max_len = n_layer, max_batch, max_len
         self.batch, self.pos = 1, 0
 
@@ -34,32 +36,36 @@ class KVCache:
         if B != self.batch:
             raise ValueError(f"cache has {self.batch} active rows but the input has batch {B}")
         if self.pos + T > self.max_len:
-            raise ValueError(f"KV cache overflow: {self.pos} cached + {T} new > max_len={self.max_len}")
+            raise ValueError(f"KV cache overflow: {self.pos} cached + {T} new "
+                             f"> max_len={self.max_len}")
         self.kv[layer, 0, :B, :, self.pos:self.pos + T] = k
         self.kv[layer, 1, :B, :, self.pos:self.pos + T] = v
         return self.kv[layer, 0, :B, :, :self.pos + T], self.kv[layer, 1, :B, :, :self.pos + T]
 
     def advance(self, n):
-        """Count n tokens as appended to every active row (the model calls this after its last layer)."""
+        """Count n tokens as appended to every active row (the model calls this after its last
+        layer)."""
         self.pos += n
 
     def crop(self, length):
-        """Forget everything after the first `length` tokens (e.g. the keys/values of mask tokens)."""
+        """Forget everything after the first `length` tokens (e.g. the keys/values of masks)."""
         if not 0 <= length <= self.pos:
             raise ValueError(f"cannot crop a cache of {self.pos} tokens to {length}")
         self.pos = length
 
     def repeat_prefix(self, k):
-        """Fan row 0 out into k rows that share its tokens (one row per slot infilled in parallel)."""
+        """Fan row 0 out into k rows that share its tokens (a row per slot infilled in parallel)."""
         if not 1 <= k <= self.max_batch:
-            raise ValueError(f"cannot repeat into {k} rows: the cache was built for max_batch={self.max_batch}")
+            raise ValueError(f"cannot repeat into {k} rows: the cache was built for "
+                             f"max_batch={self.max_batch}")
         self.kv[:, :, 1:k, :, :self.pos] = self.kv[:, :, :1, :, :self.pos]
         self.batch = k
 
     def keep_rows(self, rows):
         """Keep only the given active rows (list of int, in that order) as rows 0..len(rows)-1."""
         if not rows or max(rows) >= self.batch:
-            raise ValueError(f"rows {rows} are not a non-empty subset of the {self.batch} active rows")
+            raise ValueError(f"rows {rows} are not a non-empty subset of the {self.batch} active "
+                             "rows")
         self.kv[:, :, :len(rows)] = self.kv[:, :, rows]
         self.batch = len(rows)
 
@@ -72,9 +78,11 @@ class KVCache:
         seeing the shared prefix [0, start) and itself (SPEC section 4, step 4).
         """
         if any(row >= self.batch or start + n > self.pos for row, n in segments):
-            raise ValueError(f"segments {segments} from {start} exceed the cache ({self.batch} rows x {self.pos})")
+            raise ValueError(f"segments {segments} from {start} exceed the cache "
+                             f"({self.batch} rows x {self.pos})")
         # Gather first: row 0's own segment may be read after other rows have been written over it.
-        gathered = torch.cat([self.kv[:, :, row, :, start:start + n] for row, n in segments], dim=-2)
+        gathered = torch.cat([self.kv[:, :, row, :, start:start + n] for row, n in segments],
+                             dim=-2)
         end = start + gathered.shape[-2]
         self.kv[:, :, 0, :, start:end] = gathered
         self.batch, self.pos = 1, end

@@ -1,6 +1,7 @@
 """
 The network: a decoder-only transformer in the Qwen3 / Llama style (RMSNorm, rotary position
-embeddings applied from explicit position ids, SwiGLU MLP, optional QK-norm, grouped-query attention).
+embeddings applied from explicit position ids, SwiGLU MLP, optional QK-norm, grouped-query
+attention).
 
 ReFusion needs one thing a plain GPT does not: tokens may sit anywhere in the buffer while keeping
 their true positions. So `forward` takes `position_ids` next to the tokens; attention is causal over
@@ -30,9 +31,9 @@ class ModelConfig:
     n_kv_head: int | None = None    # grouped-query attention; None means n_head (plain multi-head)
     n_embd: int = 128
     head_dim: int | None = None     # None means n_embd // n_head (Qwen3 sets it explicitly)
-    intermediate_size: int | None = None  # SwiGLU hidden width; None means ~8/3 n_embd, rounded to 64
+    intermediate_size: int | None = None  # SwiGLU hidden width; None: ~8/3 n_embd, rounded to 64
     rope_theta: float = 10000.0
-    qk_norm: bool = True            # RMSNorm on each head's queries and keys, as in Qwen3 (not Llama)
+    qk_norm: bool = True            # RMSNorm on each head's queries and keys (Qwen3; not Llama)
     tie_embeddings: bool = True     # lm_head shares the token embedding matrix
     norm_eps: float = 1e-6
     causal: bool = True             # False: bidirectional attention (the MDM baseline)
@@ -46,11 +47,13 @@ class ModelConfig:
                                  "pick n_embd as a multiple of n_head (or set head_dim)")
             self.head_dim = self.n_embd // self.n_head
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+            raise ValueError(f"n_head={self.n_head} must be a multiple of "
+                             f"n_kv_head={self.n_kv_head}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if not 0 < self.rope_theta < math.inf:  # also catches NaN, which would make every angle NaN
-            raise ValueError(f"rope_theta={self.rope_theta}: the base of the rotary angles must be positive and finite")
+            raise ValueError(f"rope_theta={self.rope_theta}: the base of the rotary angles must be "
+                             "positive and finite")
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
@@ -64,7 +67,7 @@ def rope_cos_sin(position_ids, head_dim, theta):
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
                                             dtype=torch.float32) / head_dim)
     angles = position_ids.float()[..., None] * inv_freq      # (B, T, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)[:, None]     # (B, 1, T, hd), Qwen's half-split layout
+    angles = torch.cat([angles, angles], dim=-1)[:, None]     # (B, 1, T, hd), Qwen's half split
     return angles.cos(), angles.sin()
 
 
@@ -80,19 +83,21 @@ class Attention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.head_dim
         self.q_proj = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+        eps = config.norm_eps
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=eps) if config.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=eps) if config.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, mask, is_causal, kv_cache):
-        B, T, _ = x.shape
+        B, T, _ = x.shape                          # q: (B, nh, T, hd); k and v: (B, nkv, T, hd)
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)      # (B, nkv, P + T, hd): cached + new
@@ -156,7 +161,8 @@ class Transformer(nn.Module):
     def new_kv_cache(self, max_len, max_batch=1):
         """An empty KVCache sized for this model: up to max_batch rows of max_len tokens."""
         c, p = self.config, self.embed_tokens.weight
-        return KVCache(c.n_layer, c.n_kv_head, c.head_dim, max_len, max_batch, dtype=p.dtype, device=p.device)
+        return KVCache(c.n_layer, c.n_kv_head, c.head_dim, max_len, max_batch, dtype=p.dtype,
+                       device=p.device)
 
     def forward(self, idx, position_ids, kv_cache=None, key_mask=None):
         """Logits for every input token.

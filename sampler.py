@@ -2,13 +2,13 @@
 ReFusion's plan-and-infill decoder (SPEC section 4), told top-down as its named steps, then the
 baselines it is measured against, then the command line.
 
-    generate_refusion      the response as serial blocks, decoded one after another, cut after EOS
-    decode_serial_block    one serial block: plan, verify, infill (when verify finished no slot), commit
-    plan_slots     step 1  one diffusion step over the masked slots: draft them, pick the confident ones
-    verify_drafts  step 2  one causal pass over the picked drafts: accept their longest confident prefix
+    generate_refusion      the response as serial blocks, one after another, cut after EOS
+    decode_serial_block    one serial block: plan, verify, infill (if verify commits none), commit
+    plan_slots     step 1  one diffusion step over the masked slots: draft, pick the confident ones
+    verify_drafts  step 2  one causal pass over the picked drafts: their longest confident prefix
     infill_slots   step 3  finish the picked slots in parallel, left to right, one cache row each
     commit_slots   step 4  record the finished slots, whose keys/values now follow the buffer
-    DecodeState            what the steps share: the committed buffer, the KV cache, the forward count
+    DecodeState            what the steps share: the committed buffer, the KV cache, the NFE
 
 Every committed token's keys/values are computed once and reused by every later forward pass: the
 cache holds the committed slots in commit order, the model sees their true positions through RoPE.
@@ -196,7 +196,8 @@ class InfillRows:
         """Keep rows 0..n-1, here and in the cache."""
         if n < cache.batch:
             cache.keep_rows(list(range(n)))
-        self.starts, self.positions, self.tokens = self.starts[:n], self.positions[:n], self.tokens[:n]
+        self.starts, self.positions = self.starts[:n], self.positions[:n]
+        self.tokens = self.tokens[:n]
         self.accepted, self.lengths = self.accepted[:n], self.lengths[:n]
 
 
@@ -212,7 +213,8 @@ def infill_slots(state, starts, drafts, accepted, token_threshold):
     """
     k, S = drafts.shape
     ctx = state.cache.pos                          # the committed buffer, shared by every row
-    positions = torch.tensor(starts, device=state.device)[:, None] + torch.arange(S, device=state.device)
+    columns = torch.arange(S, device=state.device)
+    positions = torch.tensor(starts, device=state.device)[:, None] + columns
     rows = InfillRows(list(starts), positions, drafts.clone(), accepted.clone(),
                       torch.full_like(accepted, S))
     if state.infill == "ar":
@@ -222,7 +224,7 @@ def infill_slots(state, starts, drafts, accepted, token_threshold):
     # prefix may already hold EOS: that slot ends there and the slots after it go before any pass.
     end_rows_at_eos(state, rows)
     last = None
-    for _ in range(S):                             # each round accepts >= 1 token of every unfinished row
+    for _ in range(S):                   # each round accepts >= 1 token of every unfinished row
         if rows.done():
             break
         shared = state.cache.pos - ctx             # slot tokens [0, shared) of every row are cached
@@ -231,8 +233,9 @@ def infill_slots(state, starts, drafts, accepted, token_threshold):
         end_rows_at_eos(state, rows)                                # (c)
         state.cache.crop(ctx + kept_prefix(state, rows))            # (d)
     lengths = rows.lengths.tolist()
-    state.cache.commit_rows(list(enumerate(lengths)), ctx)   # row i's slot, after the buffer in row 0
-    commit = Commit(rows.starts, [row[:n] for row, n in zip(rows.tokens.tolist(), lengths)], rows.eos)
+    state.cache.commit_rows(list(enumerate(lengths)), ctx)  # row i's slot after the buffer, row 0
+    tokens = [row[:n] for row, n in zip(rows.tokens.tolist(), lengths)]
+    commit = Commit(rows.starts, tokens, rows.eos)
     if state.infill == "ar":  # SPEC 4.1: only row 0 saw every slot committed with it before it
         commit.next_logits = [last] + [None] * (len(commit) - 1)
     return commit
@@ -240,9 +243,11 @@ def infill_slots(state, starts, drafts, accepted, token_threshold):
 
 def draft_rows(state, rows, shared):
     """Step 3a, draft: feed every row's tokens from column `shared` on, its unaccepted ones as mask
-    ids; each masked position's prediction (argmax) fills it. The pass's keys/values are not kept."""
+    ids; each masked position's prediction (argmax) fills it. The pass's keys/values are not
+    kept."""
     window = rows.tokens[:, shared:].clone()
-    masked = torch.arange(shared, window.shape[1] + shared, device=state.device) >= rows.accepted[:, None]
+    columns = torch.arange(shared, shared + window.shape[1], device=state.device)
+    masked = columns >= rows.accepted[:, None]
     window[masked] = state.mask_id
     logits = state.forward(window, rows.positions[:, shared:], keep=0)
     rows.tokens[:, shared:][masked] = ban(logits[masked], state.banned).argmax(dim=-1)
@@ -258,7 +263,7 @@ def verify_rows(state, rows, shared, token_threshold):
     window = rows.tokens[:, shared:]
     logits = state.forward(window, rows.positions[:, shared:])
     probs = next_token_probs(logits, window)
-    columns = torch.arange(shared, window.shape[1] + shared, device=state.device)
+    columns = torch.arange(shared, shared + window.shape[1], device=state.device)
     passed = (probs > token_threshold) | (columns <= rows.accepted[:, None])
     rows.accepted = torch.minimum(shared + leading_true(passed), rows.lengths)
     return logits[0, -1]
@@ -286,7 +291,7 @@ def kept_prefix(state, rows):
     row is done, else the prefix every row has accepted (its keys/values are never recomputed)."""
     if rows.done():
         return rows.tokens.shape[1]
-    if state.infill == "ar":  # SPEC 4.1: its last token is fed again, its prediction forces the next
+    if state.infill == "ar":  # SPEC 4.1: its last token is fed again; it predicts the next
         return int(rows.accepted.min()) - 1
     return int(rows.accepted.min())
 
@@ -300,7 +305,8 @@ def commit_slots(state, commit):
     The step's (position, token) pairs go to state.trace (and on_step), its forward passes to
     state.step_nfe.
     """
-    step = [(start + i, t) for start, ids in zip(commit.starts, commit.tokens) for i, t in enumerate(ids)]
+    step = [(start + i, t) for start, ids in zip(commit.starts, commit.tokens)
+            for i, t in enumerate(ids)]
     assert not any(p in state.response for p, _ in step), "a position was committed twice"
     state.response.update(step)
     assert state.cache.pos == state.prompt_len + len(state.response), "the cache holds the buffer"
@@ -336,7 +342,8 @@ class DecodeState:
         self.eos_tensor = torch.tensor(self.eos_ids, device=self.device)  # for end_rows_at_eos
         self.banned = [mask_id, *banned_ids]  # never written into the response
         self.temperature, self.infill = settings.temperature, settings.infill
-        self.prompt_len, self.pending, self.pending_pos = len(prompt), list(prompt), list(range(len(prompt)))
+        self.prompt_len = len(prompt)
+        self.pending, self.pending_pos = list(prompt), list(range(len(prompt)))
         self.response, self.nfe, self.trace, self.step_nfe = {}, 0, [], []
         self.frontier, self.next_logits = len(prompt), None
 
@@ -440,7 +447,8 @@ def tokens_per_step(n_masked, steps):
 
 
 @torch.inference_mode()
-def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, on_step=None, banned_ids=()):
+def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, on_step=None,
+                 banned_ids=()):
     """LLaDA-style masked-diffusion decoding with low-confidence remasking: the MDM baseline.
 
     settings: MDMSettings (max_new_tokens, steps, block_length, temperature). The sequence starts
@@ -450,8 +458,9 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
     id nor banned_ids are ever predicted: see ban) and commits the k most confident ones
     (confidence: the softmax probability of the predicted token), k following tokens_per_step.
     Semi-autoregressive blocks of block_length tokens go left to right, steps / n_semi_ar_blocks
-    steps each. Committed tokens never change. The result is cut after the first EOS. Returns a Generation; its trace holds the (position, token) pairs committed
-    at each step (also given to on_step, if set, as it happens).
+    steps each. Committed tokens never change. The result is cut after the first EOS. Returns a
+    Generation; its trace holds the (position, token) pairs committed at each step (also given to
+    on_step, if set, as it happens).
     Raises ValueError for a causal model or a prompt + generation longer than the context.
     """
     check_attention(model, "mdm")
@@ -467,10 +476,11 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
     for b in range(settings.n_semi_ar_blocks):
         in_block = torch.zeros_like(masked)
         in_block[P + b * settings.block_length:P + (b + 1) * settings.block_length] = True
-        for k in tokens_per_step(settings.block_length, settings.steps // settings.n_semi_ar_blocks):
+        steps = settings.steps // settings.n_semi_ar_blocks
+        for k in tokens_per_step(settings.block_length, steps):
             logits = model(x, positions)[0]                                 # (P + L, V)
             nfe += 1
-            where = (masked & in_block).nonzero()[:, 0]                      # masked positions of the block
+            where = (masked & in_block).nonzero()[:, 0]              # the block's masked positions
             drafts, confidence = draft_tokens(logits[where], settings.temperature, generator,
                                               [mask_id, *banned_ids])
             best = confidence.topk(k).indices
@@ -513,7 +523,8 @@ class Generation:
         return len(self.tokens) / max(self.seconds, 1e-9)
 
     def stats(self):
-        """The statistics as a dict of plain numbers (tokens, nfe, tpf, seconds, tokens_per_s), for --json."""
+        """The statistics as a dict of plain numbers (tokens, nfe, tpf, seconds, tokens_per_s), for
+        --json."""
         return {"tokens": len(self.tokens), "nfe": self.nfe, "tpf": round(self.tpf, 3),
                 "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2)}
 
@@ -531,10 +542,11 @@ class DecodeSettings:
 
     def __post_init__(self):
         if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: ask for at least one new token")
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: ask for at least one new "
+                             "token")
         if not 0 <= self.temperature < math.inf:  # also catches NaN
-            raise ValueError(f"temperature={self.temperature}: use 0 for greedy decoding or a finite positive "
-                             "value to sample")
+            raise ValueError(f"temperature={self.temperature}: use 0 for greedy decoding or a "
+                             "finite positive value to sample")
 
     @property
     def gen_length(self):
@@ -567,22 +579,26 @@ class RefusionSettings(DecodeSettings):
     def __post_init__(self):
         super().__post_init__()
         if self.infill not in INFILL_MODES:
-            raise ValueError(f"infill={self.infill!r}: choose 'paper' (the forced token of each infill round is "
-                             "its masked draft, as in the paper) or 'ar' (the next-token prediction, SPEC 4.1)")
+            raise ValueError(f"infill={self.infill!r}: choose 'paper' (the forced token of each "
+                             "infill round is its masked draft, as in the paper) or 'ar' (the "
+                             "next-token prediction, SPEC 4.1)")
         S = self.slot_size
         if S <= 0:
-            raise ValueError(f"slot_size={S}: a slot holds at least one token (the paper uses 4 to 32)")
+            raise ValueError(f"slot_size={S}: a slot holds at least one token (the paper uses 4 "
+                             "to 32)")
         if self.serial_num_blocks <= 0:
-            raise ValueError(f"serial_num_blocks={self.serial_num_blocks}: use at least one serial block")
+            raise ValueError(f"serial_num_blocks={self.serial_num_blocks}: use at least one "
+                             "serial block")
         for name in ("slot_threshold", "token_threshold"):
             if not 0 <= getattr(self, name) < math.inf:  # also catches NaN
-                raise ValueError(f"{name}={getattr(self, name)}: thresholds are finite probabilities >= 0 "
-                                 "(any value >= 1 already means never)")
+                raise ValueError(f"{name}={getattr(self, name)}: thresholds are finite "
+                                 "probabilities >= 0 (any value >= 1 already means never)")
 
     @property
     def n_slots(self):
         """Slots in the whole generation: a multiple of serial_num_blocks."""
-        return math.ceil(self.max_new_tokens / (self.slot_size * self.serial_num_blocks)) * self.serial_num_blocks
+        B = self.serial_num_blocks
+        return math.ceil(self.max_new_tokens / (self.slot_size * B)) * B
 
     @property
     def slots_per_serial_block(self):
@@ -595,8 +611,8 @@ class RefusionSettings(DecodeSettings):
         return self.n_slots * self.slot_size
 
     def length_words(self):
-        return (f", max_new_tokens={self.max_new_tokens} rounded up to {self.serial_num_blocks} serial "
-                f"block(s) of whole {self.slot_size}-token slots",
+        return (f", max_new_tokens={self.max_new_tokens} rounded up to {self.serial_num_blocks} "
+                f"serial block(s) of whole {self.slot_size}-token slots",
                 "lower max_new_tokens, slot_size or serial_num_blocks")
 
 
@@ -618,17 +634,19 @@ class MDMSettings(DecodeSettings):
         self.steps = n if self.steps is None else self.steps
         self.block_length = n if self.block_length is None else self.block_length
         if self.steps <= 0 or self.block_length <= 0:
-            raise ValueError(f"steps={self.steps}, block_length={self.block_length}: both must be positive")
+            raise ValueError(f"steps={self.steps}, block_length={self.block_length}: both must be "
+                             "positive")
         if n % self.block_length:
-            raise ValueError(f"max_new_tokens={n} is not a multiple of block_length={self.block_length}; "
-                             f"pick a block_length dividing {n}")
+            raise ValueError(f"max_new_tokens={n} is not a multiple of "
+                             f"block_length={self.block_length}; pick a block_length dividing {n}")
         if self.steps % self.n_semi_ar_blocks:
-            raise ValueError(f"steps={self.steps} cannot be shared equally by the {self.n_semi_ar_blocks} "
-                             f"semi-autoregressive blocks of {self.block_length} tokens; pick steps as a "
-                             f"multiple of {self.n_semi_ar_blocks}")
+            raise ValueError(f"steps={self.steps} cannot be shared equally by the "
+                             f"{self.n_semi_ar_blocks} semi-autoregressive blocks of "
+                             f"{self.block_length} tokens; pick steps as a multiple of "
+                             f"{self.n_semi_ar_blocks}")
         if self.steps > n:
-            raise ValueError(f"steps={self.steps} > max_new_tokens={n}: some steps would commit no token; "
-                             f"use at most {n} steps (one token per step)")
+            raise ValueError(f"steps={self.steps} > max_new_tokens={n}: some steps would commit no "
+                             f"token; use at most {n} steps (one token per step)")
 
     @property
     def n_semi_ar_blocks(self):
@@ -643,8 +661,9 @@ class ContextTooLong(ValueError):
 
     def __init__(self, prompt_len, settings, limit):
         how, fix = settings.length_words()
-        super().__init__(f"prompt ({prompt_len} tokens) + generation ({settings.gen_length} tokens{how}) "
-                         f"exceeds the model's context of {limit} positions; shorten the prompt or {fix}")
+        super().__init__(f"prompt ({prompt_len} tokens) + generation ({settings.gen_length} "
+                         f"tokens{how}) exceeds the model's context of {limit} positions; shorten "
+                         f"the prompt or {fix}")
         self.prompt_len, self.settings, self.limit = prompt_len, settings, limit
 
 
@@ -665,11 +684,13 @@ def check_attention(model, method):
     Reads model.config.causal (False for a model trained with --objective=mdm).
     """
     if method == "mdm" and model.config.causal:
-        raise ValueError("this model was trained with a causal objective (refusion or ar), so it cannot "
-                         "denoise a sequence of masks bidirectionally; use --method=refusion or --method=ar")
+        raise ValueError("this model was trained with a causal objective (refusion or ar), so it "
+                         "cannot denoise a sequence of masks bidirectionally; use "
+                         "--method=refusion or --method=ar")
     if method != "mdm" and not model.config.causal:
-        raise ValueError(f"this model has bidirectional attention (trained with --objective=mdm), but "
-                         f"--method={method} decodes causally after a KV cache; use --method=mdm")
+        raise ValueError(f"this model has bidirectional attention (trained with "
+                         f"--objective=mdm), but --method={method} decodes causally after a KV "
+                         "cache; use --method=mdm")
 
 # -----------------------------------------------------------------------------
 # choosing tokens
@@ -687,7 +708,8 @@ def ban(scores, token_ids):
 
 
 def draft_tokens(logits, temperature, generator, banned=()):
-    """Draft a token at each row of logits (N, V) float32; returns (tokens (N,) int64, probs (N,) float32).
+    """Draft a token at each row of logits (N, V) float32; returns (tokens (N,) int64, probs (N,)
+    float32).
 
     temperature 0: argmax; otherwise Gumbel-max sampling in float64, and a row whose scaled logits
     overflow (a temperature so small that logits / temperature is +-inf) takes the limit of sampling
@@ -702,7 +724,8 @@ def draft_tokens(logits, temperature, generator, banned=()):
         u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
         scores = logits.double() / temperature + gumbel
-        # overflowed scores tie at +-inf, and argmax would take the lowest id among them, banned or not
+        # overflowed scores tie at +-inf, and argmax would take the lowest id among them, banned
+        # or not
         overflow = (torch.isfinite(logits) & ~torch.isfinite(scores)).any(dim=-1, keepdim=True)
         tokens = ban(torch.where(overflow, logits.double(), scores), banned).argmax(dim=-1)
     return tokens, probs.gather(-1, tokens[:, None])[:, 0]
@@ -715,7 +738,8 @@ def next_token_probs(logits, tokens):
     is softmax(logits[:, j - 1])[tokens[:, j]]; column 0 has no prediction in this pass and is 0.
     """
     probs = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-    probs[:, 1:] = torch.softmax(logits[:, :-1].float(), dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    predicted = torch.softmax(logits[:, :-1].float(), dim=-1)     # (B, T - 1, V)
+    probs[:, 1:] = predicted.gather(-1, tokens[:, 1:, None])[..., 0]
     return probs
 
 
@@ -769,8 +793,9 @@ def make_decoder(cfg, model, ids, generator):
     settings = decoder_settings(cfg)
     check_attention(model, cfg["method"])
     if cfg["method"] != "ar" and ids["mask_id"] is None:
-        raise ValueError(f"--method={cfg['method']}: this model has no mask token (a plain Qwen3 was "
-                         "never trained to fill masks); use --method=ar, or fine-tune it with train.py first")
+        raise ValueError(f"--method={cfg['method']}: this model has no mask token (a plain Qwen3 "
+                         "was never trained to fill masks); use --method=ar, or fine-tune it with "
+                         "train.py first")
     banned = tuple(i for i in (ids["mask_id"], ids["pad_id"], *ids.get("undecodable_ids", ()))
                    if i is not None and i not in ids["eos_ids"])
     kwargs = dict(eos_ids=ids["eos_ids"], banned_ids=banned)
@@ -787,35 +812,36 @@ def check_config(cfg):
     check_device(cfg["device"])
     check_seed(cfg)
     if cfg["num_samples"] <= 0:
-        raise ValueError(f"--num_samples={cfg['num_samples']}: ask for at least one validation prompt")
+        raise ValueError(f"--num_samples={cfg['num_samples']}: ask for at least one validation "
+                         "prompt")
     if cfg["method"]:
         decoder_settings(cfg)  # bad decoder settings fail before the weights are read
 
 # -----------------------------------------------------------------------------
 # the command line: python sampler.py [config/sample_*.py] [--key=value ...]
 out_dir = "out"            # directory holding ckpt.pt (written by train.py) ...
-init_from = ""             # ... or a Hugging Face model folder (Qwen3, SmolLM2, the ReFusion release)
+init_from = ""             # ... or a Hugging Face model folder (Qwen3, SmolLM2, ReFusion's release)
 dtype = "float32"          # the weights in float32 or bfloat16 (half the memory)
-chat = False               # wrap the prompt in the model's chat template (user turn, then the assistant header)
+chat = False               # wrap the prompt in the model's chat template (a user turn)
 prompt = ""                # decode this text ...
 prompt_file = ""           # ... or the text of this file (a pipe too; - for standard input) ...
 num_samples = 3            # ... or this many prompts from the validation split
 method = ""                # refusion, ar or mdm; empty: the one the checkpoint was trained for
-max_new_tokens = 128       # at most this many tokens are returned (refusion decodes whole serial blocks)
+max_new_tokens = 128       # at most this many tokens are returned (refusion: whole serial blocks)
 slot_size = 8              # refusion: tokens per slot (S)
 serial_num_blocks = 1      # refusion: serial blocks, each of the same whole number of slots
-slot_threshold = 0.9       # refusion: a slot is planned when its first draft's probability exceeds this
+slot_threshold = 0.9       # refusion: a slot is planned when its first draft's probability passes
 token_threshold = 0.3      # refusion: a draft token is accepted when its probability exceeds this
-infill = "paper"           # refusion: 'paper' (infill forces its masked draft) or 'ar' (the next-token prediction, SPEC 4.1)
+infill = "paper"           # refusion: 'paper' (force masked drafts) or 'ar' (next tokens, SPEC 4.1)
 steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
 temperature = 0.0          # 0: greedy; above 0: sample (Gumbel-max)
-compare_ar = True          # refusion: also decode the same prompts with --method=ar; the summary compares them
+compare_ar = True          # refusion: also decode them by --method=ar, compared in the summary
 seed = 1337                # prompt i is sampled from a torch.Generator seeded with seed + i
 device = "cpu"             # cpu, cuda, cuda:N or mps
 json = False               # one JSON object per sample instead of text
 show = False               # redraw the response after every decoding step (masked tokens as ░)
-plot = ""                  # draw the first prompt's decode into this PNG (matplotlib): the step of each token
+plot = ""                  # draw the first prompt's decode into this PNG (matplotlib), step by step
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
 
@@ -833,18 +859,22 @@ def main(argv):
     cfg["method"] = cfg["method"] or objective
     if cfg["method"] == "mdm":
         sampling.fit_mdm_canvas(cfg, ckpt, "max_new_tokens" in explicit_keys(cfg, DEFAULTS, argv))
-    decode, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]))  # warm-up's generator
+    # the generator of the warm-up (each prompt has its own)
+    decode, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]))
     sampling.note_mismatch(cfg["method"], objective)
     prompts = sampling.load_prompts(cfg, enc, ckpt, settings.gen_length, model.config.block_size)
     decode(prompts[0][:8])  # warm-up: the first forward passes pay one-time costs
-    compare = cfg["compare_ar"] and cfg["method"] == "refusion" and len(prompts) > 1 and not cfg["json"]
+    compare = (cfg["compare_ar"] and cfg["method"] == "refusion" and len(prompts) > 1
+               and not cfg["json"])
     if compare:  # next-token decoding of the same model, warmed up the same way
-        next_token = make_decoder(dict(cfg, method="ar"), model, ids, torch.Generator(cfg["device"]))[0]
+        next_token, _ = make_decoder(dict(cfg, method="ar"), model, ids,
+                                     torch.Generator(cfg["device"]))
         next_token(prompts[0][:8])
     report = sampling.Report(cfg, enc, ids, ckpt)
     for i, prompt in enumerate(prompts):
         generator = partial(sampling.prompt_generator, cfg["device"], cfg["seed"], i)
-        live = sampling.LiveTrace(enc, prompt, settings.max_new_tokens, ids["eos_ids"]) if cfg["show"] else None
+        live = (sampling.LiveTrace(enc, prompt, settings.max_new_tokens, ids["eos_ids"])
+                if cfg["show"] else None)
         out = decode(prompt, generator=generator(), on_step=live)
         if cfg["plot"] and i == 0:
             sampling.plot_first_decode(cfg, enc, ids, settings, prompt, out)

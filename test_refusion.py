@@ -375,6 +375,18 @@ def test_unconfident_model_still_finishes_one_slot_per_plan_step():
     assert out.nfe == (L // S) * (2 + 2 * (S - 1))
 
 
+def test_a_tie_for_the_best_slot_goes_to_the_leftmost():
+    """SPEC section 4, step 1: when no slot passes slot_threshold and several share the best score,
+    the first of them in position order is planned (torch.argmax takes the first maximum), so
+    equal scores decode a serial block left to right, one slot per plan step."""
+    P, L, S = 4, 16, 4
+    target = oracle_target(P, L, seed=2)
+    model = OracleModel(target, V, MASK, confident=False)      # every slot's score is 1/V
+    out = generate_refusion(model, target[:P].tolist(), RefusionSettings(L, slot_size=S),
+                            mask_id=MASK, eos_ids=(EOS,))
+    assert [min(p for p, _ in step) for step in out.trace] == [P + i * S for i in range(L // S)]
+
+
 @pytest.mark.parametrize("eos_at", [None, 6, 9, 15])
 def test_parallel_infill_fills_every_selected_slot(eos_at):
     """slot_threshold 0 selects every slot and token_threshold > 1 accepts only forced tokens, so all

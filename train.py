@@ -27,18 +27,18 @@ from configurator import explicit_keys, parse_args, run_cli, settings_in
 from data import IGNORE, autoregressive_batch, pad_with_eos, random_mask_batch, reorganize_slots
 
 # -----------------------------------------------------------------------------
-# default config: a small ReFusion model on the Python standard library, about 8 minutes on 2 CPU cores
+# default config: a small ReFusion model on the Python standard library, 8 minutes on 2 CPU cores
 out_dir = "out"           # where ckpt.pt is written (checked writable before anything else)
-init_from = "scratch"     # 'scratch', 'resume' (continue out_dir), or a checkpoint path to start from
+init_from = "scratch"     # 'scratch', 'resume' (continue out_dir), or a checkpoint path to start at
 objective = "refusion"    # 'refusion' (slots, hybrid loss), 'ar' (next token), 'mdm' (LLaDA-style)
 dataset = "stdlib"        # a built-in corpus name, or a path to a .json / .jsonl / text file
 tokenizer = "bytes"       # 'bytes' (offline) or 'gpt2' (needs the BPE file, see docs/training.md)
 data_root = "data"        # prepared data goes to data_root/<name>-<tokenizer>-<block_size>
 too_long = "skip"         # samples longer than block_size: 'skip' them (counted) or 'fail'
 slot_sizes = (4, 8)       # S is drawn per sample from these (the paper uses 4, 8, 16, 32)
-slot_end_labels = False   # refusion: also label each clean slot's last token (and the prompt's) (SPEC 3)
-ar_fraction = 0.0         # refusion: this share of samples is laid out as the ARM's (SPEC 3); 0: none
-gen_length = 128          # mdm: responses padded with EOS to this many tokens, the canvas it decodes; 0: none
+slot_end_labels = False   # refusion: label each clean slot's last token, and the prompt's (SPEC 3)
+ar_fraction = 0.0         # refusion: this share of samples is laid out as the ARM's (SPEC 3)
+gen_length = 128          # mdm: responses padded with EOS to this many tokens (its canvas); 0: none
 mask_eps = 1e-3           # p_mask = (1 - eps) t + eps
 # model
 n_layer = 4               # transformer layers
@@ -54,7 +54,7 @@ gradient_accumulation_steps = 1  # micro-batches per step, over all processes (d
 max_iters = 1500          # optimizer steps of the whole run (a resumed run continues up to it)
 learning_rate = 2e-3      # peak learning rate, reached after warm-up
 min_lr = 2e-4             # learning rate at the end of the cosine decay
-lr_decay_iters = 0        # the cosine reaches min_lr here and stays; 0: max_iters (a resumed run keeps it)
+lr_decay_iters = 0        # the cosine reaches min_lr here and stays; 0: max_iters (kept on resume)
 warmup_iters = 50         # steps of linear warm-up
 weight_decay = 0.1        # AdamW's weight decay, on matrices only
 beta1, beta2 = 0.9, 0.95  # AdamW's betas, each in [0, 1)
@@ -62,12 +62,12 @@ grad_clip = 1.0           # clip the gradient norm to this; 0: no clipping
 # evaluation and logging
 eval_interval = 250       # validation loss and a checkpoint every this many steps
 eval_iters = 10           # validation batches per evaluation
-log_interval = 50         # without a terminal (a log file, a pipe): one plain line every this many steps
+log_interval = 50         # without a terminal (a log file, a pipe): a line every this many steps
 seed = 1337               # seeds the initial weights and every micro-batch's samples and masks
 device = "cpu"            # under torchrun with CUDA each process takes cuda:LOCAL_RANK
 compile = False           # torch.compile the model (the same results, faster on a GPU)
-fsdp = False              # under torchrun: shard weights, gradients and AdamW state (support/shard.py)
-activation_checkpointing = False  # recompute each layer's activations in backward: less memory, 1/3 more compute
+fsdp = False              # under torchrun: shard weights, gradients and AdamW state (support.shard)
+activation_checkpointing = False  # recompute activations in backward: less memory, 1/3 more compute
 peak_tflops = 312.0       # for the MFU estimate: bf16 peak of the GPU (A100: 312, H100 SXM: 989)
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
@@ -81,13 +81,15 @@ def make_batch(cfg, tokens, prompt_len, length, meta, generator):
     (B, T), prompt_len and length (B,) int64; meta: the prepared data's meta.json (its mask, EOS and
     pad ids); generator: the CPU torch.Generator of every random draw."""
     if cfg["objective"] == "refusion":
-        return reorganize_slots(tokens, prompt_len, length, cfg["slot_sizes"], meta["mask_id"], generator,
-                                cfg["mask_eps"], cfg["slot_end_labels"], cfg["ar_fraction"])
+        return reorganize_slots(tokens, prompt_len, length, cfg["slot_sizes"], meta["mask_id"],
+                                generator, cfg["mask_eps"], cfg["slot_end_labels"],
+                                cfg["ar_fraction"])
     if cfg["objective"] == "mdm":
         if cfg["gen_length"]:
-            tokens, length = pad_with_eos(tokens, prompt_len, length, meta["eos_id"], meta["pad_id"],
-                                          cfg["gen_length"], cfg["block_size"])
-        return random_mask_batch(tokens, prompt_len, length, meta["mask_id"], generator, cfg["mask_eps"])
+            tokens, length = pad_with_eos(tokens, prompt_len, length, meta["eos_id"],
+                                          meta["pad_id"], cfg["gen_length"], cfg["block_size"])
+        return random_mask_batch(tokens, prompt_len, length, meta["mask_id"], generator,
+                                 cfg["mask_eps"])
     return autoregressive_batch(tokens, prompt_len, length)
 
 
@@ -117,11 +119,13 @@ def load_weights(model, ckpt):
         target = model.state_dict()[name]
         if name in state and state[name].shape[0] < target.shape[0]:
             old = state[name]
-            state[name] = torch.cat([old, old.mean(0, keepdim=True).expand(target.shape[0] - len(old), -1)])
+            mean = old.mean(0, keepdim=True).expand(target.shape[0] - len(old), -1)
+            state[name] = torch.cat([old, mean])
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
-        raise ValueError(f"--init_from checkpoint does not fit this model: {str(e).splitlines()[0]}") from None
+        raise ValueError("--init_from checkpoint does not fit this model: "
+                         f"{str(e).splitlines()[0]}") from None
 
 
 def make_optimizer(cfg, model):
@@ -140,7 +144,8 @@ def make_optimizer(cfg, model):
 def micro_batch_rng(cfg, iter_num, micro):
     """The random streams of one micro-batch: (numpy Generator for sampling, torch Generator for
     masking and slot order), seeded by (seed, iteration, global micro-batch index). So the data a
-    step sees does not depend on how many processes share it, and a resumed run continues exactly."""
+    step sees does not depend on how many processes share it, and a resumed run continues
+    exactly."""
     key = [cfg["seed"], iter_num, micro]
     torch_seed = int(np.random.SeedSequence(key).generate_state(1)[0])
     return np.random.default_rng(key), torch.Generator().manual_seed(torch_seed)
@@ -149,25 +154,31 @@ def micro_batch_rng(cfg, iter_num, micro):
 def autocast_for(device):
     """The mixed-precision context of a training forward pass: bf16 autocast on CUDA (weights,
     gradients and optimizer state stay float32), nothing on CPU."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
+    if device.startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
 
 
 def get_lr(it, cfg):
-    """Linear warm-up, then cosine decay from learning_rate to min_lr at lr_decay_iters, then min_lr."""
-    if it < cfg["warmup_iters"]:
-        return cfg["learning_rate"] * (it + 1) / cfg["warmup_iters"]
-    ratio = min(1.0, (it - cfg["warmup_iters"]) / max(1, cfg["lr_decay_iters"] - cfg["warmup_iters"]))
-    return cfg["min_lr"] + 0.5 * (1 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
+    """Linear warm-up, then cosine decay from learning_rate to min_lr at lr_decay_iters, then
+    min_lr."""
+    warmup, lr, min_lr = cfg["warmup_iters"], cfg["learning_rate"], cfg["min_lr"]
+    if it < warmup:
+        return lr * (it + 1) / warmup
+    ratio = min(1.0, (it - warmup) / max(1, cfg["lr_decay_iters"] - warmup))
+    return min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
 def flops_per_token(model, T):
-    """Training FLOPs (forward + backward) per token of a T-token sequence, as nanoGPT estimates them
-    (PaLM paper, appendix B): 6 per weight that multiplies an activation, plus 12 L H D T for the
-    attention scores and their weighted sum (counted over all T keys, as a dense kernel computes
-    them). An untied input embedding is a lookup and norm weights are elementwise; neither counts."""
+    """Training FLOPs (forward + backward) per token of a T-token sequence, as nanoGPT estimates
+    them (PaLM paper, appendix B): 6 per weight that multiplies an activation, plus 12 L H D T for
+    the attention scores and their weighted sum (counted over all T keys, as a dense kernel
+    computes them). An untied input embedding is a lookup and norm weights are elementwise;
+    neither counts."""
     c = model.config
     weights = sum(p.numel() for name, p in model.named_parameters()
-                  if p.dim() >= 2 and not (name.startswith("embed_tokens") and not c.tie_embeddings))
+                  if p.dim() >= 2
+                  and not (name.startswith("embed_tokens") and not c.tie_embeddings))
     return 6 * weights + 12 * c.n_layer * c.n_head * c.head_dim * T
 
 
@@ -194,7 +205,7 @@ def train_step(run, model, forward_model, it, autocast):
     last micro-batch, its response tokens summed over the step, and the step's FLOPs.
     Raises SystemExit when the loss stops being finite (run.diverged)."""
     cfg, world = run.cfg, run.world
-    micro_steps = cfg["gradient_accumulation_steps"] // world      # this process's share of the step
+    micro_steps = cfg["gradient_accumulation_steps"] // world  # this process's share of the step
     for group in run.optimizer.param_groups:
         group["lr"] = get_lr(it, cfg)
     n_tokens, flops = 0, 0
@@ -202,8 +213,9 @@ def train_step(run, model, forward_model, it, autocast):
         rng, gen = micro_batch_rng(cfg, it, run.rank * micro_steps + micro)
         tokens, prompt_len, length = run.train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
         batch = make_batch(cfg, tokens, prompt_len, length, run.train_data.meta, gen)
-        # DDP averages gradients across processes only after the last micro-batch. FSDP reduce-scatters
-        # after every one: holding them back would keep each process's full unsharded gradients.
+        # DDP averages gradients across processes only after the last micro-batch. FSDP
+        # reduce-scatters after every one: holding them back would keep each process's full
+        # unsharded gradients.
         if world > 1 and not cfg["fsdp"]:
             model.require_backward_grad_sync = micro == micro_steps - 1
         with autocast:
@@ -230,7 +242,7 @@ def train(run, stop_requested=()):
     Raises SystemExit when a loss stops being finite (the last checkpoint, if any, is kept)."""
     cfg, world = run.cfg, run.world
     model = run.model
-    if world > 1 and not cfg["fsdp"]:  # a sharded model (support.shard) synchronizes its own gradients
+    if world > 1 and not cfg["fsdp"]:  # a sharded model (support.shard) syncs its own gradients
         model = torch.nn.parallel.DistributedDataParallel(model)
     forward_model = torch.compile(model) if cfg["compile"] else model
     autocast = autocast_for(cfg["device"])
@@ -251,15 +263,17 @@ def train(run, stop_requested=()):
                 tqdm.write(f"iter {it}: val loss {val_loss:.4f}")
             if it > start_iter:  # nothing new to save at the first step of a run
                 run.save()
-        (loss, ar_loss, mdm_loss), step_tokens, step_flops = train_step(run, model, forward_model, it, autocast)
+        losses, step_tokens, step_flops = train_step(run, model, forward_model, it, autocast)
+        loss, ar_loss, mdm_loss = (x.item() for x in losses)
         n_tokens, flops = n_tokens + step_tokens, flops + step_flops
         dt = time.perf_counter() - t0
         tflops = flops * world / dt / 1e12
-        mfu = {"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] else {}
-        bar.set_postfix(loss=f"{loss.item():.3f}", ar=f"{ar_loss.item():.3f}", mdm=f"{mdm_loss.item():.3f}",
+        mfu = {"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] \
+            else {}
+        bar.set_postfix(loss=f"{loss:.3f}", ar=f"{ar_loss:.3f}", mdm=f"{mdm_loss:.3f}",
                         tok_s=f"{n_tokens * world / dt:.0f}", tflops=f"{tflops:.3f}", **mfu)
         if not live and run.rank == 0 and it % cfg["log_interval"] == 0:
-            print(f"iter {it}: loss {loss.item():.4f} (ar {ar_loss.item():.4f}, mdm {mdm_loss.item():.4f}), "
+            print(f"iter {it}: loss {loss:.4f} (ar {ar_loss:.4f}, mdm {mdm_loss:.4f}), "
                   f"{n_tokens * world / dt:.0f} tok/s, {tflops:.3f} TFLOP/s"
                   + (f", MFU {mfu['mfu']}" if mfu else ""), flush=True)
         stop = bool(stop_requested)
@@ -280,7 +294,7 @@ def main(argv):
     """python train.py [config/*.py] [--key=value ...]: check the settings, hold out_dir, start the
     run (support.runs.start_run: scratch, resume or a pretrained model), train until max_iters or a
     Ctrl-C / SIGTERM, save."""
-    from support import runs, shard  # the command line's plumbing: checks, out_dir, where a run starts, FSDP
+    from support import runs, shard  # the plumbing: checks, out_dir, where a run starts, FSDP
     cfg = parse_args(DEFAULTS, argv)
     explicit = explicit_keys(cfg, DEFAULTS, argv)
     runs.check_config(cfg)

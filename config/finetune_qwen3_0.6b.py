@@ -3,7 +3,8 @@
 #   huggingface-cli download Qwen/Qwen3-0.6B --local-dir Qwen3-0.6B
 # and point `dataset` at prompt/response data in the ReFusion release's format (a JSON list of
 # {"query": ..., "response": ...}, e.g. its data/train_data.json).
-#   python train.py config/finetune_qwen3_0.6b.py && python sampler.py --out_dir=out-qwen3-0.6b --prompt="..."
+#   python train.py config/finetune_qwen3_0.6b.py &&
+#   python sampler.py --out_dir=out-qwen3-0.6b --prompt="..."
 # Untimed: this config has not run on a GPU yet. Memory, estimated from the parameter count
 # (0.6B, the tied 151,936 x 1,024 embedding included): float32 weights, gradients and AdamW state
 # take 16 bytes per parameter, about 10 GB; bf16 activations for 8 samples of up to 1,024 tokens
@@ -13,7 +14,8 @@ init_from = "Qwen3-0.6B"
 out_dir = "out-qwen3-0.6b"
 objective = "refusion"
 dataset = "train_data.json"
-block_size = 1024          # longest sample (prompt + response + EOS, in Qwen tokens); longer ones are skipped
+# longest sample (prompt + response + EOS, in Qwen tokens); longer ones are skipped
+block_size = 1024
 slot_sizes = (4, 8, 16, 32)
 device = "cuda"
 batch_size = 8

@@ -2,7 +2,8 @@
 Chat templates: a user's text wrapped in a model's chat template (the folder's Jinja template,
 rendered in a sandbox as transformers' apply_chat_template does, or Qwen's ChatML), as token ids.
 
-    chat_parts(enc, text)     the user turn and the assistant's header, as text pieces and special ids
+    chat_parts(enc, text)     the user turn and the assistant's header, as text pieces
+                              and special ids
     chat_prompt(enc, text)    the same as token ids (sampler.py --chat, HumanEval's chat prompts)
 """
 
@@ -15,26 +16,29 @@ from support.tokenizer import encode
 
 
 # ChatML as Qwen writes it, without a system turn
-CHATML = (r"{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+CHATML = (r"{% for m in messages %}"
+          r"{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
           r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-USER_TEXT = "\uE000user text\uE000"  # a stand-in for the user's text while the template renders (private-use)
+# a stand-in for the user's text while the template renders (private-use)
+USER_TEXT = "\uE000user text\uE000"
 
 
 def chat_parts(enc, text):
-    """A user turn holding `text`, then the assistant's header, in the tokenizer's chat template: a list
-    of strings (to encode as plain text) and ints (special ids, the template's markers).
+    """A user turn holding `text`, then the assistant's header, in the tokenizer's chat template: a
+    list of strings (to encode as plain text) and ints (special ids, the template's markers).
 
-    The template is the folder's (hf_tokenizer's .chat_template, rendered with jinja2 in a sandbox as
-    transformers' apply_chat_template(add_generation_prompt=True) does; SmolLM2's adds its default
-    system turn), else ChatML without a system turn, as the ReFusion release's Qwen3 renders it. The
-    template's text is split at the tokenizer's added tokens, as the reference tokenizer splits a
-    rendered prompt; `text` stays text, joined to the template text around it, so encoding each string
-    gives the reference's ids. Raises ValueError for a tokenizer without a template whose ChatML
-    markers it lacks, or a template that does not show the user's text once, unchanged.
+    The template is the folder's (hf_tokenizer's .chat_template, rendered with jinja2 in a sandbox
+    as transformers' apply_chat_template(add_generation_prompt=True) does; SmolLM2's adds its
+    default system turn), else ChatML without a system turn, as the ReFusion release's Qwen3 renders
+    it. The template's text is split at the tokenizer's added tokens, as the reference tokenizer
+    splits a rendered prompt; `text` stays text, joined to the template text around it, so encoding
+    each string gives the reference's ids. Raises ValueError for a tokenizer without a template
+    whose ChatML markers it lacks, or a template that does not show the user's text once, unchanged.
     """
     template = getattr(enc, "chat_template", None)
     if template is None and not {"<|im_start|>", "<|im_end|>"} <= enc.special_tokens_set:
-        raise ValueError("--chat needs a chat model's tokenizer (a chat template, or <|im_start|> and <|im_end|>), "
+        raise ValueError("--chat needs a chat model's tokenizer "
+                         "(a chat template, or <|im_start|> and <|im_end|>), "
                          "e.g. --init_from=FOLDER of SmolLM2, Qwen3 or the ReFusion release")
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=[jinja2.ext.loopcontrols])
@@ -49,11 +53,12 @@ def chat_parts(enc, text):
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template of {enc.name} cannot be rendered ({e})") from None
     if rendered.count(USER_TEXT) != 1:
-        raise ValueError(f"the chat template of {enc.name} does not show the user's text once, unchanged; "
-                         "such templates are not supported")
+        raise ValueError(f"the chat template of {enc.name} does not show the user's text once, "
+                         "unchanged; such templates are not supported")
     split = alternation(enc.special_tokens_set)
     before, after = (split(part) for part in rendered.split(USER_TEXT))
-    parts = before[:-1] + [before[-1] + text + after[0]] + after[1:]  # text at even places, tokens at odd
+    # text at even places, tokens at odd
+    parts = before[:-1] + [before[-1] + text + after[0]] + after[1:]
     return [enc.encode_single_token(p) if k % 2 else p for k, p in enumerate(parts) if k % 2 or p]
 
 

@@ -4,8 +4,9 @@ Checkpoints: what train.py writes and sampler.py and the tools read.
 A checkpoint is one `ckpt.pt` in out_dir holding plain data only (tensors, numbers, strings, lists,
 dicts), loaded with `torch.load(weights_only=True)`, so opening one never runs code from it. It is
 written atomically (files.write_atomic), so a crash or a full disk mid-write leaves the previous
-checkpoint intact. A run trained with --fsdp=True has a sharded checkpoint instead (support/shard.py), named
-by `ckpt_sharded.pt`; `python -m tools.consolidate` consolidates it into a ckpt.pt.
+checkpoint intact. A run trained with --fsdp=True has a sharded checkpoint instead
+(support/shard.py), named by `ckpt_sharded.pt`; `python -m tools.consolidate` consolidates it into a
+ckpt.pt.
 """
 
 import dataclasses
@@ -19,7 +20,8 @@ from model import ModelConfig, Transformer
 
 FORMAT = 1  # bumped when the layout changes; older files are refused with a message
 # what train.py always writes: a missing one would silently take ModelConfig's default (causal=True)
-MODEL_ARGS = ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "rope_theta", "qk_norm", "causal")
+MODEL_ARGS = ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "rope_theta",
+              "qk_norm", "causal")
 META = ("tokenizer", "eos_id", "mask_id", "pad_id")
 
 
@@ -29,8 +31,8 @@ def checkpoint_path(out_dir):
 
 
 def sharded_info_path(out_dir):
-    """out_dir/ckpt_sharded.pt, the small file that makes a sharded checkpoint (support/shard.py): the run's
-    plain data and the name of the directory holding its shards."""
+    """out_dir/ckpt_sharded.pt, the small file that makes a sharded checkpoint (support/shard.py):
+    the run's plain data and the name of the directory holding its shards."""
     return os.path.join(out_dir, "ckpt_sharded.pt")
 
 
@@ -38,16 +40,17 @@ def save_checkpoint(out_dir, ckpt):
     """Write ckpt (a dict of plain data) to out_dir/ckpt.pt atomically (files.write_atomic).
     Raises files.DiskFull (a ValueError) when the disk fills up; the previous checkpoint is kept."""
     os.makedirs(out_dir, exist_ok=True)
-    write_atomic(checkpoint_path(out_dir), lambda f: torch.save(dict(ckpt, format=FORMAT), f), "checkpoint")
+    write_atomic(checkpoint_path(out_dir), lambda f: torch.save(dict(ckpt, format=FORMAT), f),
+                 "checkpoint")
 
 
 def load_checkpoint(path_or_dir, device="cpu"):
     """Read a checkpoint dict from a file or an out_dir holding ckpt.pt.
 
     Warns on stderr when a sharded checkpoint beside it is newer (not consolidated since).
-    Raises FileNotFoundError when there is none (naming tools.consolidate when the run has only a sharded
-    one), ValueError when the file is not a readable checkpoint of this format (truncated, foreign,
-    crafted to run code, from another version, or inconsistent: check_consistent).
+    Raises FileNotFoundError when there is none (naming tools.consolidate when the run has only a
+    sharded one), ValueError when the file is not a readable checkpoint of this format (truncated,
+    foreign, crafted to run code, from another version, or inconsistent: check_consistent).
     """
     is_file = path_or_dir.endswith(".pt") or os.path.isfile(path_or_dir)
     path = path_or_dir if is_file else checkpoint_path(path_or_dir)
@@ -55,23 +58,27 @@ def load_checkpoint(path_or_dir, device="cpu"):
     sharded = sharded_info_path(out_dir)
     if not os.path.isfile(path):
         if os.path.isfile(sharded):
-            raise FileNotFoundError(f"no checkpoint at {path}: {out_dir} holds a sharded checkpoint (--fsdp=True); "
-                                    f"consolidate it first with `python -m tools.consolidate --out_dir={out_dir}`")
-        raise FileNotFoundError(f"no checkpoint at {path}: train one first with `python train.py --out_dir={out_dir}`")
+            raise FileNotFoundError(f"no checkpoint at {path}: {out_dir} holds a sharded "
+                                    "checkpoint (--fsdp=True); consolidate it first with "
+                                    f"`python -m tools.consolidate --out_dir={out_dir}`")
+        raise FileNotFoundError(f"no checkpoint at {path}: train one first with "
+                                f"`python train.py --out_dir={out_dir}`")
     if os.path.isfile(sharded) and os.path.getmtime(sharded) > os.path.getmtime(path):
-        print(f"warning: {path} is older than the sharded checkpoint {sharded}; run `python -m tools.consolidate "
-              f"--out_dir={out_dir}` to use the latest weights", file=sys.stderr)
+        print(f"warning: {path} is older than the sharded checkpoint {sharded}; run "
+              f"`python -m tools.consolidate --out_dir={out_dir}` to use the latest weights",
+              file=sys.stderr)
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # torch raises several types for truncated or unsafe files
-        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}); it may be truncated, "
-                         "from another program, or hold code (which is never executed); retrain it or "
-                         "point to another file") from None
+        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}); it may be "
+                         "truncated, from another program, or hold code (which is never "
+                         "executed); retrain it or point to another file") from None
     if not isinstance(ckpt, dict) or not {"model", "model_args", "config"} <= ckpt.keys():
-        raise ValueError(f"{path} is not a checkpoint written by train.py (no model weights and config)")
+        raise ValueError(f"{path} is not a checkpoint written by train.py "
+                         "(no model weights and config)")
     if ckpt.get("format") != FORMAT:
-        raise ValueError(f"{path} has checkpoint format {ckpt.get('format')!r}, this code reads format "
-                         f"{FORMAT}; retrain it with this version of train.py")
+        raise ValueError(f"{path} has checkpoint format {ckpt.get('format')!r}, this code reads "
+                         f"format {FORMAT}; retrain it with this version of train.py")
     check_consistent(ckpt, path)
     return upgrade(ckpt)
 
@@ -82,31 +89,37 @@ def check_consistent(ckpt, path):
     not those model_args build, a meta without the tokenizer and its special ids (META), a config
     without its objective. Raises ValueError naming the file and what is wrong."""
     def refuse(problem):
-        raise ValueError(f"{path} is inconsistent: {problem}; it was not written by this train.py or was "
-                         "edited: retrain it or point to another file")
+        raise ValueError(f"{path} is inconsistent: {problem}; it was not written by this train.py "
+                         "or was edited: retrain it or point to another file")
     args, known = ckpt["model_args"], {f.name for f in dataclasses.fields(ModelConfig)}
     if not isinstance(args, dict):
         refuse(f"model_args is a {type(args).__name__}, not a dict")
     unknown, missing = sorted(args.keys() - known), sorted(set(MODEL_ARGS) - args.keys())
     if unknown or missing:
-        refuse("model_args " + " and ".join(part for part in (unknown and f"has unknown keys {unknown}",
-                                                               missing and f"lacks {missing}") if part))
+        refuse("model_args " + " and ".join(
+            part for part in (unknown and f"has unknown keys {unknown}",
+                              missing and f"lacks {missing}") if part))
     try:
         with torch.device("meta"):  # names and shapes only
-            shapes = {name: tuple(t.shape) for name, t in Transformer(ModelConfig(**args)).state_dict().items()}
+            shapes = {name: tuple(t.shape)
+                      for name, t in Transformer(ModelConfig(**args)).state_dict().items()}
     except (TypeError, ValueError) as e:
         refuse(f"model_args do not make a model ({e})")
     weights = ckpt["model"]
     found = {name: tuple(t.shape) for name, t in weights.items() if isinstance(t, torch.Tensor)} \
         if isinstance(weights, dict) else {}
     if found != shapes:
-        wrong = sorted(name for name in shapes.keys() | found.keys() if shapes.get(name) != found.get(name))
+        wrong = sorted(name for name in shapes.keys() | found.keys()
+                       if shapes.get(name) != found.get(name))
         refuse(f"the weights do not fit its model_args ({len(wrong)} tensors differ; {wrong[0]}: "
-               f"{found.get(wrong[0], 'missing')} in the file, {shapes.get(wrong[0], 'none')} from model_args)")
+               f"{found.get(wrong[0], 'missing')} in the file, {shapes.get(wrong[0], 'none')} "
+               "from model_args)")
     meta = ckpt.get("meta")
     if not isinstance(meta, dict) or set(META) - meta.keys():
-        refuse(f"its meta lacks {', '.join(k for k in META if not isinstance(meta, dict) or k not in meta)}")
-    if not isinstance(ckpt["config"], dict) or not {"objective", "max_iters"} <= ckpt["config"].keys():
+        refuse("its meta lacks "
+               f"{', '.join(k for k in META if not isinstance(meta, dict) or k not in meta)}")
+    if not isinstance(ckpt["config"], dict) or \
+            not {"objective", "max_iters"} <= ckpt["config"].keys():
         refuse("its config lacks the objective or max_iters")
 
 
@@ -125,6 +138,6 @@ def model_from_checkpoint(ckpt, device="cpu"):
 
 
 def decoder_ids(meta):
-    """The token ids a decoder needs, from a checkpoint's meta: {"eos_ids": (its EOS id,), "mask_id",
-    "pad_id"} (the decoders take every EOS id as one tuple)."""
+    """The token ids a decoder needs, from a checkpoint's meta: {"eos_ids": (its EOS id,),
+    "mask_id", "pad_id"} (the decoders take every EOS id as one tuple)."""
     return {"eos_ids": (meta["eos_id"],), "mask_id": meta["mask_id"], "pad_id": meta["pad_id"]}

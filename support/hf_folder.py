@@ -3,8 +3,10 @@ Hugging Face model folders (config.json and safetensors weights) read into this 
 Transformer, and the small readers of their JSON files that the tokenizer and GGUF modules share.
 
     from_pretrained(folder)        a Qwen3 or Llama-family folder (Llama, SmolLM2) -> Transformer
-    hf_model_config(folder)        its config.json -> ModelConfig, refusing what the model does not implement
-    read_json(path), expect(...)   a folder's JSON files, read and checked with the file named in every error
+    hf_model_config(folder)        its config.json -> ModelConfig,
+                                   refusing what the model does not implement
+    read_json(path), expect(...)   a folder's JSON files, read and checked
+                                   with the file named in every error
 
 Its tokenizer is support/hf_tokenizer.py, its chat template support/chat.py; support/gguf_file.py
 writes such a folder from a GGUF file.
@@ -22,11 +24,13 @@ from model import ModelConfig, Transformer
 
 
 def need(folder, name):
-    """The path of `name` in a Hugging Face model folder. Raises FileNotFoundError when it is not there."""
+    """The path of `name` in a Hugging Face model folder.
+    Raises FileNotFoundError when it is not there."""
     path = os.path.join(folder, name)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: a Hugging Face model folder holds config.json, tokenizer.json "
-                                "and model.safetensors (or its shards), downloaded whole")
+        raise FileNotFoundError(f"{path} not found: a Hugging Face model folder holds config.json, "
+                                "tokenizer.json and model.safetensors (or its shards), "
+                                "downloaded whole")
     return path
 
 
@@ -37,38 +41,45 @@ def weight_file_in(folder, name, index):
     Returns name. Raises ValueError naming the index and the entry, so nothing outside is read."""
     root = os.path.realpath(folder)
     roots = [root]
-    if os.path.basename(os.path.dirname(root)) == "snapshots":  # ~/.cache/huggingface/hub/models--*/snapshots/REV
+    # ~/.cache/huggingface/hub/models--*/snapshots/REV
+    if os.path.basename(os.path.dirname(root)) == "snapshots":
         roots.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
-    inside = isinstance(name, str) and not os.path.isabs(name) and ".." not in name.replace("\\", "/").split("/") \
-        and any(os.path.commonpath([os.path.realpath(os.path.join(folder, name)), r]) == r for r in roots)
+    inside = isinstance(name, str) and not os.path.isabs(name) \
+        and ".." not in name.replace("\\", "/").split("/") \
+        and any(os.path.commonpath([os.path.realpath(os.path.join(folder, name)), r]) == r
+                for r in roots)
     if not inside:
-        raise ValueError(f"{index} lists the weights file {name!r}, outside {folder}; a model folder's index "
-                         "names files of that folder only: download the model whole into one folder")
+        raise ValueError(f"{index} lists the weights file {name!r}, outside {folder}; "
+                         "a model folder's index names files of that folder only: "
+                         "download the model whole into one folder")
     return name
 
 
 def read_json(path):
     """The JSON object (a dict) in the file at `path`, a Hugging Face folder's config.json, index or
-    tokenizer.json. Raises ValueError naming the file when it cannot be read, is not UTF-8, starts with
-    a byte order mark (JSON has none; transformers and tokenizers refuse it too), is not valid JSON
-    (e.g. truncated), is nested deeper than Python's JSON parser can read, or holds no object."""
+    tokenizer.json. Raises ValueError naming the file when it cannot be read, is not UTF-8, starts
+    with a byte order mark (JSON has none; transformers and tokenizers refuse it too), is not valid
+    JSON (e.g. truncated), is nested deeper than Python's JSON parser can read, or holds no
+    object."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
         raise ValueError(f"{path} cannot be read ({e.strerror}); check its permissions") from None
     if raw.startswith(codecs.BOM_UTF8):
-        raise ValueError(f"{path} starts with a byte order mark, which JSON does not allow (transformers refuses "
-                         "it too); save it as UTF-8 without one, or download it again")
+        raise ValueError(f"{path} starts with a byte order mark, which JSON does not allow "
+                         "(transformers refuses it too); "
+                         "save it as UTF-8 without one, or download it again")
     try:
         obj = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 (byte offset {e.start}); {DAMAGED}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}); it may be "
-                         f"truncated; {DAMAGED}") from None
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}); "
+                         f"it may be truncated; {DAMAGED}") from None
     except RecursionError:
-        raise ValueError(f"{path} is nested deeper than Python's JSON parser can read; {DAMAGED}") from None
+        raise ValueError(f"{path} is nested deeper than Python's JSON parser can read; "
+                         f"{DAMAGED}") from None
     expect(isinstance(obj, dict), path, f"its top level is a {type(obj).__name__}, not an object")
     return obj
 
@@ -99,41 +110,49 @@ def abridged(names):
 # What differs between the families from_pretrained loads. Anything else in config.json that the
 # Transformer does not implement is refused by name (see hf_model_config).
 FAMILIES = {
-    "qwen3": dict(qk_norm=True, derive_head_dim=False),   # transformers' Qwen3Config defaults head_dim to 128
-    "llama": dict(qk_norm=False, derive_head_dim=True),   # Llama 2/3, SmolLM2: head_dim = hidden_size / heads
+    # transformers' Qwen3Config defaults head_dim to 128
+    "qwen3": dict(qk_norm=True, derive_head_dim=False),
+    # Llama 2/3, SmolLM2: head_dim = hidden_size / heads
+    "llama": dict(qk_norm=False, derive_head_dim=True),
 }
 
-# config.json's fields the model is built from: the sizes, each a positive whole number (WHOLE), and the
-# others with what each must be (FIELD_KINDS)
-SIZES = ("vocab_size", "max_position_embeddings", "num_hidden_layers", "num_attention_heads", "hidden_size",
-         "intermediate_size")
+# config.json's fields the model is built from: the sizes, each a positive whole number (WHOLE), and
+# the others with what each must be (FIELD_KINDS)
+SIZES = ("vocab_size", "max_position_embeddings", "num_hidden_layers", "num_attention_heads",
+         "hidden_size", "intermediate_size")
 WHOLE = ("a positive whole number", lambda v: is_int(v, 1))
-POSITIVE = ("a positive finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-            and 0 < v < math.inf)
+POSITIVE = ("a positive finite number", lambda v: isinstance(v, (int, float))
+            and not isinstance(v, bool) and 0 < v < math.inf)
 FIELD_KINDS = {"rope_theta": POSITIVE, "rms_norm_eps": POSITIVE,
                "tie_word_embeddings": ("true or false", lambda v: isinstance(v, bool)),
-               "head_dim": ("a positive whole number", lambda v: v is None or is_int(v, 1))}  # None: derived
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the weight dtypes from_pretrained loads
+               # None: derived
+               "head_dim": ("a positive whole number", lambda v: v is None or is_int(v, 1))}
+# safetensors' names of the weight dtypes from_pretrained loads
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def hf_model_config(folder):
-    """The ModelConfig of a folder's config.json (a Qwen3 or Llama-family model, SPEC section 5's start).
+    """The ModelConfig of a folder's config.json (a Qwen3 or Llama-family model,
+    SPEC section 5's start).
 
-    Qwen3 normalizes each head's queries and keys (qk_norm), Llama does not; both may tie lm_head to the
-    embedding (tie_word_embeddings). Raises FileNotFoundError without config.json; ValueError naming the
-    file and each field this model does not implement (model_type, rope scaling, attention or MLP bias,
-    sliding window, activation, quantization_config), a missing field or one of the wrong type (FIELD_KINDS),
-    or a file that is not JSON (read_json).
+    Qwen3 normalizes each head's queries and keys (qk_norm), Llama does not; both may tie lm_head to
+    the embedding (tie_word_embeddings). Raises FileNotFoundError without config.json; ValueError
+    naming the file and each field this model does not implement (model_type, rope scaling,
+    attention or MLP bias, sliding window, activation, quantization_config), a missing field or one
+    of the wrong type (FIELD_KINDS), or a file that is not JSON (read_json).
     """
     path = need(folder, "config.json")
     hf = read_json(path)
     if "quantization_config" in hf:
-        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
-        raise ValueError(f"{path}: quantization_config (quant_method={method!r}) says the weights are quantized; "
-                         f"this loads {', '.join(FLOAT_DTYPES)} weights only: use the model's unquantized release")
+        method = hf["quantization_config"].get("quant_method") \
+            if isinstance(hf["quantization_config"], dict) else None
+        raise ValueError(f"{path}: quantization_config (quant_method={method!r}) says the weights "
+                         f"are quantized; this loads {', '.join(FLOAT_DTYPES)} weights only: "
+                         "use the model's unquantized release")
     model_type = hf.get("model_type")
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
-    # transformers 4 writes rope_theta and rope_scaling (null when plain), transformers 5 rope_parameters
+    # transformers 4 writes rope_theta and rope_scaling (null when plain), transformers 5
+    # rope_parameters
     rope_key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     rope = hf.get(rope_key) or {}
     expect(isinstance(rope, dict), path, f"{rope_key} is a {type(rope).__name__}, not an object")
@@ -145,24 +164,27 @@ def hf_model_config(folder):
         ("use_sliding_window", not hf.get("use_sliding_window")),
         ("hidden_act", hf.get("hidden_act", "silu") == "silu")] if not ok]
     if unsupported:
-        raise ValueError(f"{path}: {', '.join(unsupported)} is not implemented here; this model loads Qwen3 and "
-                         f"Llama-family checkpoints ({', '.join(FAMILIES)}: plain RoPE, no attention or MLP bias, "
-                         "full attention, SiLU) only")
+        raise ValueError(f"{path}: {', '.join(unsupported)} is not implemented here; this model "
+                         f"loads Qwen3 and Llama-family checkpoints ({', '.join(FAMILIES)}: "
+                         "plain RoPE, no attention or MLP bias, full attention, SiLU) only")
     try:
         values = {key: hf[key] for key in SIZES + ("rms_norm_eps", "tie_word_embeddings")}
         values["rope_theta"] = hf["rope_theta"] if "rope_theta" in hf else rope["rope_theta"]
-        values["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]  # absent: n_head
-        values["head_dim"] = hf["head_dim"] if "head_dim" in hf or not family["derive_head_dim"] else None
+        # absent: n_head
+        values["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+        values["head_dim"] = hf["head_dim"] if "head_dim" in hf or not family["derive_head_dim"] \
+            else None
     except KeyError as e:
         raise ValueError(f"{path} has no {e}; it is not a complete {model_type} config") from None
-    wrong = [f"{key}={value!r} (expected {FIELD_KINDS.get(key, WHOLE)[0]})" for key, value in values.items()
-             if not FIELD_KINDS.get(key, WHOLE)[1](value)]
+    wrong = [f"{key}={value!r} (expected {FIELD_KINDS.get(key, WHOLE)[0]})"
+             for key, value in values.items() if not FIELD_KINDS.get(key, WHOLE)[1](value)]
     expect(not wrong, path, ", ".join(wrong))
     try:
         return ModelConfig(
             vocab_size=values["vocab_size"], block_size=values["max_position_embeddings"],
             n_layer=values["num_hidden_layers"], n_head=values["num_attention_heads"],
-            n_kv_head=values["num_key_value_heads"], n_embd=values["hidden_size"], head_dim=values["head_dim"],
+            n_kv_head=values["num_key_value_heads"], n_embd=values["hidden_size"],
+            head_dim=values["head_dim"],
             intermediate_size=values["intermediate_size"], rope_theta=values["rope_theta"],
             norm_eps=values["rms_norm_eps"], tie_embeddings=values["tie_word_embeddings"],
             qk_norm=family["qk_norm"], causal=True)
@@ -171,14 +193,14 @@ def hf_model_config(folder):
 
 
 def open_safetensors(path):
-    """safe_open(path) for torch, the header read and checked against the file's size. Raises ValueError
-    naming the file when it is not a whole safetensors file (truncated, an unfinished download or a
-    Git LFS pointer, another format)."""
+    """safe_open(path) for torch, the header read and checked against the file's size. Raises
+    ValueError naming the file when it is not a whole safetensors file (truncated, an unfinished
+    download or a Git LFS pointer, another format)."""
     try:
         return safe_open(path, framework="pt")
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path} is not a readable safetensors file ({e}); it may be truncated or an unfinished "
-                         "download: download it again") from None
+        raise ValueError(f"{path} is not a readable safetensors file ({e}); it may be truncated "
+                         "or an unfinished download: download it again") from None
 
 
 def from_pretrained(folder, dtype=torch.float32):
@@ -187,56 +209,67 @@ def from_pretrained(folder, dtype=torch.float32):
 
     folder: config.json and model.safetensors, or the shards model.safetensors.index.json lists, as
             transformers' save_pretrained writes them. Tensor names are ours prefixed "model."
-            (model.layers.0.self_attn.q_proj.weight: (n_head * head_dim, n_embd)), but lm_head.weight,
-            absent when tie_word_embeddings.
+            (model.layers.0.self_attn.q_proj.weight: (n_head * head_dim, n_embd)), but
+            lm_head.weight, absent when tie_word_embeddings.
     dtype:  of the parameters (the releases store bfloat16; float32 takes twice the memory).
     Every name and shape is checked in the files' headers first; then the model, built on the meta
     device (no memory, no random init), takes each shard's tensors as its parameters, so the weights
-    are held once. Returns the causal Transformer in eval mode (block_size = max_position_embeddings);
-    its forward gives (B, T, vocab_size) float32 logits.
-    Raises FileNotFoundError for a missing folder, config.json or weights file; ValueError naming the
-    file for what hf_model_config refuses, an index that is not JSON or has no weight_map (read_json) or
-    names a file outside the folder (weight_file_in), a weights file that is not whole (open_safetensors),
-    weights that are not floats (integer or 8-bit: quantized), or tensors whose names or shapes do not
-    match config.json.
+    are held once. Returns the causal Transformer in eval mode
+    (block_size = max_position_embeddings); its forward gives (B, T, vocab_size) float32 logits.
+    Raises FileNotFoundError for a missing folder, config.json or weights file; ValueError naming
+    the file for what hf_model_config refuses, an index that is not JSON or has no weight_map
+    (read_json) or names a file outside the folder (weight_file_in), a weights file that is not
+    whole (open_safetensors), weights that are not floats (integer or 8-bit: quantized), or tensors
+    whose names or shapes do not match config.json.
     """
     config = hf_model_config(folder)
     with torch.device("meta"):
         model = Transformer(config)
-    # Hugging Face name -> shape; named_parameters lists a tied lm_head.weight once, as embed_tokens.weight
+    # Hugging Face name -> shape; named_parameters lists a tied lm_head.weight once, as
+    # embed_tokens.weight
     expected = {("" if name == "lm_head.weight" else "model.") + name: list(p.shape)
                 for name, p in model.named_parameters()}
 
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
         weight_map = read_json(index).get("weight_map")
-        expect(isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values()), index,
+        expect(isinstance(weight_map, dict) and
+               all(isinstance(v, str) for v in weight_map.values()), index,
                "it has no 'weight_map' object of tensor names to file names")
-        files = [need(folder, weight_file_in(folder, name, index)) for name in sorted(set(weight_map.values()))]
+        files = [need(folder, weight_file_in(folder, name, index))
+                 for name in sorted(set(weight_map.values()))]
     else:
         files = [need(folder, "model.safetensors")]
-    found, not_float = {}, {}  # from the files' headers: Hugging Face name -> shape; file -> tensors not floats
+    # from the files' headers: Hugging Face name -> shape; file -> tensors not floats
+    found, not_float = {}, {}
     for path in files:
         with open_safetensors(path) as f:
             for name in f.keys():
-                found[name], kind = f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()  # "BF16", "I8", ...
+                # "BF16", "I8", ...
+                found[name], kind = f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()
                 if kind not in FLOAT_DTYPES:
                     not_float.setdefault(path, []).append(f"{name} ({kind})")
     if not_float:
         path, names = next(iter(not_float.items()))
         others = f" (and {len(not_float) - 1} more files)" if len(not_float) > 1 else ""
-        raise ValueError(f"{path} holds weights that are not floats: {abridged(sorted(names))}{others}; integer or "
-                         f"8-bit weights are quantized, and this loads {', '.join(FLOAT_DTYPES)} weights only: use "
+        raise ValueError(f"{path} holds weights that are not floats: {abridged(sorted(names))}"
+                         f"{others}; integer or 8-bit weights are quantized, and this loads "
+                         f"{', '.join(FLOAT_DTYPES)} weights only: use "
                          "the model's unquantized release")
     if config.tie_embeddings:
-        found.pop("lm_head.weight", None)  # a stored copy of the tied matrix is ignored, as transformers does
-    missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+        # a stored copy of the tied matrix is ignored, as transformers does
+        found.pop("lm_head.weight", None)
+    missing, unexpected = sorted(expected.keys() - found.keys()), \
+        sorted(found.keys() - expected.keys())
     misshaped = [f"{name} {found[name]} (config.json implies {expected[name]})"
-                 for name in sorted(expected.keys() & found.keys()) if found[name] != expected[name]]
+                 for name in sorted(expected.keys() & found.keys())
+                 if found[name] != expected[name]]
     problems = [f"{kind} tensors: {abridged(names)}" for kind, names in
-                [("missing", missing), ("unexpected", unexpected), ("wrongly shaped", misshaped)] if names]
+                [("missing", missing), ("unexpected", unexpected), ("wrongly shaped", misshaped)]
+                if names]
     if problems:
-        raise ValueError(f"the weights in {folder} do not match its config.json: {'; '.join(problems)}. "
+        raise ValueError(f"the weights in {folder} do not match its config.json: "
+                         f"{'; '.join(problems)}. "
                          "Check that the folder holds one whole model and its own config.json")
 
     for path in files:  # shard by shard; its tensors become the parameters (no second copy)

@@ -2,7 +2,8 @@
 Tokenize a corpus once into files that training reads back as memmaps (as nanoGPT's prepare.py):
 
     records {"query", "response"}  ->  prepare()  ->  data/<name>-<tokenizer>-<block_size>/
-        train.bin, val.bin                 all samples' tokens, uint16 (uint32 past 65,536 ids), back to back
+        train.bin, val.bin                 all samples' tokens, uint16 (uint32 past 65,536 ids),
+                                           back to back
         train_samples.npy, val_samples.npy (N, 3) int64: [start in .bin, prompt_len, total_len]
         meta.json                          tokenizer, special ids, counts, data_sha1; written last
 
@@ -31,9 +32,9 @@ FORMAT = 2  # version of the prepared-data layout, stored in meta.json (2: data_
 def split_of(record: dict, by_content: bool = False) -> str:
     """
     "train" or "val" for a record, from a stable hash (VAL_PERCENT% val) of f"{module}:{name}" (the
-    built-in corpora), or with by_content of its query and response (a user's file, whose records are
-    named by their index: identical records then share a split, so a repeated record cannot put a
-    validation sample into training). The same record lands in the same split on every machine and
+    built-in corpora), or with by_content of its query and response (a user's file, whose records
+    are named by their index: identical records then share a split, so a repeated record cannot put
+    a validation sample into training). The same record lands in the same split on every machine and
     every run.
     """
     key = json.dumps(_content(record)) if by_content else f"{record['module']}:{record['name']}"
@@ -49,11 +50,13 @@ def _content(record: dict) -> tuple[str, str]:
 
 
 def token_dtype(enc) -> str:
-    """How token ids are stored: uint16 while the vocabulary (mask id included) fits, else uint32."""
+    """How token ids are stored: uint16 while the vocabulary (mask id included) fits, else
+    uint32."""
     return "uint16" if vocab_size(enc) <= 2**16 else "uint32"
 
 
-def _tokenize(records: list[dict], enc, block_size: int, too_long: str) -> tuple[np.ndarray, np.ndarray, int]:
+def _tokenize(records: list[dict], enc, block_size: int,
+              too_long: str) -> tuple[np.ndarray, np.ndarray, int]:
     """(tokens (n,) uint16 or uint32, samples (N, 3) int64, number of records skipped as too long).
     too_long: "skip" such records, or "fail" (ValueError naming the record and the limit)."""
     eos_id = special_ids(enc)[0]
@@ -62,13 +65,16 @@ def _tokenize(records: list[dict], enc, block_size: int, too_long: str) -> tuple
     for r in records:
         prompt = encode(enc, r["query"])
         ids = prompt + encode(enc, r["response"]) + [eos_id]
-        if not prompt or len(ids) == len(prompt) + 1:  # decoding needs a prompt, and training a response
-            raise ValueError(f"record {r['module']}:{r['name']} has an empty {'response' if prompt else 'query'}; "
+        # decoding needs a prompt, and training a response
+        if not prompt or len(ids) == len(prompt) + 1:
+            raise ValueError(f"record {r['module']}:{r['name']} has an empty "
+                             f"{'response' if prompt else 'query'}; "
                              "every sample needs a prompt and a response")
         if len(ids) > block_size:
             if too_long == "fail":
-                raise ValueError(f"record {r['module']}:{r['name']} is {len(ids)} tokens, longer than "
-                                 f"block_size={block_size}; raise --block_size or pass --too_long=skip")
+                raise ValueError(f"record {r['module']}:{r['name']} is {len(ids)} tokens, longer "
+                                 f"than block_size={block_size}; raise --block_size or pass "
+                                 "--too_long=skip")
             skipped += 1
             continue
         chunks.append(np.array(ids, dtype=dtype))
@@ -91,14 +97,16 @@ def _is_prepared(data_dir: str, expected: dict) -> bool:
     try:
         with open(os.path.join(data_dir, "meta.json")) as f:
             meta = json.load(f)
-    except (OSError, json.JSONDecodeError, RecursionError):  # missing, damaged or crafted: prepared anew
+    # missing, damaged or crafted: prepared anew
+    except (OSError, json.JSONDecodeError, RecursionError):
         return False
     return (all(meta.get(k) == v for k, v in expected.items())
             and not any(damaged_file(data_dir, meta, split) for split in ("train", "val")))
 
 
 
-def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "data", too_long: str = "skip") -> str:
+def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "data",
+            too_long: str = "skip") -> str:
     """
     Tokenize `dataset` (a DATASETS name or a path for load_records) once and return the data dir,
     data_root/<name>-<tokenizer>-<block_size>, where a file's name is its base name and the first 8
@@ -114,15 +122,20 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
         raise FileNotFoundError(f"no built-in dataset or file named {dataset!r}; "
                                 f"built-ins: {sorted(DATASETS)}, or give a path to a data file")
     sha1 = _source_sha1(dataset)
-    # a file's name carries its content's hash, so two files both called train.json never share a dir
-    name = dataset if dataset in DATASETS else f"{os.path.splitext(os.path.basename(dataset))[0]}-{sha1[:8]}"
+    # a file's name carries its content's hash, so two files both called train.json never share a
+    # dir
+    name = dataset if dataset in DATASETS \
+        else f"{os.path.splitext(os.path.basename(dataset))[0]}-{sha1[:8]}"
     # a Hugging Face tokenizer (hf:FOLDER) is named by its folder's base name
-    tag = f"hf-{os.path.basename(os.path.normpath(tokenizer[3:]))}" if tokenizer.startswith("hf:") else tokenizer
+    tag = f"hf-{os.path.basename(os.path.normpath(tokenizer[3:]))}" if tokenizer.startswith("hf:") \
+        else tokenizer
     data_dir = os.path.join(data_root, f"{name}-{tag}-{block_size}")
     enc = get_tokenizer(tokenizer)
-    expected = {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": vocab_size(enc), "block_size": block_size,
-                "python_version": platform.python_version(), "source_sha1": sha1, "too_long": too_long}
-    if dataset in DATASETS:  # a file is known by its content (source_sha1), however its path is written
+    expected = {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": vocab_size(enc),
+                "block_size": block_size, "python_version": platform.python_version(),
+                "source_sha1": sha1, "too_long": too_long}
+    # a file is known by its content (source_sha1), however its path is written
+    if dataset in DATASETS:
         expected["dataset"] = dataset
     else:  # a file prepared before its records were split by content is prepared again
         expected["split"] = "content"
@@ -135,7 +148,8 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
         raise ValueError(f"cannot create {data_dir} for the prepared data ({e.strerror}); "
                          "choose a --data_root you can write to") from None
     try:
-        with FileLock(os.path.join(data_dir, ".lock")):  # torchrun's processes: one prepares, the rest wait
+        # torchrun's processes: one prepares, the rest wait
+        with FileLock(os.path.join(data_dir, ".lock")):
             if not _is_prepared(data_dir, expected):
                 _write_splits(dataset, enc, data_dir, block_size, too_long, expected)
     except BaseException:
@@ -147,8 +161,8 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
 
 
 def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> None:
-    """Tokenize the records into data_dir's train/val .bin and _samples.npy, then write meta.json last,
-    with data_sha1: the SHA-1 of both splits' tokens and sample tables, as written."""
+    """Tokenize the records into data_dir's train/val .bin and _samples.npy, then write meta.json
+    last, with data_sha1: the SHA-1 of both splits' tokens and sample tables, as written."""
     meta_path = os.path.join(data_dir, "meta.json")
     if os.path.exists(meta_path):
         os.remove(meta_path)  # a stale meta must not vouch for half-rewritten files
@@ -157,13 +171,15 @@ def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> Non
     else:  # a text window leaves room for EOS
         records = load_records(dataset, window_bytes=min(TEXT_WINDOW_BYTES, block_size - 1))
     by_content = dataset not in DATASETS
-    splits = {split: [r for r in records if split_of(r, by_content) == split] for split in ("train", "val")}
+    splits = {split: [r for r in records if split_of(r, by_content) == split]
+              for split in ("train", "val")}
     if by_content:
         duplicates = len(records) - len(set(map(_content, records)))
-        print(f"{dataset}: {duplicates:,} duplicate records (the query and response of an earlier one), each in "
-              "the split of its first copy")
+        print(f"{dataset}: {duplicates:,} duplicate records (the query and response of an earlier "
+              "one), each in the split of its first copy")
     if not splits["val"] and len(splits["train"]) > 1:
-        last = _content(splits["train"][-1])  # a small file: keep one record, with its copies, for validation
+        # a small file: keep one record, with its copies, for validation
+        last = _content(splits["train"][-1])
         splits["val"] = [r for r in splits["train"] if _content(r) == last]
         splits["train"] = [r for r in splits["train"] if _content(r) != last]
         print(f"{dataset}: no record hashed to the validation split; using the last one")
@@ -171,22 +187,24 @@ def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> Non
     for split in ("train", "val"):
         tokens, samples, skipped = _tokenize(splits[split], enc, block_size, too_long)
         if len(samples) == 0 and skipped:
-            raise ValueError(f"{dataset}: all {skipped} samples of the {split} split are longer than "
-                             f"block_size={block_size} tokens; use a larger --block_size")
+            raise ValueError(f"{dataset}: all {skipped} samples of the {split} split are longer "
+                             f"than block_size={block_size} tokens; use a larger --block_size")
         if len(samples) == 0:
-            raise ValueError(f"{dataset}: too few records for a {split} split ({len(records)} in all, "
-                             f"{len(set(map(_content, records)))} different); give at least two different records")
+            raise ValueError(f"{dataset}: too few records for a {split} split ({len(records)} in "
+                             f"all, {len(set(map(_content, records)))} different); give at least "
+                             "two different records")
         write_atomic(os.path.join(data_dir, f"{split}.bin"), tokens.tofile)
         write_atomic(os.path.join(data_dir, f"{split}_samples.npy"), lambda f: np.save(f, samples))
         digest.update(tokens)
         digest.update(samples)
-        counts[split] = {"samples": len(samples), "tokens": len(tokens), "skipped_too_long": skipped}
+        counts[split] = {"samples": len(samples), "tokens": len(tokens),
+                         "skipped_too_long": skipped}
         print(f"{split}: {len(samples):,} samples, {len(tokens):,} tokens, "
               f"{skipped:,} skipped as longer than {block_size} tokens")
     eos_id, mask_id, pad_id = special_ids(enc)
     # what a checkpoint records, so that a run is never resumed on other data (train.py)
-    meta = dict(expected, dataset=dataset, eos_id=eos_id, mask_id=mask_id, pad_id=pad_id, counts=counts,
-                token_dtype=token_dtype(enc), data_sha1=digest.hexdigest())
+    meta = dict(expected, dataset=dataset, eos_id=eos_id, mask_id=mask_id, pad_id=pad_id,
+                counts=counts, token_dtype=token_dtype(enc), data_sha1=digest.hexdigest())
     write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))
 
 # -----------------------------------------------------------------------------
@@ -200,14 +218,15 @@ class TokenDataset:
         paths = [os.path.join(data_dir, fn) for fn in names]
         for p in paths:
             if not os.path.isfile(p):
-                raise FileNotFoundError(f"{p} not found; run support.prepare.prepare(...) or train.py "
-                                        "first to prepare the data")
+                raise FileNotFoundError(f"{p} not found; run support.prepare.prepare(...) or "
+                                        "train.py first to prepare the data")
         with open(paths[0]) as f:
             self.meta = json.load(f)
         damaged = damaged_file(data_dir, self.meta, split)
         if damaged:
-            raise ValueError(f"{damaged} does not hold what {paths[0]} counts: the prepared data is damaged; "
-                             "support.prepare.prepare() writes it anew, as train.py and sampler.py do when they start")
+            raise ValueError(f"{damaged} does not hold what {paths[0]} counts: the prepared data "
+                             "is damaged; support.prepare.prepare() writes it anew, as train.py "
+                             "and sampler.py do when they start")
         self.tokens = np.memmap(paths[1], dtype=self.meta.get("token_dtype", "uint16"), mode="r")
         self.samples = np.load(paths[2], allow_pickle=False)  # (N, 3): start, prompt_len, total_len
         self.pad_id = self.meta["pad_id"]
@@ -222,7 +241,8 @@ class TokenDataset:
         return ids[:prompt_len], ids[prompt_len:]
 
     def get_batch(self, batch_size: int, rng: np.random.Generator, device="cpu"):
-        """get_batch_at for `batch_size` sample indices drawn uniformly (with replacement) by rng."""
+        """get_batch_at for `batch_size` sample indices drawn uniformly (with replacement) by
+        rng."""
         return self.get_batch_at(rng.integers(0, len(self), size=batch_size), device)
 
     def get_batch_at(self, indices, device="cpu"):
@@ -243,9 +263,11 @@ def damaged_file(data_dir: str, meta: dict, split: str) -> str | None:
     """The path of the first of a split's files that is missing or does not hold as many tokens or
     samples as meta.json counts (e.g. cut short by a full disk), or None when both are whole."""
     counts = meta.get("counts", {}).get(split, {})
-    bin_path, samples_path = (os.path.join(data_dir, f"{split}{end}") for end in (".bin", "_samples.npy"))
+    bin_path, samples_path = (os.path.join(data_dir, f"{split}{end}")
+                              for end in (".bin", "_samples.npy"))
     itemsize = np.dtype(meta.get("token_dtype", "uint16")).itemsize
-    if not os.path.isfile(bin_path) or os.path.getsize(bin_path) != itemsize * counts.get("tokens", -1):
+    if not os.path.isfile(bin_path) or \
+            os.path.getsize(bin_path) != itemsize * counts.get("tokens", -1):
         return bin_path
     try:
         if len(np.load(samples_path, mmap_mode="r", allow_pickle=False)) != counts.get("samples"):

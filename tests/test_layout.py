@@ -1,5 +1,5 @@
-"""The repository's layout: the method at the top level, the rest in support/ and tools/, and imports
-that flow one way (read from the code with `ast`; every violation is named)."""
+"""The repository's layout: the method at the top level, the rest in support/ and tools/, and
+imports that flow one way (read from the code with `ast`; every violation is named)."""
 
 import ast
 import subprocess
@@ -9,42 +9,47 @@ from helpers import ROOT
 
 METHOD = {"model", "kvcache", "data", "train", "sampler"}        # the design card's files
 TOP = METHOD | {"configurator", "test_refusion"}
-CORE = {"model", "kvcache", "data"}                                # the network, its cache, the training layouts
-ALLOWED_PACKAGES = {                                               # third-party packages each kind may import
-    "core": {"torch", "numpy", "tiktoken"},
+CORE = {"model", "kvcache", "data"}                # the network, its cache, the training layouts
+PACKAGES = {                                       # the packages each kind of file may import
+    "core": {"torch", "numpy", "tiktoken"},        # ... besides the standard library
     "script": {"torch", "numpy", "tiktoken", "tqdm"},
     "test_refusion": {"torch", "numpy", "pytest"},
 }
-HEAVY = ("gguf", "safetensors", "jinja2", "regex", "filelock", "torch.distributed.fsdp", "matplotlib", "support")
+HEAVY = ("gguf", "safetensors", "jinja2", "regex", "filelock", "torch.distributed.fsdp",
+         "matplotlib", "support")
 
 
 def modules():
-    """{module name: path} of every Python file of the project outside tests/ (support.runs, tools.bench)."""
+    """{module: path} of every Python file of the project outside tests/ (support.runs, ...)."""
     found = {p.stem: p for p in ROOT.glob("*.py")}
     for folder in ("support", "tools"):
-        found |= {f"{folder}.{p.stem}": p for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"}
+        found |= {f"{folder}.{p.stem}": p for p in (ROOT / folder).glob("*.py")
+                  if p.stem != "__init__"}
     return found
 
 
 def imports(path):
-    """[(imported name, the function it is imported in or None at module level, line)] of one file;
-    `from support import runs` is support.runs."""
+    """[(imported name, the function it is imported in or None at module level, line)] of one
+    file; `from support import runs` is support.runs."""
     found = []
 
     def visit(node, function):
         for child in ast.iter_child_nodes(node):
-            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                else function
             if isinstance(child, ast.Import):
                 found.extend((alias.name, function, child.lineno) for alias in child.names)
             elif isinstance(child, ast.ImportFrom) and child.level == 0:
-                found.extend((f"{child.module}.{alias.name}", function, child.lineno) for alias in child.names)
+                found.extend((f"{child.module}.{alias.name}", function, child.lineno)
+                             for alias in child.names)
             visit(child, inner)
     visit(ast.parse(path.read_text(encoding="utf-8")), None)
     return found
 
 
 def project_name(name, project):
-    """The project module an imported name belongs to (support.runs for support.runs.Run), or None."""
+    """The project module an imported name belongs to (support.runs for support.runs.Run), or
+    None for the standard library and other packages."""
     project = set(project) | set(modules()) | {"support", "tools"}
     parts = name.split(".")
     for n in range(len(parts), 0, -1):
@@ -62,30 +67,32 @@ def kind_of(module):
 
 
 def violations(project):
-    """Every import of the files `project` ({module: path}) that breaks the layout's rules, as text
-    naming the file, the line and the rule."""
+    """Every import of the files `project` ({module: path}) that breaks the layout's rules, as
+    text naming the file, the line and the rule."""
     found = []
     for module, path in project.items():
         where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         for name, function, line in imports(path):
             target, top = project_name(name, project), name.split(".")[0]
-            if target is None:                                      # the standard library or a package
-                allowed = ALLOWED_PACKAGES.get(kind_of(module))
-                if allowed is not None and top not in sys.stdlib_module_names and top not in allowed:
-                    found.append(f"{where}:{line} imports {name}: {module} may import only "
+            place = f"{where}:{line} imports"
+            if target is None:                          # the standard library or a package
+                allowed = PACKAGES.get(kind_of(module))
+                if allowed is not None and top not in sys.stdlib_module_names | allowed:
+                    found.append(f"{place} {name}: {module} may import only "
                                  f"{', '.join(sorted(allowed))} besides the standard library")
                 continue
             if target.startswith("tools"):
-                found.append(f"{where}:{line} imports {target}: no module imports a tool")
+                found.append(f"{place} {target}: no module imports a tool")
             if module in CORE and target not in CORE:
-                found.append(f"{where}:{line} imports {target}: model, kvcache and data import only each other")
+                found.append(f"{place} {target}: model, kvcache and data import only each other")
             if module == "test_refusion" and target not in METHOD:
-                found.append(f"{where}:{line} imports {target}: test_refusion imports only the method files")
+                found.append(f"{place} {target}: test_refusion imports only the method files")
             if kind_of(module) == "script" and target not in TOP and function != "main":
-                found.append(f"{where}:{line} imports {target} {'at module level' if function is None else 'in ' + function}:"
-                             f" {module}.py reaches support/ only in main, its command line")
+                at = "at module level" if function is None else f"in {function}"
+                found.append(f"{place} {target} {at}: {module}.py reaches support/ only in main, "
+                             "its command line")
             if module.startswith("support") and target in ("train", "sampler"):
-                found.append(f"{where}:{line} imports {target}: support/ serves the scripts, never imports them")
+                found.append(f"{place} {target}: support/ serves the scripts, never imports them")
     return found
 
 
@@ -100,7 +107,8 @@ def test_imports_flow_one_way():
 
 def test_the_import_graph_has_no_circle():
     project = modules()
-    graph = {m: {project_name(n, project) for n, _, _ in imports(p)} - {None, m} for m, p in project.items()}
+    graph = {m: {project_name(n, project) for n, _, _ in imports(p)} - {None, m}
+             for m, p in project.items()}
     graph = {m: {t for t in targets if t in graph} for m, targets in graph.items()}
     state = {}
 
@@ -115,12 +123,15 @@ def test_the_import_graph_has_no_circle():
         return None
     for m in sorted(graph):
         if m not in state:
-            assert circle_from(m, [m]) is None, f"import circle: {' -> '.join(circle_from(m, [m]) or [])}"
+            circle = circle_from(m, [m])
+            assert circle is None, f"import circle: {' -> '.join(circle)}"
 
 
 def test_the_checker_names_each_kind_of_forbidden_import(tmp_path):
-    """The rules can fail: files that break each of them, in the places of the method files, are named."""
-    files = {"sampler": "import torch\nfrom support.shard import shard_model\n\ndef main():\n    from support import runs\n",
+    """The rules can fail: files that break each of them, in the places of the method files, are
+    named with the rule they break."""
+    files = {"sampler": "import torch\nfrom support.shard import shard_model\n\n"
+                        "def main():\n    from support import runs\n",
              "data": "import safetensors\nfrom support.tokenizer import encode\n",
              "test_refusion": "from support import corpora\n",
              "support.runs": "import train\n",
@@ -129,18 +140,23 @@ def test_the_checker_names_each_kind_of_forbidden_import(tmp_path):
     for m, text in files.items():
         bad[m].write_text(text)
     assert violations(bad) == [
-        f"{bad['sampler']}:2 imports support.shard at module level: sampler.py reaches support/ only in main, its "
-        "command line",
-        f"{bad['data']}:1 imports safetensors: data may import only numpy, tiktoken, torch besides the standard library",
-        f"{bad['data']}:2 imports support.tokenizer: model, kvcache and data import only each other",
-        f"{bad['test_refusion']}:1 imports support.corpora: test_refusion imports only the method files",
+        f"{bad['sampler']}:2 imports support.shard at module level: sampler.py reaches support/ "
+        "only in main, its command line",
+        f"{bad['data']}:1 imports safetensors: data may import only numpy, tiktoken, torch besides "
+        "the standard library",
+        f"{bad['data']}:2 imports support.tokenizer: model, kvcache and data import only each "
+        "other",
+        f"{bad['test_refusion']}:1 imports support.corpora: test_refusion imports only the method "
+        "files",
         f"{bad['support.runs']}:1 imports train: support/ serves the scripts, never imports them",
         f"{bad['support.files']}:1 imports tools.bench: no module imports a tool"]
 
 
 def test_the_method_imports_without_the_plumbings_packages():
-    """Importing the loss, the layouts and the decoders loads no FSDP, GGUF, safetensors, jinja2 or support/."""
+    """Importing the loss, the layouts and the decoders loads no FSDP, GGUF, safetensors, jinja2,
+    matplotlib or support/."""
     code = ("import sys, model, kvcache, data, train, sampler, test_refusion; "
             f"print([m for m in {HEAVY!r} if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
     assert out.strip() == "[]"

@@ -1,11 +1,13 @@
 """
 Released checkpoints and tokenizers in Hugging Face's layout.
 
-support.hf_folder.from_pretrained is checked against transformers' own Qwen3 and Llama on tiny random models
-(logits, greedy decoding), and on folders written here for its error messages. hf_tokenizer is checked against
-a reference tokenizer built by the `tokenizers` library from Qwen's real vocabulary.
+support.hf_folder.from_pretrained is checked against transformers' own Qwen3 and Llama on tiny
+random models (logits, greedy decoding), and on folders written here for its error messages.
+hf_tokenizer is checked against a reference tokenizer built by the `tokenizers` library from Qwen's
+real vocabulary.
 
-Run: python -m pytest -q tests/test_pretrained.py   (needs requirements-test.txt; skips what is missing)
+Run: python -m pytest -q tests/test_pretrained.py
+     (needs requirements-test.txt; skips what is missing)
 """
 
 import importlib.util
@@ -26,13 +28,14 @@ from sampler import DecodeSettings, RefusionSettings, generate_ar, generate_refu
 from support import tokenizer
 from support.chat import chat_prompt
 from support.hf_folder import from_pretrained
-from support.hf_tokenizer import PRE_TOKENIZERS, QWEN2_PAT, byte_of_char, hf_special_ids, hf_tokenizer, undecodable_ids
+from support.hf_tokenizer import (PRE_TOKENIZERS, QWEN2_PAT, byte_of_char, hf_special_ids,
+                                  hf_tokenizer, undecodable_ids)
 from support.sampling import load_model
 
 TOL = 1e-5
 VOCAB = 300
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -40,16 +43,18 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def save_hf_model(folder, family, tied, sharded=False, n_kv_head=2, head_dim_written=True):
-    """A tiny random transformers Qwen3ForCausalLM or LlamaForCausalLM, saved to folder by save_pretrained
-    (without head_dim in config.json when not head_dim_written); returns it."""
+    """A tiny random transformers Qwen3ForCausalLM or LlamaForCausalLM, saved to folder by
+    save_pretrained (without head_dim in config.json when not head_dim_written); returns it."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     Config, Model = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                      "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
     config = Config(**TINY | {"num_key_value_heads": n_kv_head}, tie_word_embeddings=tied,
-                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, attn_implementation="eager")
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                    attn_implementation="eager")
     hf = Model(config).eval()
-    with torch.no_grad():  # every weight random, norms included, so a tensor loaded into the wrong place shows
+    # every weight random, norms included, so a tensor loaded into the wrong place shows
+    with torch.no_grad():
         for p in hf.parameters():
             p.normal_(1.0 if p.ndim == 1 else 0.0, 0.1)
     hf.save_pretrained(folder, safe_serialization=True, max_shard_size="20KB" if sharded else "1GB")
@@ -57,14 +62,17 @@ def save_hf_model(folder, family, tied, sharded=False, n_kv_head=2, head_dim_wri
     assert len(shards) > 2 if sharded else [s.name for s in shards] == ["model.safetensors"]
     if not head_dim_written:
         written = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({k: v for k, v in written.items() if k != "head_dim"}))
+        (folder / "config.json").write_text(json.dumps({k: v for k, v in written.items()
+                                                        if k != "head_dim"}))
     return hf
 
 
-# Qwen3 one file and sharded, tied and untied; Llama (SmolLM2's family: no q/k norms) tied, untied, and with
-# grouped-query attention (one key-value head for four query heads) and no head_dim in config.json
+# Qwen3 one file and sharded, tied and untied; Llama (SmolLM2's family: no q/k norms) tied, untied,
+# and with grouped-query attention (one key-value head for four query heads) and no head_dim in
+# config.json
 MODELS = {"qwen3-untied": ("qwen3", False, False), "qwen3-tied": ("qwen3", True, False),
-          "qwen3-untied-sharded": ("qwen3", False, True), "qwen3-tied-sharded": ("qwen3", True, True),
+          "qwen3-untied-sharded": ("qwen3", False, True),
+          "qwen3-tied-sharded": ("qwen3", True, True),
           "llama-tied": ("llama", True, False, 4), "llama-untied": ("llama", False, False, 4),
           "llama-gqa": ("llama", True, False, 1, False)}
 
@@ -84,9 +92,11 @@ def position_layout(name, B, T):
     """(B, T) int64 position ids of a buffer in physical order."""
     if name == "contiguous":
         return torch.arange(T).expand(B, T)
-    if name == "slots-permuted":  # prompt 0..3, then 4-token slots in a random order (SPEC section 2)
+    # prompt 0..3, then 4-token slots in a random order (SPEC section 2)
+    if name == "slots-permuted":
         slots = torch.arange(4, T).view(-1, 4)
-        return torch.stack([torch.cat([torch.arange(4), slots[torch.randperm(len(slots))].flatten()])
+        return torch.stack([torch.cat([torch.arange(4),
+                                       slots[torch.randperm(len(slots))].flatten()])
                             for _ in range(B)])
     if name == "gapped":  # increasing, with holes, not starting at 0
         return torch.stack([torch.randperm(100)[:T].sort().values + 20 for _ in range(B)])
@@ -100,8 +110,9 @@ def test_logits_match_transformers(hf_pair, layout):
     idx = torch.randint(0, VOCAB, (2, 16))
     pos = position_layout(layout, 2, 16)
     with torch.no_grad():
-        # The all-ones attention_mask keeps transformers' mask causal over the physical order: without it,
-        # position ids that do not step by 1 are read as packed sequences that cannot see each other.
+        # The all-ones attention_mask keeps transformers' mask causal over the physical order:
+        # without it, position ids that do not step by 1 are read as packed sequences that cannot
+        # see each other.
         expected = hf(input_ids=idx, position_ids=pos, attention_mask=torch.ones_like(idx)).logits
         got = ours(idx, pos)
     assert got.dtype == torch.float32 and got.shape == (2, 16, VOCAB)
@@ -113,19 +124,24 @@ def test_greedy_generate_ar_matches_transformers(hf_pair):
     prompt = [5, 17, 42, 99, 3]
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        free = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert generate_ar(ours, prompt, DecodeSettings(24), eos_ids=(VOCAB,)).tokens == free  # VOCAB: an EOS never produced
+        free = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                           do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+        # VOCAB: an EOS never produced
+        assert generate_ar(ours, prompt, DecodeSettings(24), eos_ids=(VOCAB,)).tokens == free
         eos = free[12]  # now a token it does produce: both must stop at its first occurrence
-        stopped = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                              eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
-    assert generate_ar(ours, prompt, DecodeSettings(24), eos_ids=(eos,)).tokens == stopped == free[:free.index(eos) + 1]
+        stopped = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                              do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos)[0, len(prompt):].tolist()
+    assert generate_ar(ours, prompt, DecodeSettings(24), eos_ids=(eos,)).tokens == stopped == \
+        free[:free.index(eos) + 1]
 
 
 def test_refusion_decode_runs_on_loaded_model(hf_pair):
     _, ours = hf_pair
     mask_id, eos_id = VOCAB - 1, VOCAB - 2
-    settings = RefusionSettings(16, slot_size=4, serial_num_blocks=2, slot_threshold=0.5, token_threshold=0.1)
+    settings = RefusionSettings(16, slot_size=4, serial_num_blocks=2, slot_threshold=0.5,
+                                token_threshold=0.1)
     out = generate_refusion(ours, [5, 17, 42, 99, 3], settings, mask_id=mask_id, eos_ids=(eos_id,))
     assert 1 <= len(out.tokens) <= 16 and out.nfe >= 1
     assert all(0 <= t < VOCAB and t != mask_id for t in out.tokens)
@@ -144,17 +160,21 @@ def test_missing_shard_is_named(tmp_path):
 
 
 def save_released_layout(folder, tied=True):
-    """A random tiny Transformer saved as the released checkpoints are: config.json in transformers 4's
-    spelling (rope_theta, rope_scaling null) and model.safetensors with Hugging Face's tensor names."""
+    """A random tiny Transformer saved as the released checkpoints are: config.json in transformers
+    4's spelling (rope_theta, rope_scaling null) and model.safetensors with Hugging Face's tensor
+    names."""
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=VOCAB, block_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
-                                    head_dim=16, intermediate_size=128, rope_theta=1e6, tie_embeddings=tied)).eval()
-    config = {**TINY, "model_type": "qwen3", "rope_theta": 1e6, "rope_scaling": None, "rms_norm_eps": 1e-6,
-              "attention_bias": False, "hidden_act": "silu", "use_sliding_window": False, "tie_word_embeddings": tied}
+    model = Transformer(ModelConfig(vocab_size=VOCAB, block_size=128, n_layer=2, n_head=4,
+                                    n_kv_head=2, n_embd=64, head_dim=16, intermediate_size=128,
+                                    rope_theta=1e6, tie_embeddings=tied)).eval()
+    config = {**TINY, "model_type": "qwen3", "rope_theta": 1e6, "rope_scaling": None,
+              "rms_norm_eps": 1e-6, "attention_bias": False, "hidden_act": "silu",
+              "use_sliding_window": False, "tie_word_embeddings": tied}
     os.makedirs(folder, exist_ok=True)
     Path(folder, "config.json").write_text(json.dumps(config))
-    save_file({("" if n == "lm_head.weight" else "model.") + n: t.clone() for n, t in model.state_dict().items()
-               if not (tied and n == "lm_head.weight")}, os.path.join(folder, "model.safetensors"))
+    save_file({("" if n == "lm_head.weight" else "model.") + n: t.clone()
+               for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")},
+              os.path.join(folder, "model.safetensors"))
     return model
 
 
@@ -163,7 +183,8 @@ def test_released_layout_loads_exactly(tmp_path, tied):
     saved = save_released_layout(tmp_path, tied)
     loaded = from_pretrained(str(tmp_path))
     assert (loaded.lm_head.weight is loaded.embed_tokens.weight) == tied
-    assert not loaded.training and loaded.config.block_size == 128 and loaded.config.rope_theta == 1e6
+    assert not loaded.training and loaded.config.block_size == 128 and \
+        loaded.config.rope_theta == 1e6
     idx, pos = torch.randint(0, VOCAB, (1, 10)), torch.arange(10)[None]
     with torch.no_grad():
         assert torch.equal(loaded(idx, pos), saved(idx, pos))
@@ -183,10 +204,13 @@ def test_a_weight_index_naming_a_file_outside_the_folder_is_refused(tmp_path):
     index = folder / "model.safetensors.index.json"
     for entry in ("../other/model.safetensors", str(weights), "linked.safetensors"):
         index.write_text(json.dumps({"weight_map": {name: entry for name in names}}))
-        with pytest.raises(ValueError, match=rf"{re.escape(str(index))} lists the weights file '{re.escape(entry)}', "
-                                             rf"outside {re.escape(str(folder))}; .*download the model whole"):
+        with pytest.raises(ValueError,
+                           match=rf"{re.escape(str(index))} lists the weights file "
+                                 rf"'{re.escape(entry)}', outside {re.escape(str(folder))}; "
+                                 r".*download the model whole"):
             from_pretrained(str(folder))
-    snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / "0123abc"   # huggingface_hub's cache
+    # huggingface_hub's cache
+    snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / "0123abc"
     snapshot.mkdir(parents=True)
     (snapshot.parent.parent / "blobs").mkdir()
     shutil.copy(weights, snapshot.parent.parent / "blobs" / "9f8e7d")
@@ -211,7 +235,8 @@ def edit_config(**changes):
     def edit(folder):
         config = json.loads((folder / "config.json").read_text())
         config.update(changes)
-        (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v != "DELETE"}))
+        (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                        if v != "DELETE"}))
     return edit
 
 
@@ -225,24 +250,30 @@ def edit_tensors(keep=lambda name: True, add=()):
 @pytest.mark.parametrize("edit, error, message", [
     (lambda f: shutil.rmtree(f), FileNotFoundError, "config.json not found"),
     (lambda f: (f / "config.json").unlink(), FileNotFoundError, "config.json not found"),
-    (lambda f: (f / "model.safetensors").unlink(), FileNotFoundError, "model.safetensors not found"),
+    (lambda f: (f / "model.safetensors").unlink(), FileNotFoundError,
+     "model.safetensors not found"),
     (edit_config(model_type="mistral"), ValueError, "model_type='mistral' is not implemented"),
-    (edit_config(model_type="llama"), ValueError,  # Llama has no q/k norms: a Qwen3's are refused by name
-     r"unexpected tensors: model\.layers\.0\.self_attn\.k_norm\.weight, model\.layers\.0\.self_attn\.q_norm"),
+    # Llama has no q/k norms: a Qwen3's are refused by name
+    (edit_config(model_type="llama"), ValueError,
+     r"unexpected tensors: model\.layers\.0\.self_attn\.k_norm\.weight, "
+     r"model\.layers\.0\.self_attn\.q_norm"),
     (edit_config(mlp_bias=True), ValueError, "mlp_bias=True is not implemented"),
-    (edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ValueError, "rope_scaling=.*yarn"),
+    (edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ValueError,
+     "rope_scaling=.*yarn"),
     (edit_config(attention_bias=True), ValueError, "attention_bias=True is not implemented"),
     (edit_config(head_dim="DELETE"), ValueError, "has no 'head_dim'"),
     (edit_config(vocab_size=301), ValueError,
-     r"wrongly shaped tensors: model\.embed_tokens\.weight \[300, 64\] \(config.json implies \[301, 64\]\)"),
+     r"wrongly shaped tensors: model\.embed_tokens\.weight \[300, 64\] "
+     r"\(config.json implies \[301, 64\]\)"),
     (edit_tensors(keep=lambda n: n != "model.layers.1.mlp.up_proj.weight"), ValueError,
      r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight\."),
     (edit_tensors(add=["model.layers.0.self_attn.q_proj.bias"]), ValueError,
      r"unexpected tensors: model\.layers\.0\.self_attn\.q_proj\.bias\."),
-    (edit_tensors(keep=lambda n: "layers" not in n), ValueError,  # 22 missing: five named, then a count
+    # 22 missing: five named, then a count
+    (edit_tensors(keep=lambda n: "layers" not in n), ValueError,
      r"missing tensors: (model\.layers\.[^,]*, ){4}model\.layers\.[^,]* and 17 more\."),
-], ids=["no-folder", "no-config", "no-weights", "model-type", "llama-with-qk-norm", "mlp-bias", "rope-scaling",
-        "attention-bias", "no-head-dim",
+], ids=["no-folder", "no-config", "no-weights", "model-type", "llama-with-qk-norm", "mlp-bias",
+        "rope-scaling", "attention-bias", "no-head-dim",
         "wrong-shape", "missing-tensor", "unexpected-tensor", "many-missing"])
 def test_from_pretrained_errors_name_the_problem(tmp_path, edit, error, message):
     folder = tmp_path / "model"
@@ -255,11 +286,13 @@ def test_from_pretrained_errors_name_the_problem(tmp_path, edit, error, message)
 # ----------------------------------------------------------------------------------------------
 # hf_tokenizer against Qwen's real vocabulary
 
-# Qwen3's added tokens, ids 151643.. in order (as its tokenizer.json lists them), then ReFusion's two
-QWEN3_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-               "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-               "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
-               "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+# Qwen3's added tokens, ids 151643.. in order (as its tokenizer.json lists them), then
+# ReFusion's two
+QWEN3_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+               "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+               "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+               "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
+               "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
                "<tool_response>", "</tool_response>", "<think>", "</think>"]
 REFUSION_ADDED = ["<|beginoftext|>", "<|mask|>"]
 # the added tokens Qwen3's tokenizer.json marks "special": false (151657 to 151668): found in text
@@ -275,12 +308,13 @@ def qwen_tokenizers(tmp_path_factory):
     BPE ranks as dashscope/resources/qwen.tiktoken (shared by Qwen1, 2 and 3) and Qwen's regex as
     dashscope.tokenizers.qwen_tokenizer.PAT_STR. From them transformers' TikTokenConverter builds a
     `tokenizers` byte-level BPE (its own byte alphabet, vocab and merges); NFC normalization and the
-    added tokens are set as in Qwen's tokenizer.json. That tokenizer, saved, is what hf_tokenizer reads,
-    and the same object, a Rust BPE that applies merges, is the reference it must agree with.
+    added tokens are set as in Qwen's tokenizer.json. That tokenizer, saved, is what hf_tokenizer
+    reads, and the same object, a Rust BPE that applies merges, is the reference it must agree with.
     """
     spec = importlib.util.find_spec("dashscope")
     if spec is None:
-        pytest.skip("dashscope is not installed (it ships Qwen's vocabulary): pip install -r requirements-test.txt")
+        pytest.skip("dashscope is not installed (it ships Qwen's vocabulary): "
+                    "pip install -r requirements-test.txt")
     pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
     from dashscope.tokenizers.qwen_tokenizer import PAT_STR
@@ -289,15 +323,18 @@ def qwen_tokenizers(tmp_path_factory):
     ranks_file = os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")
     reference = TikTokenConverter(vocab_file=ranks_file, pattern=PAT_STR).converted()
     reference.normalizer = tokenizers.normalizers.NFC()
-    reference.model.ignore_merges = False  # every token built by merges, no whole-word lookup: unlike tiktoken
-    for t in QWEN3_ADDED + REFUSION_ADDED:  # in id order; Qwen3's tool, FIM and thinking markers are not special
+    # every token built by merges, no whole-word lookup: unlike tiktoken
+    reference.model.ignore_merges = False
+    # in id order; Qwen3's tool, FIM and thinking markers are not special
+    for t in QWEN3_ADDED + REFUSION_ADDED:
         (reference.add_tokens if t in QWEN3_TEXT_TOKENS else reference.add_special_tokens)(
             [tokenizers.AddedToken(t, special=t not in QWEN3_TEXT_TOKENS, normalized=False)])
     assert reference.get_vocab_size() == 151671 and reference.token_to_id("<|mask|>") == 151670
     refusion, qwen3 = tmp_path_factory.mktemp("refusion"), tmp_path_factory.mktemp("qwen3")
     reference.save(str(refusion / "tokenizer.json"))
     spec_json = json.loads((refusion / "tokenizer.json").read_text(encoding="utf-8"))
-    spec_json["added_tokens"] = [t for t in spec_json["added_tokens"] if t["content"] not in REFUSION_ADDED]
+    spec_json["added_tokens"] = [t for t in spec_json["added_tokens"]
+                                 if t["content"] not in REFUSION_ADDED]
     (qwen3 / "tokenizer.json").write_text(json.dumps(spec_json), encoding="utf-8")
     return reference, refusion, qwen3
 
@@ -307,20 +344,24 @@ def test_hf_tokenizer_matches_reference_on_qwen_vocabulary(qwen_tokenizers):
     enc = tokenizer.get_tokenizer(f"hf:{folder}")
     assert enc.n_vocab == 151671
     for text in TEXTS:
-        assert tokenizer.encode(enc, text) == reference.encode(text, add_special_tokens=False).ids, text
+        assert tokenizer.encode(enc, text) == \
+            reference.encode(text, add_special_tokens=False).ids, text
 
 
 def test_qwen_ids_of_known_text(qwen_tokenizers):
     enc = hf_tokenizer(str(qwen_tokenizers[1]))
     assert tokenizer.encode(enc, "Hello world") == [9707, 1879]
-    assert tokenizer.encode(enc, "12345") == [16, 17, 18, 19, 20]  # Qwen splits numbers into single digits
-    assert tokenizer.encode(enc, "cafe\u0301") == tokenizer.encode(enc, "café")  # NFC first, as tokenizer.json says
+    # Qwen splits numbers into single digits
+    assert tokenizer.encode(enc, "12345") == [16, 17, 18, 19, 20]
+    # NFC first, as tokenizer.json says
+    assert tokenizer.encode(enc, "cafe\u0301") == tokenizer.encode(enc, "café")
 
 
 def test_decode_inverts_encode_and_writes_special_tokens(qwen_tokenizers):
     enc = hf_tokenizer(str(qwen_tokenizers[1]))
     for text in TEXTS:
-        assert tokenizer.decode(enc, tokenizer.encode(enc, text)) == unicodedata.normalize("NFC", text)
+        assert tokenizer.decode(enc, tokenizer.encode(enc, text)) == \
+            unicodedata.normalize("NFC", text)
     assert tokenizer.decode(enc, [151645, 151669, 151670]) == "<|im_end|><|beginoftext|><|mask|>"
 
 
@@ -328,13 +369,18 @@ def test_special_token_text_in_input_stays_plain_text(qwen_tokenizers):
     reference, folder, _ = qwen_tokenizers
     enc = hf_tokenizer(str(folder))
     as_text = type(reference).from_str(reference.to_str())
-    as_text.encode_special_tokens = True  # the reference's switch for "special-token strings are plain text"
-    for text in ["<|im_end|>", "user: <|mask|><|endoftext|> done", "<think>\nok\n</think>", "<tool_call>x<|im_start|>"]:
+    # the reference's switch for "special-token strings are plain text"
+    as_text.encode_special_tokens = True
+    for text in ["<|im_end|>", "user: <|mask|><|endoftext|> done", "<think>\nok\n</think>",
+                 "<tool_call>x<|im_start|>"]:
         ids = tokenizer.encode(enc, text)
         assert ids == as_text.encode(text, add_special_tokens=False).ids
-        assert all(i < 151643 or 151657 <= i <= 151668 for i in ids)   # no special id, markers that are not special
-    assert tokenizer.encode(enc, "<think>\nok\n</think>")[::4] == [151667, 151668]   # found in text, as the reference does
-    assert reference.encode("<|im_end|>", add_special_tokens=False).ids == [151645]  # what was avoided
+        # no special id, markers that are not special
+        assert all(i < 151643 or 151657 <= i <= 151668 for i in ids)
+    # found in text, as the reference does
+    assert tokenizer.encode(enc, "<think>\nok\n</think>")[::4] == [151667, 151668]
+    # what was avoided
+    assert reference.encode("<|im_end|>", add_special_tokens=False).ids == [151645]
 
 
 def test_hf_special_ids(qwen_tokenizers, tmp_path):
@@ -342,7 +388,8 @@ def test_hf_special_ids(qwen_tokenizers, tmp_path):
     assert hf_special_ids(str(refusion)) == ((151645, 151643), 151670, 151643)
     assert hf_special_ids(str(qwen3)) == ((151645, 151643), None, 151643)
     shutil.copy(qwen3 / "tokenizer.json", tmp_path / "tokenizer.json")
-    (tmp_path / "config.json").write_text(json.dumps({"mask_token_id": 151660, "pad_token_id": 151662}))
+    (tmp_path / "config.json").write_text(json.dumps({"mask_token_id": 151660,
+                                                      "pad_token_id": 151662}))
     assert hf_special_ids(str(tmp_path)) == ((151645, 151643), 151660, 151662)
 
 
@@ -354,7 +401,8 @@ def write_tokenizer_json(folder, **changes):
     """A Qwen-style tokenizer.json with five tokens ("Ġ" is the byte-level spelling of a space)."""
     qwen_pre = {"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"Regex": QWEN2_PAT}, "behavior": "Isolated", "invert": False},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+         "use_regex": False}]}
     spec = {"normalizer": {"type": "NFC"}, "pre_tokenizer": qwen_pre,
             "added_tokens": [{"id": 5, "content": "<|endoftext|>", "special": True}],
             "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4},
@@ -365,34 +413,44 @@ def write_tokenizer_json(folder, **changes):
 def test_hf_tokenizer_reads_a_qwen_style_file(tmp_path):
     write_tokenizer_json(tmp_path)
     enc = hf_tokenizer(str(tmp_path))
-    assert tokenizer.encode(enc, " abba") == [2, 3, 1, 0] and tokenizer.encode(enc, " a") == [4]  # "ab" ranks before " a"
+    # "ab" ranks before " a"
+    assert tokenizer.encode(enc, " abba") == [2, 3, 1, 0] and tokenizer.encode(enc, " a") == [4]
     assert tokenizer.decode(enc, [4, 5]) == " a<|endoftext|>"
-    assert tokenizer.special_ids(tokenizer.get_tokenizer("bytes")) == (256, 257, 258)  # our own tokenizers unchanged
-    assert tokenizer.special_ids(enc) == (5, 6, 5)  # EOS <|endoftext|>, a mask id after the tokenizer's, pad = EOS
+    # our own tokenizers unchanged
+    assert tokenizer.special_ids(tokenizer.get_tokenizer("bytes")) == (256, 257, 258)
+    # EOS <|endoftext|>, a mask id after the tokenizer's, pad = EOS
+    assert tokenizer.special_ids(enc) == (5, 6, 5)
 
 
 @pytest.mark.parametrize("changes, error, message", [
     (None, FileNotFoundError, "no tokenizer.json"),
-    ({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True, "use_regex": True}}, ValueError,
-     "pre_tokenizer .*'add_prefix_space': True.* not supported"),
+    ({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True, "use_regex": True}},
+     ValueError, "pre_tokenizer .*'add_prefix_space': True.* not supported"),
     ({"normalizer": {"type": "NFKC"}}, ValueError, "normalizer {'type': 'NFKC'} not supported"),
     ({"model": {"type": "Unigram", "vocab": []}}, ValueError, "model 'Unigram' not supported"),
-    ({"model": {"type": "BPE", "vocab": {"a": 0, "\x00": 1}}}, ValueError, "outside the byte-level alphabet"),
-    ({"added_tokens": [{"id": 1, "content": "<|endoftext|>"}]}, ValueError, "clashes with the vocabulary's 'b'"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0, "\x00": 1}}}, ValueError,
+     "outside the byte-level alphabet"),
+    ({"added_tokens": [{"id": 1, "content": "<|endoftext|>"}]}, ValueError,
+     "clashes with the vocabulary's 'b'"),
     ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4},
-                "merges": [["Ġ", "a"], ["a", "b"]]}}, ValueError, r"not in merge order \(merge 1 makes id 3"),
+                "merges": [["Ġ", "a"], ["a", "b"]]}}, ValueError,
+     r"not in merge order \(merge 1 makes id 3"),
     ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4, "ba": 6},
-                "merges": [["a", "b"], ["Ġ", "a"]]}}, ValueError, "tokens 6 are longer than a byte but no merge makes"),
-    ({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [], "byte_fallback": True}}, ValueError, "BPE options"),
-    ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": [], "unk_token": "a"}}, ValueError,
-     "have no token and model.unk_token is set"),
+                "merges": [["a", "b"], ["Ġ", "a"]]}}, ValueError,
+     "tokens 6 are longer than a byte but no merge makes"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [], "byte_fallback": True}},
+     ValueError, "BPE options"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": [], "unk_token": "a"}},
+     ValueError, "have no token and model.unk_token is set"),
     ({"decoder": {"type": "WordPiece"}}, ValueError, "decoder 'WordPiece' not supported"),
-    ({"added_tokens": [{"id": 5, "content": "<x>", "special": False, "lstrip": True, "normalized": False}]}, ValueError,
+    ({"added_tokens": [{"id": 5, "content": "<x>", "special": False, "lstrip": True,
+                        "normalized": False}]}, ValueError,
      "'<x>' is not special and has lstrip set"),
-    ({"added_tokens": [{"id": 5, "content": "<x>", "special": False, "normalized": True}]}, ValueError,
-     "'<x>' is not special and has normalized set"),
-], ids=["no-file", "prefix-space", "nfkc", "unigram", "not-byte-level", "id-clash", "not-merge-order", "unmade-token",
-        "byte-fallback", "unk-token", "decoder", "lstrip", "normalized"])
+    ({"added_tokens": [{"id": 5, "content": "<x>", "special": False, "normalized": True}]},
+     ValueError, "'<x>' is not special and has normalized set"),
+], ids=["no-file", "prefix-space", "nfkc", "unigram", "not-byte-level", "id-clash",
+        "not-merge-order", "unmade-token", "byte-fallback", "unk-token", "decoder", "lstrip",
+        "normalized"])
 def test_hf_tokenizer_errors(tmp_path, changes, error, message):
     if changes is not None:
         write_tokenizer_json(tmp_path, **changes)
@@ -412,20 +470,24 @@ def test_hf_special_ids_needs_an_eos_token(tmp_path):
 
 def test_sampler_decodes_a_folder_in_the_chat_template(tmp_path, capsys):
     import sampler
-    save_tiny_hf_folder(tmp_path / "refusion")                    # <|mask|> 259: decoded with ReFusion
+    # <|mask|> 259: decoded with ReFusion
+    save_tiny_hf_folder(tmp_path / "refusion")
     folder = f"--init_from={tmp_path / 'refusion'}"
     enc = tokenizer.get_tokenizer(f"hf:{tmp_path / 'refusion'}")
-    assert chat_prompt(enc, "Say <|im_end|>") == ([257] + list(b"user\nSay <|im_end|>") + [258, 10, 257]
-                                                           + list(b"assistant\n"))   # user text stays text
-    sampler.main([folder, "--chat", "--prompt=Say hi", "--max_new_tokens=16", "--slot_size=4", "--serial_num_blocks=1",
-                  "--json"])
+    # user text stays text
+    assert chat_prompt(enc, "Say <|im_end|>") == ([257] + list(b"user\nSay <|im_end|>")
+                                                  + [258, 10, 257] + list(b"assistant\n"))
+    sampler.main([folder, "--chat", "--prompt=Say hi", "--max_new_tokens=16", "--slot_size=4",
+                  "--serial_num_blocks=1", "--json"])
     sampler.main([folder, "--prompt=Say hi", "--max_new_tokens=5", "--method=ar", "--json"])
     refusion, ar = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert refusion["prompt"].startswith("<|im_start|>user\nSay hi<|im_end|>") and 0 < refusion["tokens"] <= 16
+    assert refusion["prompt"].startswith("<|im_start|>user\nSay hi<|im_end|>") and \
+        0 < refusion["tokens"] <= 16
     assert ar["nfe"] == ar["tokens"] <= 5
     with pytest.raises(ValueError, match="trained with a causal objective"):
         sampler.main([folder, "--prompt=hi", "--method=mdm"])
-    save_tiny_hf_folder(tmp_path / "qwen3", mask=False)           # a plain Qwen3: next-token decoding only
+    # a plain Qwen3: next-token decoding only
+    save_tiny_hf_folder(tmp_path / "qwen3", mask=False)
     with pytest.raises(ValueError, match="no mask token"):
         sampler.main([f"--init_from={tmp_path / 'qwen3'}", "--prompt=hi", "--method=refusion"])
     with pytest.raises(ValueError, match="has no validation split"):
@@ -433,16 +495,18 @@ def test_sampler_decodes_a_folder_in_the_chat_template(tmp_path, capsys):
 
 
 def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsys, monkeypatch):
-    """The paper's recipe from a pretrained Qwen3: its weights and tokenizer, a mask id added after the
-    tokenizer's own ids, the hybrid objective; the sampler then decodes the checkpoint."""
+    """The paper's recipe from a pretrained Qwen3: its weights and tokenizer, a mask id added after
+    the tokenizer's own ids, the hybrid objective; the sampler then decodes the checkpoint."""
     import sampler
     import train
     from support.checkpoint import load_checkpoint
     pretrained = save_tiny_hf_folder(tmp_path / "qwen3", mask=False)
-    monkeypatch.chdir(tmp_path)                                   # a relative folder is recorded absolute
+    # a relative folder is recorded absolute
+    monkeypatch.chdir(tmp_path)
     flags = ["--init_from=qwen3", f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
-             f"--out_dir={tmp_path / 'ft'}", "--block_size=64", "--batch_size=4", "--eval_iters=1",
-             "--slot_sizes=2,4", "--warmup_iters=1", "--max_iters=1", "--learning_rate=1e-12", "--min_lr=0"]
+             f"--out_dir={tmp_path / 'ft'}", "--block_size=64", "--batch_size=4",
+             "--eval_iters=1", "--slot_sizes=2,4", "--warmup_iters=1", "--max_iters=1",
+             "--learning_rate=1e-12", "--min_lr=0"]
     with pytest.raises(ValueError, match="--n_layer=3 differs from the checkpoint's 2"):
         train.main(flags + ["--n_layer=3"])
     with pytest.raises(ValueError, match="uses its own tokenizer"):
@@ -450,15 +514,18 @@ def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsy
     train.main(flags)
     ckpt = load_checkpoint(str(tmp_path / "ft"))
     meta = ckpt["meta"]
+    # <|im_end|>, the added mask, <|endoftext|>
     assert (meta["tokenizer"], meta["eos_id"], meta["mask_id"], meta["pad_id"]) == (
-        f"hf:{tmp_path / 'qwen3'}", 258, 259, 256)                 # <|im_end|>, the added mask, <|endoftext|>
+        f"hf:{tmp_path / 'qwen3'}", 258, 259, 256)
     assert ckpt["model_args"]["vocab_size"] == 300 and ckpt["config"]["n_embd"] == 32
-    for name, p in pretrained.state_dict().items():               # a 1e-12 step: still the folder's weights
+    # a 1e-12 step: still the folder's weights
+    for name, p in pretrained.state_dict().items():
         torch.testing.assert_close(ckpt["model"][name], p, atol=1e-6, rtol=0)
     capsys.readouterr()
-    monkeypatch.chdir(tmp_path / "data")                          # the sampler finds the tokenizer from anywhere
-    sampler.main([f"--out_dir={tmp_path / 'ft'}", "--num_samples=1", "--max_new_tokens=8", "--slot_size=4",
-                  "--serial_num_blocks=1", "--json"])
+    # the sampler finds the tokenizer from anywhere
+    monkeypatch.chdir(tmp_path / "data")
+    sampler.main([f"--out_dir={tmp_path / 'ft'}", "--num_samples=1", "--max_new_tokens=8",
+                  "--slot_size=4", "--serial_num_blocks=1", "--json"])
     assert json.loads(capsys.readouterr().out)["tokens"] >= 1
 
 
@@ -466,14 +533,17 @@ def test_token_ids_past_65536_are_stored_as_uint32(tmp_path, qa_file):
     from support.prepare import TokenDataset, prepare
     save_tiny_hf_folder(tmp_path / "big")
     spec = json.loads((tmp_path / "big" / "tokenizer.json").read_text())
-    spec["added_tokens"][2]["id"] = 70000                         # <|im_end|>, the EOS every sample ends with
+    # <|im_end|>, the EOS every sample ends with
+    spec["added_tokens"][2]["id"] = 70000
     (tmp_path / "big" / "tokenizer.json").write_text(json.dumps(spec))
-    (tmp_path / "big" / "config.json").unlink()                   # a tokenizer alone: its model has no row 70000
+    # a tokenizer alone: its model has no row 70000
+    (tmp_path / "big" / "config.json").unlink()
     data_dir = prepare(qa_file[0], f"hf:{tmp_path / 'big'}", 64, data_root=str(tmp_path / "data"))
     ds = TokenDataset(data_dir, "train")
     assert ds.meta["token_dtype"] == "uint32" and ds.tokens.dtype == "uint32"
     prompt, response = ds.sample(0)
-    assert response[-1] == 70000                                   # an id above 2**16 read back whole
+    # an id above 2**16 read back whole
+    assert response[-1] == 70000
     assert ds.meta["mask_id"] == 259 and ds.meta["vocab_size"] == 70001
 
 
@@ -482,31 +552,38 @@ def test_token_ids_past_65536_are_stored_as_uint32(tmp_path, qa_file):
 
 
 def trained_tokenizer(folder, family, all_bytes=True):
-    """A `tokenizers` byte-level BPE of 600 tokens trained on TEXTS with a family's pre-tokenizer (as
-    PRE_TOKENIZERS spells it), special <|endoftext|>, <|im_start|>, <|im_end|>, and a non-special added
-    token <think> matched in text; saved as folder/tokenizer.json. Without all_bytes, the bytes TEXTS
-    never uses have no token (as 21 have none in SmolLM2's vocabulary). Returns the reference."""
+    """A `tokenizers` byte-level BPE of 600 tokens trained on TEXTS with a family's pre-tokenizer
+    (as PRE_TOKENIZERS spells it), special <|endoftext|>, <|im_start|>, <|im_end|>, and a
+    non-special added token <think> matched in text; saved as folder/tokenizer.json. Without
+    all_bytes, the bytes TEXTS never uses have no token (as 21 have none in SmolLM2's vocabulary).
+    Returns the reference."""
     tokenizers = pytest.importorskip("tokenizers")
     steps, _ = PRE_TOKENIZERS[family]
-    built = {"Split": lambda s: tokenizers.pre_tokenizers.Split(tokenizers.Regex(s["pattern"]["Regex"]), "isolated"),
-             "ByteLevel": lambda s: tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=s["use_regex"]),
+    built = {"Split": lambda s: tokenizers.pre_tokenizers.Split(
+                 tokenizers.Regex(s["pattern"]["Regex"]), "isolated"),
+             "ByteLevel": lambda s: tokenizers.pre_tokenizers.ByteLevel(
+                 add_prefix_space=False, use_regex=s["use_regex"]),
              "Digits": lambda s: tokenizers.pre_tokenizers.Digits(individual_digits=True)}
     reference = tokenizers.Tokenizer(tokenizers.models.BPE())
-    reference.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([built[s["type"]](s) for s in steps])
+    reference.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([built[s["type"]](s)
+                                                                  for s in steps])
     reference.decoder = tokenizers.decoders.ByteLevel()
     if family == "Qwen2/3":
         reference.normalizer = tokenizers.normalizers.NFC()
     alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet() if all_bytes else []
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                             initial_alphabet=alphabet, show_progress=False)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=alphabet, show_progress=False)
     reference.train_from_iterator(TEXTS * 3, trainer)
     reference.add_tokens([tokenizers.AddedToken("<think>", special=False, normalized=False)])
     reference.save(str(folder / "tokenizer.json"))
-    reference.encode_special_tokens = True  # special-token strings in text stay text, as in our encode
+    # special-token strings in text stay text, as in our encode
+    reference.encode_special_tokens = True
     return reference
 
 
-FAMILY_TEXTS = TEXTS + ["<|im_end|> stays text, <think>\nthought\n</think> is found", "x<think>y <think>  <think>"]
+FAMILY_TEXTS = TEXTS + ["<|im_end|> stays text, <think>\nthought\n</think> is found",
+                        "x<think>y <think>  <think>"]
 
 
 @pytest.mark.parametrize("family", list(PRE_TOKENIZERS))
@@ -519,34 +596,43 @@ def test_byte_level_families_match_the_reference(tmp_path, family):
         assert ids == reference.encode(text, add_special_tokens=False).ids, text
         assert tokenizer.decode(enc, ids) == reference.decode(ids, skip_special_tokens=False)
     think = reference.token_to_id("<think>")
-    assert tokenizer.encode(enc, "<think>") == [think] and think not in tokenizer.encode(enc, "<thin k>")
+    assert tokenizer.encode(enc, "<think>") == [think] and \
+        think not in tokenizer.encode(enc, "<thin k>")
 
 
 def test_bytes_without_a_token_are_dropped_as_the_reference_drops_them(tmp_path):
     reference = trained_tokenizer(tmp_path, "SmolLM2", all_bytes=False)
     enc = hf_tokenizer(str(tmp_path))
     assert b"\x04" in enc.missing and b"\xf1" in enc.missing and b"a" not in enc.missing
-    for text in ["a\x04b", "\x04", "!\x04!", "x" + chr(0x40000) + "y", "1\x042 \x04 3", "<think>\x04<think>"]:
-        assert tokenizer.encode(enc, text) == reference.encode(text, add_special_tokens=False).ids, text
+    for text in ["a\x04b", "\x04", "!\x04!", "x" + chr(0x40000) + "y", "1\x042 \x04 3",
+                 "<think>\x04<think>"]:
+        assert tokenizer.encode(enc, text) == \
+            reference.encode(text, add_special_tokens=False).ids, text
 
 
 def test_chat_template_of_a_folder_renders_as_transformers_does(tmp_path):
     transformers = pytest.importorskip("transformers")
     reference = trained_tokenizer(tmp_path, "SmolLM2")
-    template = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>"
-                "system\\nYou are a helpful AI assistant<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + "
-                "'\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    template = ("{% for message in messages %}"
+                "{% if loop.first and messages[0]['role'] != 'system' %}"
+                "{{ '<|im_start|>system\\nYou are a helpful AI assistant<|im_end|>\\n' }}"
+                "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
                 "{{ '<|im_start|>assistant\\n' }}{% endif %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     enc = hf_tokenizer(str(tmp_path))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=template)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
+                                                chat_template=template)
     for text in ["What is 12 + 30?", "  leading spaces\nand a <think> tag", ""]:
-        expected = fast.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        expected = fast.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
         assert chat_prompt(enc, text) == list(expected), text
     user_special = chat_prompt(enc, "say <|im_end|>")   # the user's text stays text
-    assert user_special.count(reference.token_to_id("<|im_end|>")) == 2  # the system turn's and the user turn's
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] | upper }}"}))
+    # the system turn's and the user turn's
+    assert user_special.count(reference.token_to_id("<|im_end|>")) == 2
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "{{ messages[0]['content'] | upper }}"}))
     hf_tokenizer.cache_clear()
     with pytest.raises(ValueError, match="does not show the user's text once, unchanged"):
         chat_prompt(hf_tokenizer(str(tmp_path)), "hi")
@@ -565,15 +651,16 @@ def edit_json(path, edit):
 
 
 def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
-    """Qwen3 and ReFusion have more embedding rows (151,936) than tokenizer ids (151,671): the rows past
-    them, and any gap between ids, have no text, and a decoder that chose one crashed in decode(). Here
-    every id the tokenizer knows has a zero row in lm_head and the others random ones, so the padded
-    rows get all the probability; banned, the choice falls on the lowest id among the equal logits of
-    the others, 0 (the byte 0x00), which no EOS ever interrupts."""
+    """Qwen3 and ReFusion have more embedding rows (151,936) than tokenizer ids (151,671): the rows
+    past them, and any gap between ids, have no text, and a decoder that chose one crashed in
+    decode(). Here every id the tokenizer knows has a zero row in lm_head and the others random
+    ones, so the padded rows get all the probability; banned, the choice falls on the lowest id
+    among the equal logits of the others, 0 (the byte 0x00), which no EOS ever interrupts."""
     import sampler
     folder = tmp_path / "padded"
     save_tiny_hf_folder(folder)
-    edit_json(folder / "tokenizer.json", lambda spec: spec["added_tokens"][3].update(id=262))  # <|mask|>: 259-261 a gap
+    # <|mask|>: 259-261 a gap
+    edit_json(folder / "tokenizer.json", lambda spec: spec["added_tokens"][3].update(id=262))
     edit_json(folder / "config.json", lambda config: config.update(tie_word_embeddings=False))
     tensors = load_file(folder / "model.safetensors")
     lm_head = torch.randn(300, 32)
@@ -581,87 +668,107 @@ def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
     save_file(tensors | {"lm_head.weight": lm_head}, folder / "model.safetensors")
     flags = [f"--init_from={folder}", "--prompt=hi", "--json"]
     sampler.main(flags + ["--method=ar", "--max_new_tokens=5"])
-    sampler.main(flags + ["--method=refusion", "--max_new_tokens=8", "--slot_size=4", "--serial_num_blocks=1"])
+    sampler.main(flags + ["--method=refusion", "--max_new_tokens=8", "--slot_size=4",
+                          "--serial_num_blocks=1"])
     greedy_ar, greedy_refusion = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert (greedy_ar["text"], greedy_ar["tokens"]) == ("\0" * 5, 5)
     assert (greedy_refusion["text"], greedy_refusion["tokens"]) == ("\0" * 8, 8)
-    cfg = dict(sampler.DEFAULTS, init_from=str(folder), method="ar", max_new_tokens=32, temperature=1.0)
+    cfg = dict(sampler.DEFAULTS, init_from=str(folder), method="ar", max_new_tokens=32,
+               temperature=1.0)
     model, enc, ids, _, _ = load_model(cfg)
     run, _ = sampler.make_decoder(cfg, model, ids, torch.Generator().manual_seed(0))
-    sampled = run(tokenizer.encode(enc, "hi")).tokens                 # Gumbel-max: the padded rows would win nearly always
+    # Gumbel-max: the padded rows would win nearly always
+    sampled = run(tokenizer.encode(enc, "hi")).tokens
     assert sampled and not set(sampled) & {*range(259, 300)}
-    assert ids["undecodable_ids"] == undecodable_ids(enc, 300, "") == (259, 260, 261, *range(263, 300))
+    assert ids["undecodable_ids"] == undecodable_ids(enc, 300, "") == \
+        (259, 260, 261, *range(263, 300))
 
 
 @pytest.mark.parametrize("edit, ids", [
-    (lambda folder: edit_json(folder / "tokenizer.json", lambda spec: spec["added_tokens"][2].update(id=300)), "300"),
-    (lambda folder: edit_json(folder / "config.json", lambda config: config.update(pad_token_id=301)), "301"),
+    (lambda folder: edit_json(folder / "tokenizer.json",
+                              lambda spec: spec["added_tokens"][2].update(id=300)), "300"),
+    (lambda folder: edit_json(folder / "config.json",
+                              lambda config: config.update(pad_token_id=301)), "301"),
 ], ids=["tokenizer-id", "config-pad-id"])
 def test_token_ids_beyond_the_models_rows_are_refused_at_load(tmp_path, qa_file, edit, ids):
-    """An id the model has no embedding row for (a tokenizer or config.json of another model) is refused
-    when the folder is loaded, by the sampler and by a fine-tune, not met as an IndexError mid-decode."""
+    """An id the model has no embedding row for (a tokenizer or config.json of another model) is
+    refused when the folder is loaded, by the sampler and by a fine-tune, not met as an IndexError
+    mid-decode."""
     import sampler
     import train
     folder = tmp_path / "model"
     save_tiny_hf_folder(folder)
     edit(folder)
-    message = (rf"token ids {ids} \(of the tokenizer hf:{re.escape(str(folder))} and its special tokens\) are at or "
-               rf"beyond the 300 embedding rows of the model in {re.escape(str(folder / 'config.json'))}")
+    message = (rf"token ids {ids} \(of the tokenizer hf:{re.escape(str(folder))} and its special "
+               r"tokens\) are at or beyond the 300 embedding rows of the model in "
+               rf"{re.escape(str(folder / 'config.json'))}")
     with pytest.raises(ValueError, match=message):
         sampler.main([f"--init_from={folder}", "--chat", "--prompt=hi", "--method=ar"])
     with pytest.raises(ValueError, match=message):
-        train.main([f"--init_from={folder}", f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
-                    f"--out_dir={tmp_path / 'ft'}", "--block_size=64", "--max_iters=1"])
+        train.main([f"--init_from={folder}", f"--dataset={qa_file[0]}",
+                    f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'ft'}",
+                    "--block_size=64", "--max_iters=1"])
     assert not (tmp_path / "ft" / "ckpt.pt").exists()
 
 
 def write_byte_level_bpe(folder, merges, ignore_merges=False, vocab_changes=None, added=()):
-    """A GPT-2-style tokenizer.json: the 256 bytes (ids 0..255), then the token each merge makes (a pair
-    "left right" of tokens spelled in the byte-level alphabet), in merge order."""
+    """A GPT-2-style tokenizer.json: the 256 bytes (ids 0..255), then the token each merge makes (a
+    pair "left right" of tokens spelled in the byte-level alphabet), in merge order."""
     char_of = {b: c for c, b in byte_of_char().items()}
     vocab = {char_of[b]: b for b in range(256)}
     for merge in merges:
         vocab.setdefault(merge.replace(" ", ""), len(vocab))
     spec = {"added_tokens": list(added), "normalizer": None,
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
-            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
-            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                      "ignore_merges": ignore_merges, "vocab": vocab | (vocab_changes or {}),
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                              "use_regex": True},
+            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                        "use_regex": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": ignore_merges,
+                      "vocab": vocab | (vocab_changes or {}),
                       "merges": [m.split(" ") for m in merges]}}
     Path(folder, "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
 
 
-# "abc" is made by the merge (a, bc), but the reference, which joins a and b first, never has that pair:
-# it leaves "ab" "c", while tiktoken joins any adjacent pair that makes a token ("ab" + "c" = "abc").
+# "abc" is made by the merge (a, bc), but the reference, which joins a and b first, never has that
+# pair: it leaves "ab" "c", while tiktoken joins any adjacent pair that makes a token
+# ("ab" + "c" = "abc").
 JOINED_OTHERWISE = ["a b", "b c", "a bc"]
-ABC = r"merges join the bytes of token 258 \('abc'\) into \['ab', 'c'\], where tiktoken makes \['abc'\]"
+ABC = (r"merges join the bytes of token 258 \('abc'\) into \['ab', 'c'\], "
+       r"where tiktoken makes \['abc'\]")
 
 
 @pytest.mark.parametrize("merges, ignore_merges, changes, added, differs, message", [
     (JOINED_OTHERWISE, False, None, (), "abc", ABC),
-    (JOINED_OTHERWISE, True, None, (), "abcd", ABC),     # a whole token is taken whole by both, but not inside a piece
+    # a whole token is taken whole by both, but not inside a piece
+    (JOINED_OTHERWISE, True, None, (), "abcd", ABC),
     (["a b"], False, {"ba": 256}, (), None, "model.vocab gives id 256 to both 'ab' and 'ba'"),
     (["a b"], False, None, [{"id": 257, "content": "<x>", "special": True},
-                            {"id": 257, "content": "<y>", "special": True}], None, "added_tokens lists 257 more than once"),
+                            {"id": 257, "content": "<y>", "special": True}], None,
+     "added_tokens lists 257 more than once"),
 ], ids=["merged-otherwise", "merged-otherwise-ignore-merges", "id-twice", "added-id-twice"])
-def test_a_tokenizer_tiktoken_would_encode_otherwise_is_refused(tmp_path, merges, ignore_merges, changes, added,
-                                                                differs, message):
-    """hf_tokenizer encodes exactly as the reference `tokenizers` or refuses the file at load. tiktoken
-    joins any adjacent pair that makes a token, the lowest id first; the reference only the pairs its
-    merges list: a vocabulary whose merges make a token of its own bytes otherwise is refused (shown
-    to encode differently by the reference itself), as is an id given to two tokens, which tiktoken
-    cannot decode (it panicked). The same merges in their reference order load and encode alike."""
+def test_a_tokenizer_tiktoken_would_encode_otherwise_is_refused(tmp_path, merges, ignore_merges,
+                                                                changes, added, differs, message):
+    """hf_tokenizer encodes exactly as the reference `tokenizers` or refuses the file at load.
+    tiktoken joins any adjacent pair that makes a token, the lowest id first; the reference only the
+    pairs its merges list: a vocabulary whose merges make a token of its own bytes otherwise is
+    refused (shown to encode differently by the reference itself), as is an id given to two tokens,
+    which tiktoken cannot decode (it panicked). The same merges in their reference order load and
+    encode alike."""
     write_byte_level_bpe(tmp_path, merges, ignore_merges, changes, added)
-    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "tokenizer.json")) + ": .*" + message):
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "tokenizer.json")) + ": .*" +
+                       message):
         hf_tokenizer(str(tmp_path))
     if differs:
         tokenizers = pytest.importorskip("tokenizers")
         reference = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-        assert reference.encode(differs).ids[:2] == [256, ord("c")]             # "ab" "c", where tiktoken made "abc"
+        # "ab" "c", where tiktoken made "abc"
+        assert reference.encode(differs).ids[:2] == [256, ord("c")]
         folder = tmp_path / "in-order"
         folder.mkdir()
-        write_byte_level_bpe(folder, ["a b", "b c", "ab c"], ignore_merges)   # "abc" from the pair the reference has
+        # "abc" from the pair the reference has
+        write_byte_level_bpe(folder, ["a b", "b c", "ab c"], ignore_merges)
         reference = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
         enc = hf_tokenizer(str(folder))
         for text in ["abc", "abcd", "xabc", "bcab", "abcabc", "cab c"]:
@@ -669,27 +776,32 @@ def test_a_tokenizer_tiktoken_would_encode_otherwise_is_refused(tmp_path, merges
 
 
 def save_sharded_tiny_hf_folder(folder):
-    """save_tiny_hf_folder's model with its weights in two shards and an index, as save_pretrained writes a large one."""
+    """save_tiny_hf_folder's model with its weights in two shards and an index, as save_pretrained
+    writes a large one."""
     save_tiny_hf_folder(folder)
     tensors = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[:5], "model-00002-of-00002.safetensors": names[5:]}
+    shards = {"model-00001-of-00002.safetensors": names[:5],
+              "model-00002-of-00002.safetensors": names[5:]}
     for shard, part in shards.items():
         save_file({n: tensors[n] for n in part}, folder / shard)
-    index = {"metadata": {}, "weight_map": {n: shard for shard, part in shards.items() for n in part}}
+    index = {"metadata": {},
+             "weight_map": {n: shard for shard, part in shards.items() for n in part}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def cut(path, keep=0.5):
-    """Truncate the file at path to this share of its bytes, as an interrupted download leaves it."""
+    """Truncate the file at path to this share of its bytes, as an interrupted
+    download leaves it."""
     raw = Path(path).read_bytes()
     Path(path).write_bytes(raw[:int(len(raw) * keep)])
 
 
 def as_int8(folder):
     tensors = load_file(folder / "model.safetensors")
-    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
+    tensors["model.layers.0.mlp.up_proj.weight"] = \
+        tensors["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
     save_file(tensors, folder / "model.safetensors")
 
 
@@ -701,71 +813,93 @@ MALFORMED = {
     "config-truncated": ("config.json", lambda p: cut(p), ": invalid JSON at line 1, column "),
     "config-bom": ("config.json", lambda p: p.write_bytes(b"\xef\xbb\xbf" + p.read_bytes()),
                    " starts with a byte order mark"),
-    "config-not-utf8": ("config.json", lambda p: p.write_bytes(p.read_bytes().replace(b"silu", b"s\xe9lu")),
+    "config-not-utf8": ("config.json",
+                        lambda p: p.write_bytes(p.read_bytes().replace(b"silu", b"s\xe9lu")),
                         r" is not UTF-8 \(byte offset "),
-    "config-deep": ("config.json", lambda p: p.write_text(DEEP), " is nested deeper than Python's JSON parser can read"),
+    "config-deep": ("config.json", lambda p: p.write_text(DEEP),
+                    " is nested deeper than Python's JSON parser can read"),
     "config-list": ("config.json", lambda p: p.write_text("[" + p.read_text() + "]"),
                     ": its top level is a list, not an object"),
-    "config-wrong-type": ("config.json", lambda p: edit_json(p, lambda c: c.update(num_hidden_layers="2", rms_norm_eps=None)),
-                          r": num_hidden_layers='2' \(expected a positive whole number\), rms_norm_eps=None "
-                          r"\(expected a positive finite number\)"),
-    "config-rope-type": ("config.json", lambda p: edit_json(p, lambda c: c.update(rope_scaling="linear")),
+    "config-wrong-type": ("config.json",
+                          lambda p: edit_json(p, lambda c: c.update(num_hidden_layers="2",
+                                                                    rms_norm_eps=None)),
+                          r": num_hidden_layers='2' \(expected a positive whole number\), "
+                          r"rms_norm_eps=None \(expected a positive finite number\)"),
+    "config-rope-type": ("config.json",
+                         lambda p: edit_json(p, lambda c: c.update(rope_scaling="linear")),
                          ": rope_scaling is a str, not an object"),
     "config-quantized": ("config.json", lambda p: edit_json(p, lambda c: c.update(
-        quantization_config={"quant_method": "gptq", "bits": 4})), r": quantization_config \(quant_method='gptq'\)"),
-    "config-pad-id-type": ("config.json", lambda p: edit_json(p, lambda c: c.update(pad_token_id="<pad>")),
+        quantization_config={"quant_method": "gptq", "bits": 4})),
+                         r": quantization_config \(quant_method='gptq'\)"),
+    "config-pad-id-type": ("config.json",
+                           lambda p: edit_json(p, lambda c: c.update(pad_token_id="<pad>")),
                            r": pad_token_id='<pad>' is not a token id"),
-    "weights-truncated": ("model.safetensors", lambda p: cut(p, 0.9), " is not a readable safetensors file"),
+    "weights-truncated": ("model.safetensors", lambda p: cut(p, 0.9),
+                          " is not a readable safetensors file"),
     "weights-lfs-pointer": ("model.safetensors", lambda p: p.write_text(
-        "version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 123456\n"), " is not a readable safetensors file"),
+        "version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 123456\n"),
+                            " is not a readable safetensors file"),
     "weights-int8": ("model.safetensors", lambda p: as_int8(p.parent),
-                     r" holds weights that are not floats: model\.layers\.0\.mlp\.up_proj\.weight \(I8\)"),
-    "index-no-weight-map": ("model.safetensors.index.json", lambda p: p.write_text('{"metadata": {}}'),
+                     r" holds weights that are not floats: "
+                     r"model\.layers\.0\.mlp\.up_proj\.weight \(I8\)"),
+    "index-no-weight-map": ("model.safetensors.index.json",
+                            lambda p: p.write_text('{"metadata": {}}'),
                             ": it has no 'weight_map' object"),
     "index-truncated": ("model.safetensors.index.json", lambda p: cut(p), ": invalid JSON"),
-    "shard-truncated": ("model-00002-of-00002.safetensors", lambda p: cut(p), " is not a readable safetensors file"),
+    "shard-truncated": ("model-00002-of-00002.safetensors", lambda p: cut(p),
+                        " is not a readable safetensors file"),
     "tokenizer-truncated": ("tokenizer.json", lambda p: cut(p), ": invalid JSON"),
     "tokenizer-bom": ("tokenizer.json", lambda p: p.write_bytes(b"\xef\xbb\xbf" + p.read_bytes()),
                       " starts with a byte order mark"),
-    "tokenizer-deep": ("tokenizer.json", lambda p: p.write_text('{"model": ' + DEEP + "}"), " is nested deeper"),
-    "tokenizer-model-type": ("tokenizer.json", lambda p: edit_json(p, lambda s: s.update(model=["BPE"])),
+    "tokenizer-deep": ("tokenizer.json", lambda p: p.write_text('{"model": ' + DEEP + "}"),
+                       " is nested deeper"),
+    "tokenizer-model-type": ("tokenizer.json",
+                             lambda p: edit_json(p, lambda s: s.update(model=["BPE"])),
                              ": it has no 'model' object"),
-    "tokenizer-vocab-type": ("tokenizer.json", lambda p: edit_json(p, lambda s: s["model"].update(vocab=["a", "b"])),
+    "tokenizer-vocab-type": ("tokenizer.json",
+                             lambda p: edit_json(p, lambda s: s["model"].update(vocab=["a", "b"])),
                              ": model.vocab is not an object of tokens to ids"),
-    "tokenizer-id-type": ("tokenizer.json", lambda p: edit_json(p, lambda s: s["added_tokens"][0].update(id="256")),
+    "tokenizer-id-type": ("tokenizer.json",
+                          lambda p: edit_json(p, lambda s: s["added_tokens"][0].update(id="256")),
                           ": added_tokens is not a list of objects, each with an id"),
-    "tokenizer-merge-shape": ("tokenizer.json", lambda p: edit_json(p, lambda s: s["model"].update(merges=["a b c"])),
-                              r": merge 0 \('a b c'\) is not two tokens"),
-    "tokenizer-pre-tokenizer-type": ("tokenizer.json", lambda p: edit_json(p, lambda s: s.update(pre_tokenizer=[1])),
+    "tokenizer-merge-shape": ("tokenizer.json", lambda p: edit_json(p, lambda s: s["model"].update(
+        merges=["a b c"])), r": merge 0 \('a b c'\) is not two tokens"),
+    "tokenizer-pre-tokenizer-type": ("tokenizer.json",
+                                     lambda p: edit_json(p, lambda s: s.update(pre_tokenizer=[1])),
                                      r": pre_tokenizer \[1\] not supported"),
-    "tokenizer-config-truncated": ("tokenizer_config.json", lambda p: (p.write_text('{"chat_template": "{{ x }}"}'),
-                                                                        cut(p)), ": invalid JSON"),
+    "tokenizer-config-truncated": ("tokenizer_config.json",
+                                   lambda p: (p.write_text('{"chat_template": "{{ x }}"}'), cut(p)),
+                                   ": invalid JSON"),
 }
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))
 def test_malformed_files_of_a_folder_are_refused_naming_the_file(tmp_path, qa_file, case):
-    """A folder's JSON files (truncated, a byte order mark, not UTF-8, nested too deep, fields of the wrong
-    type, quantization_config), its weights (truncated, a Git LFS pointer, integer) and its index are
-    refused by each command line that loads a folder with one line naming the file, before anything is
-    written; never a traceback (the message comes through run_cli, which lets no other error pass)."""
+    """A folder's JSON files (truncated, a byte order mark, not UTF-8, nested too deep, fields of
+    the wrong type, quantization_config), its weights (truncated, a Git LFS pointer, integer) and
+    its index are refused by each command line that loads a folder with one line naming the file,
+    before anything is written; never a traceback (the message comes through run_cli, which lets no
+    other error pass)."""
     import sampler
     import train
     from tools import eval_humaneval
     from configurator import run_cli
     name, damage, message = MALFORMED[case]
     folder = tmp_path / "model"
-    (save_sharded_tiny_hf_folder if "index" in case or "shard" in case else save_tiny_hf_folder)(folder)
+    (save_sharded_tiny_hf_folder if "index" in case or "shard" in case
+     else save_tiny_hf_folder)(folder)
     damage(folder / name)
     commands = {
         "sampler.py": (sampler.main, ["--prompt=hi"]),
         "train.py": (train.main, [f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
-                                  f"--out_dir={tmp_path / 'ft'}", "--block_size=64", "--max_iters=1"]),
+                                  f"--out_dir={tmp_path / 'ft'}", "--block_size=64",
+                                  "--max_iters=1"]),
         "tools.eval_humaneval": (eval_humaneval.main, ["--allow_code_eval", "--limit=1"]),
     }
     for command, (main, flags) in commands.items():
         with pytest.raises(SystemExit) as stop:
             run_cli(main, [f"--init_from={folder}"] + flags)
         line = str(stop.value.code)
-        assert "\n" not in line and re.match(f"error: {re.escape(str(folder / name))}{message}", line), (command, line)
+        assert "\n" not in line and \
+            re.match(f"error: {re.escape(str(folder / name))}{message}", line), (command, line)
     assert not (tmp_path / "ft" / "ckpt.pt").exists()

@@ -11,15 +11,17 @@ from support.checkpoint import load_checkpoint
 
 def test_quick_start_trains_and_prints_a_verdict_per_sample_and_a_summary(tmp_path, capsys):
     out, data = f"--out_dir={tmp_path / 'out'}", f"--data_root={tmp_path / 'data'}"
-    tiny = ["--max_iters=2", "--n_layer=1", "--n_head=2", "--n_embd=16", "--batch_size=4", "--eval_interval=1",
-            "--eval_iters=1"]
+    tiny = ["--max_iters=2", "--n_layer=1", "--n_head=2", "--n_embd=16", "--batch_size=4",
+            "--eval_interval=1", "--eval_iters=1"]
     train.main([str(ROOT / "config" / "train_quotes.py"), out, data] + tiny)
     capsys.readouterr()
     sampler.main([str(ROOT / "config" / "sample_quotes.py"), out, "--num_samples=3"])
     printed = capsys.readouterr().out.strip().split("\n")
-    verdicts = [line for line in printed if re.match(r"(right|wrong) \(exact\): \d+ tokens in \d+ forward", line)]
+    verdicts = [line for line in printed
+                if re.match(r"(right|wrong) \(exact\): \d+ tokens in \d+ forward", line)]
     assert len(verdicts) == 3
     right = sum(line.startswith("right") for line in verdicts)
-    assert re.match(rf"3 samples: {right} of 3 right \(exact\); \d+ tokens in \d+ forward passes", printed[-1])
+    assert re.match(rf"3 samples: {right} of 3 right \(exact\); \d+ tokens in \d+ forward passes",
+                    printed[-1])
     cfg = load_checkpoint(str(tmp_path / "out"))["config"]
     assert (cfg["dataset"], cfg["slot_end_labels"], cfg["ar_fraction"]) == ("quotes", True, 0.25)

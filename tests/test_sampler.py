@@ -22,7 +22,8 @@ from support.tokenizer import decode, encode, get_tokenizer
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """out_dir of a tiny ReFusion model trained for 2 steps on qa_rows(), shared by this file's tests."""
+    """out_dir of a tiny ReFusion model trained for 2 steps on qa_rows(), shared by this file's
+    tests."""
     tmp = tmp_path_factory.mktemp("sampler")
     path = write(tmp, "sums.json", json.dumps(qa_rows()))
     train.main(tiny_run_flags(tmp, (path,), "run") + ["--max_iters=2"])
@@ -31,8 +32,10 @@ def trained(tmp_path_factory):
 
 def test_cli_builds_each_decoder_and_refuses_an_unknown_method():
     ids = {"eos_ids": (39,), "mask_id": 38, "pad_id": 37}
-    for method, causal, gen_length in [("refusion", True, 16), ("ar", True, 10), ("mdm", False, 10)]:
-        cfg = dict(DEFAULTS, method=method, max_new_tokens=10, serial_num_blocks=1)  # refusion: 10 -> 2 slots of 8
+    for method, causal, gen_length in [("refusion", True, 16), ("ar", True, 10),
+                                       ("mdm", False, 10)]:
+        # refusion: 10 -> 2 slots of 8
+        cfg = dict(DEFAULTS, method=method, max_new_tokens=10, serial_num_blocks=1)
         run, settings = make_decoder(cfg, tiny_model(causal=causal), ids, torch.Generator())
         out = run([1, 2, 3])
         assert settings.gen_length == gen_length and 0 < len(out.tokens) <= 10 and out.nfe > 0
@@ -40,32 +43,38 @@ def test_cli_builds_each_decoder_and_refuses_an_unknown_method():
         make_decoder(dict(DEFAULTS, method="beam"), tiny_model(), ids, torch.Generator())
 
 
-@pytest.mark.parametrize("flag, message", [("--method=beam", "choose one of refusion, ar, mdm"),
-                                           ("--slot_threshold=nan", "thresholds are finite probabilities"),
-                                           ("--method=mdm --steps=7 --max_new_tokens=64 --block_length=32",
-                                            "steps")])
+@pytest.mark.parametrize("flag, message", [
+    ("--method=beam", "choose one of refusion, ar, mdm"),
+    ("--slot_threshold=nan", "thresholds are finite probabilities"),
+    ("--method=mdm --steps=7 --max_new_tokens=64 --block_length=32", "steps")])
 def test_bad_decoder_settings_fail_before_any_weights_are_read(tmp_path, flag, message):
     # out_dir holds no checkpoint: reading weights first would fail with a different error
     with pytest.raises(ValueError, match=message):
-        sampler.main([f"--out_dir={tmp_path / 'no-model-here'}", "--method=refusion", *flag.split()])
+        sampler.main([f"--out_dir={tmp_path / 'no-model-here'}", "--method=refusion",
+                      *flag.split()])
 
 
 def test_sampler_cli_prints_one_json_object_per_sample(tmp_path, qa_file, capsys):
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"])
     capsys.readouterr()
     out_dir = f"--out_dir={tmp_path / 'run'}"
-    sampler.main([out_dir, "--json", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4", "--serial_num_blocks=1"])
-    sampler.main([out_dir, "--json", "--prompt=What is 7 + 7?", "--max_new_tokens=6", "--slot_size=4",
-                  "--serial_num_blocks=2", "--method=refusion"])
+    sampler.main([out_dir, "--json", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4",
+                  "--serial_num_blocks=1"])
+    sampler.main([out_dir, "--json", "--prompt=What is 7 + 7?", "--max_new_tokens=6",
+                  "--slot_size=4", "--serial_num_blocks=2", "--method=refusion"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(lines) == 3 and lines[2]["prompt"] == "What is 7 + 7?"
     for row, limit in zip(lines, (8, 8, 6)):
         assert {"text", "tokens", "nfe", "tpf", "seconds", "tokens_per_s"} <= set(row)
         assert 0 < row["tokens"] <= limit and row["tpf"] == round(row["tokens"] / row["nfe"], 3)
-    sampler.main([out_dir, "--json", "--num_samples=1000", "--max_new_tokens=8", "--slot_size=4", "--serial_num_blocks=1"])
-    printed = capsys.readouterr()                                     # every fitting prompt, and a note saying so
-    assert len(printed.out.splitlines()) < 1000 and "validation prompts leave room for 8 new tokens" in printed.err
-    for bad, message in [(["--num_samples=0"], "--num_samples=0"), (["--prompt_file=nope.txt"], "no such file"),
+    sampler.main([out_dir, "--json", "--num_samples=1000", "--max_new_tokens=8", "--slot_size=4",
+                  "--serial_num_blocks=1"])
+    # every fitting prompt, and a note saying so
+    printed = capsys.readouterr()
+    assert len(printed.out.splitlines()) < 1000 and \
+        "validation prompts leave room for 8 new tokens" in printed.err
+    for bad, message in [(["--num_samples=0"], "--num_samples=0"),
+                         (["--prompt_file=nope.txt"], "no such file"),
                          (["--method=mdm"], "trained with a causal objective")]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             sampler.main([out_dir] + bad)
@@ -76,68 +85,83 @@ def test_sampler_prepares_damaged_validation_data_anew(tmp_path, qa_file, capsys
     val_bin = next((tmp_path / "data").glob("*/val.bin"))
     whole = val_bin.read_bytes()
     val_bin.write_bytes(whole[:-4])                                   # cut short
-    sampler.main([f"--out_dir={tmp_path / 'run'}", "--num_samples=1", "--max_new_tokens=8", "--serial_num_blocks=1", "--json"])
+    sampler.main([f"--out_dir={tmp_path / 'run'}", "--num_samples=1", "--max_new_tokens=8",
+                  "--serial_num_blocks=1", "--json"])
     assert val_bin.read_bytes() == whole
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] >= 1
 
 
 @pytest.mark.parametrize("method", ["refusion", "ar"])
 def test_seed_samples_a_prompt_as_the_api_does_with_that_seed(trained, capsys, method):
-    """--seed=7 --temperature=1 draws exactly what the decoder draws from torch.Generator().manual_seed(7):
-    the warm-up decode has a generator of its own, so it consumes none of the sample's random numbers."""
-    knobs = ["--temperature=1", "--prompt=What is 7 + 7?", "--max_new_tokens=16", "--slot_size=4", "--serial_num_blocks=1"]
+    """--seed=7 --temperature=1 draws exactly what the decoder draws from
+    torch.Generator().manual_seed(7): the warm-up decode has a generator of its own, so it consumes
+    none of the sample's random numbers."""
+    knobs = ["--temperature=1", "--prompt=What is 7 + 7?", "--max_new_tokens=16", "--slot_size=4",
+             "--serial_num_blocks=1"]
     sampler.main([f"--out_dir={trained}", "--json", "--seed=7", f"--method={method}"] + knobs)
     row = json.loads(capsys.readouterr().out)
     ckpt = load_checkpoint(trained)
     meta, model, enc = ckpt["meta"], model_from_checkpoint(ckpt), get_tokenizer("bytes")
     generate, Settings = DECODERS[method]
-    settings = Settings(16, temperature=1.0, **({} if method == "ar" else dict(slot_size=4, serial_num_blocks=1)))
+    settings = Settings(16, temperature=1.0,
+                        **({} if method == "ar" else dict(slot_size=4, serial_num_blocks=1)))
     ids = dict(eos_ids=(meta["eos_id"],), banned_ids=(meta["mask_id"], meta["pad_id"]))
     ids |= {} if method == "ar" else dict(mask_id=meta["mask_id"])
     texts = []
     for seed in (7, 8):
-        out = generate(model, encode(enc, "What is 7 + 7?"), settings, generator=torch.Generator().manual_seed(seed),
-                       **ids)
+        out = generate(model, encode(enc, "What is 7 + 7?"), settings,
+                       generator=torch.Generator().manual_seed(seed), **ids)
         texts.append(decode(enc, [t for t in out.tokens if t != meta["eos_id"]]))
-    assert row["text"] == texts[0] != texts[1]                       # the seed decides, and only the seed
+    # the seed decides, and only the seed
+    assert row["text"] == texts[0] != texts[1]
 
 
-def test_plot_draws_the_first_decode_and_refuses_a_missing_directory_before_reading_weights(trained, tmp_path,
-                                                                                            capsys):
+def test_plot_draws_the_first_decode_and_refuses_a_missing_directory_before_reading_weights(
+        trained, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "decode.png"
-    sampler.main([f"--out_dir={trained}", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4", "--serial_num_blocks=1",
-                  f"--plot={path}"])
-    assert path.read_bytes().startswith(b"\x89PNG") and "drew the decode of the first prompt" in capsys.readouterr().err
-    with pytest.raises(FileNotFoundError, match=r"--plot=.*: the directory .*nope does not exist; create it"):
-        sampler.main([f"--out_dir={tmp_path / 'no-model-here'}", f"--plot={tmp_path / 'nope' / 'decode.png'}"])
+    sampler.main([f"--out_dir={trained}", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4",
+                  "--serial_num_blocks=1", f"--plot={path}"])
+    assert path.read_bytes().startswith(b"\x89PNG") and \
+        "drew the decode of the first prompt" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match=r"--plot=.*: the directory .*nope does not exist; "
+                                                r"create it"):
+        sampler.main([f"--out_dir={tmp_path / 'no-model-here'}",
+                      f"--plot={tmp_path / 'nope' / 'decode.png'}"])
 
 
-def test_live_trace_draws_characters_whole_eos_as_a_marker_and_ends_on_the_returned_response(trained, capsys):
-    """--show decodes each run of committed neighbours together (the two bytes of "é" committed in two
-    steps are one character once both are there), draws EOS as EOS_MARK and nothing after it or past
-    max_new_tokens, so its last frame is the response a decoder returns."""
+def test_live_trace_draws_characters_whole_eos_as_a_marker_and_ends_on_the_returned_response(
+        trained, capsys):
+    """--show decodes each run of committed neighbours together (the two bytes of "é" committed in
+    two steps are one character once both are there), draws EOS as EOS_MARK and nothing after it or
+    past max_new_tokens, so its last frame is the response a decoder returns."""
     enc, eos = get_tokenizer("bytes"), 256
     prompt = encode(enc, "s = '")
     P = len(prompt)
     e_acute = list("é".encode())
     live = LiveTrace(enc, prompt, max_new_tokens=6, eos_ids=(eos,))
-    live([(P + 1, e_acute[1])])                                      # the second byte first, out of order
-    assert live.response() == "░\ufffd░░░░"                          # six positions, none past max_new_tokens
+    # the second byte first, out of order
+    live([(P + 1, e_acute[1])])
+    # six positions, none past max_new_tokens
+    assert live.response() == "░\ufffd░░░░"
     live([(P, e_acute[0]), (P + 3, eos)])
     assert live.response() == "é░" + EOS_MARK                        # nothing after EOS
-    live([(P + 2, ord("!")), (P + 4, ord("x"))])                     # an MDM fills positions after EOS too
+    # an MDM fills positions after EOS too
+    live([(P + 2, ord("!")), (P + 4, ord("x"))])
     assert live.response() == "é!" + EOS_MARK
     assert capsys.readouterr().err.split("\n")[-4] == "s = 'é!" + EOS_MARK
     ckpt = load_checkpoint(trained)
     model, meta = model_from_checkpoint(ckpt), ckpt["meta"]
-    for method in ("refusion", "ar"):                               # real decodes: the last frame is the response
-        cfg = dict(DEFAULTS, method=method, max_new_tokens=6, slot_size=4, serial_num_blocks=1, temperature=1.0)
+    # real decodes: the last frame is the response
+    for method in ("refusion", "ar"):
+        cfg = dict(DEFAULTS, method=method, max_new_tokens=6, slot_size=4, serial_num_blocks=1,
+                   temperature=1.0)
         run, _ = make_decoder(cfg, model, decoder_ids(meta), torch.Generator().manual_seed(0))
         live = LiveTrace(enc, prompt, 6, (meta["eos_id"],))
         out = run(prompt, on_step=live)
         ended = out.tokens[-1] == meta["eos_id"]
-        assert live.response() == decode(enc, out.tokens[:len(out.tokens) - ended]) + EOS_MARK * ended
+        assert live.response() == \
+            decode(enc, out.tokens[:len(out.tokens) - ended]) + EOS_MARK * ended
 
 
 def test_prompt_file_is_read_as_written_and_bad_utf8_names_the_byte(trained, tmp_path, capsys):
@@ -145,12 +169,14 @@ def test_prompt_file_is_read_as_written_and_bad_utf8_names_the_byte(trained, tmp
     note), and a byte that is not UTF-8 is named by its offset, with the file."""
     out_dir = f"--out_dir={trained}"
     path = write(tmp_path, "p.txt", b"\xef\xbb\xbfdef f(x):\r\n    return")
-    sampler.main([out_dir, "--json", f"--prompt_file={path}", "--max_new_tokens=4", "--slot_size=4", "--serial_num_blocks=1"])
+    sampler.main([out_dir, "--json", f"--prompt_file={path}", "--max_new_tokens=4", "--slot_size=4",
+                  "--serial_num_blocks=1"])
     captured = capsys.readouterr()
     assert json.loads(captured.out)["prompt"] == "def f(x):\r\n    return"
     assert f"--prompt_file={path}: removed the UTF-8 byte order mark" in captured.err
     bad = write(tmp_path, "bad.txt", b"def caf\xe9():\n")
-    with pytest.raises(ValueError, match=rf"--prompt_file={re.escape(bad)}: not valid UTF-8 at byte offset 7"):
+    with pytest.raises(ValueError, match=rf"--prompt_file={re.escape(bad)}: not valid UTF-8 at "
+                                         r"byte offset 7"):
         sampler.main([out_dir, f"--prompt_file={bad}"])
 
 
@@ -158,71 +184,90 @@ def test_an_mdm_is_decoded_on_the_canvas_it_was_trained_for(tmp_path, capsys):
     path = write(tmp_path, "sums.json", json.dumps(qa_rows()))
     train.main(tiny_run_flags(tmp_path, (path,), "mdm", objective="mdm") + ["--max_iters=2"])
     out_dir = str(tmp_path / "mdm")
-    sampler.main([f"--out_dir={out_dir}", "--num_samples=1", "--json"])      # trained with --gen_length=16
+    # trained with --gen_length=16
+    sampler.main([f"--out_dir={out_dir}", "--num_samples=1", "--json"])
     assert "canvas of 16 tokens" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="trained to fill canvases of 16 tokens.*use --max_new_tokens=16"):
+    with pytest.raises(ValueError, match="trained to fill canvases of 16 tokens.*"
+                                         "use --max_new_tokens=16"):
         sampler.main([f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=10"])
     sampler.main([f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=16", "--json"])
     assert "canvas" not in capsys.readouterr().err
 
 
-def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_counts_them(tmp_path, capsys):
+def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_counts_them(
+        tmp_path, capsys):
     """On a built-in corpus whose answers code checks (here transform), every sample ends with its
-    verdict and its speed, and one summary line adds them up (TPF = all tokens / all forward passes),
-    then gives next-token decoding of the same prompts (compare_ar): what --method=ar makes of them."""
+    verdict and its speed, and one summary line adds them up (TPF = all tokens / all forward
+    passes), then gives next-token decoding of the same prompts (compare_ar): what --method=ar makes
+    of them."""
     flags = tiny_run_flags(tmp_path, ("transform",), "run") + ["--block_size=160", "--max_iters=2"]
     train.main(flags)
-    sample = [f"--out_dir={tmp_path / 'run'}", "--num_samples=3", "--max_new_tokens=16", "--serial_num_blocks=1"]
+    sample = [f"--out_dir={tmp_path / 'run'}", "--num_samples=3", "--max_new_tokens=16",
+              "--serial_num_blocks=1"]
     sampler.main(sample)
     out = capsys.readouterr().out.strip().split("\n")
     lines = [line for line in out if re.match(r"(right|wrong) \(exact\): ", line)]
     assert len(lines) == 3
-    figures = [tuple(map(int, re.search(r"(\d+) tokens in (\d+) forward", line).groups())) for line in lines]
+    figures = [tuple(map(int, re.search(r"(\d+) tokens in (\d+) forward", line).groups()))
+               for line in lines]
     tokens, nfe = sum(t for t, _ in figures), sum(n for _, n in figures)
     right = sum(line.startswith("right") for line in lines)
-    assert out[-1].startswith(f"3 samples: {right} of 3 right (exact); {tokens} tokens in {nfe} forward passes, "
-                              f"{tokens / nfe:.2f} tokens per forward, ")
-    sampler.main(sample + ["--method=ar", "--json"])                  # next-token decoding, one sample a line
+    assert out[-1].startswith(f"3 samples: {right} of 3 right (exact); {tokens} tokens in {nfe} "
+                              f"forward passes, {tokens / nfe:.2f} tokens per forward, ")
+    # next-token decoding, one sample a line
+    sampler.main(sample + ["--method=ar", "--json"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     ar_right, ar_tokens = sum(r["exact"] for r in rows), sum(r["tokens"] for r in rows)
-    assert re.search(rf"; next-token decoding \(--method=ar\) of the same prompts: {ar_right} of 3 right \(exact\); "
-                     rf"{ar_tokens} tokens in {ar_tokens} forward passes, [\d.]+ tokens/s; speed-up [\d.]+x$", out[-1])
+    assert re.search(rf"; next-token decoding \(--method=ar\) of the same prompts: {ar_right} of 3 "
+                     rf"right \(exact\); {ar_tokens} tokens in {ar_tokens} forward passes, "
+                     r"[\d.]+ tokens/s; speed-up [\d.]+x$", out[-1])
     sampler.main(sample + ["--compare_ar=False"])
     assert "next-token" not in capsys.readouterr().out.strip().split("\n")[-1]
 
 
-def test_an_unconsolidated_sharded_run_names_shard_py_and_a_stale_copy_warns(trained, tmp_path, capsys):
-    """A run trained with --fsdp=True has only ckpt_sharded.pt until `python -m tools.consolidate` writes ckpt.pt;
-    a ckpt.pt older than the sharded checkpoint beside it is decoded with a warning saying so."""
+def test_an_unconsolidated_sharded_run_names_shard_py_and_a_stale_copy_warns(trained, tmp_path,
+                                                                             capsys):
+    """A run trained with --fsdp=True has only ckpt_sharded.pt until `python -m tools.consolidate`
+    writes ckpt.pt; a ckpt.pt older than the sharded checkpoint beside it is decoded with a warning
+    saying so."""
     out = tmp_path / "fsdp-run"
     out.mkdir()
-    (out / "ckpt_sharded.pt").write_bytes(b"")                        # only its presence matters here
-    with pytest.raises(FileNotFoundError, match=rf"no checkpoint at \S+ckpt.pt: {re.escape(str(out))} holds a sharded "
-                                                rf"checkpoint .*`python -m tools.consolidate --out_dir={re.escape(str(out))}`"):
+    # only its presence matters here
+    (out / "ckpt_sharded.pt").write_bytes(b"")
+    with pytest.raises(FileNotFoundError,
+                       match=rf"no checkpoint at \S+ckpt.pt: {re.escape(str(out))} holds a sharded "
+                             r"checkpoint .*`python -m tools.consolidate "
+                             rf"--out_dir={re.escape(str(out))}`"):
         sampler.main([f"--out_dir={out}", "--prompt=x"])
     shutil.copy(os.path.join(trained, "ckpt.pt"), out)
-    os.utime(out / "ckpt.pt", (0, 0))                                 # consolidated long before the last save
+    # consolidated long before the last save
+    os.utime(out / "ckpt.pt", (0, 0))
     load_checkpoint(str(out))
-    assert capsys.readouterr().err == (f"warning: {out / 'ckpt.pt'} is older than the sharded checkpoint "
-                                       f"{out / 'ckpt_sharded.pt'}; run `python -m tools.consolidate --out_dir={out}` to use the "
+    assert capsys.readouterr().err == (f"warning: {out / 'ckpt.pt'} is older than the sharded "
+                                       f"checkpoint {out / 'ckpt_sharded.pt'}; run "
+                                       f"`python -m tools.consolidate --out_dir={out}` to use the "
                                        "latest weights\n")
-    os.utime(out / "ckpt.pt")                                         # consolidated after it: no warning
+    # consolidated after it: no warning
+    os.utime(out / "ckpt.pt")
     load_checkpoint(str(out))
     assert capsys.readouterr().err == ""
 
 
 def test_prompt_file_from_a_pipe_or_standard_input_is_read(trained, tmp_path, monkeypatch, capsys):
     """--prompt_file=<(command), /dev/stdin or - reads the pipe (once), as it reads a file."""
-    knobs = [f"--out_dir={trained}", "--json", "--max_new_tokens=4", "--slot_size=4", "--serial_num_blocks=1"]
+    knobs = [f"--out_dir={trained}", "--json", "--max_new_tokens=4", "--slot_size=4",
+             "--serial_num_blocks=1"]
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("What is 7 + 7?\n".encode())))
     sampler.main(knobs + ["--prompt_file=-"])
     assert json.loads(capsys.readouterr().out)["prompt"] == "What is 7 + 7?\n"
-    fifo = tmp_path / "fifo"                                          # what <(echo ...) hands the script
+    # what <(echo ...) hands the script
+    fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     writer = threading.Thread(target=lambda: fifo.write_text("What is 8 + 8?"), daemon=True)
     writer.start()
     sampler.main(knobs + [f"--prompt_file={fifo}"])
     writer.join(timeout=60)
     assert json.loads(capsys.readouterr().out)["prompt"] == "What is 8 + 8?"
-    with pytest.raises(ValueError, match=rf"--prompt_file={re.escape(str(tmp_path))}: is a directory"):
+    with pytest.raises(ValueError, match=rf"--prompt_file={re.escape(str(tmp_path))}: "
+                                         r"is a directory"):
         sampler.main(knobs + [f"--prompt_file={tmp_path}"])

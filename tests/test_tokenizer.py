@@ -1,4 +1,5 @@
-"""The tokenizers (support/tokenizer.py) and reading prepared data back (support/prepare.py's TokenDataset)."""
+"""The tokenizers (support/tokenizer.py) and reading prepared data back (support/prepare.py's
+TokenDataset)."""
 
 import json
 
@@ -22,15 +23,17 @@ def test_byte_tokenizer_round_trips_any_text():
 
 def test_a_long_run_of_whitespace_is_encoded_without_crashing_the_tokenizer():
     """tiktoken's regex panics on about 500,000 whitespace characters in a row; encode() cuts longer
-    runs than MAX_SPACE_RUN and gets the very tokens an uncut encoding gives (one per byte), and text
-    without such a run is encoded whole."""
+    runs than MAX_SPACE_RUN and gets the very tokens an uncut encoding gives (one per byte), and
+    text without such a run is encoded whole."""
     enc = tokenizer.get_tokenizer("bytes")
     for text in (" " * 1_000_000 + "x", "a" + " \n" * 600_000 + "b"):
         assert tokenizer.encode(enc, text) == list(text.encode())
-    text = "def f(x):\n" + " " * 25_000 + "return x\n" + "\t" * 10_001    # runs tiktoken still takes whole
+    # runs tiktoken still takes whole
+    text = "def f(x):\n" + " " * 25_000 + "return x\n" + "\t" * 10_001
     assert tokenizer.encode(enc, text) == enc.encode_ordinary(text)
     source = open(json.decoder.__file__, encoding="utf-8").read()
-    assert tokenizer._pieces(source) == [source] and tokenizer.encode(enc, source) == enc.encode_ordinary(source)
+    assert tokenizer._pieces(source) == [source] and \
+        tokenizer.encode(enc, source) == enc.encode_ordinary(source)
 
 
 def test_byte_tokenizer_special_ids_and_vocab():
@@ -65,7 +68,8 @@ def test_gpt2_tokenizer_or_a_clear_offline_error():
     except FileNotFoundError as e:
         msg = str(e)
         assert "GPT-2 BPE" in msg and "TIKTOKEN_CACHE_DIR" in msg and "--tokenizer=bytes" in msg
-        pytest.skip("GPT-2 BPE file not downloadable or cached here (offline); error message checked")
+        pytest.skip("GPT-2 BPE file not downloadable or cached here (offline); "
+                    "error message checked")
     assert enc.n_vocab == 50259
     assert tokenizer.special_ids(enc) == (50256, 50257, 50258)
     assert tokenizer.encode(enc, "hello world") == [31373, 995]  # GPT-2's own ids

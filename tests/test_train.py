@@ -1,4 +1,5 @@
-"""Training runs: start modes, schedule, resume, distributed, precision (train.py, support/runs.py)."""
+"""Training runs: start modes, schedule, resume, distributed, precision (train.py,
+support/runs.py)."""
 
 import json
 import math
@@ -27,7 +28,8 @@ from train import flops_per_token, hybrid_loss, load_weights, make_batch
 
 
 def test_init_from_a_checkpoint_without_the_mask_token_adds_its_row():
-    small = tiny_model(seed=4, vocab_size=38)                 # an ARM whose vocabulary has no mask id
+    # an ARM whose vocabulary has no mask id
+    small = tiny_model(seed=4, vocab_size=38)
     big = tiny_model(seed=5, vocab_size=40)
     load_weights(big, {"model": small.state_dict()})
     emb_small, emb_big = small.embed_tokens.weight, big.embed_tokens.weight
@@ -42,19 +44,22 @@ def test_init_from_a_checkpoint_without_the_mask_token_adds_its_row():
 
 def test_learning_rate_schedule_and_a_resume_with_more_iterations_holds_min_lr(tmp_path, qa_file):
     """Warm-up, cosine to min_lr at lr_decay_iters (default: max_iters, fixed when the run starts),
-    then min_lr: resuming with a larger --max_iters continues at min_lr instead of jumping back up."""
+    then min_lr: resuming with a larger --max_iters continues at min_lr instead of jumping back
+    up."""
     cfg = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=2, lr_decay_iters=12)
     assert [train.get_lr(it, cfg) for it in (0, 1, 2, 7, 12, 20)] == pytest.approx(
         [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)), 0.1, 0.1])
-    flags = tiny_run_flags(tmp_path, qa_file, "run") + ["--warmup_iters=1", "--learning_rate=0.01", "--min_lr=0.001"]
+    flags = tiny_run_flags(tmp_path, qa_file, "run") + ["--warmup_iters=1", "--learning_rate=0.01",
+                                                        "--min_lr=0.001"]
     train.main(flags + ["--max_iters=3"])
     assert load_checkpoint(str(tmp_path / "run"))["config"]["lr_decay_iters"] == 3
     train.main(flags + ["--max_iters=5", "--init_from=resume"])
     ckpt = load_checkpoint(str(tmp_path / "run"))
     assert ckpt["iter_num"] == 5 and ckpt["config"]["lr_decay_iters"] == 3
     assert [g["lr"] for g in ckpt["optimizer"]["param_groups"]] == pytest.approx([0.001, 0.001])
-    del ckpt["config"]["lr_decay_iters"]                              # a checkpoint from before the setting:
-    save_checkpoint(str(tmp_path / "run"), ckpt)                      # its decay ended at its max_iters (5)
+    # a checkpoint from before the setting: its decay ended at its max_iters (5)
+    del ckpt["config"]["lr_decay_iters"]
+    save_checkpoint(str(tmp_path / "run"), ckpt)
     train.main(flags + ["--max_iters=7", "--init_from=resume"])
     ckpt = load_checkpoint(str(tmp_path / "run"))
     assert ckpt["config"]["lr_decay_iters"] == 5
@@ -62,9 +67,11 @@ def test_learning_rate_schedule_and_a_resume_with_more_iterations_holds_min_lr(t
 
 
 def test_grad_clip_zero_means_no_clipping(tmp_path, qa_file):
-    """--grad_clip=0 trains unclipped (as in nanoGPT), the same as a clip far above any gradient norm."""
+    """--grad_clip=0 trains unclipped (as in nanoGPT), the same as a clip far above any gradient
+    norm."""
     for name, clip in (("none", "0.0"), ("huge", "1e9")):
-        train.main(tiny_run_flags(tmp_path, qa_file, name) + ["--max_iters=2", f"--grad_clip={clip}"])
+        train.main(tiny_run_flags(tmp_path, qa_file, name) +
+                   ["--max_iters=2", f"--grad_clip={clip}"])
     a, b = load_checkpoint(str(tmp_path / "none")), load_checkpoint(str(tmp_path / "huge"))
     for name in a["model"]:
         torch.testing.assert_close(a["model"][name], b["model"][name], atol=0, rtol=0)
@@ -74,7 +81,8 @@ def test_grad_clip_zero_means_no_clipping(tmp_path, qa_file):
 def test_resumed_training_matches_an_uninterrupted_run(tmp_path, qa_file, objective):
     train.main(tiny_run_flags(tmp_path, qa_file, "straight", objective) + ["--max_iters=6"])
     train.main(tiny_run_flags(tmp_path, qa_file, "resumed", objective) + ["--max_iters=3"])
-    train.main(tiny_run_flags(tmp_path, qa_file, "resumed", objective) + ["--max_iters=6", "--init_from=resume"])
+    train.main(tiny_run_flags(tmp_path, qa_file, "resumed", objective) +
+               ["--max_iters=6", "--init_from=resume"])
     a, b = load_checkpoint(str(tmp_path / "straight")), load_checkpoint(str(tmp_path / "resumed"))
     assert a["iter_num"] == b["iter_num"] == 6
     for name in a["model"]:
@@ -86,7 +94,8 @@ def test_training_never_overwrites_a_checkpoint_unless_resuming(tmp_path, qa_fil
     train.main(flags)
     ckpt = tmp_path / "run" / "ckpt.pt"
     before = ckpt.read_bytes()
-    for init in ([], [f"--init_from={ckpt}"]):                  # neither a fresh run nor a fine-tune
+    # neither a fresh run nor a fine-tune
+    for init in ([], [f"--init_from={ckpt}"]):
         with pytest.raises(ValueError, match="already exists.*--init_from=resume"):
             train.main(flags + init)
     assert ckpt.read_bytes() == before
@@ -104,13 +113,16 @@ def _ddp_worker(rank, flags, port):
 
 
 def test_two_processes_match_one_with_gradient_accumulation(tmp_path, qa_file):
-    """torchrun's data parallelism (2 processes, gloo) equals 1 process accumulating the same global batch."""
+    """torchrun's data parallelism (2 processes, gloo) equals 1 process accumulating the same global
+    batch."""
     steps = ["--max_iters=3", "--gradient_accumulation_steps=2"]
     train.main(tiny_run_flags(tmp_path, qa_file, "one") + steps)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_ddp_worker, args=(tiny_run_flags(tmp_path, qa_file, "two") + steps, port), nprocs=2)
+    torch.multiprocessing.spawn(_ddp_worker,
+                                args=(tiny_run_flags(tmp_path, qa_file, "two") + steps, port),
+                                nprocs=2)
     a, b = load_checkpoint(str(tmp_path / "one")), load_checkpoint(str(tmp_path / "two"))
     assert a["iter_num"] == b["iter_num"] == 3
     for name in a["model"]:
@@ -129,7 +141,8 @@ def test_flops_per_token_is_what_torch_counts_for_a_training_step(tie):
     assert flops_per_token(model, T) * B * T == counter.get_total_flops()
 
 
-@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # CPU autocast's rms_norm
+# CPU autocast's rms_norm
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 @pytest.mark.parametrize("objective", ["refusion", "ar", "mdm"])
 def test_bf16_autocast_trains_every_objective_close_to_float32(objective):
     """On CUDA training runs under bf16 autocast; the same code under CPU autocast (a stand-in for
@@ -151,15 +164,18 @@ def test_bf16_autocast_trains_every_objective_close_to_float32(objective):
 
 
 def test_compile_never_changes_the_loss_or_the_gradients():
-    """--compile=True (torch.compile) on a ReFusion batch: the same hybrid loss and gradients as eager."""
+    """--compile=True (torch.compile) on a ReFusion batch: the same hybrid loss and gradients as
+    eager."""
     model = tiny_model(seed=10).train()
     tokens, prompt_len, length = random_samples(11, B=4, T=40, vocab=36)
     tokens[tokens == 258] = 39                                        # the tiny model's pad id
-    batch = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 38, torch.Generator().manual_seed(0))
+    batch = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 38,
+                                  torch.Generator().manual_seed(0))
 
     def loss_and_grads(forward):
         model.zero_grad()
-        loss = hybrid_loss(forward(batch.idx, batch.position_ids, key_mask=batch.key_mask), batch)[0]
+        loss = hybrid_loss(forward(batch.idx, batch.position_ids, key_mask=batch.key_mask),
+                           batch)[0]
         loss.backward()
         return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
 
@@ -167,7 +183,8 @@ def test_compile_never_changes_the_loss_or_the_gradients():
     cfg = {"compile": True, "device": "cpu"}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        runs.check_compile(cfg)                                       # what train.py does with --compile=True
+        # what train.py does with --compile=True
+        runs.check_compile(cfg)
     if not cfg["compile"]:
         pytest.skip(f"torch.compile cannot run here: {caught[0].message}")
     compiled = torch.compile(model)
@@ -182,10 +199,12 @@ def test_training_input_errors_lose_nothing(tmp_path, qa_file):
     before = ckpt.read_bytes()
     other = tiny_run_flags(tmp_path, qa_file, "other")
     for extra, message in [
-        (["--device=cuda"] if not torch.cuda.is_available() else ["--device=tpu"], "--device=.*use"),
+        (["--device=cuda"] if not torch.cuda.is_available() else ["--device=tpu"],
+         "--device=.*use"),
         (["--n_embd=20", "--n_head=4"], "head_dim=5 must be even"),
         (["--too_long=truncate"], "--too_long='truncate': choose skip or fail"),
-        (["--block_size=24", "--too_long=fail"], "is .* tokens, longer than block_size=24; raise --block_size"),
+        (["--block_size=24", "--too_long=fail"],
+         "is .* tokens, longer than block_size=24; raise --block_size"),
         (["--gradient_accumulation_steps=0"], "--gradient_accumulation_steps=0: must be positive"),
         (["--n_kv_head=-2"], "--n_kv_head=-2: must be 0 or more"),
         (["--grad_clip=-1.0"], "--grad_clip=-1.0: must be 0 or more"),
@@ -202,36 +221,42 @@ def test_a_loss_that_becomes_nan_stops_and_keeps_the_last_good_checkpoint(tmp_pa
     ckpt = tmp_path / "run" / "ckpt.pt"
     before = ckpt.read_bytes()
     # an absurd learning rate overflows the weights after one step, as a diverging run would
-    with pytest.raises(SystemExit, match=r"loss became nan at iteration \d; the last good checkpoint"):
-        train.main(flags + ["--max_iters=6", "--init_from=resume", "--learning_rate=1e30", "--grad_clip=0"])
+    with pytest.raises(SystemExit,
+                       match=r"loss became nan at iteration \d; the last good checkpoint"):
+        train.main(flags + ["--max_iters=6", "--init_from=resume", "--learning_rate=1e30",
+                            "--grad_clip=0"])
     assert ckpt.read_bytes() == before
 
 
-KILLED_RUN = ["--max_iters=400", "--eval_interval=50"]  # long enough to be stopped after its first checkpoint
+# long enough to be stopped after its first checkpoint
+KILLED_RUN = ["--max_iters=400", "--eval_interval=50"]
 
 
 def train_py(flags, **kwargs):
-    """train.py run as a command, on one thread (so that runs in two processes give the same weights)."""
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], check=True, capture_output=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), **kwargs)
+    """train.py run as a command, on one thread (so that runs in two processes give the same
+    weights)."""
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], check=True,
+                          capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"), **kwargs)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The weights of a KILLED_RUN never stopped (trained once for every signal below)."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    train_py(tiny_run_flags(tmp, (write(tmp, "sums.json", json.dumps(qa_rows())),), "straight") + KILLED_RUN)
+    train_py(tiny_run_flags(tmp, (write(tmp, "sums.json", json.dumps(qa_rows())),), "straight") +
+             KILLED_RUN)
     return load_checkpoint(str(tmp / "straight"))["model"]
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGKILL"])
 def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, uninterrupted, sig):
-    """Interrupted (Ctrl-C, or SIGTERM from Slurm, `docker stop` or torchrun: saves at once) or killed
-    (resumes from the last periodic checkpoint), then resumed: the same final weights as a run that
-    was never stopped."""
+    """Interrupted (Ctrl-C, or SIGTERM from Slurm, `docker stop` or torchrun: saves at once) or
+    killed (resumes from the last periodic checkpoint), then resumed: the same final weights as a
+    run that was never stopped."""
     stopped = tiny_run_flags(tmp_path, qa_file, "stopped") + KILLED_RUN
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *stopped], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *stopped],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     ckpt = tmp_path / "stopped" / "ckpt.pt"
     while not ckpt.exists() and proc.poll() is None:       # stop it after the first checkpoint
         time.sleep(0.05)
@@ -247,16 +272,20 @@ def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, uninterr
         torch.testing.assert_close(resumed[name], uninterrupted[name], atol=0, rtol=0)
 
 
-def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path, qa_file, monkeypatch):
+def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path, qa_file,
+                                                                       monkeypatch):
     flags = tiny_run_flags(tmp_path, qa_file, "run")
     train.main(flags + ["--max_iters=2"])
     ckpt = tmp_path / "run" / "ckpt.pt"
     before = ckpt.read_bytes()
-    foreign = torch.load(ckpt, weights_only=True)                    # a checkpoint of another tokenizer
+    # a checkpoint of another tokenizer
+    foreign = torch.load(ckpt, weights_only=True)
     foreign["meta"]["tokenizer"] = "gpt2"
     torch.save(foreign, tmp_path / "gpt2.pt")
-    with pytest.raises(ValueError, match="trained with the 'gpt2' tokenizer but this run uses 'bytes'"):
-        train.main(tiny_run_flags(tmp_path, qa_file, "ft") + [f"--init_from={tmp_path / 'gpt2.pt'}"])
+    with pytest.raises(ValueError,
+                       match="trained with the 'gpt2' tokenizer but this run uses 'bytes'"):
+        train.main(tiny_run_flags(tmp_path, qa_file, "ft") +
+                   [f"--init_from={tmp_path / 'gpt2.pt'}"])
 
     def crash(obj, f):                                                # an error mid-write
         f.write(b"partial")
@@ -265,14 +294,18 @@ def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path,
     with pytest.raises(OSError, match="Input/output error"):
         train.main(flags + ["--init_from=resume", "--max_iters=4"])
     assert ckpt.read_bytes() == before                                # the old checkpoint is intact
-    assert sorted(os.listdir(ckpt.parent)) == [".lock", "ckpt.pt"]    # no temp file; the lock, released
+    # no temp file; the lock, released
+    assert sorted(os.listdir(ckpt.parent)) == [".lock", "ckpt.pt"]
 
 
-def test_small_data_warns_and_compile_falls_back_where_it_cannot_run(tmp_path, qa_file, monkeypatch, capsys):
+def test_small_data_warns_and_compile_falls_back_where_it_cannot_run(tmp_path, qa_file,
+                                                                     monkeypatch, capsys):
     monkeypatch.setattr(runs.shutil, "which", lambda name: None)     # no C compiler on this machine
     with pytest.warns(UserWarning, match="torch.compile cannot run here"):
-        train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=1", "--compile=True", "--batch_size=200"])
-    assert "fewer than one batch of 200; batches draw samples with replacement" in capsys.readouterr().err
+        train.main(tiny_run_flags(tmp_path, qa_file, "run") +
+                   ["--max_iters=1", "--compile=True", "--batch_size=200"])
+    assert "fewer than one batch of 200; batches draw samples with replacement" in \
+        capsys.readouterr().err
 
 
 def test_resume_takes_the_checkpoints_settings_and_init_from_its_shape(tmp_path, qa_file):
@@ -280,22 +313,29 @@ def test_resume_takes_the_checkpoints_settings_and_init_from_its_shape(tmp_path,
     out = f"--out_dir={tmp_path / 'run'}"
     train.main([out, "--init_from=resume", "--max_iters=4"])            # no other flag repeated
     cfg = load_checkpoint(str(tmp_path / "run"))["config"]
-    assert (cfg["batch_size"], cfg["n_embd"], cfg["dataset"], cfg["max_iters"]) == (3, 16, qa_file[0], 4)
+    assert (cfg["batch_size"], cfg["n_embd"], cfg["dataset"], cfg["max_iters"]) == \
+        (3, 16, qa_file[0], 4)
     ft = tiny_run_flags(tmp_path, qa_file, "ft")
-    with pytest.raises(ValueError, match="--n_embd=32 differs from the checkpoint's 16; a fine-tune keeps"):
+    with pytest.raises(ValueError,
+                       match="--n_embd=32 differs from the checkpoint's 16; a fine-tune keeps"):
         train.main(ft + [f"--init_from={tmp_path / 'run'}", "--n_embd=32"])
-    with pytest.raises(FileNotFoundError, match="--init_from=Resume: use 'scratch', 'resume', or the path"):
+    with pytest.raises(FileNotFoundError,
+                       match="--init_from=Resume: use 'scratch', 'resume', or the path"):
         train.main(ft + ["--init_from=Resume"])
-    (tmp_path / "empty").mkdir()                                      # a folder that is neither kind of model
-    with pytest.raises(FileNotFoundError, match="holds neither a checkpoint .ckpt.pt. nor a Hugging Face model"):
+    # a folder that is neither kind of model
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError,
+                       match="holds neither a checkpoint .ckpt.pt. nor a Hugging Face model"):
         train.main(ft + [f"--init_from={tmp_path / 'empty'}"])
     assert not (tmp_path / "ft").exists()
 
 
-@pytest.mark.parametrize("flag", ["--learning_rate=inf", "--min_lr=nan", "--weight_decay=inf", "--grad_clip=1e999",
-                                  "--beta1=1.0", "--beta2=nan", "--mask_eps=nan", "--rope_theta=0.0",
-                                  "--rope_theta=nan", "--peak_tflops=0.0", "--log_interval=0"])
-def test_settings_that_are_not_finite_or_out_of_range_are_refused_before_any_work(tmp_path, qa_file, flag):
+@pytest.mark.parametrize("flag", ["--learning_rate=inf", "--min_lr=nan", "--weight_decay=inf",
+                                  "--grad_clip=1e999", "--beta1=1.0", "--beta2=nan",
+                                  "--mask_eps=nan", "--rope_theta=0.0", "--rope_theta=nan",
+                                  "--peak_tflops=0.0", "--log_interval=0"])
+def test_settings_that_are_not_finite_or_out_of_range_are_refused_before_any_work(tmp_path,
+                                                                                  qa_file, flag):
     """A NaN or infinite rate, a beta outside [0, 1), a rope_theta that is not a positive finite
     number: refused with the setting named before any data is prepared, instead of a loss of NaN
     (or a message from AdamW) after preparing and training."""
@@ -304,10 +344,12 @@ def test_settings_that_are_not_finite_or_out_of_range_are_refused_before_any_wor
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
 
-def test_a_loss_that_becomes_nan_before_the_first_checkpoint_says_none_was_written(tmp_path, qa_file):
-    flags = tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=6", "--learning_rate=1e30", "--grad_clip=0"]
-    with pytest.raises(SystemExit, match=r"loss became nan at iteration \d; no checkpoint was written yet: lower "
-                                         r"--learning_rate .* and start again"):
+def test_a_loss_that_becomes_nan_before_the_first_checkpoint_says_none_was_written(tmp_path,
+                                                                                   qa_file):
+    flags = tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=6", "--learning_rate=1e30",
+                                                        "--grad_clip=0"]
+    with pytest.raises(SystemExit, match=r"loss became nan at iteration \d; no checkpoint was "
+                                         r"written yet: lower --learning_rate .* and start again"):
         train.main(flags)
     assert not (tmp_path / "run" / "ckpt.pt").exists()
 
@@ -315,23 +357,29 @@ def test_a_loss_that_becomes_nan_before_the_first_checkpoint_says_none_was_writt
 @pytest.mark.parametrize("flag", ["out_dir", "data_root"])
 def test_a_directory_that_cannot_be_written_is_refused_before_any_work(tmp_path, qa_file, flag):
     """--out_dir (or --data_root) naming a file, where no directory can be made: refused with the
-    path and the fix before the data is prepared or a step is trained (not at the first checkpoint)."""
+    path and the fix before the data is prepared or a step is trained (not at the first
+    checkpoint)."""
     taken = write(tmp_path, "taken", "a file, not a directory")
-    message = {"out_dir": rf"--out_dir={re.escape(taken)}: cannot write a checkpoint there .*choose a directory",
-               "data_root": rf"cannot create {re.escape(taken)}/\S+ for the prepared data .*choose a --data_root"}
+    message = {"out_dir": rf"--out_dir={re.escape(taken)}: cannot write a checkpoint there "
+                          r".*choose a directory",
+               "data_root": rf"cannot create {re.escape(taken)}/\S+ for the prepared data "
+                            r".*choose a --data_root"}
     with pytest.raises(ValueError, match=message[flag]):
-        train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", f"--{flag}={taken}"])
+        train.main(tiny_run_flags(tmp_path, qa_file, "run") +
+                   ["--max_iters=2", f"--{flag}={taken}"])
     assert not (tmp_path / "data").exists() and not (tmp_path / "run" / "ckpt.pt").exists()
 
 
-def test_without_a_terminal_training_prints_one_plain_line_every_log_interval(tmp_path, qa_file, capsys):
+def test_without_a_terminal_training_prints_one_plain_line_every_log_interval(tmp_path, qa_file,
+                                                                              capsys):
     """Into a log file or a pipe (here pytest's capture), no progress bar frames: a line every
     log_interval steps with the loss, its two parts, tokens/s and FLOP/s, and one per evaluation."""
-    train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=5", "--log_interval=2", "--eval_interval=4"])
+    train.main(tiny_run_flags(tmp_path, qa_file, "run") +
+               ["--max_iters=5", "--log_interval=2", "--eval_interval=4"])
     printed = capsys.readouterr()
     assert "\r" not in printed.err and "train:" not in printed.err
-    steps = re.findall(r"^iter (\d+): loss \d+\.\d{4} \(ar \d+\.\d{4}, mdm \d+\.\d{4}\), \d+ tok/s, "
-                       r"\d+\.\d{3} TFLOP/s$", printed.out, re.MULTILINE)
+    steps = re.findall(r"^iter (\d+): loss \d+\.\d{4} \(ar \d+\.\d{4}, mdm \d+\.\d{4}\), "
+                       r"\d+ tok/s, \d+\.\d{3} TFLOP/s$", printed.out, re.MULTILINE)
     evals = re.findall(r"^iter (\d+): val loss \d+\.\d{4}$", printed.out, re.MULTILINE)
     assert (steps, evals) == (["0", "2", "4"], ["0", "4"])
 
@@ -346,18 +394,21 @@ def test_a_second_run_into_the_same_out_dir_is_refused_naming_the_first(tmp_path
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        while not ckpt.exists() and first.poll() is None:            # training, a checkpoint written
+        # training, a checkpoint written
+        while not ckpt.exists() and first.poll() is None:
             time.sleep(0.05)
         for extra in ([], ["--init_from=resume"]):
-            with pytest.raises(ValueError, match=rf"--out_dir={re.escape(out)} is in use by another training run "
-                                                 rf"\(pid {first.pid} on {re.escape(socket.gethostname())}, "
+            with pytest.raises(ValueError, match=rf"--out_dir={re.escape(out)} is in use by "
+                                                 rf"another training run \(pid {first.pid} on "
+                                                 rf"{re.escape(socket.gethostname())}, "
                                                  r"started [-\d: ]+\); wait for it to end"):
                 train.main(flags + extra + ["--max_iters=200000"])
         assert first.poll() is None                                   # still training, undisturbed
     finally:
         first.kill()
         first.wait()
-    train.main(flags + ["--init_from=resume", f"--max_iters={load_checkpoint(out)['iter_num'] + 1}"])
+    train.main(flags + ["--init_from=resume",
+                        f"--max_iters={load_checkpoint(out)['iter_num'] + 1}"])
     assert ".lock.holder" not in os.listdir(out)
 
 
@@ -372,7 +423,8 @@ def test_resuming_on_prepared_data_that_changed_is_refused(tmp_path, qa_file):
     before = ckpt.read_bytes()
     assert re.fullmatch(r"[0-9a-f]{40}", load_checkpoint(str(ckpt))["meta"]["data_sha1"])
     write(tmp_path, "sums.json", json.dumps(rows + [{"query": "What is 1 + 2?", "response": " 3"}]))
-    with pytest.raises(ValueError, match=r"the prepared data \S+ is not the data \S+ckpt.pt was trained on \(its "
-                                         r"SHA-1 differs: --dataset=\S+sums.json was edited.*--init_from="):
+    with pytest.raises(ValueError, match=r"the prepared data \S+ is not the data \S+ckpt.pt was "
+                                         r"trained on \(its SHA-1 differs: --dataset=\S+sums.json "
+                                         r"was edited.*--init_from="):
         train.main(flags + ["--max_iters=4", "--init_from=resume"])
     assert ckpt.read_bytes() == before

@@ -1,15 +1,17 @@
 """
-The paper's comparison at small scale, in one run: ReFusion against an autoregressive model (ARM) and
-a LLaDA-style masked diffusion model (MDM), same size, same data, same training budget, on three tasks
-that span the range from parallel-friendly to strictly serial:
+The paper's comparison at small scale, in one run: ReFusion against an autoregressive model (ARM)
+and a LLaDA-style masked diffusion model (MDM), same size, same data, same training budget, on three
+tasks that span the range from parallel-friendly to strictly serial:
 
     transform  each response letter is a function of one prompt letter (copy, upper, shift, mirror):
                given the prompt, the response's tokens do not depend on each other
     arith      worked column arithmetic: each line depends on the line before (its carry)
     stdlib     real code: the bodies of the standard library's documented functions
 
-    python -m tools.bench              # the full run (TASKS' recipes), 92 minutes on 2 CPU cores (docs/benchmark.md)
-    python -m tools.bench --quick      # one task, tiny models, a small sweep: a smoke run of 20 to 30 seconds
+    python -m tools.bench              # the full run (TASKS' recipes), 92 minutes on 2 CPU cores
+                                         (docs/benchmark.md)
+    python -m tools.bench --quick      # one task, tiny models, a small sweep: a smoke run of 20 to
+                                         30 seconds
 
 For each task it trains (or reuses, from out_dir) an ARM, a ReFusion model and an MDM with the same
 budget, and the paper's recipe: ReFusion fine-tuned from the ARM, next to an MDM fine-tuned from it
@@ -17,12 +19,13 @@ the same way (as Dream starts from Qwen; their extra budget in their rows). The 
 the canvas they decode (LLaDA's EOS padding). It decodes the same validation prompts with the ARM,
 both MDMs at 1, 2 and 4 tokens per step, ReFusion over a sweep of slot size, thresholds and serial
 blocks (SWEEP), each with the paper's infill and infill="ar" (SPEC section 4.1), and, when
-`transformers` is installed, Hugging Face's `generate` on the ARM's weights. Each point records its quality, tokens,
-forward passes (NFE), TPF, tokens/s, milliseconds per forward pass and the share of decode time
-spent outside the model (bookkeeping). It writes out_dir/bench.json (every point), bench.md (the
-headline, then the table: the baselines, and per ReFusion model and infill mode its fastest setting
-within 1 point of the ARM's quality, its most accurate setting and its fastest setting) and, with matplotlib, bench.png (quality against speed relative to
-the ARM, as the paper's MBPP figure). Every figure comes from this run.
+`transformers` is installed, Hugging Face's `generate` on the ARM's weights. Each point records its
+quality, tokens, forward passes (NFE), TPF, tokens/s, milliseconds per forward pass and the share of
+decode time spent outside the model (bookkeeping). It writes out_dir/bench.json (every point),
+bench.md (the headline, then the table: the baselines, and per ReFusion model and infill mode its
+fastest setting within 1 point of the ARM's quality, its most accurate setting and its fastest
+setting) and, with matplotlib, bench.png (quality against speed relative to the ARM, as the paper's
+MBPP figure). Every figure comes from this run.
 """
 
 import importlib.metadata
@@ -59,9 +62,9 @@ tasks = ("transform", "arith", "stdlib")  # any of TASKS
 quick = False              # a smoke run: QUICK's task, models, budget and sweep
 num_prompts = 100          # validation prompts decoded by every decoder (fewer when fewer fit)
 max_iters = 0              # training budget of each model; 0: the task's recipe (TASKS)
-finetune_iters = 0         # extra budget of the models started from the ARM (ReFusion-ft, MDM-ft); 0: the recipe's
+finetune_iters = 0  # extra budget of the models from the ARM (ReFusion-ft, MDM-ft); 0: the recipe's
 finetune_lr = 0.0          # their peak learning rate; 0: the recipe's
-dataset = ""               # the data set of a one-task run, e.g. arith-1m on a GPU; empty: the recipe's
+dataset = ""  # the data set of a one-task run, e.g. arith-1m on a GPU; empty: the recipe's
 block_size = 0             # the models' context; 0: the recipe's
 max_new_tokens = 0         # every decoder's generation length; 0: the recipe's
 n_layer = 0                # the models' transformer blocks; 0: the recipe's
@@ -77,55 +80,66 @@ retrain = False            # train again even when out_dir holds the models
 DEFAULTS = settings_in(globals())
 
 # Each task's recipe: the data, the model and the budget, sized so that the ARM reaches its quality
-# level on 2 CPU cores (see docs/benchmark.md). Every model of a task has the same shape and data; the
-# three trained from scratch the same budget (max_iters at learning_rate), the two started from the ARM
-# the same extra budget (finetune_iters at finetune_lr). ReFusion-ft's training options (SPEC section
-# 3, off in the paper's recipe): on arith and stdlib, whose answers are serial, slot_end_labels and
-# ar_fraction keep the ARM's next-token pathway, which infill="ar" decodes with (the fine-tune table
-# in docs/benchmark.md measured them on arith).
+# level on 2 CPU cores (see docs/benchmark.md). Every model of a task has the same shape and data;
+# the three trained from scratch the same budget (max_iters at learning_rate), the two started from
+# the ARM the same extra budget (finetune_iters at finetune_lr). ReFusion-ft's training options
+# (SPEC section 3, off in the paper's recipe): on arith and stdlib, whose answers are serial,
+# slot_end_labels and ar_fraction keep the ARM's next-token pathway, which infill="ar" decodes with
+# (the fine-tune table in docs/benchmark.md measured them on arith).
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, batch_size=32, learning_rate=3e-3)
-KEEP_THE_ARM = dict(finetune_lr=1e-3, refusion_ft_options=dict(slot_end_labels=True, ar_fraction=0.5))
+KEEP_THE_ARM = dict(finetune_lr=1e-3,
+                    refusion_ft_options=dict(slot_end_labels=True, ar_fraction=0.5))
 TASKS = {
-    # 72 new tokens: the longest answer (a 63-letter mirror, its newline and EOS) fits the MDM's canvas
+    # 72 new tokens: the longest answer (a 63-letter mirror, its newline and EOS) fits the
+    # MDM's canvas
     "transform": dict(MODEL, dataset="transform", block_size=200, max_new_tokens=72, max_iters=2000,
                       finetune_iters=800, finetune_lr=3e-3, refusion_ft_options={}),
-    "arith": dict(MODEL, **KEEP_THE_ARM, dataset="arith-small", block_size=128, max_new_tokens=64, max_iters=1500,
-                  finetune_iters=1000),
-    "stdlib": dict(MODEL, **KEEP_THE_ARM, dataset="stdlib", block_size=256, max_new_tokens=128, max_iters=400,
-                   finetune_iters=400),
+    "arith": dict(MODEL, **KEEP_THE_ARM, dataset="arith-small", block_size=128, max_new_tokens=64,
+                  max_iters=1500, finetune_iters=1000),
+    "stdlib": dict(MODEL, **KEEP_THE_ARM, dataset="stdlib", block_size=256, max_new_tokens=128,
+                   max_iters=400, finetune_iters=400),
 }
 # the settings that replace a recipe's when given (non-empty, non-zero)
-OVERRIDES = ("dataset", "block_size", "max_new_tokens", "max_iters", "finetune_iters", "n_layer", "n_head", "n_embd",
-             "batch_size", "learning_rate", "finetune_lr")
+OVERRIDES = ("dataset", "block_size", "max_new_tokens", "max_iters", "finetune_iters", "n_layer",
+             "n_head", "n_embd", "batch_size", "learning_rate", "finetune_lr")
 # the ReFusion sweep: every slot size x (slot_threshold, token_threshold) x serial blocks
-SWEEP = dict(slot_sizes=(4, 8, 16), thresholds=((0.9, 0.3), (0.7, 0.1), (0.5, 0.0)), serial_num_blocks=(1, 4))
-QUICK = dict(tasks=("transform",), num_prompts=8, model=dict(n_layer=2, n_head=2, n_embd=64, max_iters=60,
-                                                              finetune_iters=30),
-             sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3), (0.5, 0.0)), serial_num_blocks=(1,)), step_times=3)
+SWEEP = dict(slot_sizes=(4, 8, 16), thresholds=((0.9, 0.3), (0.7, 0.1), (0.5, 0.0)),
+             serial_num_blocks=(1, 4))
+QUICK = dict(tasks=("transform",), num_prompts=8,
+             model=dict(n_layer=2, n_head=2, n_embd=64, max_iters=60, finetune_iters=30),
+             sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3), (0.5, 0.0)),
+                        serial_num_blocks=(1,)), step_times=3)
 
 
 def recipe(cfg, task):
-    """The task's recipe with the run's overrides (--quick's, then every setting given as non-zero)."""
+    """The task's recipe with the run's overrides (--quick's, then every setting given as
+    non-zero)."""
     r = dict(TASKS[task], **(QUICK["model"] if cfg["quick"] else {}))
     return r | {key: cfg[key] for key in OVERRIDES if cfg[key]}
 
 
 def train_model(cfg, task, name, objective, init_from=None):
     """Train one model into out_dir/<task>-<name> and return the dir: from scratch for the recipe's
-    max_iters at its learning_rate, or, from the checkpoint init_from (the ARM's), for finetune_iters
-    at finetune_lr; an MDM on the canvas it decodes (train.py --gen_length=max_new_tokens). A
-    finished model trained with the same settings (and, for a fine-tune, after the checkpoint it
-    starts from) is reused; one interrupted part-way is resumed; anything else is trained again."""
+    max_iters at its learning_rate, or, from the checkpoint init_from (the ARM's), for
+    finetune_iters at finetune_lr; an MDM on the canvas it decodes
+    (train.py --gen_length=max_new_tokens). A finished model trained with the same settings (and,
+    for a fine-tune, after the checkpoint it starts from) is reused; one interrupted part-way is
+    resumed; anything else is trained again."""
     r = recipe(cfg, task)
     out = os.path.join(cfg["out_dir"], f"{task}-{name}")
     ckpt_file = os.path.join(out, "ckpt.pt")
-    iters, lr = (r["finetune_iters"], r["finetune_lr"]) if init_from else (r["max_iters"], r["learning_rate"])
+    iters, lr = ((r["finetune_iters"], r["finetune_lr"]) if init_from
+                 else (r["max_iters"], r["learning_rate"]))
     options = r["refusion_ft_options"] if name == "refusion-ft" else {}
-    settings = dict(dataset=r["dataset"], objective=objective, max_iters=iters, eval_interval=max(iters // 4, 1),
-                    seed=cfg["seed"], learning_rate=lr, min_lr=lr / 10 if init_from else train.DEFAULTS["min_lr"],
-                    gen_length=r["max_new_tokens"] if objective == "mdm" else train.DEFAULTS["gen_length"],
-                    **{k: r[k] for k in ("block_size", "batch_size", "n_layer", "n_head", "n_embd")},
-                    **{k: options.get(k, train.DEFAULTS[k]) for k in ("slot_end_labels", "ar_fraction")})
+    settings = dict(dataset=r["dataset"], objective=objective, max_iters=iters,
+                    eval_interval=max(iters // 4, 1), seed=cfg["seed"], learning_rate=lr,
+                    min_lr=lr / 10 if init_from else train.DEFAULTS["min_lr"],
+                    gen_length=(r["max_new_tokens"] if objective == "mdm"
+                                else train.DEFAULTS["gen_length"]),
+                    **{k: r[k]
+                       for k in ("block_size", "batch_size", "n_layer", "n_head", "n_embd")},
+                    **{k: options.get(k, train.DEFAULTS[k])
+                       for k in ("slot_end_labels", "ar_fraction")})
     flags = [f"--out_dir={out}", f"--device={cfg['device']}", f"--compile={cfg['compile']}"]
     if os.path.exists(ckpt_file) and not cfg["retrain"]:
         ckpt = load_checkpoint(ckpt_file)
@@ -152,17 +166,18 @@ def validation_prompts(cfg, task):
     token-id lists. Raises ValueError when none fits."""
     r = recipe(cfg, task)
     L = r["max_new_tokens"]
-    room = max([L] + [RefusionSettings(L, **knobs).gen_length for _, method, _, knobs in decoder_points(cfg, task)
-                      if method == "refusion"])
+    room = max([L] + [RefusionSettings(L, **knobs).gen_length
+                      for _, method, _, knobs in decoder_points(cfg, task) if method == "refusion"])
     val = TokenDataset(prepare(r["dataset"], "bytes", r["block_size"]), "val")
     pairs = [val.sample(i) for i in range(len(val))]
     fits = [(p, q) for p, q in pairs if len(p) + room <= r["block_size"]][:cfg["num_prompts"]]
     if not fits:
         raise ValueError(f"no {task} validation prompt leaves room for {room} new tokens in the "
-                         f"context of {r['block_size']}; change the task's recipe (TASKS in tools/bench.py)")
+                         f"context of {r['block_size']}; change the task's recipe "
+                         "(TASKS in tools/bench.py)")
     if len(fits) < cfg["num_prompts"]:
-        print(f"note: {len(fits)} {task} validation prompts leave room for {room} new tokens in the "
-              f"context of {r['block_size']}; decoding those, not {cfg['num_prompts']}")
+        print(f"note: {len(fits)} {task} validation prompts leave room for {room} new tokens in "
+              f"the context of {r['block_size']}; decoding those, not {cfg['num_prompts']}")
     return [p for p, _ in fits], [q for _, q in fits]
 
 # -----------------------------------------------------------------------------
@@ -186,8 +201,9 @@ def totals(tokens, nfe, seconds, calls):
     """A point's speed figures: tokens, NFE (as the decoder counts it), TPF (tokens / NFE), seconds,
     tokens/s, the forward calls the model saw (counting: equal to NFE), ms per forward pass and the
     share of decode time spent outside the model's forward passes."""
-    return {"tokens": tokens, "nfe": nfe, "tpf": tokens / nfe, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "forward_calls": calls["n"], "ms_per_forward": 1e3 * calls["seconds"] / calls["n"],
+    return {"tokens": tokens, "nfe": nfe, "tpf": tokens / nfe, "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "forward_calls": calls["n"],
+            "ms_per_forward": 1e3 * calls["seconds"] / calls["n"],
             "bookkeeping_share": 1 - calls["seconds"] / seconds}
 
 
@@ -197,21 +213,23 @@ def run_decoder(method, model, prompts, ids, settings):
     settings ask for a temperature above 0), so no decode depends on the warm-up or on the others.
     Returns the generated id lists (EOS dropped) and the summed speed figures."""
     timed = TimedModel(model)
-    cfg = {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper", **settings, "method": method}
+    cfg = {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper", **settings,
+           "method": method}
     device = next(model.parameters()).device
     decode_fn, _ = make_decoder(cfg, timed, ids, torch.Generator(device))  # the warm-up's generator
     decode_fn(prompts[0])  # warm-up, untimed
     timed.calls.update(n=0, seconds=0.0)
     outs = [decode_fn(p, generator=prompt_generator(device, 0, i)) for i, p in enumerate(prompts)]
     texts = [[t for t in o.tokens if t not in ids["eos_ids"]] for o in outs]
-    return texts, totals(sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs), sum(o.seconds for o in outs),
-                         timed.calls)
+    return texts, totals(sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs),
+                         sum(o.seconds for o in outs), timed.calls)
 
 
 def hf_generate(model, prompts, ids, max_new_tokens):
-    """The reference a user would otherwise pick: Hugging Face transformers' Qwen3ForCausalLM with the
-    same weights (our module names map one to one), greedy `generate` with its KV cache, the mask
-    and pad ids suppressed as ours are. Returns (texts, speed figures), or None without transformers."""
+    """The reference a user would otherwise pick: Hugging Face transformers' Qwen3ForCausalLM with
+    the same weights (our module names map one to one), greedy `generate` with its KV cache, the
+    mask and pad ids suppressed as ours are. Returns (texts, speed figures), or None without
+    transformers."""
     try:
         import transformers
     except ImportError:
@@ -221,9 +239,11 @@ def hf_generate(model, prompts, ids, max_new_tokens):
         vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
         head_dim=c.head_dim, max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}, tie_word_embeddings=c.tie_embeddings)
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        tie_word_embeddings=c.tie_embeddings)
     hf = transformers.Qwen3ForCausalLM(config)
-    hf.load_state_dict({("" if k == "lm_head.weight" else "model.") + k: v for k, v in model.state_dict().items()})
+    hf.load_state_dict({("" if k == "lm_head.weight" else "model.") + k: v
+                        for k, v in model.state_dict().items()})
     device = next(model.parameters()).device
     hf = hf.to(device).eval()
 
@@ -231,9 +251,10 @@ def hf_generate(model, prompts, ids, max_new_tokens):
         x = torch.tensor([prompt], device=device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                              eos_token_id=list(ids["eos_ids"]), pad_token_id=ids["eos_ids"][0],
-                              suppress_tokens=[ids["mask_id"], ids["pad_id"]])[0, len(prompt):].tolist()
+            out = hf.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                do_sample=False, eos_token_id=list(ids["eos_ids"]), pad_token_id=ids["eos_ids"][0],
+                suppress_tokens=[ids["mask_id"], ids["pad_id"]])[0, len(prompt):].tolist()
         return cut_after_eos(out, ids["eos_ids"]), time.perf_counter() - t0
 
     decode_one(prompts[0])  # warm-up, untimed
@@ -241,13 +262,15 @@ def hf_generate(model, prompts, ids, max_new_tokens):
     outs = [decode_one(p) for p in prompts]
     tokens = sum(len(o) for o, _ in outs)
     seconds = sum(s for _, s in outs)
-    return [[t for t in o if t not in ids["eos_ids"]] for o, _ in outs], totals(tokens, calls["n"], seconds, calls)
+    return ([[t for t in o if t not in ids["eos_ids"]] for o, _ in outs],
+            totals(tokens, calls["n"], seconds, calls))
 
 
 def counting(forward, device):
     """forward wrapped to count its calls and their wall-clock seconds (waiting for the GPU where
     there is one): (wrapped, {"n": calls, "seconds": s})."""
-    calls, sync = {"n": 0, "seconds": 0.0}, torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    calls, sync = ({"n": 0, "seconds": 0.0},
+                   torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
 
     def wrapped(*args, **kwargs):
         sync()
@@ -260,14 +283,16 @@ def counting(forward, device):
     return wrapped, calls
 
 
-NAMES = {"ar": "ARM", "mdm": "MDM", "mdm-ft": "MDM-ft", "refusion": "ReFusion", "refusion-ft": "ReFusion-ft"}
+NAMES = {"ar": "ARM", "mdm": "MDM", "mdm-ft": "MDM-ft", "refusion": "ReFusion",
+         "refusion-ft": "ReFusion-ft"}
 
 
 def decoder_points(cfg, task):
-    """(label, method, model name, decoder knobs) for every point of a task: the ARM, both MDMs at 1,
-    2 and 4 tokens per step (one block at 1 token per step; LLaDA's semi-autoregressive blocks at 2
-    and 4, of 32 tokens or the largest divisor of the length below that), then both ReFusion models
-    over the sweep, each point with the paper's infill and with infill="ar" (SPEC section 4.1)."""
+    """(label, method, model name, decoder knobs) for every point of a task: the ARM, both MDMs at
+    1, 2 and 4 tokens per step (one block at 1 token per step; LLaDA's semi-autoregressive blocks at
+    2 and 4, of 32 tokens or the largest divisor of the length below that), then both ReFusion
+    models over the sweep, each point with the paper's infill and with infill="ar"
+    (SPEC section 4.1)."""
     L = recipe(cfg, task)["max_new_tokens"]
     sweep = QUICK["sweep"] if cfg["quick"] else SWEEP
     points = [("ARM", "ar", "ar", {})]
@@ -275,32 +300,35 @@ def decoder_points(cfg, task):
     for model in ("mdm", "mdm-ft"):
         for per_step in (1, 2, 4):
             block = L if per_step == 1 else semi_ar
-            if L // per_step and (L // per_step) % (L // block) == 0:   # a schedule that fits this length
-                points.append((f"{NAMES[model]} {per_step} token(s)/step, block {block}", "mdm", model,
-                               dict(steps=L // per_step, block_length=block)))
+            # a schedule that fits this length
+            if L // per_step and (L // per_step) % (L // block) == 0:
+                points.append((f"{NAMES[model]} {per_step} token(s)/step, block {block}", "mdm",
+                               model, dict(steps=L // per_step, block_length=block)))
     for model in ("refusion", "refusion-ft"):
         for infill in INFILL_MODES:
             for S in sweep["slot_sizes"]:
                 for slot_thr, token_thr in sweep["thresholds"]:
                     for blocks in sweep["serial_num_blocks"]:
-                        label = f"{NAMES[model]} S={S} B={blocks} slot>{slot_thr} token>{token_thr} infill={infill}"
-                        points.append((label, "refusion", model, dict(slot_size=S, serial_num_blocks=blocks, infill=infill,
-                                                                      slot_threshold=slot_thr,
-                                                                      token_threshold=token_thr)))
+                        label = (f"{NAMES[model]} S={S} B={blocks} slot>{slot_thr} "
+                                 f"token>{token_thr} infill={infill}")
+                        points.append((label, "refusion", model,
+                                       dict(slot_size=S, serial_num_blocks=blocks, infill=infill,
+                                            slot_threshold=slot_thr, token_threshold=token_thr)))
     return points
 
 
 def bench_task(cfg, task, prompts, references):
     """Train or reuse the five models of one task, decode its validation prompts at every point and
-    return (rows, minutes): one dict per point (quality, speed figures, and the speed-ups over the ARM
-    and the MDM at one token per step) and the wall-clock minutes spent {"train": ..., "decode": ...}
-    (training near 0 when every model was reused)."""
+    return (rows, minutes): one dict per point (quality, speed figures, and the speed-ups over the
+    ARM and the MDM at one token per step) and the wall-clock minutes spent
+    {"train": ..., "decode": ...} (training near 0 when every model was reused)."""
     r = recipe(cfg, task)
     iters, ft = r["max_iters"], r["finetune_iters"]
     t0 = time.perf_counter()
     dirs = {name: train_model(cfg, task, name, name) for name in ("ar", "refusion", "mdm")}
     for name in ("refusion", "mdm"):   # the paper's recipe, and Dream's: start from the ARM
-        dirs[f"{name}-ft"] = train_model(cfg, task, f"{name}-ft", name, init_from=os.path.join(dirs["ar"], "ckpt.pt"))
+        dirs[f"{name}-ft"] = train_model(cfg, task, f"{name}-ft", name,
+                                         init_from=os.path.join(dirs["ar"], "ckpt.pt"))
     t1 = time.perf_counter()
     ckpts = {name: load_checkpoint(d, cfg["device"]) for name, d in dirs.items()}
     models = {name: model_from_checkpoint(c, cfg["device"]) for name, c in ckpts.items()}
@@ -310,16 +338,20 @@ def bench_task(cfg, task, prompts, references):
     queries, refs = [decode(enc, p) for p in prompts], [decode(enc, q[:-1]) for q in references]
 
     def point(label, method, name, knobs, texts, speed):
-        scores = [score(r["dataset"], q, decode(enc, t), ref) for q, t, ref in zip(queries, texts, refs)]
+        scores = [score(r["dataset"], q, decode(enc, t), ref)
+                  for q, t, ref in zip(queries, texts, refs)]
         quality = {m: float(np.mean([s[m] for s in scores])) for m in scores[0]}
-        return {"task": task, "dataset": r["dataset"], "label": label, "method": method, "model": name,
-                "settings": knobs, "train_iters": iters + (ft if name.endswith("-ft") else 0),
+        return {"task": task, "dataset": r["dataset"], "label": label, "method": method,
+                "model": name, "settings": knobs,
+                "train_iters": iters + (ft if name.endswith("-ft") else 0),
                 "train_options": r["refusion_ft_options"] if name == "refusion-ft" else {},
                 "val_loss": ckpts[name]["best_val_loss"], "quality": quality, **speed}
 
     rows, live = [], live_progress()
-    for label, method, name, knobs in tqdm(decoder_points(cfg, task), desc=f"decode {task}", disable=not live):
-        texts, speed = run_decoder(method, models[name], prompts, ids, dict(knobs, max_new_tokens=r["max_new_tokens"]))
+    for label, method, name, knobs in tqdm(decoder_points(cfg, task), desc=f"decode {task}",
+                                           disable=not live):
+        texts, speed = run_decoder(method, models[name], prompts, ids,
+                                   dict(knobs, max_new_tokens=r["max_new_tokens"]))
         rows.append(point(label, method, name, knobs, texts, speed))
         if not live:  # a log file gets one line per point instead of progress-bar frames
             print(f"decode {task}: {label}: {speed['tokens']} tokens, TPF {speed['tpf']:.2f}, "
@@ -330,18 +362,21 @@ def bench_task(cfg, task, prompts, references):
     ar_speed = rows[0]["tokens_per_s"]
     mdm_speed = best_mdm(rows)["tokens_per_s"]
     for row in rows:
-        row["speedup_vs_ar"], row["speedup_vs_mdm"] = row["tokens_per_s"] / ar_speed, row["tokens_per_s"] / mdm_speed
+        row["speedup_vs_ar"], row["speedup_vs_mdm"] = (row["tokens_per_s"] / ar_speed,
+                                                       row["tokens_per_s"] / mdm_speed)
     return rows, {"train": (t1 - t0) / 60, "decode": (time.perf_counter() - t1) / 60}
 
 
 def best_mdm(rows):
-    """The MDM point that "vs MDM" compares with: the best quality of any MDM point (either model, any
-    schedule), and the fastest of the points that reach it."""
-    return max((r for r in rows if r["method"] == "mdm"), key=lambda r: (first_quality(r), r["tokens_per_s"]))
+    """The MDM point that "vs MDM" compares with: the best quality of any MDM point (either model,
+    any schedule), and the fastest of the points that reach it."""
+    return max((r for r in rows if r["method"] == "mdm"),
+               key=lambda r: (first_quality(r), r["tokens_per_s"]))
 
 
 def fastest_close(points, ar_quality):
-    """The fastest of the points whose quality is within 1 point of the ARM's, or None when none is."""
+    """The fastest of the points whose quality is within 1 point of the ARM's, or None when none
+    is."""
     close = [r for r in points if first_quality(r) >= ar_quality - 0.01]
     return max(close, key=lambda r: r["tokens_per_s"]) if close else None
 
@@ -352,11 +387,11 @@ def most_accurate(points):
 
 
 def highlights(rows):
-    """The rows of the table: the baselines (the MDM point "vs MDM" compares with tagged so), then per
-    ReFusion model and infill mode three points of its sweep, each tagged with why: its fastest point
-    whose quality is within 1 point of the ARM's (when one is), its most accurate point (the fastest
-    of those that tie) and its fastest point overall. A point that is several of these is listed
-    once, with every reason."""
+    """The rows of the table: the baselines (the MDM point "vs MDM" compares with tagged so), then
+    per ReFusion model and infill mode three points of its sweep, each tagged with why: its fastest
+    point whose quality is within 1 point of the ARM's (when one is), its most accurate point (the
+    fastest of those that tie) and its fastest point overall. A point that is several of these is
+    listed once, with every reason."""
     chosen = []
     for task in dict.fromkeys(r["task"] for r in rows):
         task_rows = [r for r in rows if r["task"] == task]
@@ -365,7 +400,8 @@ def highlights(rows):
                    for r in task_rows if r["method"] != "refusion"]
         ar_quality = first_quality(task_rows[0])
         for model, infill in [(m, i) for m in ("refusion", "refusion-ft") for i in INFILL_MODES]:
-            points = [r for r in task_rows if r["model"] == model and r["settings"]["infill"] == infill]
+            points = [r for r in task_rows
+                      if r["model"] == model and r["settings"]["infill"] == infill]
             picks = {"fastest within 1 point of the ARM": fastest_close(points, ar_quality),
                      "most accurate": most_accurate(points),
                      "fastest": max(points, key=lambda r: r["tokens_per_s"])}
@@ -378,20 +414,23 @@ def highlights(rows):
 
 
 def headline(rows):
-    """The README's table: per task the ARM, the MDM point "vs MDM" compares with, and for each infill
-    mode the best ReFusion point of either model (its fastest point within 1 point of the ARM's
-    quality, or, when none is, its most accurate point, the fastest of those that tie), as markdown.
-    rows: bench.json's points, the ARM's first in each task."""
-    lines = ["| task | decoder | quality | tokens | TPF | tokens/s | vs ARM | vs MDM |", "| --- " * 8 + "|"]
+    """The README's table: per task the ARM, the MDM point "vs MDM" compares with, and for each
+    infill mode the best ReFusion point of either model (its fastest point within 1 point of the
+    ARM's quality, or, when none is, its most accurate point, the fastest of those that tie), as
+    markdown. rows: bench.json's points, the ARM's first in each task."""
+    lines = ["| task | decoder | quality | tokens | TPF | tokens/s | vs ARM | vs MDM |",
+             "| --- " * 8 + "|"]
     for task in dict.fromkeys(r["task"] for r in rows):
         task_rows = [r for r in rows if r["task"] == task]
         ar_quality = first_quality(task_rows[0])
         picks = [task_rows[0], best_mdm(task_rows)]
         for infill in INFILL_MODES:
-            points = [r for r in task_rows if r["method"] == "refusion" and r["settings"]["infill"] == infill]
+            points = [r for r in task_rows
+                      if r["method"] == "refusion" and r["settings"]["infill"] == infill]
             picks.append(fastest_close(points, ar_quality) or most_accurate(points))
         for r in picks:
-            lines.append(f"| {task} | {r['label']} | {quality_text(r)} | {r['tokens']} | {r['tpf']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup_vs_ar']:.2f}x | "
+            lines.append(f"| {task} | {r['label']} | {quality_text(r)} | {r['tokens']} | "
+                         f"{r['tpf']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup_vs_ar']:.2f}x | "
                          f"{r['speedup_vs_mdm']:.1f}x |")
     return "\n".join(lines)
 
@@ -408,12 +447,14 @@ def quality_text(row):
 
 def markdown_table(rows):
     """The highlighted rows as a markdown table."""
-    lines = ["| task | decoder | why | train iters | quality | tokens | NFE | TPF | tokens/s | ms/forward | "
-             "bookkeeping | vs ARM | vs MDM |", "| --- " * 13 + "|"]
+    lines = ["| task | decoder | why | train iters | quality | tokens | NFE | TPF | tokens/s | "
+             "ms/forward | bookkeeping | vs ARM | vs MDM |", "| --- " * 13 + "|"]
     for r in rows:
-        lines.append(f"| {r['task']} | {r['label']} | {r['why']} | {r['train_iters']} | {quality_text(r)} | {r['tokens']} | "
-                     f"{r['nfe']} | {r['tpf']:.2f} | {r['tokens_per_s']:.0f} | {r['ms_per_forward']:.2f} | "
-                     f"{r['bookkeeping_share']:.0%} | {r['speedup_vs_ar']:.2f}x | {r['speedup_vs_mdm']:.1f}x |")
+        lines.append(f"| {r['task']} | {r['label']} | {r['why']} | {r['train_iters']} | "
+                     f"{quality_text(r)} | {r['tokens']} | {r['nfe']} | {r['tpf']:.2f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['ms_per_forward']:.2f} | "
+                     f"{r['bookkeeping_share']:.0%} | {r['speedup_vs_ar']:.2f}x | "
+                     f"{r['speedup_vs_mdm']:.1f}x |")
     return "\n".join(lines)
 
 
@@ -431,8 +472,9 @@ def plot(rows, path):
     task_names = list(dict.fromkeys(r["task"] for r in rows))
     fig, axes = plt.subplots(1, len(task_names), figsize=(6 * len(task_names), 4.5), squeeze=False)
     style = {"ARM": ("tab:blue", "s"), "HF generate": ("tab:cyan", "D"), "MDM": ("tab:olive", "v"),
-             "MDM-ft (from the ARM)": ("tab:green", "^"), "ReFusion, paper infill": ("tab:red", "o"),
-             "ReFusion, infill=ar": ("tab:orange", "o"), "ReFusion-ft, paper infill": ("tab:purple", "o"),
+             "MDM-ft (from the ARM)": ("tab:green", "^"),
+             "ReFusion, paper infill": ("tab:red", "o"), "ReFusion, infill=ar": ("tab:orange", "o"),
+             "ReFusion-ft, paper infill": ("tab:purple", "o"),
              "ReFusion-ft, infill=ar": ("tab:pink", "o")}
 
     def series(r):
@@ -452,8 +494,9 @@ def plot(rows, path):
             xs, ys = [r["speedup_vs_ar"] for r in pts], [first_quality(r) for r in pts]
             ax.scatter(xs, ys, color=color, marker=marker, label=name, alpha=0.8)
             if name.startswith("ReFusion"):
-                frontier = sorted((x, y) for x, y in zip(xs, ys) if not any(x2 >= x and y2 > y or x2 > x and y2 >= y
-                                                                            for x2, y2 in zip(xs, ys)))
+                frontier = sorted((x, y) for x, y in zip(xs, ys)
+                                  if not any(x2 >= x and y2 > y or x2 > x and y2 >= y
+                                             for x2, y2 in zip(xs, ys)))
                 ax.plot(*zip(*frontier), color=color, alpha=0.6)
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
@@ -474,9 +517,11 @@ def machine():
     processor = platform.processor() or platform.machine()
     if os.path.isfile("/proc/cpuinfo"):  # Linux names the CPU model here, platform does not
         with open("/proc/cpuinfo") as f:
-            processor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), processor)
-    return {"python": platform.python_version(), "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
-            "processor": processor, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            processor = next((line.split(":", 1)[1].strip() for line in f
+                              if line.startswith("model name")), processor)
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cpu_threads": torch.get_num_threads(), "processor": processor,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "transformers": importlib.metadata.version("transformers")
             if importlib.util.find_spec("transformers") else None}
 
@@ -491,19 +536,24 @@ def training_step_times(cfg, task, steps=20):
     models, optims, times = {}, {}, {"refusion": 0.0, "ar": 0.0}
     for objective in times:
         torch.manual_seed(cfg["seed"])
-        models[objective] = Transformer(ModelConfig(vocab_size=meta["vocab_size"], block_size=r["block_size"],
+        models[objective] = Transformer(ModelConfig(vocab_size=meta["vocab_size"],
+                                                    block_size=r["block_size"],
                                                     n_layer=r["n_layer"], n_head=r["n_head"],
                                                     n_embd=r["n_embd"])).to(device)
         optims[objective] = torch.optim.AdamW(models[objective].parameters(), lr=1e-4)
     step_cfg = dict(train.DEFAULTS, slot_sizes=(4, 8))
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)  # wait for queued GPU work
-    for i in range(steps + 3):                                     # the first 3 rounds warm up, untimed
+    # wait for queued GPU work
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    # the first 3 rounds warm up, untimed
+    for i in range(steps + 3):
         for objective in sorted(times, reverse=i % 2 == 1):         # alternate which one goes first
-            rng, gen = np.random.default_rng(i), torch.Generator().manual_seed(i)   # same batch for both
+            # same batch for both
+            rng, gen = np.random.default_rng(i), torch.Generator().manual_seed(i)
             sync()
             t0 = time.perf_counter()
             tokens, prompt_len, length = train_data.get_batch(r["batch_size"], rng, device)
-            batch = train.make_batch(dict(step_cfg, objective=objective), tokens, prompt_len, length, meta, gen)
+            batch = train.make_batch(dict(step_cfg, objective=objective), tokens, prompt_len,
+                                     length, meta, gen)
             with train.autocast_for(device):
                 logits = models[objective](batch.idx, batch.position_ids, key_mask=batch.key_mask)
             train.hybrid_loss(logits.float(), batch)[0].backward()
@@ -528,17 +578,20 @@ def check_bench_config(cfg):
             if method == "refusion":
                 RefusionSettings(L, **knobs)
     if cfg["dataset"] and len(cfg["tasks"]) > 1:
-        raise ValueError(f"--dataset={cfg['dataset']} replaces one task's data: name that task alone in --tasks")
+        raise ValueError(f"--dataset={cfg['dataset']} replaces one task's data: "
+                         "name that task alone in --tasks")
     require(cfg, ("num_prompts",), "positive", lambda v: v > 0)
     require(cfg, OVERRIDES[1:-1], "0 or more (0: the task's recipe)", lambda v: v >= 0)
-    require(cfg, ("learning_rate",), "0 or more and finite (0: the task's recipe)", lambda v: 0 <= v < math.inf)
+    require(cfg, ("learning_rate",), "0 or more and finite (0: the task's recipe)",
+            lambda v: 0 <= v < math.inf)
 
 
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
     if cfg["quick"]:
         if tuple(cfg["tasks"]) != tuple(tasks):
-            raise ValueError(f"--quick runs {', '.join(QUICK['tasks'])} alone: drop --tasks, or drop --quick")
+            raise ValueError(f"--quick runs {', '.join(QUICK['tasks'])} alone: "
+                             "drop --tasks, or drop --quick")
         cfg.update(tasks=QUICK["tasks"], num_prompts=min(cfg["num_prompts"], QUICK["num_prompts"]))
     check_bench_config(cfg)
     check_writable(cfg["out_dir"])
@@ -553,16 +606,21 @@ def main(argv):
                   for task in cfg["tasks"]}
     minutes = (time.perf_counter() - t0) / 60
     table = headline(rows) + "\n\n" + markdown_table(highlights(rows)) + "\n\n" + "\n".join(
-        f"Training step ({task}, batch {recipe(cfg, task)['batch_size']}): ReFusion {t['refusion'] * 1e3:.0f} ms, "
-        f"AR {t['ar'] * 1e3:.0f} ms, ratio {t['ratio']:.2f}x" for task, t in step_times.items())
-    table += "\n\n" + "\n".join(f"{task}: training {m['train']:.1f} minutes (5 models; near 0 when reused), "
-                                 f"decoding {m['decode']:.1f} minutes" for task, m in task_minutes.items())
+        f"Training step ({task}, batch {recipe(cfg, task)['batch_size']}): "
+        f"ReFusion {t['refusion'] * 1e3:.0f} ms, AR {t['ar'] * 1e3:.0f} ms, ratio {t['ratio']:.2f}x"
+        for task, t in step_times.items())
+    table += "\n\n" + "\n".join(
+        f"{task}: training {m['train']:.1f} minutes (5 models; near 0 when reused), "
+        f"decoding {m['decode']:.1f} minutes" for task, m in task_minutes.items())
     host = machine()
-    table += f"\n\nWhole run: {minutes:.1f} minutes on {host['processor']} ({host['cpu_threads']} threads)"
-    report = {"config": cfg, "machine": host, "minutes": minutes, "task_minutes": task_minutes, "rows": rows,
-              "training_step_seconds": step_times}
-    write_atomic(os.path.join(cfg["out_dir"], "bench.json"), lambda f: f.write(json.dumps(report, indent=2).encode()))
-    write_atomic(os.path.join(cfg["out_dir"], "bench.md"), lambda f: f.write((table + "\n").encode()))
+    table += (f"\n\nWhole run: {minutes:.1f} minutes on {host['processor']} "
+              f"({host['cpu_threads']} threads)")
+    report = {"config": cfg, "machine": host, "minutes": minutes, "task_minutes": task_minutes,
+              "rows": rows, "training_step_seconds": step_times}
+    write_atomic(os.path.join(cfg["out_dir"], "bench.json"),
+                 lambda f: f.write(json.dumps(report, indent=2).encode()))
+    write_atomic(os.path.join(cfg["out_dir"], "bench.md"),
+                 lambda f: f.write((table + "\n").encode()))
     print("\n" + table)
     if plot(rows, os.path.join(cfg["out_dir"], "bench.png")):
         print(f"wrote {cfg['out_dir']}/bench.png")

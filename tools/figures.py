@@ -7,16 +7,16 @@ Draw the pictures of docs/ from the code's own output (support/drawing.py; needs
                                        # ... and docs/decode.png: sampler.py --plot of that
                                        # checkpoint's first validation prompt
 
-docs/decode.png shows a 3-layer, 96-wide model trained on the transform task in about 10 CPU minutes,
-the paper's way (an ARM first, then fine-tuned into ReFusion; M="--dataset=transform --block_size=200
---n_layer=3 --n_head=4 --n_embd=96 --batch_size=32"):
+docs/decode.png shows a 3-layer, 96-wide model trained on the transform task in about 10 CPU
+minutes, the paper's way (an ARM first, then fine-tuned into ReFusion; M="--dataset=transform
+--block_size=200 --n_layer=3 --n_head=4 --n_embd=96 --batch_size=32"):
 
-    python train.py $M --out_dir=out/tr-ar --objective=ar --max_iters=1200 --learning_rate=3e-3 --min_lr=3e-4 \
-        --eval_interval=300
-    python train.py $M --out_dir=out/tr-ft --objective=refusion --init_from=out/tr-ar/ckpt.pt --max_iters=500 \
-        --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=20 --slot_sizes=4,8
-    python train.py $M --out_dir=out/tr-ft2 --objective=refusion --init_from=out/tr-ft/ckpt.pt --max_iters=1000 \
-        --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=20 --slot_sizes=4,8
+    python train.py $M --out_dir=out/tr-ar --objective=ar --max_iters=1200 --learning_rate=3e-3 \
+        --min_lr=3e-4 --eval_interval=300
+    python train.py $M --out_dir=out/tr-ft --objective=refusion --init_from=out/tr-ar/ckpt.pt \
+        --max_iters=500 --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=20 --slot_sizes=4,8
+    python train.py $M --out_dir=out/tr-ft2 --objective=refusion --init_from=out/tr-ft/ckpt.pt \
+        --max_iters=1000 --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=20 --slot_sizes=4,8
     python -m tools.figures --layout_png= --out_dir=out/tr-ft2 \
         --sampler_flags="--max_new_tokens=72 --slot_size=4 --serial_num_blocks=2"
 """
@@ -34,17 +34,17 @@ from support.tokenizer import get_tokenizer
 
 # -----------------------------------------------------------------------------
 # default config
-dataset = "transform"          # the data set (built-in name or file) whose validation sample layout.png shows
+dataset = "transform"  # data set (built-in name or file) whose validation sample layout.png shows
 tokenizer = "bytes"            # its tokenizer
-block_size = 200               # its context (support/prepare.py's data dir: data_root/<dataset>-<tokenizer>-<block_size>)
+block_size = 200  # its context (prepare.py data dir: data_root/<dataset>-<tokenizer>-<block_size>)
 data_root = "data"             # where prepared data sets live
-sample = 2                     # the validation sample drawn (2: a short "copy:" one; seed 16 shuffles its slots)
+sample = 2  # the validation sample drawn (2: a short "copy:" one; seed 16 shuffles its slots)
 slot_size = 4                  # the slot size S of the layout
-seed = 16                      # reorganize_slots' generator: p_mask, the masked slots, the clean slots' order
+seed = 16  # reorganize_slots' generator: p_mask, the masked slots, the clean slots' order
 layout_png = "docs/layout.png" # where the layout figure goes
-out_dir = ""                   # a checkpoint (train.py's out_dir) to draw the decode figure with; empty: none
+out_dir = ""  # a checkpoint (train.py's out_dir) to draw the decode figure with; empty: none
 decode_png = "docs/decode.png" # where the decode figure goes
-sampler_flags = ""             # more sampler.py flags for the decode figure, e.g. "--slot_size=8 --serial_num_blocks=1"
+sampler_flags = ""  # more sampler.py flags for decoding, e.g. "--slot_size=8 --serial_num_blocks=1"
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
 
@@ -52,20 +52,25 @@ DEFAULTS = settings_in(globals())
 
 
 def draw_layout(cfg):
-    """layout.png from cfg's data set, sample, slot size and seed: reorganize_slots of that one sample."""
+    """layout.png from cfg's data set, sample, slot size and seed: reorganize_slots of that one
+    sample."""
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"])
     val = TokenDataset(data_dir, "val")
     if not 0 <= cfg["sample"] < len(val):
-        raise ValueError(f"--sample={cfg['sample']}: the validation split holds {len(val)} samples (0..{len(val) - 1})")
+        raise ValueError(f"--sample={cfg['sample']}: the validation split holds {len(val)} samples "
+                         f"(0..{len(val) - 1})")
     tokens, prompt_len, length = val.get_batch_at([cfg["sample"]])
     enc, eos_id, mask_id = get_tokenizer(cfg["tokenizer"]), val.meta["eos_id"], val.meta["mask_id"]
     batch = reorganize_slots(tokens, prompt_len, length, (cfg["slot_size"],), mask_id,
                              torch.Generator().manual_seed(cfg["seed"]))
     texts = ([cell_text(enc, t, (eos_id,), mask_id) for t in batch.idx[0].tolist()],
-             [cell_text(enc, t, (eos_id,)) if t != IGNORE else "" for t in batch.labels[0].tolist()])
-    title = (f"reorganize_slots of validation sample {cfg['sample']} of {cfg['dataset']}: slot size "
-             f"{cfg['slot_size']}, generator seed {cfg['seed']} (■: EOS, ░: the mask id, ↵: newline)")
-    fig = plot_layout(batch, prompt_len, length, cfg["slot_size"], mask_id, cfg["layout_png"], texts, title)
+             [cell_text(enc, t, (eos_id,)) if t != IGNORE else ""
+              for t in batch.labels[0].tolist()])
+    title = (f"reorganize_slots of validation sample {cfg['sample']} of {cfg['dataset']}: "
+             f"slot size {cfg['slot_size']}, generator seed {cfg['seed']} "
+             "(■: EOS, ░: the mask id, ↵: newline)")
+    fig = plot_layout(batch, prompt_len, length, cfg["slot_size"], mask_id, cfg["layout_png"],
+                      texts, title)
     pyplot().close(fig)
     print(f"wrote {cfg['layout_png']}")
 
@@ -78,9 +83,10 @@ def main(argv):
     if cfg["layout_png"]:
         draw_layout(cfg)
     if cfg["out_dir"]:
-        import sampler  # the command line that decodes and draws (it imports this file for the drawing)
-        sampler.main([f"--out_dir={cfg['out_dir']}", "--num_samples=1", f"--plot={cfg['decode_png']}",
-                      *shlex.split(cfg["sampler_flags"])])
+        # the command line that decodes and draws (it imports this file for the drawing)
+        import sampler
+        sampler.main([f"--out_dir={cfg['out_dir']}", "--num_samples=1",
+                      f"--plot={cfg['decode_png']}", *shlex.split(cfg["sampler_flags"])])
         print(f"wrote {cfg['decode_png']}")
 
 
