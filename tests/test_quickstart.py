@@ -1,5 +1,6 @@
 """The README's quick start (config/train_quotes.py, then config/sample_quotes.py), at a tiny size:
-the same configs and code path, not the timing or the figures."""
+the same configs and code path, its summary beside next-token decoding, not the timing or the
+figures."""
 
 import re
 
@@ -21,7 +22,10 @@ def test_quick_start_trains_and_prints_a_verdict_per_sample_and_a_summary(tmp_pa
                 if re.match(r"(right|wrong) \(exact\): \d+ tokens in \d+ forward", line)]
     assert len(verdicts) == 3
     right = sum(line.startswith("right") for line in verdicts)
-    assert re.match(rf"3 samples: {right} of 3 right \(exact\); \d+ tokens in \d+ forward passes",
+    assert re.match(rf"3 samples: {right} of 3 right \(exact\); \d+ tokens in \d+ forward passes, "
+                    r".*; next-token decoding \(--method=ar\) of the same prompts: \d of 3 right "
+                    r"\(exact\); (\d+) tokens in \1 forward passes, [\d.]+ tokens/s; "
+                    r"speed-up [\d.]+x$",
                     printed[-1])
     cfg = load_checkpoint(str(tmp_path / "out"))["config"]
     assert (cfg["dataset"], cfg["slot_end_labels"], cfg["ar_fraction"]) == ("quotes", True, 0.25)
