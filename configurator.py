@@ -112,7 +112,8 @@ def _coerce(key, value, default, where="the command line"):
     if isinstance(default, float) and value in ("nan", "inf", "-inf"):
         return float(value)
     if type(value) is not type(default):
-        raise ConfigError(f"{shown}: expected {type(default).__name__} like {default!r}, "
+        spelled = " (True or False)" if isinstance(default, bool) else ""
+        raise ConfigError(f"{shown}: expected {type(default).__name__}{spelled} like {default!r}, "
                           f"got {type(value).__name__}")
     return value
 
@@ -157,8 +158,10 @@ def parse_args(defaults, argv):
     for arg in argv:
         if not arg.startswith("--"):
             if not arg.endswith(".py"):
-                flags = " or ".join(f"--{key}={arg}" for key in ("prompt_file", "dataset")
-                                    if key in defaults)
+                # a run's directory or a checkpoint is a model to start from; another file, text
+                model = os.path.isdir(arg) or arg.endswith(".pt")
+                readers = ("init_from",) if model else ("prompt_file", "dataset")
+                flags = " or ".join(f"--{key}={arg}" for key in readers if key in defaults)
                 fix = f"to read it, write {flags}" if flags else "flags are written --key=value"
                 raise ConfigError(f"{arg!r} is not a config file (a .py file of assignments); "
                                   f"{fix}")

@@ -793,9 +793,9 @@ def make_decoder(cfg, model, ids, generator):
     settings = decoder_settings(cfg)
     check_attention(model, cfg["method"])
     if cfg["method"] != "ar" and ids["mask_id"] is None:
-        raise ValueError(f"--method={cfg['method']}: this model has no mask token (a plain Qwen3 "
-                         "was never trained to fill masks); use --method=ar, or fine-tune it with "
-                         "train.py first")
+        raise ValueError(f"--method={cfg['method']}: this model has no mask token (a plain "
+                         "pretrained model, such as Qwen3 or SmolLM2, was never trained to fill "
+                         "masks); use --method=ar, or fine-tune it with train.py first")
     banned = tuple(i for i in (ids["mask_id"], ids["pad_id"], *ids.get("undecodable_ids", ()))
                    if i is not None and i not in ids["eos_ids"])
     kwargs = dict(eos_ids=ids["eos_ids"], banned_ids=banned)
@@ -820,7 +820,7 @@ def check_config(cfg):
 # -----------------------------------------------------------------------------
 # the command line: python sampler.py [config/sample_*.py] [--key=value ...]
 out_dir = "out"            # directory holding ckpt.pt (written by train.py) ...
-init_from = ""             # ... or a Hugging Face model folder (Qwen3, SmolLM2, ReFusion's release)
+init_from = ""             # ... or a Hugging Face model folder (Qwen3, SmolLM2), or a ckpt.pt
 dtype = "float32"          # the weights in float32 or bfloat16 (half the memory)
 chat = False               # wrap the prompt in the model's chat template (a user turn)
 prompt = ""                # decode this text ...
@@ -852,21 +852,22 @@ def main(argv):
     with next-token decoding of the same prompts (compare_ar)."""
     from support import sampling  # loading models and prompts, the live trace, printing
     cfg = parse_args(DEFAULTS, argv)
+    explicit = explicit_keys(cfg, DEFAULTS, argv)
     check_config(cfg)
     if cfg["plot"]:
         sampling.check_plot_path(cfg["plot"])  # before any weights are read
     model, enc, ids, objective, ckpt = sampling.load_model(cfg)
     cfg["method"] = cfg["method"] or objective
     if cfg["method"] == "mdm":
-        sampling.fit_mdm_canvas(cfg, ckpt, "max_new_tokens" in explicit_keys(cfg, DEFAULTS, argv))
+        sampling.fit_mdm_canvas(cfg, ckpt, "max_new_tokens" in explicit)
     # the generator of the warm-up (each prompt has its own)
     decode, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]))
-    sampling.note_mismatch(cfg["method"], objective)
+    sampling.note_mismatch(cfg["method"], objective, ckpt)
     prompts = sampling.load_prompts(cfg, enc, ckpt, settings.gen_length, model.config.block_size)
     decode(prompts[0][:8])  # warm-up: the first forward passes pay one-time costs
-    compare = (cfg["compare_ar"] and cfg["method"] == "refusion" and len(prompts) > 1
-               and not cfg["json"])
+    compare = sampling.compares_next_token(cfg, len(prompts), "compare_ar" in explicit)
     if compare:  # next-token decoding of the same model, warmed up the same way
+        sampling.note_mismatch("ar", objective, ckpt)
         next_token, _ = make_decoder(dict(cfg, method="ar"), model, ids,
                                      torch.Generator(cfg["device"]))
         next_token(prompts[0][:8])

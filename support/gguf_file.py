@@ -208,6 +208,7 @@ def convert_gguf(path, out_dir):
                                                       if kind in heads else w, dtype=np.float32)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(os.path.join(out_dir, "model.safetensors"), 0o644)  # an ordinary file, as the others
     for name, content in [("config.json", config), ("tokenizer.json", tokenizer),
                           ("tokenizer_config.json", tokenizer_config)]:
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:

@@ -21,7 +21,7 @@ from json import dumps
 import torch
 
 from support.chat import chat_prompt
-from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
+from support.checkpoint import checkpoint_path, decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import read_utf8, score
 from support.drawing import cell_text, plot_decode, pyplot
 from support.hf_folder import from_pretrained
@@ -31,8 +31,8 @@ from support.tokenizer import decode, encode, get_tokenizer
 
 
 def load_model(cfg):
-    """The model to decode with: --init_from=FOLDER (support.hf_folder.from_pretrained) or out_dir's
-    checkpoint.
+    """The model to decode with: --init_from=FOLDER (support.hf_folder.from_pretrained) or a
+    checkpoint: out_dir's, or one that --init_from names (a ckpt.pt or the out_dir holding it).
 
     Returns (model in eval mode on cfg["device"], tokenizer, ids {"eos_ids", "mask_id", "pad_id",
     "undecodable_ids"}, the objective it was trained with, the checkpoint dict or None for a
@@ -44,6 +44,10 @@ def load_model(cfg):
     """
     if cfg["dtype"] not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype={cfg['dtype']!r}: choose float32 or bfloat16")
+    folder = cfg["init_from"]
+    if folder and not os.path.isfile(os.path.join(folder, "config.json")) and (
+            os.path.isfile(folder) or os.path.isfile(checkpoint_path(folder))):
+        cfg["out_dir"], cfg["init_from"] = folder, ""  # a checkpoint, as train.py's --init_from
     dtype = getattr(torch, cfg["dtype"])
     if cfg["init_from"]:
         folder = source = cfg["init_from"]
@@ -69,7 +73,8 @@ def fit_mdm_canvas(cfg, ckpt, explicit):
     EOS to G, LLaDA's layout) is decoded on a canvas of G: cfg["max_new_tokens"] becomes G, with a
     note, unless it was given explicitly as another value, which is refused (the model never saw
     that layout). Raises ValueError."""
-    G = (ckpt or {}).get("config", {}).get("gen_length", 0)
+    trained = (ckpt or {}).get("config", {})
+    G = trained.get("gen_length", 0) if trained.get("objective") == "mdm" else 0
     if not G or cfg["max_new_tokens"] == G:
         return
     if explicit:
@@ -83,9 +88,10 @@ def fit_mdm_canvas(cfg, ckpt, explicit):
 
 
 MISMATCH_NOTES = {
-    ("ar", "refusion"): "a refusion model never learns a slot's first token as a next token (SPEC "
-                        "section 4, known limit (a)), so plain next-token decoding does poorly; "
-                        "for left-to-right decoding use --method=refusion "
+    ("ar", "refusion"): "a refusion model trained with the paper's objective never learns a slot's "
+                        "first token as a next token (SPEC section 4, known limit (a); "
+                        "slot_end_labels and ar_fraction train it), so plain next-token decoding "
+                        "does poorly; for left-to-right decoding use --method=refusion "
                         "--serial_num_blocks=<number of slots>",
     ("refusion", "ar"): "an ar model was never trained to predict mask tokens, so its plan "
                         "drafts are poor and ReFusion decoding falls back to about two forward "
@@ -93,10 +99,29 @@ MISMATCH_NOTES = {
 }
 
 
-def note_mismatch(method, objective):
-    """Say on stderr when a model is decoded by a method its objective does not prepare it for."""
-    if (method, objective) in MISMATCH_NOTES:
+def note_mismatch(method, objective, ckpt=None):
+    """Say on stderr when a model is decoded by a method its training did not prepare it for:
+    next-token decoding of a refusion model trained without slot_end_labels or ar_fraction (SPEC
+    section 3), or ReFusion decoding of an ar model. ckpt: the checkpoint dict, or None."""
+    trained = (ckpt or {}).get("config", {})
+    kept_next_tokens = trained.get("slot_end_labels") or trained.get("ar_fraction", 0) > 0
+    if (method, objective) in MISMATCH_NOTES and not (method == "ar" and kept_next_tokens):
         print("note: " + MISMATCH_NOTES[method, objective], file=sys.stderr)
+
+
+def compares_next_token(cfg, n_prompts, asked):
+    """Whether the summary line also gives next-token decoding of the same prompts (compare_ar):
+    for --method=refusion, more than one prompt and text output. asked: compare_ar was set
+    explicitly, and so a note says why it cannot be done."""
+    if not cfg["compare_ar"]:
+        return False
+    missing = [why for why, fails in [("--method=refusion", cfg["method"] != "refusion"),
+                                      ("more than one prompt", n_prompts < 2),
+                                      ("text output (not --json)", cfg["json"])] if fails]
+    if missing and asked:
+        print(f"note: --compare_ar compares a summary line, which needs {' and '.join(missing)}; "
+              "decoding without it", file=sys.stderr)
+    return not missing
 
 
 def load_prompts(cfg, enc, ckpt, gen_length, block_size):

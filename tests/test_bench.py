@@ -25,13 +25,14 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
     bench.md the table, bench.png the plot. The figures themselves are not checked, only that they
     are consistent."""
     pytest.importorskip("matplotlib")
-    monkeypatch.chdir(tmp_path)                                       # data/ and bench/ land here
+    monkeypatch.chdir(tmp_path)                                 # data/ and bench-quick/ land here
     bench.main(QUICK)
+    assert not (tmp_path / "bench").exists()                    # a smoke run leaves a full run be
     # not a terminal: plain lines, no bar frames
     printed = capsys.readouterr()
     assert ("\r" not in printed.err and "iter 0: loss " in printed.out and
             "decode transform: ARM: " in printed.out)
-    report = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    report = json.loads((tmp_path / "bench-quick" / "bench.json").read_text())
     rows = report["rows"]
     assert ({"python", "torch", "transformers", "cpu_threads", "processor"} <=
             set(report["machine"]) and report["minutes"] > 0)
@@ -63,11 +64,11 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
         assert r["speedup_vs_mdm"] == r["tokens_per_s"] / mdm_row["tokens_per_s"]
     steps = report["training_step_seconds"]["transform"]
     assert steps["ratio"] == steps["refusion"] / steps["ar"]
-    table = (tmp_path / "bench" / "bench.md").read_text()
+    table = (tmp_path / "bench-quick" / "bench.md").read_text()
     assert (table.startswith(bench.headline(rows) + "\n\n| task | decoder | why |") and
             "Training step (transform" in table)
     check_headline(rows)
-    assert "fastest" in table and (tmp_path / "bench" / "bench.png").stat().st_size > 10_000
+    assert "fastest" in table and (tmp_path / "bench-quick" / "bench.png").stat().st_size > 10_000
     # with transformers installed, Hugging Face's generate on the ARM's weights is a row of its own,
     # and greedy decoding of the same weights gives what our cached ARM decoder gives
     hf_rows = [r for r in rows if r["method"] == "hf"]
@@ -132,11 +133,11 @@ def test_bench_reuses_only_models_trained_with_the_same_settings(tmp_path, monke
         # prompt leaves
         patch.setitem(bench.TASKS, "transform", dict(bench.TASKS["transform"], max_new_tokens=190))
         bench.main(QUICK)
-    assert not (tmp_path / "bench" / "transform-ar").exists()
+    assert not (tmp_path / "bench-quick" / "transform-ar").exists()
     bench.main(QUICK)
     names = ["transform-ar", "transform-mdm", "transform-refusion", "transform-refusion-ft",
              "transform-mdm-ft"]
-    ckpts = [tmp_path / "bench" / n / "ckpt.pt" for n in names]
+    ckpts = [tmp_path / "bench-quick" / n / "ckpt.pt" for n in names]
     stamps = lambda: [p.stat().st_mtime_ns for p in ckpts]           # noqa: E731
     first = stamps()
     interrupted = load_checkpoint(str(ckpts[1]))
@@ -146,7 +147,7 @@ def test_bench_reuses_only_models_trained_with_the_same_settings(tmp_path, monke
     bench.main(QUICK)
     out = capsys.readouterr().out
     assert (out.count("== reusing") == 4 and
-            "== resuming bench/transform-mdm at iteration 1 of 3" in out)
+            "== resuming bench-quick/transform-mdm at iteration 1 of 3" in out)
     assert load_checkpoint(str(ckpts[1]))["iter_num"] == 3
     assert [a == b for a, b in zip(stamps(), first)] == [True, False, True, True, True]
     second = stamps()

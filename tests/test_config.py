@@ -145,3 +145,20 @@ def test_a_renamed_setting_is_still_accepted_by_its_old_name(tmp_path):
     assert parse_args(sampler.DEFAULTS, [str(config)])["serial_num_blocks"] == 3
     with pytest.raises(ValueError, match="unknown config key 'num_block'"):
         parse_args(sampler.DEFAULTS, ["--num_block=2"])
+
+
+def test_every_tool_answers_help_as_a_module_and_as_a_file(tmp_path):
+    """`python -m tools.X --help` from the root, and `python tools/X.py --help` from elsewhere
+    (a file's own directory is first on its path, not the root), both print the usage."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    runs = {}
+    for name in ("bench", "eval_humaneval", "convert_gguf", "consolidate", "figures"):
+        for how, command, cwd in [("module", ["-m", f"tools.{name}"], ROOT),
+                                  ("file", [str(ROOT / "tools" / f"{name}.py")], tmp_path)]:
+            runs[name, how] = subprocess.Popen([sys.executable, *command, "--help"], cwd=cwd,
+                                               env=env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE)
+    for (name, how), proc in runs.items():
+        out, err = proc.communicate(timeout=120)
+        assert (proc.returncode, out.decode().split(" [")[0], err.decode()) == \
+            (0, f"usage: python -m tools.{name}", ""), (name, how)

@@ -19,11 +19,20 @@ HEAVY = ("gguf", "safetensors", "jinja2", "regex", "filelock", "torch.distribute
          "matplotlib", "support")
 
 
+def project_files(pattern):
+    """The repository's files matching pattern (a glob from the root): those git tracks in a
+    checkout, so that a user's own scripts beside them are not the project's; else every file."""
+    listed = subprocess.run(["git", "ls-files", pattern], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode == 0 and listed.stdout.strip():
+        return [ROOT / name for name in listed.stdout.split()]
+    return sorted(ROOT.glob(pattern))
+
+
 def modules():
     """{module: path} of every Python file of the project outside tests/ (support.runs, ...)."""
-    found = {p.stem: p for p in ROOT.glob("*.py")}
+    found = {p.stem: p for p in project_files("*.py") if p.parent == ROOT}
     for folder in ("support", "tools"):
-        found |= {f"{folder}.{p.stem}": p for p in (ROOT / folder).glob("*.py")
+        found |= {f"{folder}.{p.stem}": p for p in project_files(f"{folder}/*.py")
                   if p.stem != "__init__"}
     return found
 
@@ -97,7 +106,7 @@ def violations(project):
 
 
 def test_the_top_level_is_the_design_cards_files():
-    assert {p.stem for p in ROOT.glob("*.py")} == TOP
+    assert {p.stem for p in project_files("*.py") if p.parent == ROOT} == TOP
     assert not (ROOT / "generate.py").exists()
 
 

@@ -271,3 +271,51 @@ def test_prompt_file_from_a_pipe_or_standard_input_is_read(trained, tmp_path, mo
     with pytest.raises(ValueError, match=rf"--prompt_file={re.escape(str(tmp_path))}: "
                                          r"is a directory"):
         sampler.main(knobs + [f"--prompt_file={tmp_path}"])
+
+
+def test_a_causal_checkpoint_asked_for_mdm_decoding_is_told_its_attention_not_a_canvas(trained):
+    """--method=mdm on a ReFusion checkpoint (whose config holds a gen_length, as every run's does)
+    is refused for its causal attention, not for a canvas length it was never trained on."""
+    with pytest.raises(ValueError, match="trained with a causal objective"):
+        sampler.main([f"--out_dir={trained}", "--num_samples=1", "--method=mdm",
+                      "--max_new_tokens=8"])
+
+
+def test_the_next_token_note_speaks_only_of_models_trained_without_next_token_labels(
+        tmp_path, qa_file, capsys):
+    """Next-token decoding of a refusion model (--method=ar, or compare_ar's half of the summary)
+    says it does poorly only when training left the slots' first tokens without next-token labels
+    (the paper's objective); with slot_end_labels it says nothing."""
+    for name, options in [("paper", []), ("labels", ["--slot_end_labels=True"])]:
+        train.main(tiny_run_flags(tmp_path, qa_file, name) + ["--max_iters=2"] + options)
+        for method in ("ar", "refusion"):
+            capsys.readouterr()
+            sampler.main([f"--out_dir={tmp_path / name}", "--num_samples=2", "--max_new_tokens=8",
+                          "--slot_size=4", f"--method={method}"])
+            noted = "never learns a slot's first token" in capsys.readouterr().err
+            assert noted == (name == "paper"), (name, method)
+
+
+@pytest.mark.parametrize("flags, missing", [(["--num_samples=1"], "more than one prompt"),
+                                            (["--json"], "text output"),
+                                            (["--method=ar"], "--method=refusion")])
+def test_an_explicit_compare_ar_that_cannot_apply_says_why(trained, capsys, flags, missing):
+    sampler.main([f"--out_dir={trained}", "--max_new_tokens=8", "--slot_size=4",
+                  "--compare_ar=True", *flags])
+    captured = capsys.readouterr()
+    assert f"note: --compare_ar compares a summary line, which needs {missing}" in captured.err
+    assert "next-token decoding (--method=ar) of the same prompts" not in captured.out
+
+
+def test_init_from_takes_a_checkpoint_as_train_py_does(trained, capsys):
+    """sampler.py --init_from=PATH decodes a checkpoint (a ckpt.pt or its out_dir) as --out_dir
+    does, so the flag means in both scripts where the weights come from."""
+    runs = [[f"--out_dir={trained}"], [f"--init_from={trained}"],
+            [f"--init_from={os.path.join(trained, 'ckpt.pt')}"]]
+    outputs = []
+    for flags in runs:
+        sampler.main(flags + ["--prompt=What is 2 + 2?", "--max_new_tokens=8", "--slot_size=4",
+                              "--json"])
+        outputs.append({k: v for k, v in json.loads(capsys.readouterr().out).items()
+                        if k not in ("seconds", "tokens_per_s")})
+    assert outputs[0] == outputs[1] == outputs[2]

@@ -10,8 +10,8 @@ tasks that span the range from parallel-friendly to strictly serial:
 
     python -m tools.bench              # the full run (TASKS' recipes), 92 minutes on 2 CPU cores
                                          (docs/benchmark.md)
-    python -m tools.bench --quick      # one task, tiny models, a small sweep: a smoke run of 20 to
-                                         30 seconds
+    python -m tools.bench --quick      # one task, tiny models, a small sweep: a smoke run of under
+                                         a minute, into bench-quick/
 
 For each task it trains (or reuses, from out_dir) an ARM, a ReFusion model and an MDM with the same
 budget, and the paper's recipe: ReFusion fine-tuned from the ARM, next to an MDM fine-tuned from it
@@ -43,8 +43,11 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import train
-from configurator import parse_args, require, run_cli, settings_in
+from configurator import explicit_keys, parse_args, require, run_cli, settings_in
 from model import ModelConfig, Transformer
 from sampler import INFILL_MODES, MDMSettings, RefusionSettings, cut_after_eos, make_decoder
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
@@ -57,7 +60,7 @@ from support.tokenizer import decode, get_tokenizer
 
 # -----------------------------------------------------------------------------
 # default config
-out_dir = "bench"          # trained models, bench.json, bench.md and bench.png go here
+out_dir = "bench"          # models, bench.json, bench.md and bench.png (--quick: bench-quick)
 tasks = ("transform", "arith", "stdlib")  # any of TASKS
 quick = False              # a smoke run: QUICK's task, models, budget and sweep
 num_prompts = 100          # validation prompts decoded by every decoder (fewer when fewer fit)
@@ -105,7 +108,7 @@ OVERRIDES = ("dataset", "block_size", "max_new_tokens", "max_iters", "finetune_i
 # the ReFusion sweep: every slot size x (slot_threshold, token_threshold) x serial blocks
 SWEEP = dict(slot_sizes=(4, 8, 16), thresholds=((0.9, 0.3), (0.7, 0.1), (0.5, 0.0)),
              serial_num_blocks=(1, 4))
-QUICK = dict(tasks=("transform",), num_prompts=8,
+QUICK = dict(out_dir="bench-quick", tasks=("transform",), num_prompts=8,
              model=dict(n_layer=2, n_head=2, n_embd=64, max_iters=60, finetune_iters=30),
              sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3), (0.5, 0.0)),
                         serial_num_blocks=(1,)), step_times=3)
@@ -593,6 +596,8 @@ def main(argv):
             raise ValueError(f"--quick runs {', '.join(QUICK['tasks'])} alone: "
                              "drop --tasks, or drop --quick")
         cfg.update(tasks=QUICK["tasks"], num_prompts=min(cfg["num_prompts"], QUICK["num_prompts"]))
+        if "out_dir" not in explicit_keys(cfg, DEFAULTS, argv):  # never over a full run's models
+            cfg["out_dir"] = QUICK["out_dir"]
     check_bench_config(cfg)
     check_writable(cfg["out_dir"])
     t0 = time.perf_counter()

@@ -5,7 +5,11 @@ sampler.py and tools read; training continues from the sharded one (support/shar
     python -m tools.consolidate --out_dir=out-qwen3-8b
 """
 
+import os
 import sys
+
+if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configurator import Defaults, parse_args, run_cli
 from support.shard import consolidate

@@ -47,6 +47,9 @@ import tempfile
 import torch
 from tqdm import tqdm
 
+if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from configurator import check_device, check_seed, parse_args, require, run_cli, settings_in
 from sampler import decoder_settings, make_decoder
 from support.chat import chat_prompt

@@ -21,10 +21,14 @@ minutes, the paper's way (an ARM first, then fine-tuned into ReFusion; M="--data
         --sampler_flags="--max_new_tokens=72 --slot_size=4 --serial_num_blocks=2"
 """
 
+import os
 import shlex
 import sys
 
 import torch
+
+if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configurator import parse_args, run_cli, settings_in
 from data import IGNORE, reorganize_slots
@@ -36,7 +40,7 @@ from support.tokenizer import get_tokenizer
 # default config
 dataset = "transform"  # data set (built-in name or file) whose validation sample layout.png shows
 tokenizer = "bytes"            # its tokenizer
-block_size = 200  # its context (prepare.py data dir: data_root/<dataset>-<tokenizer>-<block_size>)
+block_size = 200  # its context (the prepared data: data_root/<dataset>-<tokenizer>-<block_size>)
 data_root = "data"             # where prepared data sets live
 sample = 2  # the validation sample drawn (2: a short "copy:" one; seed 16 shuffles its slots)
 slot_size = 4                  # the slot size S of the layout
