@@ -66,6 +66,7 @@ log_interval = 50         # without a terminal (a log file, a pipe): a line ever
 seed = 1337               # seeds the initial weights and every micro-batch's samples and masks
 device = "cpu"            # under torchrun with CUDA each process takes cuda:LOCAL_RANK
 compile = False           # torch.compile the model (the same results, faster on a GPU)
+dtype = "auto"            # matmuls in 'bfloat16' (autocast) or 'float32'; 'auto': bf16 on CUDA only
 fsdp = False              # under torchrun: shard weights, gradients and AdamW state (support.shard)
 activation_checkpointing = False  # recompute activations in backward: less memory, 1/3 more compute
 peak_tflops = 312.0       # for the MFU estimate: bf16 peak of the GPU (A100: 312, H100 SXM: 989)
@@ -151,11 +152,13 @@ def micro_batch_rng(cfg, iter_num, micro):
     return np.random.default_rng(key), torch.Generator().manual_seed(torch_seed)
 
 
-def autocast_for(device):
-    """The mixed-precision context of a training forward pass: bf16 autocast on CUDA (weights,
-    gradients and optimizer state stay float32), nothing on CPU."""
-    if device.startswith("cuda"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def autocast_for(device, dtype="auto"):
+    """The mixed-precision context of a training forward pass: bf16 autocast for dtype "bfloat16",
+    or "auto" on CUDA; nothing (float32) otherwise. Weights, gradients and AdamW's state stay
+    float32 either way. On a CPU with bf16 matrix units bf16 is faster for a model as large as
+    SmolLM2 (docs/pretrained.md), slower for the small models of the quick start."""
+    if dtype == "bfloat16" or (dtype == "auto" and device.startswith("cuda")):
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return nullcontext()
 
 
@@ -245,7 +248,7 @@ def train(run, stop_requested=()):
     if world > 1 and not cfg["fsdp"]:  # a sharded model (support.shard) syncs its own gradients
         model = torch.nn.parallel.DistributedDataParallel(model)
     forward_model = torch.compile(model) if cfg["compile"] else model
-    autocast = autocast_for(cfg["device"])
+    autocast = autocast_for(cfg["device"], cfg["dtype"])
     model.train()
     live = sys.stdout.isatty() and sys.stderr.isatty()  # where tqdm redraws its bar in place
     bar = tqdm(range(run.iter_num, cfg["max_iters"]), initial=run.iter_num, total=cfg["max_iters"],

@@ -62,10 +62,11 @@ def tiny_run_flags(tmp_path, qa_file, out, objective="refusion"):
             "--eval_iters=1", "--slot_sizes=2,4", "--gen_length=16", "--warmup_iters=10"]
 
 
-def save_tiny_hf_folder(folder, mask=True, seed=0):
-    """A tiny random Qwen3 in Hugging Face's layout, as the releases ship it: config.json,
-    model.safetensors and a byte-level tokenizer.json (one token per byte, ids 0..255, then
-    <|endoftext|> 256, <|im_start|> 257, <|im_end|> 258 and, with mask, <|mask|> 259).
+def save_tiny_hf_folder(folder, mask=True, seed=0, family="qwen3"):
+    """A tiny random Qwen3 (or, with family "llama", a Llama as SmolLM2 is: no query/key norms) in
+    Hugging Face's layout, as the releases ship it: config.json, model.safetensors and a byte-level
+    tokenizer.json (one token per byte, ids 0..255, then <|endoftext|> 256, <|im_start|> 257,
+    <|im_end|> 258 and, with mask, <|mask|> 259).
     Returns the Transformer whose weights were saved (vocab 300, 2 layers, width 32)."""
     import json
     import os
@@ -75,10 +76,11 @@ def save_tiny_hf_folder(folder, mask=True, seed=0):
     from support.hf_tokenizer import QWEN2_PAT, byte_of_char
     torch.manual_seed(seed)
     config = ModelConfig(vocab_size=300, block_size=256, n_layer=2, n_head=4, n_kv_head=2,
-                         n_embd=32, head_dim=8, intermediate_size=64, rope_theta=1e6)
+                         n_embd=32, head_dim=8, intermediate_size=64, rope_theta=1e6,
+                         qk_norm=family == "qwen3")
     model = Transformer(config).eval()
     os.makedirs(folder, exist_ok=True)
-    hf_config = {"model_type": "qwen3", "vocab_size": 300, "max_position_embeddings": 256,
+    hf_config = {"model_type": family, "vocab_size": 300, "max_position_embeddings": 256,
                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                  "hidden_size": 32, "head_dim": 8, "intermediate_size": 64, "rope_theta": 1e6,
                  "rope_scaling": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,

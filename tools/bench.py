@@ -28,19 +28,14 @@ setting) and, with matplotlib, bench.png (quality against speed relative to the 
 MBPP figure). Every figure comes from this run.
 """
 
-import importlib.metadata
-import importlib.util
-import json
 import math
 import os
-import platform
 import shutil
 import sys
 import time
 
 import numpy as np
 import torch
-import torch.nn as nn
 from tqdm import tqdm
 
 if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
@@ -49,10 +44,12 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
 from model import ModelConfig, Transformer
-from sampler import INFILL_MODES, MDMSettings, RefusionSettings, cut_after_eos, make_decoder
+from sampler import INFILL_MODES, MDMSettings, RefusionSettings, make_decoder
+from support.benchmark import (NAMES, TimedModel, best_mdm, fastest_close, first_quality, headline,
+                               hf_generate, machine, markdown_table, most_accurate, totals,
+                               write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
-from support.files import write_atomic
 from support.prepare import TokenDataset, prepare
 from support.runs import check_writable, live_progress
 from support.sampling import prompt_generator
@@ -187,29 +184,6 @@ def validation_prompts(cfg, task):
 # decoding, timed
 
 
-class TimedModel(nn.Module):
-    """The model, with the wall-clock seconds of its forward passes counted (see counting), so that
-    decode time splits into model time and bookkeeping."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model, self.config = model, model.config
-        self.forward, self.calls = counting(model.forward, next(model.parameters()).device)
-
-    def new_kv_cache(self, max_len, max_batch=1):
-        return self.model.new_kv_cache(max_len, max_batch)
-
-
-def totals(tokens, nfe, seconds, calls):
-    """A point's speed figures: tokens, NFE (as the decoder counts it), TPF (tokens / NFE), seconds,
-    tokens/s, the forward calls the model saw (counting: equal to NFE), ms per forward pass and the
-    share of decode time spent outside the model's forward passes."""
-    return {"tokens": tokens, "nfe": nfe, "tpf": tokens / nfe, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "forward_calls": calls["n"],
-            "ms_per_forward": 1e3 * calls["seconds"] / calls["n"],
-            "bookkeeping_share": 1 - calls["seconds"] / seconds}
-
-
 def run_decoder(method, model, prompts, ids, settings):
     """Decode every prompt with sampler's decoder for `method` (settings: a dict of its knobs, with
     max_new_tokens), prompt i with its own generator seeded with i (prompt_generator; used when the
@@ -226,68 +200,6 @@ def run_decoder(method, model, prompts, ids, settings):
     texts = [[t for t in o.tokens if t not in ids["eos_ids"]] for o in outs]
     return texts, totals(sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs),
                          sum(o.seconds for o in outs), timed.calls)
-
-
-def hf_generate(model, prompts, ids, max_new_tokens):
-    """The reference a user would otherwise pick: Hugging Face transformers' Qwen3ForCausalLM with
-    the same weights (our module names map one to one), greedy `generate` with its KV cache, the
-    mask and pad ids suppressed as ours are. Returns (texts, speed figures), or None without
-    transformers."""
-    try:
-        import transformers
-    except ImportError:
-        return None
-    c = model.config
-    config = transformers.Qwen3Config(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-        head_dim=c.head_dim, max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        tie_word_embeddings=c.tie_embeddings)
-    hf = transformers.Qwen3ForCausalLM(config)
-    hf.load_state_dict({("" if k == "lm_head.weight" else "model.") + k: v
-                        for k, v in model.state_dict().items()})
-    device = next(model.parameters()).device
-    hf = hf.to(device).eval()
-
-    def decode_one(prompt):
-        x = torch.tensor([prompt], device=device)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = hf.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                do_sample=False, eos_token_id=list(ids["eos_ids"]), pad_token_id=ids["eos_ids"][0],
-                suppress_tokens=[ids["mask_id"], ids["pad_id"]])[0, len(prompt):].tolist()
-        return cut_after_eos(out, ids["eos_ids"]), time.perf_counter() - t0
-
-    decode_one(prompts[0])  # warm-up, untimed
-    hf.forward, calls = counting(hf.forward, device)
-    outs = [decode_one(p) for p in prompts]
-    tokens = sum(len(o) for o, _ in outs)
-    seconds = sum(s for _, s in outs)
-    return ([[t for t in o if t not in ids["eos_ids"]] for o, _ in outs],
-            totals(tokens, calls["n"], seconds, calls))
-
-
-def counting(forward, device):
-    """forward wrapped to count its calls and their wall-clock seconds (waiting for the GPU where
-    there is one): (wrapped, {"n": calls, "seconds": s})."""
-    calls, sync = ({"n": 0, "seconds": 0.0},
-                   torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
-
-    def wrapped(*args, **kwargs):
-        sync()
-        t0 = time.perf_counter()
-        out = forward(*args, **kwargs)
-        sync()
-        calls["n"] += 1
-        calls["seconds"] += time.perf_counter() - t0
-        return out
-    return wrapped, calls
-
-
-NAMES = {"ar": "ARM", "mdm": "MDM", "mdm-ft": "MDM-ft", "refusion": "ReFusion",
-         "refusion-ft": "ReFusion-ft"}
 
 
 def decoder_points(cfg, task):
@@ -370,25 +282,6 @@ def bench_task(cfg, task, prompts, references):
     return rows, {"train": (t1 - t0) / 60, "decode": (time.perf_counter() - t1) / 60}
 
 
-def best_mdm(rows):
-    """The MDM point that "vs MDM" compares with: the best quality of any MDM point (either model,
-    any schedule), and the fastest of the points that reach it."""
-    return max((r for r in rows if r["method"] == "mdm"),
-               key=lambda r: (first_quality(r), r["tokens_per_s"]))
-
-
-def fastest_close(points, ar_quality):
-    """The fastest of the points whose quality is within 1 point of the ARM's, or None when none
-    is."""
-    close = [r for r in points if first_quality(r) >= ar_quality - 0.01]
-    return max(close, key=lambda r: r["tokens_per_s"]) if close else None
-
-
-def most_accurate(points):
-    """The point of the best quality, the fastest of those that tie."""
-    return max(points, key=lambda r: (first_quality(r), r["tokens_per_s"]))
-
-
 def highlights(rows):
     """The rows of the table: the baselines (the MDM point "vs MDM" compares with tagged so), then
     per ReFusion model and infill mode three points of its sweep, each tagged with why: its fastest
@@ -414,119 +307,6 @@ def highlights(rows):
                     reasons.setdefault(id(row), (row, []))[1].append(why)
             chosen += [dict(row, why=", ".join(whys)) for row, whys in reasons.values()]
     return chosen
-
-
-def headline(rows):
-    """The README's table: per task the ARM, the MDM point "vs MDM" compares with, and for each
-    infill mode the best ReFusion point of either model (its fastest point within 1 point of the
-    ARM's quality, or, when none is, its most accurate point, the fastest of those that tie), as
-    markdown. rows: bench.json's points, the ARM's first in each task."""
-    lines = ["| task | decoder | quality | tokens | TPF | tokens/s | vs ARM | vs MDM |",
-             "| --- " * 8 + "|"]
-    for task in dict.fromkeys(r["task"] for r in rows):
-        task_rows = [r for r in rows if r["task"] == task]
-        ar_quality = first_quality(task_rows[0])
-        picks = [task_rows[0], best_mdm(task_rows)]
-        for infill in INFILL_MODES:
-            points = [r for r in task_rows
-                      if r["method"] == "refusion" and r["settings"]["infill"] == infill]
-            picks.append(fastest_close(points, ar_quality) or most_accurate(points))
-        for r in picks:
-            lines.append(f"| {task} | {r['label']} | {quality_text(r)} | {r['tokens']} | "
-                         f"{r['tpf']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup_vs_ar']:.2f}x | "
-                         f"{r['speedup_vs_mdm']:.1f}x |")
-    return "\n".join(lines)
-
-
-def first_quality(row):
-    """A point's quality measure: the first metric of its task (exact, accuracy or parse_rate)."""
-    return next(iter(row["quality"].values()))
-
-
-def quality_text(row):
-    """A point's quality metrics as text: "parse_rate 83.9%, first_line 1.1%"."""
-    return ", ".join(f"{m} {q:.1%}" for m, q in row["quality"].items())
-
-
-def markdown_table(rows):
-    """The highlighted rows as a markdown table."""
-    lines = ["| task | decoder | why | train iters | quality | tokens | NFE | TPF | tokens/s | "
-             "ms/forward | bookkeeping | vs ARM | vs MDM |", "| --- " * 13 + "|"]
-    for r in rows:
-        lines.append(f"| {r['task']} | {r['label']} | {r['why']} | {r['train_iters']} | "
-                     f"{quality_text(r)} | {r['tokens']} | {r['nfe']} | {r['tpf']:.2f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['ms_per_forward']:.2f} | "
-                     f"{r['bookkeeping_share']:.0%} | {r['speedup_vs_ar']:.2f}x | "
-                     f"{r['speedup_vs_mdm']:.1f}x |")
-    return "\n".join(lines)
-
-
-def plot(rows, path):
-    """Per task, quality against tokens/s relative to the ARM (log scale): every ReFusion point, per
-    model and infill mode, with its frontier (the points no other point beats in both), the ARM, the
-    MDM points of both MDMs and the Hugging Face row. Needs matplotlib; returns False without it."""
-    try:
-        import matplotlib
-        import matplotlib.ticker
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    task_names = list(dict.fromkeys(r["task"] for r in rows))
-    fig, axes = plt.subplots(1, len(task_names), figsize=(6 * len(task_names), 4.5), squeeze=False)
-    style = {"ARM": ("tab:blue", "s"), "HF generate": ("tab:cyan", "D"), "MDM": ("tab:olive", "v"),
-             "MDM-ft (from the ARM)": ("tab:green", "^"),
-             "ReFusion, paper infill": ("tab:red", "o"), "ReFusion, infill=ar": ("tab:orange", "o"),
-             "ReFusion-ft, paper infill": ("tab:purple", "o"),
-             "ReFusion-ft, infill=ar": ("tab:pink", "o")}
-
-    def series(r):
-        if r["method"] == "hf":
-            return "HF generate"
-        if r["method"] == "refusion":
-            infill = "paper infill" if r["settings"]["infill"] == "paper" else "infill=ar"
-            return f"{NAMES[r['model']]}, {infill}"
-        return "MDM-ft (from the ARM)" if r["model"] == "mdm-ft" else NAMES[r["model"]]
-
-    for ax, task in zip(axes[0], task_names):
-        task_rows = [r for r in rows if r["task"] == task]
-        for name, (color, marker) in style.items():
-            pts = [r for r in task_rows if series(r) == name]
-            if not pts:
-                continue
-            xs, ys = [r["speedup_vs_ar"] for r in pts], [first_quality(r) for r in pts]
-            ax.scatter(xs, ys, color=color, marker=marker, label=name, alpha=0.8)
-            if name.startswith("ReFusion"):
-                frontier = sorted((x, y) for x, y in zip(xs, ys)
-                                  if not any(x2 >= x and y2 > y or x2 > x and y2 >= y
-                                             for x2, y2 in zip(xs, ys)))
-                ax.plot(*zip(*frontier), color=color, alpha=0.6)
-        ax.set_xscale("log")
-        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel("tokens/s relative to the ARM (log scale)")
-        ax.set_ylabel(next(iter(task_rows[0]["quality"])))
-        ax.set_title(task)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    write_atomic(path, lambda f: fig.savefig(f, dpi=120, format="png"))
-    return True
-
-
-def machine():
-    """What the figures were measured on: Python, torch, transformers (None when not installed), CPU
-    model and threads, GPU if any."""
-    processor = platform.processor() or platform.machine()
-    if os.path.isfile("/proc/cpuinfo"):  # Linux names the CPU model here, platform does not
-        with open("/proc/cpuinfo") as f:
-            processor = next((line.split(":", 1)[1].strip() for line in f
-                              if line.startswith("model name")), processor)
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "cpu_threads": torch.get_num_threads(), "processor": processor,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "transformers": importlib.metadata.version("transformers")
-            if importlib.util.find_spec("transformers") else None}
 
 
 def training_step_times(cfg, task, steps=20):
@@ -622,14 +402,7 @@ def main(argv):
               f"({host['cpu_threads']} threads)")
     report = {"config": cfg, "machine": host, "minutes": minutes, "task_minutes": task_minutes,
               "rows": rows, "training_step_seconds": step_times}
-    write_atomic(os.path.join(cfg["out_dir"], "bench.json"),
-                 lambda f: f.write(json.dumps(report, indent=2).encode()))
-    write_atomic(os.path.join(cfg["out_dir"], "bench.md"),
-                 lambda f: f.write((table + "\n").encode()))
-    print("\n" + table)
-    if plot(rows, os.path.join(cfg["out_dir"], "bench.png")):
-        print(f"wrote {cfg['out_dir']}/bench.png")
-    print(f"wrote {cfg['out_dir']}/bench.json and {cfg['out_dir']}/bench.md")
+    write_report(cfg["out_dir"], report, table)
 
 
 if __name__ == "__main__":

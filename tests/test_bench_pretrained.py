@@ -1,0 +1,34 @@
+"""The benchmark on a pretrained model (tools/bench_pretrained.py), on a tiny random Llama folder:
+the same path as SmolLM2's (both fine-tunes from the folder under bf16 autocast, every point decoded
+in bf16 and float32, interleaved), not its figures."""
+
+import json
+
+import pytest
+
+from helpers import save_tiny_hf_folder
+from tools import bench_pretrained
+
+
+def test_quick_run_fine_tunes_both_models_and_decodes_every_point(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    save_tiny_hf_folder(tmp_path / "llama", family="llama", mask=False)
+    monkeypatch.chdir(tmp_path)
+    flags = ["--quick", "--init_from=llama", "--tasks=quotes", f"--data_root={tmp_path / 'data'}"]
+    bench_pretrained.main(flags)
+    report = json.loads((tmp_path / "bench-pretrained-quick" / "bench.json").read_text())
+    rows = report["rows"]
+    labels = [r["label"] for r in rows]
+    assert labels[:4] == ["SmolLM2-ft next token", "SmolLM2-ft next token, float32",
+                          "Hugging Face generate (SmolLM2-ft weights)",
+                          "ReFusion-SmolLM2 next token"]
+    assert {r["settings"].get("infill") for r in rows[4:]} == {"paper", "ar"} and len(rows) == 6
+    for r in rows:
+        assert r["nfe"] == r["forward_calls"] > 0 and r["tokens"] > 0 and r["peak_mb"] >= 0
+        assert r["train_options"]["dtype"] == "bfloat16" and r["train_iters"] == 2
+    assert rows[0]["same_tokens_as_first"] == 2                     # the first point against itself
+    assert all(r["settings"]["dtype"] == "bfloat16" for i, r in enumerate(rows) if i != 1)
+    assert "smollm2 quotes" in (tmp_path / "bench-pretrained-quick" / "bench.md").read_text()
+    capsys.readouterr()
+    bench_pretrained.main(flags)                                     # the fine-tunes are reused
+    assert capsys.readouterr().out.count("== reusing") == 2

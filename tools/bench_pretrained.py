@@ -1,0 +1,327 @@
+"""
+The paper's recipe on a real model, side by side on a laptop: SmolLM2-135M-Instruct fine-tuned into
+ReFusion against the same model fine-tuned by next-token prediction (the baseline a user would
+otherwise pick), on tasks whose answers code checks, decoded in one process in bfloat16.
+
+    python -m tools.convert_gguf smollm2       # once: the model (docs/pretrained.md)
+    python -m tools.bench_pretrained           # both tasks; fine-tunes found in out_dir are reused
+
+For each task (TASKS) it fine-tunes, or reuses from out_dir, two models with the task's config
+files, the same data, steps and settings: ReFusion (config/finetune_smollm2_<task>.py) and next
+token (config/finetune_smollm2_<task>_ar.py). Then it decodes the same validation prompts with every
+point, each prompt by every point in turn, the order rotating, so that all see the same machine:
+
+    the next-token fine-tune   our generate_ar in the dtype asked for, the same in float32 (what
+                               bf16 changes), and Hugging Face's generate on the same weights
+    the ReFusion fine-tune     its own next-token decoding, and ReFusion decoding over a sweep of
+                               slot sizes and thresholds, each with the paper's infill and "ar"
+
+Each point records its quality, tokens, NFE, TPF, tokens/s, ms per forward pass, the share of decode
+time spent outside the model, the peak memory above the loaded models (MB) and, against the first
+point, how many prompts got the same tokens. It writes out_dir/bench.json (the rows of
+tools/bench.py's bench.json, the model named), bench.md and bench.png. docs/pretrained.md holds a
+recorded run.
+"""
+
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import train
+from configurator import explicit_keys, parse_args, require, run_cli, settings_in
+from sampler import INFILL_MODES, RefusionSettings, make_decoder
+from support.benchmark import (TimedModel, counting, headline, hf_decode, hf_model, machine,
+                               markdown_table, peak_above, totals, write_report)
+from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
+from support.corpora import score
+from support.files import write_atomic
+from support.prepare import TokenDataset, prepare
+from support.runs import check_writable, live_progress
+from support.sampling import prompt_generator
+from support.tokenizer import decode, get_tokenizer
+
+# -----------------------------------------------------------------------------
+# default config
+init_from = "smollm2"      # the pretrained folder (python -m tools.convert_gguf smollm2 writes it)
+out_dir = "bench-smollm2"  # the fine-tuned models, bench.json, bench.md and bench.png
+tasks = ("quotes", "arith")  # any of TASKS
+num_prompts = 100          # validation prompts decoded by every point (fewer when fewer fit)
+dtype = "bfloat16"         # the weights of every decode but the float32 point: bfloat16 or float32
+data_root = "data"         # where the prepared data sets live
+device = "cpu"             # cpu, cuda or mps: the fine-tunes and the decodes
+retrain = False            # fine-tune again even when out_dir holds the models
+quick = False              # a smoke run: QUICK's budget, prompts and sweep (tests: a tiny folder)
+# -----------------------------------------------------------------------------
+DEFAULTS = settings_in(globals())
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# each task (config/finetune_smollm2_<task>.py and _ar.py): its data set and the decoders'
+# generation length (its longest validation response is 45 SmolLM2 tokens, EOS included). arith
+# is arith-small, operands of 2 and 3 digits: responses of at most 43 tokens, so that 30 minutes of
+# a CPU fine-tune (about 11,000 samples) can teach the next-token baseline the task
+TASKS = {"quotes": dict(dataset="quotes", max_new_tokens=48),
+         "arith": dict(dataset="arith-small", max_new_tokens=48)}
+# the ReFusion sweep: every slot size x (slot_threshold, token_threshold) x serial blocks x infill
+SWEEP = dict(slot_sizes=(8, 16, 32), thresholds=((0.9, 0.3), (0.7, 0.1)), serial_num_blocks=(1,))
+QUICK = dict(out_dir="bench-pretrained-quick", num_prompts=2,
+             train=["--max_iters=2", "--eval_interval=1", "--eval_iters=1", "--warmup_iters=1",
+                    "--batch_size=2"],
+             sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3),), serial_num_blocks=(1,)))
+NAMES = {"ar": "SmolLM2-ft", "refusion": "ReFusion-SmolLM2"}   # the two fine-tunes
+
+# -----------------------------------------------------------------------------
+# the fine-tunes
+
+
+def config_file(task, kind):
+    """The config file of a task's fine-tune: kind "refusion" or "ar" (next token)."""
+    name = f"finetune_smollm2_{task}{'_ar' if kind == 'ar' else ''}.py"
+    return os.path.join(ROOT, "config", name)
+
+
+def fine_tune(cfg, task, kind):
+    """Fine-tune cfg["init_from"] with the task's config file into out_dir/<task>-<kind> and return
+    (the directory, its wall-clock minutes). A finished model trained with the same settings is
+    reused (its minutes as recorded when it was trained), one interrupted part-way is resumed,
+    anything else is trained anew."""
+    out = os.path.join(cfg["out_dir"], f"{task}-{kind}")
+    flags = [config_file(task, kind), f"--init_from={cfg['init_from']}", f"--out_dir={out}",
+             f"--data_root={cfg['data_root']}", f"--device={cfg['device']}"]
+    flags += QUICK["train"] if cfg["quick"] else []
+    wanted = parse_args(train.DEFAULTS, flags)
+    same_keys = explicit_keys(wanted, train.DEFAULTS, flags) - {"out_dir", "data_root", "device",
+                                                                "init_from"}
+    minutes_file = os.path.join(out, "train_minutes.json")
+    if os.path.isfile(os.path.join(out, "ckpt.pt")) and not cfg["retrain"]:
+        ckpt = load_checkpoint(out)
+        if all(ckpt["config"].get(k) == wanted[k] for k in same_keys):
+            if ckpt["iter_num"] == wanted["max_iters"] and os.path.isfile(minutes_file):
+                print(f"== reusing {out}: fine-tuned for {ckpt['iter_num']} iterations")
+                with open(minutes_file) as f:
+                    return out, json.load(f)["minutes"]
+            print(f"== resuming {out} at iteration {ckpt['iter_num']} of {wanted['max_iters']}")
+            flags = [f"--out_dir={out}", "--init_from=resume"]
+    if flags[0] != f"--out_dir={out}":
+        shutil.rmtree(out, ignore_errors=True)
+    print(f"\n== fine-tuning {task}-{kind}: python train.py {' '.join(flags)}")
+    t0 = time.perf_counter()
+    train.main(flags)
+    minutes = (time.perf_counter() - t0) / 60
+    write_atomic(minutes_file, lambda f: f.write(json.dumps({"minutes": minutes}).encode()))
+    return out, minutes
+
+# -----------------------------------------------------------------------------
+# the points and their decodes
+
+
+def decoder_points(cfg, task):
+    """(label, series, method, model, dtype, knobs) of every point of a task, the baseline first:
+    the next-token fine-tune decoded by us (in cfg's dtype and in float32) and by Hugging Face's
+    generate, then the ReFusion fine-tune's next-token decoding and its ReFusion sweep."""
+    dt, sweep = cfg["dtype"], QUICK["sweep"] if cfg["quick"] else SWEEP
+    ar, rf = NAMES["ar"], NAMES["refusion"]
+    points = [(f"{ar} next token", f"{ar} next token", "ar", "ar", dt, {}),
+              (f"{ar} next token, float32", f"{ar} next token, float32", "ar", "ar", "float32", {}),
+              (f"Hugging Face generate ({ar} weights)", "HF generate", "hf", "ar", dt, {}),
+              (f"{rf} next token", f"{rf} next token", "ar", "refusion", dt, {})]
+    for infill in INFILL_MODES:
+        for S in sweep["slot_sizes"]:
+            for slot_thr, token_thr in sweep["thresholds"]:
+                for blocks in sweep["serial_num_blocks"]:
+                    label = (f"{rf} S={S} B={blocks} slot>{slot_thr} token>{token_thr} "
+                             f"infill={infill}")
+                    series = f"{rf}, {'paper infill' if infill == 'paper' else 'infill=ar'}"
+                    points.append((label, series, "refusion", "refusion", dt,
+                                   dict(slot_size=S, serial_num_blocks=blocks, infill=infill,
+                                        slot_threshold=slot_thr, token_threshold=token_thr)))
+    return points if dt != "float32" else [p for p in points if not p[0].endswith(", float32")]
+
+
+def validation_prompts(cfg, task, enc_name, block_size):
+    """The first num_prompts validation samples whose prompt leaves room for every point's
+    generation in the context: (prompts, references), lists of token-id lists."""
+    L = TASKS[task]["max_new_tokens"]
+    room = max([L] + [RefusionSettings(L, **p[5]).gen_length for p in decoder_points(cfg, task)
+                      if p[2] == "refusion"])
+    data_dir = prepare(TASKS[task]["dataset"], enc_name, block_size, cfg["data_root"])
+    val = TokenDataset(data_dir, "val")
+    pairs = [val.sample(i) for i in range(len(val))]
+    fits = [(p, q) for p, q in pairs if len(p) + room <= block_size][:cfg["num_prompts"]]
+    if not fits:
+        raise ValueError(f"no {task} validation prompt leaves room for {room} new tokens in the "
+                         f"context of {block_size}")
+    return [p for p, _ in fits], [q for _, q in fits]
+
+
+class Point:
+    """One point's decoder over the prompts, as bench_task calls it prompt by prompt: its
+    forward passes timed (TimedModel, or counting Hugging Face's forward), its outputs, seconds,
+    NFE and the peak memory of its decodes above the loaded models."""
+
+    def __init__(self, method, model, ids, knobs, max_new_tokens):
+        self.method, self.ids, self.max_new_tokens = method, ids, max_new_tokens
+        device = next(model.parameters()).device
+        if method == "hf":
+            self.hf = model
+            self.hf.forward, self.calls = counting(model.forward, device)
+        else:
+            timed = TimedModel(model)
+            self.calls = timed.calls
+            knobs = {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper", **knobs,
+                     "method": method, "max_new_tokens": max_new_tokens}
+            self.decode, _ = make_decoder(knobs, timed, ids, torch.Generator(device))
+        self.device, self.outs, self.seconds, self.nfe, self.peak_mb = device, [], 0.0, 0, 0.0
+
+    def run(self, prompt, i):
+        """Decode prompt i (an id list): (its tokens, EOS included, seconds, forward passes)."""
+        if self.method == "hf":
+            before = self.calls["n"]
+            tokens, seconds = hf_decode(self.hf, prompt, self.ids, self.max_new_tokens)
+            return tokens, seconds, self.calls["n"] - before
+        out = self.decode(prompt, generator=prompt_generator(self.device, 0, i))
+        return out.tokens, out.seconds, out.nfe
+
+    def __call__(self, prompt, i):
+        """Decode prompt i and add it to the point's figures."""
+        (tokens, seconds, nfe), peak = peak_above(lambda: self.run(prompt, i))
+        self.outs.append(tokens)
+        self.seconds, self.nfe = self.seconds + seconds, self.nfe + nfe
+        self.peak_mb = max(self.peak_mb, peak or 0.0)
+
+    def warm_up(self, prompt):
+        """One untimed decode (the first forward passes pay one-time costs), then the counts
+        reset."""
+        self.run(prompt, 0)
+        self.calls.update(n=0, seconds=0.0)
+
+
+def bench_task(cfg, task):
+    """Fine-tune or reuse the task's two models, decode its validation prompts with every point,
+    interleaved, and return the rows (bench.json's format) and the minutes spent."""
+    t0 = time.perf_counter()
+    tuned = {kind: fine_tune(cfg, task, kind) for kind in ("ar", "refusion")}
+    t1 = time.perf_counter()
+    ckpts = {kind: load_checkpoint(d, cfg["device"]) for kind, (d, _) in tuned.items()}
+    meta = ckpts["ar"]["meta"]
+    ids, enc = decoder_ids(meta), get_tokenizer(meta["tokenizer"])
+    block_size = ckpts["ar"]["model_args"]["block_size"]
+    prompts, references = validation_prompts(cfg, task, meta["tokenizer"], block_size)
+    models, points = {}, decoder_points(cfg, task)
+    for _, _, method, kind, dt, _ in points:
+        key = (method == "hf", kind, dt)
+        if key not in models:
+            model = model_from_checkpoint(ckpts[kind], cfg["device"]).to(getattr(torch, dt))
+            models[key] = hf_model(model) if method == "hf" else model
+    decoders = [Point(method, models[method == "hf", kind, dt], ids, knobs,
+                      TASKS[task]["max_new_tokens"]) for _, _, method, kind, dt, knobs in points]
+    for d in decoders:
+        d.warm_up(prompts[0][:8])
+    live = live_progress()
+    for i, prompt in enumerate(tqdm(prompts, desc=f"decode {task}", disable=not live)):
+        for k in range(len(decoders)):                  # every point, the order rotating
+            decoders[(i + k) % len(decoders)](prompt, i)
+        if not live and i % 10 == 0:
+            print(f"decode {task}: prompt {i + 1} of {len(prompts)}", flush=True)
+    queries, refs = [decode(enc, p) for p in prompts], [decode(enc, q[:-1]) for q in references]
+    rows, first = [], decoders[0].outs
+    for (label, series, method, kind, dt, knobs), d in zip(points, decoders):
+        texts = [decode(enc, [t for t in o if t not in ids["eos_ids"]]) for o in d.outs]
+        scores = [score(TASKS[task]["dataset"], q, t, ref)
+                  for q, t, ref in zip(queries, texts, refs)]
+        c = ckpts[kind]["config"]
+        rows.append({"task": f"smollm2 {task}", "dataset": TASKS[task]["dataset"],
+                     "base": os.path.basename(os.path.normpath(cfg["init_from"])),
+                     "label": label, "series": series, "method": method,
+                     "model": f"smollm2-{kind}", "settings": dict(knobs, dtype=dt),
+                     "train_iters": c["max_iters"], "train_minutes": tuned[kind][1],
+                     "train_options": {k: c[k] for k in ("slot_sizes", "slot_end_labels",
+                                                         "ar_fraction", "learning_rate",
+                                                         "batch_size", "dtype")},
+                     "val_loss": ckpts[kind]["best_val_loss"],
+                     "quality": {m: sum(s[m] for s in scores) / len(scores) for m in scores[0]},
+                     "same_tokens_as_first": sum(a == b for a, b in zip(d.outs, first)),
+                     "peak_mb": d.peak_mb,
+                     **totals(sum(len(o) for o in d.outs), d.nfe, d.seconds, d.calls)})
+    for r in rows:
+        r["speedup_vs_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows, {"train": (t1 - t0) / 60, "decode": (time.perf_counter() - t1) / 60}
+
+
+def forward_costs(model, dtype, prompt_len=32, fed=(1, 8, 16, 32, 64), repeats=5):
+    """Milliseconds of one cached forward pass of k tokens after prompt_len cached ones, for each k
+    in fed: the median of repeats, in dtype (what ReFusion's larger passes cost against a token)."""
+    model = model.to(getattr(torch, dtype))
+    device = next(model.parameters()).device
+    costs = {}
+    with torch.inference_mode():
+        for k in fed:
+            times = []
+            for _ in range(repeats + 1):
+                cache = model.new_kv_cache(prompt_len + k)
+                model(torch.zeros(1, prompt_len, dtype=torch.long, device=device),
+                      torch.arange(prompt_len, device=device)[None], kv_cache=cache)
+                t0 = time.perf_counter()
+                model(torch.zeros(1, k, dtype=torch.long, device=device),
+                      torch.arange(prompt_len, prompt_len + k, device=device)[None], kv_cache=cache)
+                times.append(time.perf_counter() - t0)
+            costs[k] = 1e3 * sorted(times[1:])[repeats // 2]
+    return costs
+
+
+def check_config(cfg):
+    """Check the settings before any work. Raises ValueError with the fix."""
+    for task in cfg["tasks"]:
+        if task not in TASKS:
+            raise ValueError(f"--tasks={task}: this benchmark knows {', '.join(TASKS)}")
+        for kind in ("refusion", "ar"):
+            if not os.path.isfile(config_file(task, kind)):
+                raise ValueError(f"{config_file(task, kind)} is missing: the task's fine-tune")
+    if cfg["dtype"] not in ("bfloat16", "float32"):
+        raise ValueError(f"--dtype={cfg['dtype']!r}: choose bfloat16 or float32")
+    if not os.path.isfile(os.path.join(cfg["init_from"], "config.json")):
+        raise ValueError(f"--init_from={cfg['init_from']}: no Hugging Face folder there; convert "
+                         "SmolLM2 first with python -m tools.convert_gguf smollm2")
+    require(cfg, ("num_prompts",), "positive", lambda v: v > 0)
+
+
+def main(argv):
+    cfg = parse_args(DEFAULTS, argv)
+    if cfg["quick"]:
+        cfg["num_prompts"] = min(cfg["num_prompts"], QUICK["num_prompts"])
+        if "out_dir" not in explicit_keys(cfg, DEFAULTS, argv):
+            cfg["out_dir"] = QUICK["out_dir"]
+    check_config(cfg)
+    check_writable(cfg["out_dir"])
+    t0 = time.perf_counter()
+    results = {task: bench_task(cfg, task) for task in cfg["tasks"]}
+    rows = [row for task_rows, _ in results.values() for row in task_rows]
+    base = model_from_checkpoint(load_checkpoint(os.path.join(cfg["out_dir"],
+                                                              f"{cfg['tasks'][0]}-ar")))
+    costs = forward_costs(base, cfg["dtype"])
+    minutes = (time.perf_counter() - t0) / 60
+    host = machine()
+    table = headline(rows) + "\n\n" + markdown_table([dict(r, why=r["series"]) for r in rows])
+    table += "\n\n" + "\n".join(
+        f"smollm2 {task}: fine-tunes {', '.join(f'{r} {m:.1f}' for r, m in fine.items())} minutes; "
+        f"decoding {spent['decode']:.1f} minutes"
+        for task, (task_rows, spent) in results.items()
+        for fine in [{NAMES[k]: task_rows[0 if k == 'ar' else 3]['train_minutes'] for k in NAMES}])
+    table += ("\n\nOne cached forward pass of k tokens after 32 cached ones, "
+              f"{cfg['dtype']} (ms): " + ", ".join(f"{k}: {ms:.1f}" for k, ms in costs.items()))
+    table += (f"\n\nWhole run: {minutes:.1f} minutes on {host['processor']} "
+              f"({host['cpu_threads']} threads)")
+    report = {"config": cfg, "machine": host, "minutes": minutes, "forward_ms": costs,
+              "task_minutes": {task: spent for task, (_, spent) in results.items()}, "rows": rows}
+    write_report(cfg["out_dir"], report, table)
+
+
+if __name__ == "__main__":
+    run_cli(main, sys.argv[1:])
