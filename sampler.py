@@ -855,7 +855,7 @@ def main(argv):
     explicit = explicit_keys(cfg, DEFAULTS, argv)
     check_config(cfg)
     if cfg["plot"]:
-        sampling.check_plot_path(cfg["plot"])  # before any weights are read
+        sampling.check_plot_path(cfg)  # before any weights are read
     model, enc, ids, objective, ckpt = sampling.load_model(cfg)
     cfg["method"] = cfg["method"] or objective
     if cfg["method"] == "mdm":

@@ -50,7 +50,8 @@ def load_checkpoint(path_or_dir, device="cpu"):
     Warns on stderr when a sharded checkpoint beside it is newer (not consolidated since).
     Raises FileNotFoundError when there is none (naming tools.consolidate when the run has only a
     sharded one), ValueError when the file is not a readable checkpoint of this format (truncated,
-    foreign, crafted to run code, from another version, or inconsistent: check_consistent).
+    foreign, crafted to run code, from another version, or inconsistent: check_consistent) or
+    holds NaN or infinite weights (check_finite).
     """
     is_file = path_or_dir.endswith(".pt") or os.path.isfile(path_or_dir)
     path = path_or_dir if is_file else checkpoint_path(path_or_dir)
@@ -80,7 +81,21 @@ def load_checkpoint(path_or_dir, device="cpu"):
         raise ValueError(f"{path} has checkpoint format {ckpt.get('format')!r}, this code reads "
                          f"format {FORMAT}; retrain it with this version of train.py")
     check_consistent(ckpt, path)
+    check_finite(ckpt["model"], path)
     return upgrade(ckpt)
+
+
+def check_finite(weights, path):
+    """Refuse weights (a dict of name -> tensor) that hold NaN or infinity: a model decoded with
+    them writes garbage with normal statistics (every logit NaN), and one trained from them learns
+    nothing. path names the file. Raises ValueError naming the first such weight."""
+    for name, t in weights.items():
+        floats = isinstance(t, torch.Tensor) and t.is_floating_point()
+        if floats and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(f"{path}: the weight {name} holds {bad} NaN or infinite value(s); the "
+                             "file is damaged, or the run that wrote it diverged: use an earlier "
+                             "checkpoint or another file")
 
 
 def check_consistent(ckpt, path):

@@ -12,9 +12,12 @@ python -m tools.figures draws the pictures of docs/ with them.
 """
 
 
+import os
+
 import torch
 
 from data import IGNORE
+from support.files import write_atomic
 from support.tokenizer import decode
 
 PARTS = {"prompt": "tab:gray", "clean slot": "tab:blue", "masked slot": "tab:orange",
@@ -33,6 +36,28 @@ def pyplot():
     except ImportError:
         raise ValueError("drawing a picture needs matplotlib: pip install matplotlib") from None
     return plt
+
+
+def png_path(path, flag):
+    """The file a picture asked for as `flag`=path is written to: path itself when it ends in .png,
+    path + ".png" when it has no extension. Checked before any work (Raises ValueError for another
+    extension or a directory of that name, FileNotFoundError when its directory does not exist)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag}={path} is a directory; name a PNG file, e.g. {flag}="
+                         f"{os.path.join(path, 'decode.png')}")
+    stem, extension = os.path.splitext(path)
+    if extension.lower() not in ("", ".png"):
+        raise ValueError(f"{flag}={path}: pictures are PNG files; name it {stem}.png")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{flag}={path}: the directory {folder} does not exist; create it "
+                                "or pick another path")
+    return path if extension else path + ".png"
+
+
+def save_png(fig, path):
+    """Write fig as a PNG to exactly `path`, atomically (support.files.write_atomic)."""
+    write_atomic(path, lambda f: fig.savefig(f, dpi=100, format="png"))
 
 
 def cell_text(enc, token, eos_ids, mask_id=None):
@@ -92,7 +117,7 @@ def plot_decode(out, prompt_len, path, title="", texts=None, canvas=0):
     bar = fig.colorbar(image, ax=ax, pad=0.08, label="step that committed the token")
     bar.locator = MaxNLocator(integer=True)                # steps are whole numbers
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_png(fig, path)
     return fig
 
 
@@ -153,5 +178,5 @@ def plot_layout(batch, prompt_len, length, slot_size, mask_id, path, texts=None,
     labels.set_xlabel("place in the buffer (what the model reads, left to right, "
                       "with causal attention)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_png(fig, path)
     return fig

@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from model import ModelConfig, Transformer
+from support.checkpoint import check_finite
 
 
 def need(folder, name):
@@ -219,8 +220,9 @@ def from_pretrained(folder, dtype=torch.float32):
     Raises FileNotFoundError for a missing folder, config.json or weights file; ValueError naming
     the file for what hf_model_config refuses, an index that is not JSON or has no weight_map
     (read_json) or names a file outside the folder (weight_file_in), a weights file that is not
-    whole (open_safetensors), weights that are not floats (integer or 8-bit: quantized), or tensors
-    whose names or shapes do not match config.json.
+    whole (open_safetensors), weights that are not floats (integer or 8-bit: quantized), NaN or
+    infinite weights (support.checkpoint.check_finite), or tensors whose names or shapes do not
+    match config.json.
     """
     config = hf_model_config(folder)
     with torch.device("meta"):
@@ -276,6 +278,7 @@ def from_pretrained(folder, dtype=torch.float32):
         with open_safetensors(path) as f:
             shard = {name.removeprefix("model."): f.get_tensor(name).to(dtype)
                      for name in f.keys() if name in expected}
+        check_finite(shard, path)
         model.load_state_dict(shard, strict=False, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # assign replaced the shared parameter

@@ -192,14 +192,22 @@ def setup_distributed(cfg):
     return rank, world
 
 
+# the signals whose default action ends a process and that a run may get: Ctrl-C, SIGTERM (Slurm,
+# `docker stop`, torchrun), SIGHUP (the terminal closed), SIGUSR1/2 (schedulers' warnings), SIGXCPU
+# (a CPU-time limit), SIGALRM; SIGPIPE is Python's BrokenPipeError, SIGKILL cannot be caught
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1",
+                                                        "SIGUSR2", "SIGXCPU", "SIGALRM")
+                     if hasattr(signal, name))
+
+
 @contextmanager
 def stop_requests():
-    """While the block runs, Ctrl-C (SIGINT) and SIGTERM (Slurm, `docker stop`, torchrun) do not end
-    the process: each is noted in the list the block gets (train.train finishes its step and saves);
-    the previous handlers are back after the block, however it ends."""
+    """While the block runs, none of STOP_SIGNALS ends the process: each is noted in the list the
+    block gets (train.train finishes its step and saves, then the run says how to resume it); the
+    previous handlers are back after the block, however it ends."""
     requested = []
     previous = {sig: signal.signal(sig, lambda signum, frame: requested.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+                for sig in STOP_SIGNALS}
     try:
         yield requested
     finally:

@@ -23,7 +23,7 @@ import torch
 from support.chat import chat_prompt
 from support.checkpoint import checkpoint_path, decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import read_utf8, score
-from support.drawing import cell_text, plot_decode, pyplot
+from support.drawing import cell_text, plot_decode, png_path, pyplot
 from support.hf_folder import from_pretrained
 from support.hf_tokenizer import hf_special_ids, undecodable_ids
 from support.prepare import TokenDataset, prepare
@@ -185,7 +185,9 @@ class LiveTrace:
     decoded together, so a character of several tokens (UTF-8 bytes, BPE pieces) is drawn whole;
     EOS is drawn as EOS_MARK, and nothing after it or past max_new_tokens (where the decoder cuts
     the response it returns), so the last frame shows the returned response. Frames go to stderr
-    (stdout keeps the results, e.g. --json); on a terminal each frame replaces the last.
+    (stdout keeps the results, e.g. --json); on a terminal each frame replaces the last. Off a
+    terminal (a log file, a pipe), where every frame would be kept and the log would grow as the
+    square of the response, each step is one line instead: what it committed.
     """
 
     def __init__(self, enc, prompt, max_new_tokens, eos_ids, delay=0.25):
@@ -218,24 +220,25 @@ class LiveTrace:
         P = len(self.prompt)
         end, _ = self.cut()
         spans = sorted(p - P for p, _ in step)
-        clear = "\033[H\033[J" if self.tty else ""
-        print(f"{clear}{decode(self.enc, self.prompt)}{self.response()}\n"
-              f"step {self.step}: {len(step)} token(s) committed at response offsets "
-              f"{spans[0]}..{spans[-1]}"
-              f" ({sum(p in self.filled for p in range(P, end))}/{end - P} filled)\n",
+        line = (f"step {self.step}: {len(step)} token(s) committed at response offsets "
+                f"{spans[0]}..{spans[-1]} ({sum(p in self.filled for p in range(P, end))}/{end - P}"
+                " filled)")
+        if not self.tty:  # one line a step: its committed runs of neighbours, decoded
+            runs = groupby(enumerate(sorted(step)), key=lambda k_pt: k_pt[1][0] - k_pt[0])
+            texts = [decode(self.enc, [t for _, (_, t) in run]) for _, run in runs]
+            print(f"{line}: {' | '.join(map(repr, texts))}", file=sys.stderr, flush=True)
+            return
+        print(f"\033[H\033[J{decode(self.enc, self.prompt)}{self.response()}\n{line}\n",
               file=sys.stderr, flush=True)
-        if self.tty:
-            time.sleep(self.delay)
+        time.sleep(self.delay)
 
 
-def check_plot_path(path):
-    """Refuse --plot before any weights are read: without matplotlib (ValueError), or when the
-    path's directory does not exist (FileNotFoundError)."""
+def check_plot_path(cfg):
+    """Check --plot before any weights are read: matplotlib is there (ValueError otherwise), and the
+    path names a PNG file that can be written (support.drawing.png_path); cfg["plot"] becomes the
+    file's name."""
     pyplot()
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"--plot={path}: the directory {folder} does not exist; create it "
-                                "or pick another path")
+    cfg["plot"] = png_path(cfg["plot"], "--plot")
 
 
 

@@ -157,3 +157,29 @@ def test_an_atomic_save_syncs_the_file_before_the_rename_and_the_directory_after
     # 2 splits x 2 files, then meta.json
     prepare(qa_file[0], "bytes", 64, data_root=str(tmp_path / "data"))
     assert events == ["fsync file", "rename", "fsync directory"] * 5
+
+
+def test_a_nan_weight_is_refused_at_load_naming_the_file_for_every_source(tmp_path, qa_file):
+    """One NaN in one MLP weight makes every logit NaN, and a decode of it writes "\\u0000" over
+    and over with normal statistics: a checkpoint (sampler, resume, --init_from) or a Hugging Face
+    folder holding one is refused when it is read, naming the file and the weight."""
+    from helpers import save_tiny_hf_folder
+    from safetensors.torch import load_file, save_file
+    train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"])
+    ckpt = load_checkpoint(str(tmp_path / "run"))
+    ckpt["model"]["layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_checkpoint(str(tmp_path / "run"), ckpt)
+    message = r"ckpt.pt: the weight layers.0.mlp.up_proj.weight holds 1 NaN or infinite value"
+    with pytest.raises(ValueError, match=message):
+        sampler.main([f"--out_dir={tmp_path / 'run'}", "--prompt=hi", "--max_new_tokens=4"])
+    with pytest.raises(ValueError, match=message):
+        train.main([f"--out_dir={tmp_path / 'run'}", "--init_from=resume", "--max_iters=4"])
+    with pytest.raises(ValueError, match=message):
+        train.main(tiny_run_flags(tmp_path, qa_file, "ft") + [f"--init_from={tmp_path / 'run'}"])
+    save_tiny_hf_folder(tmp_path / "folder")
+    weights = load_file(tmp_path / "folder" / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")
+    save_file(weights, tmp_path / "folder" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.safetensors: the weight layers.1.mlp.down_proj"
+                                         r".weight holds 1 NaN or infinite"):
+        sampler.main([f"--init_from={tmp_path / 'folder'}", "--prompt=hi", "--method=ar"])

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+import sampler
 import train
 from data import layout_slots
-from helpers import tiny_model, tiny_run_flags
+from helpers import qa_rows, tiny_model, tiny_run_flags, write
 from sampler import DECODERS
 from support import drawing
 from support.drawing import plot_decode, pyplot
@@ -86,3 +87,21 @@ def test_figures_script_draws_both_pictures_from_a_real_sample_and_checkpoint(tm
     with pytest.raises(ValueError, match="--sample=999: the validation split holds"):
         figures.main([f"--dataset={qa_file[0]}", "--block_size=64",
                       f"--data_root={tmp_path / 'data'}", "--sample=999", f"--layout_png={layout}"])
+
+
+@pytest.mark.parametrize("name, written", [("decode.png", "decode.png"), ("decode", "decode.png")])
+def test_plot_names_the_png_it_writes_and_refuses_a_bad_path_before_any_work(tmp_path, capsys,
+                                                                            name, written):
+    (tmp_path / "d.png").mkdir()
+    for bad, message in [(tmp_path / "d.png", "is a directory"), (tmp_path / "d.jpg", "name it"),
+                         (tmp_path / "none" / "d.png", "does not exist")]:
+        with pytest.raises((ValueError, FileNotFoundError), match=message):  # no checkpoint read
+            sampler.main([f"--out_dir={tmp_path / 'no-model-here'}", f"--plot={bad}"])
+    data = write(tmp_path, "qa.json", json.dumps(qa_rows()))
+    train.main(tiny_run_flags(tmp_path, (data,), "m") + ["--max_iters=2"])
+    capsys.readouterr()
+    sampler.main([f"--out_dir={tmp_path / 'm'}", "--num_samples=1", "--max_new_tokens=8",
+                  "--slot_size=4", f"--plot={tmp_path / name}"])
+    assert f"into {tmp_path / written}" in capsys.readouterr().err
+    assert (tmp_path / written).read_bytes().startswith(PNG)
+    assert not (tmp_path / f"{written}.png").exists()

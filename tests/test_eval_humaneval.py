@@ -183,3 +183,36 @@ def test_flags_out_of_range_are_refused_before_any_work(tmp_path, monkeypatch, f
                                                  r"from 0 to 2\*\*63 - 1"):
                 script.main([f"--out_dir={tmp_path / 'none'}", flag])
         assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+def test_a_process_that_leaves_the_program_s_group_does_not_outlive_its_check(tmp_path):
+    """A program's child that starts a session of its own (setsid: another process group, which
+    killing the program's group misses) is killed too once the check ends: the checker is its
+    subreaper, so it comes back to it when its parent dies."""
+    assert eval_humaneval.adopt_orphans()
+    pid_file = tmp_path / "child.pid"
+    program = ("import subprocess, sys\n"
+               "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+               "                         start_new_session=True)\n"
+               f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n")
+    assert run_program(program, timeout=30, max_memory_gb=0.5) == "passed"
+    assert _ended(int(pid_file.read_text()))
+
+
+def test_a_memory_limit_above_the_hard_limit_is_refused_and_a_harness_error_is_no_verdict(
+        tmp_path, monkeypatch):
+    """Under a hard RLIMIT_AS of 3 GiB a program cannot be given 4: refused before any work, not
+    scored 'failed' problem after problem; and where the limit cannot be set after all, run_program
+    raises instead of returning a verdict."""
+    import resource
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (3 * 2**30, 3 * 2**30))
+    with pytest.raises(ValueError, match=r"--max_memory_gb=4.0: this process may use at most 3.00 "
+                                         r"GiB .*use --max_memory_gb=3.00 or less"):
+        eval_humaneval.main([f"--out_dir={tmp_path / 'none'}", "--max_memory_gb=4"])
+    monkeypatch.setattr(eval_humaneval, "LIMITS", "raise ValueError('not allowed to raise maximum "
+                                                  "limit')\n")
+    with pytest.raises(ValueError, match="the harness could not start the program with its "
+                                         "limits .*not allowed to raise maximum limit.*no verdict"):
+        run_program("assert True\n", timeout=30, max_memory_gb=0.5)

@@ -149,7 +149,17 @@ def test_live_trace_draws_characters_whole_eos_as_a_marker_and_ends_on_the_retur
     # an MDM fills positions after EOS too
     live([(P + 2, ord("!")), (P + 4, ord("x"))])
     assert live.response() == "é!" + EOS_MARK
-    assert capsys.readouterr().err.split("\n")[-4] == "s = 'é!" + EOS_MARK
+    # off a terminal, one line a step: what it committed, each run of neighbours decoded (the
+    # first byte of é alone, in step 2, is no character)
+    assert capsys.readouterr().err.splitlines() == [
+        "step 1: 1 token(s) committed at response offsets 1..1 (1/6 filled): '\ufffd'",
+        "step 2: 2 token(s) committed at response offsets 0..3 (2/3 filled): '\ufffd' | "
+        "'<|endoftext|>'",
+        "step 3: 2 token(s) committed at response offsets 2..4 (3/3 filled): '!' | 'x'"]
+    long = LiveTrace(enc, prompt, max_new_tokens=4000, eos_ids=(eos,))
+    for p in range(4000):                             # a long decode: its log grows linearly
+        long([(P + p, ord("a"))])
+    assert len(capsys.readouterr().err) < 100 * 4000
     ckpt = load_checkpoint(trained)
     model, meta = model_from_checkpoint(ckpt), ckpt["meta"]
     # real decodes: the last frame is the response

@@ -248,11 +248,11 @@ def uninterrupted(tmp_path_factory):
     return load_checkpoint(str(tmp / "straight"))["model"]
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGKILL"])
 def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, uninterrupted, sig):
-    """Interrupted (Ctrl-C, or SIGTERM from Slurm, `docker stop` or torchrun: saves at once) or
-    killed (resumes from the last periodic checkpoint), then resumed: the same final weights as a
-    run that was never stopped."""
+    """Interrupted (Ctrl-C; SIGTERM from Slurm, `docker stop` or torchrun; SIGHUP when the terminal
+    closes; a scheduler's SIGUSR1: saves at once) or killed (resumes from the last periodic
+    checkpoint), then resumed: the same final weights as a run that was never stopped."""
     stopped = tiny_run_flags(tmp_path, qa_file, "stopped") + KILLED_RUN
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *stopped],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -73,6 +73,7 @@ n_embd = 0                 # ... width
 batch_size = 0             # ... samples per training step
 learning_rate = 0.0        # ... peak learning rate (from scratch)
 device = "cpu"             # cpu, cuda or mps: training and decoding
+dtype = "float32"          # the weights of every decode, ours and Hugging Face's: or bfloat16
 compile = False            # torch.compile the training forward pass (GPU runs)
 seed = 1337                # training seed of every model (decodes are greedy)
 retrain = False            # train again even when out_dir holds the models
@@ -246,7 +247,8 @@ def bench_task(cfg, task, prompts, references):
                                          init_from=os.path.join(dirs["ar"], "ckpt.pt"))
     t1 = time.perf_counter()
     ckpts = {name: load_checkpoint(d, cfg["device"]) for name, d in dirs.items()}
-    models = {name: model_from_checkpoint(c, cfg["device"]) for name, c in ckpts.items()}
+    models = {name: model_from_checkpoint(c, cfg["device"]).to(getattr(torch, cfg["dtype"]))
+              for name, c in ckpts.items()}
     meta = ckpts["ar"]["meta"]
     ids = decoder_ids(meta)
     enc = get_tokenizer(meta["tokenizer"])
@@ -351,6 +353,8 @@ def training_step_times(cfg, task, steps=20):
 def check_bench_config(cfg):
     """Check every setting (not the data: see validation_prompts) before any training starts.
     Raises ValueError with the fix."""
+    if cfg["dtype"] not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype={cfg['dtype']!r}: choose float32 or bfloat16")
     for task in cfg["tasks"]:
         if task not in TASKS:
             raise ValueError(f"--tasks={task}: the benchmark knows {', '.join(TASKS)}")

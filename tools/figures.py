@@ -32,7 +32,7 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 
 from configurator import parse_args, run_cli, settings_in
 from data import IGNORE, reorganize_slots
-from support.drawing import cell_text, plot_layout, pyplot
+from support.drawing import cell_text, plot_layout, png_path, pyplot
 from support.prepare import TokenDataset, prepare
 from support.tokenizer import get_tokenizer
 
@@ -84,10 +84,13 @@ def main(argv):
     pyplot()
     if cfg["slot_size"] <= 0:
         raise ValueError(f"--slot_size={cfg['slot_size']}: a slot holds at least one token")
+    for key in ("layout_png", "decode_png"):   # both checked before any work
+        if cfg[key]:
+            cfg[key] = png_path(cfg[key], f"--{key}")
     if cfg["layout_png"]:
         draw_layout(cfg)
     if cfg["out_dir"]:
-        # the command line that decodes and draws (it imports this file for the drawing)
+        # the command line that decodes and draws
         import sampler
         sampler.main([f"--out_dir={cfg['out_dir']}", "--num_samples=1",
                       f"--plot={cfg['decode_png']}", *shlex.split(cfg["sampler_flags"])])
