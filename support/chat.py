@@ -7,8 +7,11 @@ rendered in a sandbox as transformers' apply_chat_template does, or Qwen's ChatM
     chat_prompt(enc, text)    the same as token ids (sampler.py --chat, HumanEval's chat prompts)
 """
 
+import datetime
+
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 
 from support.hf_tokenizer import alternation
@@ -30,36 +33,66 @@ def chat_parts(enc, text):
     The template is the folder's (hf_tokenizer's .chat_template, rendered with jinja2 in a sandbox
     as transformers' apply_chat_template(add_generation_prompt=True) does; SmolLM2's adds its
     default system turn), else ChatML without a system turn, as the ReFusion release's Qwen3 renders
-    it. The template's text is split at the tokenizer's added tokens, as the reference tokenizer
-    splits a rendered prompt; `text` stays text, joined to the template text around it, so encoding
-    each string gives the reference's ids. Raises ValueError for a tokenizer without a template
-    whose ChatML markers it lacks, or a template that does not show the user's text once, unchanged.
+    it. The template is rendered twice: with a stand-in for the text (USER_TEXT), which marks the
+    template's own text around it, and with the text itself, of which the part between the two is
+    what the template made of the user's text (a `| trim` strips its whitespace, as
+    apply_chat_template feeds it). The template's own text is split at the tokenizer's added
+    tokens, as the reference tokenizer splits a rendered prompt; the user's part stays text, so a
+    special-token string in it is never a special id. Raises ValueError for a tokenizer without a
+    template whose ChatML markers it lacks, or a template that does not show the stand-in once or
+    renders its own text differently around the real text.
     """
     template = getattr(enc, "chat_template", None)
     if template is None and not {"<|im_start|>", "<|im_end|>"} <= enc.special_tokens_set:
         raise ValueError("--chat needs a chat model's tokenizer "
                          "(a chat template, or <|im_start|> and <|im_end|>), "
                          "e.g. --init_from=FOLDER of SmolLM2, Qwen3 or the ReFusion release")
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
+    rendered, marked = (render(enc, template or CHATML, content) for content in (text, USER_TEXT))
+    if marked.count(USER_TEXT) != 1:
+        raise ValueError(f"the chat template of {enc.name} does not show the user's text once; "
+                         "such templates are not supported")
+    before, after = marked.split(USER_TEXT)
+    if not (rendered.startswith(before) and rendered.endswith(after)
+            and len(rendered) >= len(before) + len(after)):
+        raise ValueError(f"the chat template of {enc.name} renders its own text differently around "
+                         "this user text; such templates are not supported")
+    users = rendered[len(before):len(rendered) - len(after)]   # what the template made of text
+    split = alternation(enc.special_tokens_set)
+    before, after = split(before), split(after)
+    # text at even places, tokens at odd
+    parts = before[:-1] + [before[-1] + users + after[0]] + after[1:]
+    return [enc.encode_single_token(p) if k % 2 else p for k, p in enumerate(parts) if k % 2 or p]
+
+
+def render(enc, template, content):
+    """The chat template rendered for one user message holding content, then the assistant's
+    header (jinja2 in a sandbox, with what transformers' apply_chat_template gives a template: the
+    bos and eos token strings, raise_exception, strftime_now, the {% generation %} block).
+    Raises ValueError when it cannot be rendered or raises."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationBlock])
 
     def raise_exception(message):
         raise ValueError(f"the chat template refused the prompt: {message}")
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
-        rendered = env.from_string(template or CHATML).render(
-            messages=[{"role": "user", "content": USER_TEXT}], add_generation_prompt=True,
+        return env.from_string(template).render(
+            messages=[{"role": "user", "content": content}], add_generation_prompt=True,
             **getattr(enc, "template_tokens", {}))
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template of {enc.name} cannot be rendered ({e})") from None
-    if rendered.count(USER_TEXT) != 1:
-        raise ValueError(f"the chat template of {enc.name} does not show the user's text once, "
-                         "unchanged; such templates are not supported")
-    split = alternation(enc.special_tokens_set)
-    before, after = (split(part) for part in rendered.split(USER_TEXT))
-    # text at even places, tokens at odd
-    parts = before[:-1] + [before[-1] + text + after[0]] + after[1:]
-    return [enc.encode_single_token(p) if k % 2 else p for k, p in enumerate(parts) if k % 2 or p]
+
+
+class GenerationBlock(jinja2.ext.Extension):
+    """{% generation %} ... {% endgeneration %}, as transformers defines it for templates that mark
+    the assistant's part (for its training masks): its body rendered as it is."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
 
 
 def chat_prompt(enc, text):

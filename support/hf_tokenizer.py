@@ -80,13 +80,16 @@ class HFEncoding(tiktoken.Encoding):
     - bytes missing from the vocabulary (21 in SmolLM2's) are dropped from each piece before BPE, as
       the reference drops characters it has no token for (tiktoken would panic on them).
     Special tokens are never made from text; decode writes every token.
-    chat_template: the folder's Jinja chat template, or None.
+    chat_template: the folder's Jinja chat template, or None. around: the ids the post-processor
+    puts before and after a text it encodes as a sequence (Llama 3's BOS), for support.tokenizer's
+    encode_prompt.
     """
 
     def __init__(self, name, *, pat_str, mergeable_ranks, special_tokens, text_tokens, nfc,
-                 chat_template, template_tokens):
+                 chat_template, template_tokens, around=((), ())):
         super().__init__(name, pat_str=pat_str, mergeable_ranks=mergeable_ranks,
                          special_tokens=special_tokens)
+        self.around = around
         self.text_tokens = text_tokens  # the non-special added tokens, found in text
         self.split_text_tokens = alternation(text_tokens)
         self.nfc, self.chat_template = nfc, chat_template
@@ -329,7 +332,46 @@ def hf_tokenizer(folder: str) -> HFEncoding:
     return HFEncoding(f"hf:{folder}", pat_str=PRE_TOKENIZERS[family[0]][1], mergeable_ranks=ranks,
                       special_tokens={t["content"]: t["id"] for t in added},
                       text_tokens={t["content"]: t["id"] for t in added if not t.get("special")},
-                      nfc=nfc, chat_template=template, template_tokens=template_tokens)
+                      nfc=nfc, chat_template=template, template_tokens=template_tokens,
+                      around=post_processor_ids(spec.get("post_processor"), path))
+
+
+def post_processor_ids(spec, path):
+    """(ids before, ids after) that tokenizer.json's post_processor adds around one sequence, as
+    the reference does when it encodes a text with its special tokens (AutoTokenizer(text)):
+    a TemplateProcessing's special tokens around $A (Llama 3's BOS), nothing for ByteLevel (which
+    leaves the ids as they are) or for none, a Sequence of these in turn.
+    Raises ValueError naming another kind (RobertaProcessing, BertProcessing), which this does not
+    implement."""
+    if spec is None or (isinstance(spec, dict) and spec.get("type") == "ByteLevel"):
+        return (), ()
+    expect(isinstance(spec, dict), path, "post_processor is not an object")
+    if spec.get("type") == "Sequence":
+        before, after = (), ()
+        for step in spec.get("processors") or []:
+            b, a = post_processor_ids(step, path)
+            before, after = b + before, after + a
+        return before, after
+    if spec.get("type") != "TemplateProcessing":
+        raise ValueError(f"{path}: post_processor {spec.get('type')!r} is not supported: this "
+                         "applies TemplateProcessing (special tokens around the text) and "
+                         "ByteLevel")
+    single, specials = spec.get("single"), spec.get("special_tokens") or {}
+    pieces = [next(iter(item.items())) for item in single or [] if isinstance(item, dict) and item]
+    names = [kind for kind, _ in pieces]
+    expect(names.count("Sequence") == 1 and set(names) <= {"Sequence", "SpecialToken"}, path,
+           "post_processor.single is not one sequence with special tokens around it")
+
+    def ids_of(part):  # the ids of the special tokens in part, as special_tokens lists them
+        ids = []
+        for _, item in part:
+            token = specials.get(item.get("id")) if isinstance(item, dict) else None
+            expect(isinstance(token, dict) and all(is_int(i) for i in token.get("ids", [None])),
+                   path, f"post_processor names the special token {item!r} without its ids")
+            ids += token["ids"]
+        return tuple(ids)
+    at = names.index("Sequence")
+    return ids_of(pieces[:at]), ids_of(pieces[at + 1:])
 
 
 MASK_TOKEN = "<|mask|>"                          # ReFusion's (151670 in its release)
@@ -338,15 +380,17 @@ EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")     # the end of a chat turn, then 
 
 def hf_special_ids(folder: str) -> tuple[tuple[int, ...], int | None, int]:
     """
-    (eos_ids, mask_id, pad_id) of a Hugging Face folder, from its added tokens and config.json.
+    (eos_ids, mask_id, pad_id) of a Hugging Face folder, from its files as transformers reads them.
 
-    eos_ids: the ids of <|im_end|> (ends a chat turn: what instruction-tuned models, ReFusion and
-             SmolLM2 among them, emit) and <|endoftext|>, those the tokenizer has, in that order;
-             without either, config.json's eos_token_id (an id or a list).
+    eos_ids: the ids generation stops at, as transformers' generate takes them: generation_config
+             .json's eos_token_id (an id or a list; where it names an end-of-turn token only there,
+             vllm#4180), else config.json's; a folder naming none stops at <|im_end|> (the end of a
+             chat turn) and <|endoftext|>, those its tokenizer has, in that order.
     mask_id: <|mask|> (151670 in ReFusion's release), else config.json's mask_token_id; None for a
              plain Qwen3 or Llama, which has no mask token and so cannot be decoded with ReFusion.
-    pad_id:  config.json's pad_token_id, else the last EOS id: <|endoftext|>, Qwen's padding token.
-    Raises what hf_tokenizer raises, and ValueError when no EOS id is found, or naming config.json
+    pad_id:  config.json's pad_token_id (a negative one, as transformers takes it, means none),
+             else the last EOS id: <|endoftext|>, Qwen's padding token.
+    Raises what hf_tokenizer raises, and ValueError when no EOS id is found, or naming the file
     when one of its ids is not a whole number, or when they or the tokenizer's ids do not fit the
     model's embedding rows, its vocab_size (undecodable_ids).
     """
@@ -354,21 +398,27 @@ def hf_special_ids(folder: str) -> tuple[tuple[int, ...], int | None, int]:
     added = {token: enc.encode_single_token(token) for token in enc.special_tokens_set}
     config_path = os.path.join(folder, "config.json")
     config = read_json(config_path) if os.path.isfile(config_path) else {}
+    generation_path = os.path.join(folder, "generation_config.json")
+    generation = read_json(generation_path) if os.path.isfile(generation_path) else {}
 
-    # config.json's id (or list of ids, when many) under key, as a list
-    def config_ids(key, many=False):
-        value = config.get(key)
+    def ids_in(source, path, key, many=False):  # the id (or ids, when many) a file names, as a list
+        value = source.get(key)
         ids = value if many and isinstance(value, list) else [] if value is None else [value]
-        expect(all(is_int(i) for i in ids), config_path,
-               f"{key}={value!r} is not a token id (a whole number from 0)"
-               + " or a list of them" * many)
-        return ids
-    eos_ids = tuple(added[token] for token in EOS_TOKENS if token in added) or \
-        tuple(config_ids("eos_token_id", True))
+        expect(all(is_int(i, -2**31) for i in ids), path,
+               f"{key}={value!r} is not a token id (a whole number)" + " or a list of them" * many)
+        expect(key == "pad_token_id" or all(i >= 0 for i in ids), path,
+               f"{key}={value!r}: a token id is a whole number from 0")
+        return [i for i in ids if i >= 0]
+
+    def config_ids(key, many=False):
+        return ids_in(config, config_path, key, many)
+    eos_ids = (tuple(ids_in(generation, generation_path, "eos_token_id", True))
+               or tuple(config_ids("eos_token_id", True))
+               or tuple(added[token] for token in EOS_TOKENS if token in added))
     if not eos_ids:
         raise ValueError(f"{folder}/tokenizer.json has neither {' nor '.join(EOS_TOKENS)} "
-                         "among its added_tokens, "
-                         "and config.json names no eos_token_id, so generation could not stop")
+                         "among its added_tokens, and neither generation_config.json nor "
+                         "config.json names an eos_token_id, so generation could not stop")
     mask_id = added.get(MASK_TOKEN, next(iter(config_ids("mask_token_id")), None))
     pad_id = next(iter(config_ids("pad_token_id")), eos_ids[-1])
     if "vocab_size" in config:

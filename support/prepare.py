@@ -23,10 +23,12 @@ from filelock import FileLock
 
 from support.corpora import DATASETS, TEXT_WINDOW_BYTES, load_records
 from support.files import write_atomic
-from support.tokenizer import encode, get_tokenizer, special_ids, vocab_size
+from support.tokenizer import encode, encode_prompt, get_tokenizer, special_ids, vocab_size
 
 VAL_PERCENT = 5  # share of records that go to the validation split
-FORMAT = 2  # version of the prepared-data layout, stored in meta.json (2: data_sha1)
+# version of the prepared data, in meta.json (2: data_sha1; 3: prompts begin with what a folder's
+# post-processor adds, support.tokenizer.encode_prompt)
+FORMAT = 3
 
 
 def split_of(record: dict, by_content: bool = False) -> str:
@@ -63,7 +65,7 @@ def _tokenize(records: list[dict], enc, block_size: int,
     dtype = token_dtype(enc)
     chunks, samples, skipped, start = [], [], 0, 0
     for r in records:
-        prompt = encode(enc, r["query"])
+        prompt = encode_prompt(enc, r["query"])
         ids = prompt + encode(enc, r["response"]) + [eos_id]
         # decoding needs a prompt, and training a response
         if not prompt or len(ids) == len(prompt) + 1:

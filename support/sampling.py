@@ -27,7 +27,7 @@ from support.drawing import cell_text, plot_decode, png_path, pyplot
 from support.hf_folder import from_pretrained
 from support.hf_tokenizer import hf_special_ids, undecodable_ids
 from support.prepare import TokenDataset, prepare
-from support.tokenizer import decode, encode, get_tokenizer
+from support.tokenizer import decode, encode_prompt, get_tokenizer
 
 
 def load_model(cfg):
@@ -131,7 +131,7 @@ def load_prompts(cfg, enc, ckpt, gen_length, block_size):
     Raises ValueError / FileNotFoundError naming the problem."""
     if cfg["prompt"] and cfg["prompt_file"]:
         raise ValueError("give either --prompt or --prompt_file, not both")
-    wrap = partial(chat_prompt, enc) if cfg["chat"] else partial(encode, enc)
+    wrap = partial(chat_prompt, enc) if cfg["chat"] else partial(encode_prompt, enc)
     if cfg["prompt_file"]:
         return [wrap(read_utf8(cfg["prompt_file"], f"--prompt_file={cfg['prompt_file']}"))]
     if cfg["prompt"]:

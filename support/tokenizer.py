@@ -7,6 +7,7 @@ Text <-> token ids, with tiktoken: the built-in tokenizers and a Hugging Face fo
                              masks with and pads with
     vocab_size(enc)          the embedding rows a model needs for it
     encode(enc, text)        token ids; special-token strings in the text stay plain text
+    encode_prompt(enc, text) the same with what a folder's post-processor adds (Llama 3's BOS)
     decode(enc, ids)         text; broken UTF-8 becomes U+FFFD
 """
 
@@ -88,6 +89,15 @@ def encode(enc: tiktoken.Encoding, text: str) -> list[int]:
     for piece in _pieces(text):
         ids += enc.encode_ordinary(piece)
     return ids
+
+
+def encode_prompt(enc: tiktoken.Encoding, text: str) -> list[int]:
+    """Token ids of `text` as a prompt (or a training sample's prompt): encode(enc, text) with the
+    ids a Hugging Face folder's post-processor puts around a sequence (Llama 3: its BOS first;
+    support.hf_tokenizer.post_processor_ids), as AutoTokenizer(text) gives them. A chat prompt
+    takes its markers from its template instead (support.chat)."""
+    before, after = getattr(enc, "around", ((), ()))
+    return [*before, *encode(enc, text), *after]
 
 
 def decode(enc: tiktoken.Encoding, ids) -> str:

@@ -173,7 +173,10 @@ def test_converted_folder_is_a_model_transformers_and_we_agree_on(tmp_path):
     assert enc.encode_ordinary(" the 12 <think>") == [
         len(TOKENS) - 2, 3 + BYTE_CHARS.index("Ġ"), 3 + BYTE_CHARS.index("1"),
         3 + BYTE_CHARS.index("2"), 3 + BYTE_CHARS.index("Ġ"), len(TOKENS) - 1]  # digits split
-    assert hf_special_ids(folder) == ((2, 0), None, 2)
+    # the stop ids transformers' generate takes: config.json's eos_token_id (no generation_config)
+    eos = transformers.GenerationConfig.from_model_config(
+        transformers.AutoConfig.from_pretrained(folder)).eos_token_id
+    assert hf_special_ids(folder) == ((2,), None, 2) and eos == 2
     assert chat_parts(enc, "hi")[:2] == [1, "system\nYou are a helpful AI assistant named SmolLM, "
                                             "trained by Hugging Face"]
 

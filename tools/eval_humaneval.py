@@ -58,7 +58,7 @@ from sampler import decoder_settings, make_decoder
 from support.chat import chat_prompt
 from support.files import write_atomic
 from support.sampling import load_model, note_mismatch, prompt_generator
-from support.tokenizer import decode, encode
+from support.tokenizer import decode, encode, encode_prompt
 
 # -----------------------------------------------------------------------------
 # default config: the authors' HumanEval settings
@@ -151,7 +151,7 @@ def build_prompt(enc, problem, chat):
     if chat:
         return (chat_prompt(enc, INSTRUCTION.format(prompt=problem["prompt"])) +
                 encode(enc, ANSWER_PREFIX))
-    return encode(enc, problem["prompt"])
+    return encode_prompt(enc, problem["prompt"])
 
 
 def cut_at_stops(text):
