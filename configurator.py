@@ -10,6 +10,7 @@ default, and every value must have the default's type, so a typo fails loudly in
 import ast
 import difflib
 import io
+import numbers
 import os
 import sys
 import tokenize
@@ -95,8 +96,17 @@ def _literal(text):
 
 def _coerce(key, value, default, where="the command line"):
     """Check value against the default's type. Ints are accepted for floats; a list, a single value
-    or a comma-separated string for a tuple (--tasks=arith,stdlib). Raises ConfigError."""
+    or a comma-separated string for a tuple (--tasks=arith,stdlib); a number of another kind
+    (numpy's float64 and int64, in a config file) as the number it is. A path setting (PATHS)
+    starting with ~ is the user's home, as a shell would expand it. Raises ConfigError."""
     shown = f"--{key}={value!r}" if where == "the command line" else f"{key} = {value!r} in {where}"
+    if key in PATHS and isinstance(value, str) and value.startswith("~"):
+        return os.path.expanduser(value)
+    if not isinstance(value, bool) and not isinstance(default, bool):  # numpy's numbers as ours
+        if isinstance(default, float) and isinstance(value, numbers.Real):
+            return float(value)
+        if isinstance(default, int) and isinstance(value, numbers.Integral):
+            return int(value)
     if isinstance(default, tuple):
         # items of a tuple of text are taken as written, others as literals
         if isinstance(value, str):
@@ -122,8 +132,15 @@ def _check_key(key, defaults, where):
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=3)
         hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else "."
+        if where != "the command line":  # a config file's own helper value is welcome, named _x
+            hint += f" A value of the file's own (a helper) is named with a leading _, e.g. _{key}."
         raise ConfigError(f"unknown config key {key!r} in {where}{hint} Known keys: "
                           f"{', '.join(sorted(defaults))}")
+
+
+# the settings that name files or directories, of every script (~ expands to the home directory)
+PATHS = {"out_dir", "init_from", "dataset", "data_root", "prompt_file", "plot", "out_json",
+         "layout_png", "decode_png"}
 
 
 # settings renamed, whose old spelling is still accepted (in flags and config files): old -> new

@@ -2,10 +2,11 @@
 The KV cache: preallocated keys and values of every layer, plus the few operations the ReFusion
 decoder performs on it (SPEC section 4).
 
-One tensor holds everything: (n_layer, 2, max_batch, n_kv_head, max_len, head_dim). Every active
-row holds the same number of tokens, `pos`; new keys/values are written at [pos, pos + T) and
-nothing grows in the decode loop. Rows beyond row 0 exist only while slots are infilled in
-parallel: each row is then one slot, sharing the committed prefix.
+One tensor holds everything: (n_layer, 2, rows, n_kv_head, max_len, head_dim). Every active row
+holds the same number of tokens, `pos`; new keys/values are written at [pos, pos + T). Rows beyond
+row 0 exist only while slots are infilled in parallel: each row is then one slot, sharing the
+committed prefix. They are allocated when an infill first needs that many (up to max_batch), not
+up front, so memory follows the rows a decode uses, not the slots it could use.
 """
 
 import torch
@@ -14,16 +15,19 @@ import torch
 class KVCache:
     """Keys/values for `batch` rows of `pos` tokens each.
 
-    kv: (n_layer, 2, max_batch, n_kv_head, max_len, head_dim), dtype and device of the model.
+    kv: (n_layer, 2, rows, n_kv_head, max_len, head_dim), dtype and device of the model, with rows
+    (1 at first) growing up to max_batch as repeat_prefix asks for them.
     batch: number of active rows (1 outside parallel infill). pos: tokens held in every row.
+    peak_bytes: the most bytes kv has held.
     """
 
     def __init__(self, n_layer, n_kv_head, head_dim, max_len, max_batch=1, dtype=torch.float32,
                  device="cpu"):
-        self.kv = torch.zeros(n_layer, 2, max_batch, n_kv_head, max_len, head_dim, dtype=dtype,
+        self.kv = torch.zeros(n_layer, 2, 1, n_kv_head, max_len, head_dim, dtype=dtype,
                               device=device)
         self.n_layer, self.max_batch, self.max_len = n_layer, max_batch, max_len
         self.batch, self.pos = 1, 0
+        self.peak_bytes = self.kv.numel() * self.kv.element_size()
 
     def update(self, layer, k, v):
         """Write the new keys/values of one layer after the cached ones (called by the model).
@@ -58,6 +62,10 @@ class KVCache:
         if not 1 <= k <= self.max_batch:
             raise ValueError(f"cannot repeat into {k} rows: the cache was built for "
                              f"max_batch={self.max_batch}")
+        if k > self.kv.shape[2]:                  # more rows than ever before: allocate them
+            more = self.kv.new_zeros(*self.kv.shape[:2], k - self.kv.shape[2], *self.kv.shape[3:])
+            self.kv = torch.cat([self.kv, more], dim=2)
+            self.peak_bytes = max(self.peak_bytes, self.kv.numel() * self.kv.element_size())
         self.kv[:, :, 1:k, :, :self.pos] = self.kv[:, :, :1, :, :self.pos]
         self.batch = k
 

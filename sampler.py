@@ -70,7 +70,7 @@ def generate_refusion(model, prompt, settings, *, mask_id, eos_ids, generator=No
             break                                       # EOS: no later serial block starts
     tokens = cut_after_eos([state.response[p] for p in sorted(state.response)], eos_ids)
     return Generation(tokens[:settings.max_new_tokens], state.nfe, time.perf_counter() - t0,
-                      state.trace, state.step_nfe)
+                      state.trace, state.step_nfe, state.cache.peak_bytes)
 
 
 def decode_serial_block(state, pool, settings):
@@ -437,7 +437,8 @@ def generate_ar(model, prompt, settings, *, eos_ids, generator=None, on_step=Non
         if out[-1] in eos_ids or len(out) == settings.max_new_tokens:
             break
         tokens, positions = token[None], positions[:, -1:] + 1         # (1, 1) each
-    return Generation(out, len(out), time.perf_counter() - t0, trace, [1] * len(out))
+    return Generation(out, len(out), time.perf_counter() - t0, trace, [1] * len(out),
+                      cache.peak_bytes)
 
 
 def tokens_per_step(n_masked, steps):
@@ -505,12 +506,14 @@ class Generation:
     seconds: wall-clock decode time in seconds.
     trace:   per decoding step, the (position, token) pairs it committed (true positions).
     step_nfe: per decoding step, the forward passes it made (they sum to nfe).
+    cache_bytes: the most bytes its KV cache held (0 for the MDM, which has none).
     """
     tokens: list[int]
     nfe: int
     seconds: float
     trace: list = field(default_factory=list, repr=False)
     step_nfe: list = field(default_factory=list, repr=False)
+    cache_bytes: int = 0
 
     @property
     def tpf(self):
@@ -523,10 +526,11 @@ class Generation:
         return len(self.tokens) / max(self.seconds, 1e-9)
 
     def stats(self):
-        """The statistics as a dict of plain numbers (tokens, nfe, tpf, seconds, tokens_per_s), for
-        --json."""
+        """The statistics as a dict of plain numbers (tokens, nfe, tpf, seconds, tokens_per_s,
+        cache_bytes), for --json."""
         return {"tokens": len(self.tokens), "nfe": self.nfe, "tpf": round(self.tpf, 3),
-                "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2)}
+                "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2),
+                "cache_bytes": self.cache_bytes}
 
 
 @dataclass
@@ -822,6 +826,7 @@ def check_config(cfg):
 out_dir = "out"            # directory holding ckpt.pt (written by train.py) ...
 init_from = ""             # ... or a Hugging Face model folder (Qwen3, SmolLM2), or a ckpt.pt
 dtype = "float32"          # the weights in float32 or bfloat16 (half the memory)
+tokenizer = ""             # hf:FOLDER: a checkpoint's tokenizer folder, moved; empty: as recorded
 chat = False               # wrap the prompt in the model's chat template (a user turn)
 prompt = ""                # decode this text ...
 prompt_file = ""           # ... or the text of this file (a pipe too; - for standard input) ...

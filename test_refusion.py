@@ -89,7 +89,8 @@ def test_cache_is_order_invariant_for_independent_blocks():
 
 def test_commit_rows_lays_segments_in_the_given_order():
     cache = KVCache(n_layer=1, n_kv_head=1, head_dim=1, max_len=8, max_batch=3)
-    cache.pos, cache.batch = 5, 3
+    cache.pos = 5
+    cache.repeat_prefix(3)                                  # three rows of 5 tokens each
     cache.kv[0, 0, :, 0, :, 0] = torch.arange(3 * 8, dtype=torch.float32).view(3, 8)  # row r, token t -> 8r + t
     cache.commit_rows([(2, 2), (0, 3), (1, 1)], start=2)
     assert (cache.batch, cache.pos) == (1, 8)

@@ -356,22 +356,27 @@ FORMAT_HELP = ("expected a .json file holding a JSON list of objects with string
                "'response' fields, a .jsonl file with one such object per line, or plain text")
 
 
-def read_utf8(path: str, name: str) -> str:
+def read_utf8(path: str, name: str, limit: int | None = None) -> str:
     """The text of the file at `path`, decoded from its bytes as they are (CRLF line ends stay
     CRLF).
-    path may be a pipe (`<(command)`, /dev/stdin) or "-", standard input; each is read once.
-    A UTF-8 byte order mark at its start is not text: it is removed, with a note on stderr. `name`
-    names the file in messages (e.g. "--prompt_file=p.txt"). Raises FileNotFoundError, or ValueError
-    for a directory or giving the byte offset of the first byte that is not UTF-8."""
+    path may be a pipe (`<(command)`, /dev/stdin) or "-", standard input; each is read once, and
+    at most `limit` bytes of any (None: all): an endless stream (/dev/zero, a pipe that never
+    closes) stops there. A UTF-8 byte order mark at its start is not text: it is removed, with a
+    note on stderr. `name` names the file in messages (e.g. "--prompt_file=p.txt"). Raises
+    FileNotFoundError, or ValueError for a directory, a file longer than limit, or giving the byte
+    offset of the first byte that is not UTF-8."""
     if path == "-":
-        raw = sys.stdin.buffer.read()
+        raw = sys.stdin.buffer.read(-1 if limit is None else limit + 1)
     elif not os.path.exists(path):
         raise FileNotFoundError(f"{name}: no such file; check the path")
     elif os.path.isdir(path):
         raise ValueError(f"{name}: is a directory; name a file")
     else:
         with open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(-1 if limit is None else limit + 1)
+    if limit is not None and len(raw) > limit:
+        raise ValueError(f"{name}: longer than {limit:,} bytes, more than the model's context can "
+                         "hold as a prompt (read no further); give a shorter text")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

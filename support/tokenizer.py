@@ -11,6 +11,7 @@ Text <-> token ids, with tiktoken: the built-in tokenizers and a Hugging Face fo
     decode(enc, ids)         text; broken UTF-8 becomes U+FFFD
 """
 
+import os
 import re
 from functools import cache
 
@@ -40,7 +41,7 @@ def get_tokenizer(name: str = "bytes") -> tiktoken.Encoding:
     and what hf_tokenizer raises.
     """
     if name.startswith("hf:"):
-        return hf_tokenizer(name[len("hf:"):])
+        return hf_tokenizer(os.path.expanduser(name[len("hf:"):]))
     if name == "bytes":
         ranks = {bytes([i]): i for i in range(256)}
         return tiktoken.Encoding(name="bytes", pat_str=GPT2_PAT, mergeable_ranks=ranks,

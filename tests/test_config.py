@@ -162,3 +162,22 @@ def test_every_tool_answers_help_as_a_module_and_as_a_file(tmp_path):
         out, err = proc.communicate(timeout=120)
         assert (proc.returncode, out.decode().split(" [")[0], err.decode()) == \
             (0, f"usage: python -m tools.{name}", ""), (name, how)
+
+
+def test_a_config_file_s_helpers_numpy_numbers_and_home_paths(tmp_path, monkeypatch):
+    """A config file's own helper value is refused with how to name one (a leading _), which is
+    then ignored; numpy's float64 and int64 are the numbers they are; ~ in a path setting is the
+    home directory (saved ~/run/ckpt.pt was written to ./~/run/ckpt.pt)."""
+    config = tmp_path / "c.py"
+    config.write_text("steps = 300\nmax_iters = steps\n")
+    with pytest.raises(ConfigError, match="named with a leading _, e.g. _steps"):
+        parse_args(train.DEFAULTS, [str(config)])
+    config.write_text("import numpy as np\n_steps = 300\nmax_iters = _steps\n"
+                      "learning_rate = np.float64(1e-3)\nbatch_size = np.int64(8)\n")
+    cfg = parse_args(train.DEFAULTS, [str(config)])
+    assert (cfg["max_iters"], cfg["learning_rate"], cfg["batch_size"]) == (300, 1e-3, 8)
+    assert type(cfg["learning_rate"]) is float and type(cfg["batch_size"]) is int
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = parse_args(train.DEFAULTS, ["--out_dir=~/run", "--data_root=~/data"])
+    assert (cfg["out_dir"], cfg["data_root"]) == (str(tmp_path / "run"), str(tmp_path / "data"))
+    assert parse_args(sampler.DEFAULTS, ["--prompt=~/run"])["prompt"] == "~/run"   # text stays

@@ -328,3 +328,46 @@ def test_smollm2_converted_equals_transformers(tmp_path):
     ours_answer = generate_ar(ours, prompt, DecodeSettings(32), eos_ids=eos_ids).tokens
     assert ours_answer == answer and answer[-1] in eos_ids
     assert "Paris" in enc.decode(answer)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("tokenizer.ggml.eos_token_id", 10_000, r"tokenizer.ggml.eos_token_id=10000 is not an id of "
+                                            rf"the {len(TOKENS)} tokens"),
+    ("llama.attention.head_count", 0, r"llama.attention.head_count=0 is not a positive whole"),
+    ("llama.attention.head_count_kv", 3, r"head_count_kv=3 is not a divisor of the 4 query"),
+    ("tokenizer.ggml.token_type", None, r"has no tokenizer.ggml.token_type in its metadata"),
+    ("tokenizer.ggml.token_type", [1, 2],
+     rf"token_type=a list of 2 is not a list of {len(TOKENS)} token"),
+    ("llama.attention.layer_norm_rms_epsilon", float("nan"), r"epsilon=nan is not a positive"),
+    ("tokenizer.ggml.merges", ["Ġt"], r"merges=a list of 1 is not a list of merges")],
+    ids=["eos-out-of-range", "no-heads", "kv-heads", "no-token-types", "token-types-short",
+         "nan-eps", "bad-merge"])
+def test_every_metadata_field_the_converter_reads_is_checked(tmp_path, key, value, message):
+    """Each refused in one line naming the key (they ended in IndexError, ZeroDivisionError and
+    KeyError tracebacks), before anything is written."""
+    from support.gguf_file import check_metadata, gguf_fields
+    meta = gguf_fields(gguf.GGUFReader(write_gguf(tmp_path / "tiny.gguf")))
+    meta = {k: v for k, v in meta.items() if k != key} | ({} if value is None else {key: value})
+    with pytest.raises(ValueError, match=message):
+        check_metadata(meta, "tiny.gguf")
+
+
+def test_a_key_set_twice_and_a_folder_that_would_not_load_are_refused_leaving_nothing(tmp_path):
+    """A GGUF file whose metadata sets a key twice (the reader's KeyError) is refused in one line;
+    one whose converted folder the readers would refuse (here a merge order tiktoken would apply
+    otherwise) is refused before the folder exists: a written folder always loads."""
+    path = write_gguf(tmp_path / "twice.gguf", extra_meta=[("llama.block_counX", 1)])
+    raw = open(path, "rb").read().replace(b"llama.block_counX", b"llama.block_count")
+    open(path, "wb").write(raw)
+    with pytest.raises(ValueError, match=r"twice.gguf is not a readable GGUF file .*Duplicate"):
+        convert_gguf(path, str(tmp_path / "out"))
+    global MERGES
+    merges, MERGES = MERGES, ["h e", "Ġ t", "Ġt he"]   # "Ġt" merged after "he": out of id order
+    try:
+        path = write_gguf(tmp_path / "unordered.gguf")
+    finally:
+        MERGES = merges
+    with pytest.raises(ValueError, match=r"converts into a folder that does not load .*not in "
+                                         r"merge order.*nothing was written"):
+        convert_gguf(path, str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["twice.gguf", "unordered.gguf"]

@@ -1013,3 +1013,25 @@ def test_a_chat_template_is_fed_as_it_renders_the_user_s_text(tmp_path, template
                                                  add_generation_prompt=True, tokenize=True,
                                                  return_dict=False)
         assert chat_prompt(enc, text) == list(expected), text
+
+
+def test_a_checkpoint_whose_folder_moved_is_sampled_with_the_folder_named_anew(tmp_path, qa_file,
+                                                                               capsys):
+    """A checkpoint fine-tuned from a folder records its tokenizer as hf:FOLDER; once the folder
+    has moved, the sampler says so and takes it from --tokenizer=hf:NEW."""
+    import sampler
+    import train
+    save_tiny_hf_folder(tmp_path / "qwen3", mask=False)
+    train.main([f"--init_from={tmp_path / 'qwen3'}", f"--dataset={qa_file[0]}",
+                f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'ft'}",
+                "--block_size=64", "--batch_size=2", "--eval_iters=1", "--max_iters=1",
+                "--warmup_iters=1"])
+    (tmp_path / "qwen3").rename(tmp_path / "moved")
+    flags = [f"--out_dir={tmp_path / 'ft'}", "--prompt=hi", "--max_new_tokens=4",
+             "--slot_size=4", "--json"]
+    with pytest.raises(FileNotFoundError, match=r"records its tokenizer as hf:.*qwen3, a folder "
+                                                r"that is no longer there .*--tokenizer=hf:FOLDER"):
+        sampler.main(flags)
+    capsys.readouterr()
+    sampler.main(flags + [f"--tokenizer=hf:{tmp_path / 'moved'}"])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["prompt"] == "hi"

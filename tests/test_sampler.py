@@ -329,3 +329,11 @@ def test_init_from_takes_a_checkpoint_as_train_py_does(trained, capsys):
         outputs.append({k: v for k, v in json.loads(capsys.readouterr().out).items()
                         if k not in ("seconds", "tokens_per_s")})
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_an_endless_prompt_stream_is_read_only_as_far_as_a_prompt_can_go(trained):
+    """--prompt_file=/dev/zero (or a pipe that never closes) was read until memory ran out; it is
+    read no further than the longest text the context could hold, and refused saying so."""
+    with pytest.raises(ValueError, match=r"--prompt_file=/dev/zero: longer than 16,384 bytes"):
+        sampler.main([f"--out_dir={trained}", "--prompt_file=/dev/zero"])
