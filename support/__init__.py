@@ -19,3 +19,12 @@ command lines' main functions.
     gguf_file      llama.cpp's GGUF -> a Hugging Face folder
     drawing        the pictures of a decode and of the training layout (matplotlib)
 """
+
+import sys
+
+if "-m" in sys.orig_argv[:-1]:  # python -m support.prepare: a module, not a command
+    _module = sys.orig_argv[sys.orig_argv.index("-m") + 1]
+    if _module.startswith("support."):
+        raise SystemExit(f"error: {_module} is a module of support/, not a command; the commands "
+                         "are train.py, sampler.py and python -m tools.X (tools/__init__.py lists "
+                         "them; python -m tools.prepare prepares a data set ahead)")

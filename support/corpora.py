@@ -534,3 +534,9 @@ DATASETS = {"stdlib": stdlib_records, "quotes": quote_records, "arith": arithmet
             "transform": transform_records,
             "arith-1m": lambda: arithmetic_records(1_000_000),
             "arith-small": lambda: arithmetic_records(20000, digits=(2, 3))}
+
+
+if __name__ == "__main__":  # python support/corpora.py
+    raise SystemExit("error: support/corpora.py is a module of support/, not a command; the "
+                     "commands are train.py, sampler.py and python -m tools.X (tools/__init__.py "
+                     "lists them)")

@@ -78,3 +78,9 @@ def write_atomic(path, write, what=None):
         raise_if_disk_full(e, path, what)
         raise
     fsync_directory(directory)
+
+
+if __name__ == "__main__":  # python support/files.py
+    raise SystemExit("error: support/files.py is a module of support/, not a command; the "
+                     "commands are train.py, sampler.py and python -m tools.X (tools/__init__.py "
+                     "lists them)")

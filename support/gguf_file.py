@@ -144,7 +144,8 @@ def gguf_tokenizer_files(meta, path):
     """(tokenizer.json, tokenizer_config.json) as dicts, from a GGUF file's tokenizer metadata (a
     byte-level BPE: tokenizer.ggml.model "gpt2"). Token types 3 (control) and 4 (user-defined)
     become added tokens, special and not special; tokenizer.ggml.pre names the pre-tokenizer
-    (GGUF_PRE).
+    (GGUF_PRE). Where tokenizer.ggml.add_bos_token says llama.cpp puts BOS before a prompt, the
+    post-processor does (as Llama 3's tokenizer.json does).
     Raises ValueError for another tokenizer model or pre-tokenizer."""
     model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if model != "gpt2" or pre not in GGUF_PRE:
@@ -174,6 +175,19 @@ def gguf_tokenizer_files(meta, path):
     named = {key: tokens[meta[f"tokenizer.ggml.{key}_token_id"]]
              for key in ("bos", "eos", "unknown", "padding")
              if f"tokenizer.ggml.{key}_token_id" in meta}
+    if meta.get("tokenizer.ggml.add_bos_token") and "bos" in named:  # llama.cpp adds it: so do we
+        bos = named["bos"]
+        tokenizer["post_processor"] = {"type": "Sequence", "processors": [
+            tokenizer["post_processor"],
+            {"type": "TemplateProcessing",
+             "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                        {"Sequence": {"id": "A", "type_id": 0}}],
+             "pair": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                      {"Sequence": {"id": "A", "type_id": 0}},
+                      {"SpecialToken": {"id": bos, "type_id": 1}},
+                      {"Sequence": {"id": "B", "type_id": 1}}],
+             "special_tokens": {bos: {"id": bos, "ids": [meta["tokenizer.ggml.bos_token_id"]],
+                                      "tokens": [bos]}}}]}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
               "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
               **{f"{key.replace('unknown', 'unk').replace('padding', 'pad')}_token": t

@@ -152,7 +152,8 @@ def test_every_tool_answers_help_as_a_module_and_as_a_file(tmp_path):
     (a file's own directory is first on its path, not the root), both print the usage."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     runs = {}
-    for name in ("bench", "eval_humaneval", "convert_gguf", "consolidate", "figures"):
+    for name in ("bench", "bench_pretrained", "eval_humaneval", "convert_gguf", "consolidate",
+                 "figures", "prepare"):
         for how, command, cwd in [("module", ["-m", f"tools.{name}"], ROOT),
                                   ("file", [str(ROOT / "tools" / f"{name}.py")], tmp_path)]:
             runs[name, how] = subprocess.Popen([sys.executable, *command, "--help"], cwd=cwd,
@@ -181,3 +182,20 @@ def test_a_config_file_s_helpers_numpy_numbers_and_home_paths(tmp_path, monkeypa
     cfg = parse_args(train.DEFAULTS, ["--out_dir=~/run", "--data_root=~/data"])
     assert (cfg["out_dir"], cfg["data_root"]) == (str(tmp_path / "run"), str(tmp_path / "data"))
     assert parse_args(sampler.DEFAULTS, ["--prompt=~/run"])["prompt"] == "~/run"   # text stays
+
+
+def test_a_module_of_support_run_as_a_command_says_it_is_none_and_prepare_is_a_tool(tmp_path):
+    """python -m support.prepare (and prepare.py before the layout) did nothing and exited 0: a
+    module of support/ run as a command says it is none and names the commands; tools.prepare
+    prepares a data set ahead of training."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for command in (["-m", "support.prepare"], ["-m", "support.runs", "--help"],
+                    [str(ROOT / "support" / "files.py")]):
+        done = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True,
+                              text=True)
+        assert done.returncode == 1 and "is a module of support/, not a command" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "tools.prepare", "--dataset=transform",
+                           f"--data_root={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.splitlines()[-1].startswith(
+        f"prepared {tmp_path / 'transform-bytes-384'}: 18,989 training")

@@ -371,3 +371,16 @@ def test_a_key_set_twice_and_a_folder_that_would_not_load_are_refused_leaving_no
                                          r"merge order.*nothing was written"):
         convert_gguf(path, str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path)) == ["twice.gguf", "unordered.gguf"]
+
+
+def test_a_gguf_that_adds_bos_converts_into_a_folder_whose_prompts_begin_with_it(tmp_path):
+    """tokenizer.ggml.add_bos_token (Llama 3's GGUF files): llama.cpp puts BOS before a prompt, and
+    so does the converted folder's post-processor, for us and for transformers alike."""
+    transformers = pytest.importorskip("transformers")
+    from support.tokenizer import encode_prompt
+    path = write_gguf(tmp_path / "bos.gguf", extra_meta=[("tokenizer.ggml.add_bos_token", True)])
+    folder = convert_gguf(path, str(tmp_path / "hf"))
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    for text in ("the 12", "hi there"):
+        ids = encode_prompt(hf_tokenizer(folder), text)
+        assert ids == reference(text).input_ids and ids[0] == 1          # <|im_start|>: id 1

@@ -6,4 +6,6 @@ The commands beside training and sampling, run from the repository's root as mod
     python -m tools.convert_gguf     a GGUF file -> a Hugging Face folder (docs/pretrained.md)
     python -m tools.consolidate      a sharded (FSDP) checkpoint -> one ckpt.pt
     python -m tools.figures          the pictures of docs/
+    python -m tools.prepare          a data set tokenized once, ahead of training
+    python -m tools.bench_pretrained the benchmark on a pretrained model (SmolLM2-135M)
 """
