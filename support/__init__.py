@@ -26,5 +26,5 @@ if "-m" in sys.orig_argv[:-1]:  # python -m support.prepare: a module, not a com
     _module = sys.orig_argv[sys.orig_argv.index("-m") + 1]
     if _module.startswith("support."):
         raise SystemExit(f"error: {_module} is a module of support/, not a command; the commands "
-                         "are train.py, sampler.py and python -m tools.X (tools/__init__.py lists "
-                         "them; python -m tools.prepare prepares a data set ahead)")
+                         "are train.py, sampler.py and python -m tools.<name> (tools/__init__.py "
+                         "lists them; python -m tools.prepare prepares a data set ahead)")

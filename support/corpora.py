@@ -538,5 +538,5 @@ DATASETS = {"stdlib": stdlib_records, "quotes": quote_records, "arith": arithmet
 
 if __name__ == "__main__":  # python support/corpora.py
     raise SystemExit("error: support/corpora.py is a module of support/, not a command; the "
-                     "commands are train.py, sampler.py and python -m tools.X (tools/__init__.py "
-                     "lists them)")
+                     "commands are train.py, sampler.py and python -m tools.<name> "
+                     "(tools/__init__.py lists them)")

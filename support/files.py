@@ -82,5 +82,5 @@ def write_atomic(path, write, what=None):
 
 if __name__ == "__main__":  # python support/files.py
     raise SystemExit("error: support/files.py is a module of support/, not a command; the "
-                     "commands are train.py, sampler.py and python -m tools.X (tools/__init__.py "
-                     "lists them)")
+                     "commands are train.py, sampler.py and python -m tools.<name> "
+                     "(tools/__init__.py lists them)")

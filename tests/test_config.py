@@ -148,7 +148,7 @@ def test_a_renamed_setting_is_still_accepted_by_its_old_name(tmp_path):
 
 
 def test_every_tool_answers_help_as_a_module_and_as_a_file(tmp_path):
-    """`python -m tools.X --help` from the root, and `python tools/X.py --help` from elsewhere
+    """`python -m tools.<name> --help` from the root, and `python tools/X.py --help` from elsewhere
     (a file's own directory is first on its path, not the root), both print the usage."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     runs = {}

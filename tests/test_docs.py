@@ -27,7 +27,8 @@ def test_the_readme_is_a_front_page_that_embeds_both_pictures():
         assert f"]({picture})" in text and (ROOT / picture).stat().st_size > 10_000
 
 
-COMMAND = re.compile(r"\b(?:python3?|torchrun)\b[^`\n]*?\s(?:-m\s+([\w.]+)|([\w./-]+\.py))\b")
+COMMAND = re.compile(r"\b(?:python3?|torchrun)\b[^`\n]*?\s(?:-m\s+([\w.]*\w)(?![\w.<])|"
+                     r"([\w./-]+\.py))\b")  # "python -m tools.<name>": a placeholder
 PY_FILE = re.compile(r"(?<![\w./<-])((?:[\w-]+/)*[\w-]+\.py)\b")
 
 
