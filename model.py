@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kvcache import KVCache
+from kvcache import KVCache, causal_mask
 
 
 @dataclass
@@ -171,7 +171,8 @@ class Transformer(nn.Module):
         position_ids: (B, T) int64 true positions, used only by RoPE.
         kv_cache:     optional KVCache holding P earlier tokens of every row; the new tokens attend
                       to all of them and causally to each other (when config.causal), and their
-                      keys/values are appended to the cache.
+                      keys/values are appended to the cache. (A BatchedCache serves several
+                      prompts' caches in one pass, padded: see kvcache.py.)
         key_mask:     optional (B, P + T) bool, False for keys no query may attend to (padding in
                       the bidirectional MDM baseline).
         Returns logits: (B, T, vocab_size) float32.
@@ -181,16 +182,12 @@ class Transformer(nn.Module):
             raise ValueError(f"idx {tuple(idx.shape)} and position_ids {tuple(position_ids.shape)} "
                              "must have the same (B, T) shape")
         T = idx.shape[1]
-        P = kv_cache.pos if kv_cache is not None else 0
-        mask, is_causal = None, False
-        if self.config.causal and P == 0 and key_mask is None:
-            is_causal = True  # square (T, T): SDPA's top-left-aligned mask is the right one
-        elif self.config.causal:
-            # With P cached keys SDPA's is_causal would align the mask top-left (query i sees keys
-            # 0..i); query i must see keys 0..P+i, so build the mask explicitly.
-            q_idx = torch.arange(T, device=idx.device)[:, None]
-            k_idx = torch.arange(P + T, device=idx.device)[None, :]
-            mask = (k_idx <= P + q_idx)[None, None]           # (1, 1, T, P + T)
+        # The cache knows which keys each new token may see (None: plain causal attention over the
+        # T tokens, SDPA's is_causal); a causal model without one, given a key_mask, builds it.
+        mask = kv_cache.attention_mask(T) if kv_cache is not None and self.config.causal else None
+        if self.config.causal and mask is None and key_mask is not None:
+            mask = causal_mask(0, T, idx.device)
+        is_causal = self.config.causal and mask is None
         if key_mask is not None:
             km = key_mask[:, None, None, :]                   # (B, 1, 1, P + T)
             mask = km if mask is None else mask & km

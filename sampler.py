@@ -28,14 +28,18 @@ Its plumbing (loading models and prompts, the live trace, printing) is support/s
 """
 
 import math
+import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, fields
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from configurator import check_device, check_seed, explicit_keys, parse_args, run_cli, settings_in
+from kvcache import BatchedCache
 
 # -----------------------------------------------------------------------------
 # ReFusion: plan, verify, infill, commit (SPEC section 4)
@@ -492,6 +496,146 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
                 on_step(trace[-1])
     tokens = cut_after_eos(x[0, P:].tolist(), eos_ids)
     return Generation(tokens, nfe, time.perf_counter() - t0, trace, [1] * nfe)
+
+# -----------------------------------------------------------------------------
+# many prompts at once: the decoders above, batched (beyond the paper, opt-in: --batch_size)
+
+
+def generate_batch(decode, prompts, batch_size, generators=None, forwards=None):
+    """Decode prompts batch_size at a time with the one-prompt decoder `decode`, every forward
+    pass of a batch's prompts run as one.
+
+    Each prompt of a batch runs `decode` unchanged, in its own thread, on a BatchedModel that
+    hands its forward passes to the batch. When every prompt still decoding has asked for one (a
+    plan, a verify, an infill round, a next token, a denoising step), forward_batch runs them as
+    one padded pass and each prompt goes on with its own logits; a prompt that finishes leaves the
+    batch, and the next batch starts when all of it has finished. So each prompt takes the steps,
+    and the NFE, it takes alone, and at temperature 0 its tokens are the same up to rounding: a
+    batch of another shape sums float32 (or bfloat16) in another order, which can flip a near tie
+    between two tokens, or a probability right at a threshold (tests/test_batch.py keeps such
+    models out; tools/bench.py reports how often real prompts differ).
+
+    decode: a one-prompt decoder as make_decoder returns it (a partial whose first argument is the
+    model). prompts: list of token-id lists. generators: one torch.Generator per prompt (its draws
+    at temperature > 0 are its own), or None for decode's. forwards: optional list; each batched
+    pass appends the indexes of the prompts it carried.
+    Returns the Generations in prompt order; their seconds are each prompt's latency in its batch.
+    Raises ValueError for batch_size < 1; the first error a prompt's decode raised.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: decode at least one prompt at a time")
+    generators = generators or [None] * len(prompts)
+    out = []
+    for b in range(0, len(prompts), batch_size):
+        chunk = range(b, min(b + batch_size, len(prompts)))
+        log = [] if forwards is not None else None
+        out += decode_together(decode, [prompts[i] for i in chunk],
+                               [generators[i] for i in chunk], log)
+        if log is not None:
+            forwards += [[b + i for i in carried] for carried in log]
+    return out
+
+
+class BatchedModel:
+    """The model as one prompt's decoder sees it in a batch: its config and caches, but each
+    forward pass is posted to the batch's inbox, and waits for its logits."""
+
+    def __init__(self, model, inbox, index):
+        self.config, self.new_kv_cache, self.parameters = (model.config, model.new_kv_cache,
+                                                           model.parameters)
+        self.inbox, self.index, self.replies = inbox, index, queue.SimpleQueue()
+
+    def __call__(self, idx, position_ids, kv_cache=None):
+        self.inbox.put((self.index, "forward", (idx, position_ids, kv_cache)))
+        reply = self.replies.get()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+
+class BatchAborted(Exception):
+    """Raised in a prompt's decode when another prompt of its batch failed."""
+
+
+def decode_together(decode, prompts, generators, forwards):
+    """One batch of generate_batch: a thread per prompt, and this loop running their forward
+    passes. Returns their Generations in order; raises the first error one of them raised."""
+    model, inbox = decode.args[0], queue.SimpleQueue()
+    proxies = [BatchedModel(model, inbox, i) for i in range(len(prompts))]
+
+    def work(i):
+        one = partial(decode.func, proxies[i], *decode.args[1:], **decode.keywords)
+        try:
+            gen = {} if generators[i] is None else {"generator": generators[i]}
+            inbox.put((i, "done", one(prompts[i], **gen)))
+        except BaseException as e:  # handed to the loop, which raises it
+            inbox.put((i, "error", e))
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    running, requests, results, error = set(range(len(prompts))), {}, [None] * len(prompts), None
+    while running:
+        i, kind, value = inbox.get()
+        if kind == "forward":
+            requests[i] = value
+        else:
+            running.discard(i)
+            results[i] = value
+            if kind == "error" and error is None and not isinstance(value, BatchAborted):
+                error = value
+        if requests and len(requests) == len(running):  # every prompt still decoding waits
+            order = sorted(requests)
+            replies = [BatchAborted("another prompt of the batch failed")] * len(order)
+            if error is None:
+                try:
+                    replies = forward_batch(model, [requests[j] for j in order])
+                    if forwards is not None:
+                        forwards.append(order)
+                except Exception as e:
+                    error = e
+            for j, reply in zip(order, replies):
+                proxies[j].replies.put(reply)
+            requests = {}
+    for t in threads:
+        t.join()
+    if error is not None:
+        raise error
+    return results
+
+
+@torch.inference_mode()
+def forward_batch(model, requests):
+    """One forward pass for the forward passes several prompts asked for.
+
+    requests: list of (idx (R_i, T_i) int64, position_ids (R_i, T_i) int64, KVCache or None), all
+    with a cache (ReFusion, next-token decoding) or none (the MDM). Rows are padded to the longest
+    T_i (token 0 at position 0); cached rows attend through a BatchedCache, uncached ones with a
+    key mask that hides the padding (none when every T_i is the same).
+    Returns the logits of each request: (R_i, T_i, V) float32 (views of one tensor).
+    Raises ValueError when some requests have a cache and others do not.
+    """
+    T = max(idx.shape[1] for idx, _, _ in requests)
+    idx = torch.cat([F.pad(r[0], (0, T - r[0].shape[1])) for r in requests])
+    positions = torch.cat([F.pad(r[1], (0, T - r[1].shape[1])) for r in requests])
+    lengths = [r[0].shape[1] for r in requests]
+    caches = [r[2] for r in requests]
+    if all(c is not None for c in caches):
+        logits = model(idx, positions, kv_cache=BatchedCache(caches, lengths, T))
+    elif all(c is None for c in caches):
+        key_mask = None
+        if min(lengths) < T:
+            row_lengths = torch.tensor([n for r, n in zip(requests, lengths)
+                                        for _ in range(r[0].shape[0])], device=idx.device)
+            key_mask = torch.arange(T, device=idx.device)[None] < row_lengths[:, None]
+        logits = model(idx, positions, key_mask=key_mask)
+    else:
+        raise ValueError("a batch mixes forward passes with and without a KV cache")
+    out, r0 = [], 0
+    for (idx_i, _, _), n in zip(requests, lengths):
+        out.append(logits[r0:r0 + idx_i.shape[0], :n])
+        r0 += idx_i.shape[0]
+    return out
 
 # -----------------------------------------------------------------------------
 # results, settings (checked once, when built) and checks
