@@ -955,13 +955,17 @@ def make_decoder(cfg, model, ids, generator):
 
 def check_config(cfg):
     """Refuse settings that cannot work before any weights are read: the device, the seed, the
-    number of samples and, when --method is given, the decoder's settings. Raises ConfigError or
-    ValueError naming the flag. config/sample_*.py pass it (tests/test_config.py)."""
+    number of samples, the batch size and, when --method is given, the decoder's settings. Raises
+    ConfigError or ValueError naming the flag. config/sample_*.py pass it (tests/test_config.py)."""
     check_device(cfg["device"])
     check_seed(cfg)
     if cfg["num_samples"] <= 0:
         raise ValueError(f"--num_samples={cfg['num_samples']}: ask for at least one validation "
                          "prompt")
+    if cfg["batch_size"] < 1:
+        raise ValueError(f"--batch_size={cfg['batch_size']}: decode at least one prompt at a time")
+    if cfg["batch_size"] > 1 and cfg["show"]:
+        raise ValueError("--show redraws one decode at a time; use it with --batch_size=1")
     if cfg["method"]:
         decoder_settings(cfg)  # bad decoder settings fail before the weights are read
 
@@ -985,6 +989,7 @@ infill = "paper"           # refusion: 'paper' (force masked drafts) or 'ar' (ne
 steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
 temperature = 0.0          # 0: greedy; above 0: sample (Gumbel-max)
+batch_size = 1             # prompts decoded together (generate_batch); each sample is its own
 compare_ar = True          # refusion: also decode them by --method=ar, compared in the summary
 seed = 1337                # prompt i is sampled from a torch.Generator seeded with seed + i
 device = "cpu"             # cpu, cuda, cuda:N or mps
@@ -1021,16 +1026,27 @@ def main(argv):
                                      torch.Generator(cfg["device"]))
         next_token(prompts[0][:8])
     report = sampling.Report(cfg, enc, ids, ckpt)
-    for i, prompt in enumerate(prompts):
-        generator = partial(sampling.prompt_generator, cfg["device"], cfg["seed"], i)
-        live = (sampling.LiveTrace(enc, prompt, settings.max_new_tokens, ids["eos_ids"])
+    B = cfg["batch_size"]
+    for b in range(0, len(prompts), B):  # batch_size 1: a prompt at a time, as the decoders run
+        batch = prompts[b:b + B]
+        generators = [sampling.prompt_generator(cfg["device"], cfg["seed"], b + i)
+                      for i in range(len(batch))]
+        live = (sampling.LiveTrace(enc, batch[0], settings.max_new_tokens, ids["eos_ids"])
                 if cfg["show"] else None)
-        out = decode(prompt, generator=generator(), on_step=live)
-        if cfg["plot"] and i == 0:
-            sampling.plot_first_decode(cfg, enc, ids, settings, prompt, out)
-        report.sample(prompt, out)
-        if compare:  # the same prompt right after, so that both see the same machine
-            report.next_token(prompt, next_token(prompt, generator=generator()))
+        outs = report.timed(lambda: [decode(batch[0], generator=generators[0], on_step=live)]
+                            if B == 1 else generate_batch(decode, batch, B, generators))
+        if cfg["plot"] and b == 0:
+            sampling.plot_first_decode(cfg, enc, ids, settings, prompts[0], outs[0])
+        for prompt, out in zip(batch, outs):
+            report.sample(prompt, out)
+        if compare:  # the same prompts right after, so that both see the same machine
+            generators = [sampling.prompt_generator(cfg["device"], cfg["seed"], b + i)
+                          for i in range(len(batch))]
+            outs = report.timed(lambda: [next_token(batch[0], generator=generators[0])]
+                                if B == 1 else generate_batch(next_token, batch, B, generators),
+                                next_token=True)
+            for prompt, out in zip(batch, outs):
+                report.next_token(prompt, out)
     report.summary()
 
 

@@ -6,6 +6,7 @@ report it:
     peak_above                     the peak resident memory of a decode above what was loaded
     hf_model, hf_decode            Hugging Face transformers on the same weights, greedy generate
     headline, markdown_table       the tables (the README's, bench.md's)
+    batch_throughput, throughput_table   tokens/s and latency at batch 1, 4, 16, 64
     plot, machine                  quality against speed; what the figures were measured on
 """
 
@@ -288,6 +289,84 @@ def plot(rows, path):
     fig.tight_layout()
     write_atomic(path, lambda f: fig.savefig(f, dpi=120, format="png"))
     return True
+
+
+def batch_throughput(decoders, prompts, batch_sizes, generate_batch, rounds=1):
+    """Throughput and latency of each decoder decoding the first max(batch_sizes) prompts,
+    batch_size prompts at a time (the sizes above the prompts there are left out).
+
+    decoders: {label: a one-prompt decoder, as sampler.make_decoder returns it}, greedy; the first
+    is the one "vs first" compares with. batch_sizes: ascending, the first 1 (each prompt decoded
+    alone, as the rest of the benchmark does: the reference); generate_batch: sampler's (support/
+    does not import the scripts). Interleaved: each round runs every batch size, and in it every
+    decoder, in turn; the figures are the median round's.
+    Returns {"n_prompts", "rows"}: a row per (decoder, batch size) with tokens, seconds (wall),
+    tokens_per_s, latency_ms (the mean over prompts of its decode's seconds: from its batch's
+    start to its end), vs_batch_1 (tokens/s over the decoder's at batch 1), vs_first (over the
+    first decoder's at the same batch size) and identical (the share of prompts whose tokens equal
+    their batch-1 decode's).
+    """
+    prompts = prompts[:max(batch_sizes)]
+    batch_sizes = [B for B in batch_sizes if B <= len(prompts)]
+    print(f"decode in batches of {', '.join(map(str, batch_sizes))}: {len(prompts)} prompts",
+          flush=True)
+    runs = {}                                    # (label, batch size) -> [(seconds, outs)] a round
+    for _ in range(rounds):
+        for B in batch_sizes:
+            for label, decode in decoders.items():
+                t0 = time.perf_counter()
+                outs = ([decode(p) for p in prompts] if B == 1 else
+                        generate_batch(decode, prompts, B))
+                runs.setdefault((label, B), []).append((time.perf_counter() - t0, outs))
+    rows = []
+    for (label, B), timed in runs.items():
+        seconds, outs = sorted(timed, key=lambda t: t[0])[len(timed) // 2]
+        alone = runs[label, batch_sizes[0]][0][1]
+        tokens = sum(len(o.tokens) for o in outs)
+        rows.append({"decoder": label, "batch_size": B, "tokens": tokens, "seconds": seconds,
+                     "tokens_per_s": tokens / seconds,
+                     "latency_ms": 1e3 * sum(o.seconds for o in outs) / len(outs),
+                     "identical": sum(o.tokens == a.tokens for o, a in zip(outs, alone)) /
+                     len(outs)})
+    for row in rows:
+        same = {r["decoder"]: r for r in rows if r["batch_size"] == row["batch_size"]}
+        first = next(r for r in rows if r["decoder"] == row["decoder"])
+        row["vs_batch_1"] = row["tokens_per_s"] / first["tokens_per_s"]
+        row["vs_first"] = row["tokens_per_s"] / same[next(iter(decoders))]["tokens_per_s"]
+    rows.sort(key=lambda r: (list(decoders).index(r["decoder"]), r["batch_size"]))
+    return {"n_prompts": len(prompts), "rows": rows}
+
+
+def check_batch_settings(cfg):
+    """Raise ValueError unless --throughput_task is one of --tasks (or empty: no batches) and
+    --batch_sizes ascend from 1, the one-prompt reference."""
+    if cfg["throughput_task"] and cfg["throughput_task"] not in cfg["tasks"]:
+        raise ValueError(f"--throughput_task={cfg['throughput_task']}: not among --tasks "
+                         f"({', '.join(cfg['tasks'])}); name one of them, or '' for no batches")
+    sizes = tuple(cfg["batch_sizes"])
+    if not sizes or sizes[0] != 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"--batch_sizes={','.join(map(str, sizes))}: give ascending batch sizes "
+                         "from 1 (the one-prompt reference), e.g. --batch_sizes=1,4,16,64")
+
+
+def throughput_table(rows, task, n_prompts):
+    """batch_throughput's rows as markdown, then a line per decoder after the first saying at which
+    batch size the first (the ARM) is as fast as it, if it is within the sizes measured."""
+    first = rows[0]["decoder"]
+    lines = [f"Batched decoding ({task}, {n_prompts} prompts; tokens/s over all of them):", "",
+             f"| decoder | batch | tokens/s | vs batch 1 | vs {first} | latency per prompt (ms) | "
+             "identical to batch 1 |", "| --- " * 7 + "|"]
+    lines += [f"| {r['decoder']} | {r['batch_size']} | {r['tokens_per_s']:.0f} | "
+              f"{r['vs_batch_1']:.2f}x | {r['vs_first']:.2f}x | {r['latency_ms']:.0f} | "
+              f"{r['identical']:.0%} |" for r in rows]
+    lines.append("")
+    for label in dict.fromkeys(r["decoder"] for r in rows if r["decoder"] != first):
+        own = [r for r in rows if r["decoder"] == label]
+        caught = next((r["batch_size"] for r in own if r["vs_first"] <= 1), None)
+        lines.append(f"{first} is at least as fast as {label} from batch {caught} on."
+                     if caught else f"{label} is faster than {first} at every batch size "
+                     f"measured, up to {own[-1]['batch_size']}.")
+    return "\n".join(lines)
 
 
 def machine():

@@ -277,6 +277,15 @@ class Report:
         self.enc, self.eos_ids, self.json = enc, ids["eos_ids"], cfg["json"]
         self.check = partial(score, ckpt["config"]["dataset"]) if ckpt else lambda *_: None
         self.decoded, self.next_tokens = [], []   # (Generation, verdict) of every sample
+        self.seconds = {False: 0.0, True: 0.0}     # wall time of the decodes, next_token or not
+        self.batched = cfg["batch_size"] > 1       # tokens/s over the wall time of the batches
+
+    def timed(self, decode, next_token=False):
+        """Run decode() (-> a list of Generations), adding its wall time to the summary's."""
+        t0 = time.perf_counter()
+        outs = decode()
+        self.seconds[next_token] += time.perf_counter() - t0
+        return outs
 
     def judge(self, prompt, out):
         """(the response's text without EOS, verdict: (metric, 1.0 or 0.0), or None without a
@@ -310,29 +319,34 @@ class Report:
         if self.json or len(self.decoded) < 2:
             return
         print("=" * 80)
-        print(summary(self.decoded, self.next_tokens))
+        print(summary(self.decoded, self.next_tokens, self.seconds if self.batched else None))
 
 
-def totals(decoded):
-    """(right-answers text, tokens, forward passes, tokens/s) over (Generation, verdict) pairs."""
+def totals(decoded, seconds=None):
+    """(right-answers text, tokens, forward passes, tokens/s) over (Generation, verdict) pairs;
+    tokens/s over `seconds` of wall time, or else over the decodes' own seconds."""
     tokens = sum(len(o.tokens) for o, _ in decoded)
-    nfe, seconds = sum(o.nfe for o, _ in decoded), sum(o.seconds for o, _ in decoded)
+    nfe = sum(o.nfe for o, _ in decoded)
+    seconds = seconds or sum(o.seconds for o, _ in decoded)
     checked = [v for _, v in decoded if v is not None]
     right = f"{sum(v[1] == 1.0 for v in checked)} of {len(checked)} right ({checked[0][0]}); " \
         if checked else ""
     return right, tokens, nfe, tokens / max(seconds, 1e-9)
 
 
-def summary(decoded, next_tokens=()):
+def summary(decoded, next_tokens=(), seconds=None):
     """One line over all samples: how many were right (where the data set has a check), tokens,
     forward passes, TPF (tokens / NFE) and tokens/s over all of them; then, when given, the same of
     next-token decoding of the same prompts, and the speed-up: the decode's tokens/s over its.
-    decoded, next_tokens: lists of (Generation, verdict)."""
-    right, tokens, nfe, speed = totals(decoded)
+    decoded, next_tokens: lists of (Generation, verdict). seconds: {False: the decodes' wall time,
+    True: next-token decoding's}, or None for the sum of each decode's seconds (the same at batch
+    size 1; a batch's prompts decode at once)."""
+    seconds = seconds or {}
+    right, tokens, nfe, speed = totals(decoded, seconds.get(False))
     line = (f"{len(decoded)} samples: {right}{tokens} tokens in {nfe} forward passes, "
             f"{tokens / max(nfe, 1):.2f} tokens per forward, {speed:.1f} tokens/s")
     if next_tokens:
-        ar_right, ar_tokens, ar_nfe, ar_speed = totals(next_tokens)
+        ar_right, ar_tokens, ar_nfe, ar_speed = totals(next_tokens, seconds.get(True))
         line += (f"; next-token decoding (--method=ar) of the same prompts: {ar_right}{ar_tokens} "
                  f"tokens in {ar_nfe} forward passes, {ar_speed:.1f} tokens/s; speed-up "
                  f"{speed / ar_speed:.2f}x")

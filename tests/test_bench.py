@@ -62,11 +62,25 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
         assert r["forward_calls"] == r["nfe"]
         assert r["speedup_vs_ar"] == r["tokens_per_s"] / ar_row["tokens_per_s"]
         assert r["speedup_vs_mdm"] == r["tokens_per_s"] / mdm_row["tokens_per_s"]
+    # the throughput table: ARM, ReFusion's headline point, the MDM; batches of 1 and 2 prompts
+    batched = report["batched"]["transform"]["rows"]
+    assert [(r["decoder"], r["batch_size"]) for r in batched] == [
+        (label, B) for label in ("ARM", batched[2]["decoder"], bench.best_mdm(rows)["label"])
+        for B in (1, 2)]
+    for r in batched:
+        first = next(b for b in batched if b["decoder"] == r["decoder"])
+        ar = next(b for b in batched
+                  if b["decoder"] == "ARM" and b["batch_size"] == r["batch_size"])
+        assert r["vs_batch_1"] == r["tokens_per_s"] / first["tokens_per_s"]
+        assert r["vs_first"] == r["tokens_per_s"] / ar["tokens_per_s"]
+        assert r["tokens_per_s"] == r["tokens"] / r["seconds"] and 0 <= r["identical"] <= 1
+        assert r["identical"] == 1 or r["batch_size"] > 1
     steps = report["training_step_seconds"]["transform"]
     assert steps["ratio"] == steps["refusion"] / steps["ar"]
     table = (tmp_path / "bench-quick" / "bench.md").read_text()
     assert (table.startswith(bench.headline(rows) + "\n\n| task | decoder | why |") and
-            "Training step (transform" in table)
+            "Training step (transform" in table and
+            "Batched decoding (transform, 2 prompts; tokens/s over all of them)" in table)
     check_headline(rows)
     assert "fastest" in table and (tmp_path / "bench-quick" / "bench.png").stat().st_size > 10_000
     # with transformers installed, Hugging Face's generate on the ARM's weights is a row of its own,
@@ -161,6 +175,16 @@ def test_bench_reuses_only_models_trained_with_the_same_settings(tmp_path, monke
 def test_bench_settings_are_checked_before_any_work(flag):
     with pytest.raises(ValueError, match=f"{flag.split('=')[0]}=.*: must be"):
         bench.check_bench_config(parse_args(bench.DEFAULTS, [flag]))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--batch_sizes=4,16"], "--batch_sizes=4,16: give ascending batch sizes from 1"),
+    (["--batch_sizes=1,16,4"], "--batch_sizes=1,16,4: give ascending"),
+    (["--tasks=arith", "--throughput_task=transform"],
+     "--throughput_task=transform: not among --tasks \\(arith\\)")])
+def test_batch_settings_are_checked_before_any_work(flags, message):
+    with pytest.raises(ValueError, match=message):
+        bench.check_bench_config(parse_args(bench.DEFAULTS, flags))
 
 
 def test_quick_refuses_tasks_it_would_not_run(tmp_path):

@@ -28,7 +28,14 @@ def test_quick_run_fine_tunes_both_models_and_decodes_every_point(tmp_path, monk
         assert r["train_options"]["dtype"] == "bfloat16" and r["train_iters"] == 2
     assert rows[0]["same_tokens_as_first"] == 2                     # the first point against itself
     assert all(r["settings"]["dtype"] == "bfloat16" for i, r in enumerate(rows) if i != 1)
-    assert "smollm2 quotes" in (tmp_path / "bench-pretrained-quick" / "bench.md").read_text()
+    table = (tmp_path / "bench-pretrained-quick" / "bench.md").read_text()
+    assert "smollm2 quotes" in table
+    # the throughput table: the next-token fine-tune and ReFusion's headline point, batches of 1, 2
+    batched = report["batched"]["quotes"]["rows"]
+    assert [(r["decoder"], r["batch_size"]) for r in batched] == [
+        (label, B) for label in ("SmolLM2-ft next token", batched[2]["decoder"]) for B in (1, 2)]
+    assert batched[2]["decoder"] in labels[4:] and "Batched decoding (smollm2 quotes, bfloat16, " \
+        "2 prompts" in table
     capsys.readouterr()
     bench_pretrained.main(flags)                                     # the fine-tunes are reused
     assert capsys.readouterr().out.count("== reusing") == 2

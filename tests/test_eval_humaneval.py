@@ -73,8 +73,14 @@ def test_report_of_an_untrained_checkpoint(tmp_path, qa_file, capsys):
     assert (0 < s["tokens"] <= 4 * 16 and s["tpf"] == s["tokens"] / s["nfe"] and
             cells["TPF"] == round(s["tpf"], 2))
     assert cells["pass@1 (%)"] == s["pass@1"] == 0 and not any(r["passed"] for r in results)
+    # --batch_size: the problems decoded together, the same completions
+    eval_humaneval.main(flags + ["--limit=5", f"--out_json={out_json}", "--batch_size=3"])
+    batched = json.loads(out_json.read_text())
+    assert [(r["task_id"], r["tokens"], r["nfe"], r["completion"]) for r in batched["results"]] \
+        == [(r["task_id"], r["tokens"], r["nfe"], r["completion"]) for r in results]
     for bad, message in [(["--chat"], "needs a chat model's tokenizer"),
                          (["--limit=-1"], "--limit=-1"), (["--timeout=0"], "--timeout=0"),
+                         (["--batch_size=0"], "--batch_size=0: decode at least one problem"),
                          (["--limit=5", "--max_new_tokens=256"], "no problem leaves room")]:
         with pytest.raises(ValueError, match=message):
             eval_humaneval.main(flags + bad)

@@ -337,3 +337,25 @@ def test_an_endless_prompt_stream_is_read_only_as_far_as_a_prompt_can_go(trained
     read no further than the longest text the context could hold, and refused saying so."""
     with pytest.raises(ValueError, match=r"--prompt_file=/dev/zero: longer than 16,384 bytes"):
         sampler.main([f"--out_dir={trained}", "--prompt_file=/dev/zero"])
+
+
+def test_batch_size_decodes_prompts_together_and_each_sample_stays_its_own(trained, capsys):
+    """--batch_size=N: the same samples as one at a time (text, tokens, NFE: a model of clear
+    margins, tests/test_batch.py), for ReFusion and for the summary's next-token half; the summary's
+    tokens/s is over the batches' wall time. --show draws one decode, so it refuses a batch."""
+    flags = [f"--out_dir={trained}", "--num_samples=5", "--max_new_tokens=8", "--slot_size=4"]
+    for method in ("refusion", "ar"):
+        rows = {}
+        for B in (1, 3):
+            sampler.main(flags + ["--json", f"--method={method}", f"--batch_size={B}"])
+            rows[B] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert len(rows[1]) == 5
+        assert [(r["prompt"], r["text"], r["tokens"], r["nfe"]) for r in rows[3]] == \
+            [(r["prompt"], r["text"], r["tokens"], r["nfe"]) for r in rows[1]]
+    sampler.main(flags + ["--batch_size=2"])
+    summary = capsys.readouterr().out.strip().split("\n")[-1]
+    assert re.match(r"5 samples: .*tokens/s; next-token decoding .* speed-up [\d.]+x$", summary)
+    for bad, message in [(["--batch_size=0"], "--batch_size=0: decode at least one prompt"),
+                         (["--batch_size=2", "--show"], "--show redraws one decode at a time")]:
+        with pytest.raises(ValueError, match=message):
+            sampler.main(flags + bad)

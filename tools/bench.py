@@ -21,7 +21,10 @@ both MDMs at 1, 2 and 4 tokens per step, ReFusion over a sweep of slot size, thr
 blocks (SWEEP), each with the paper's infill and infill="ar" (SPEC section 4.1), and, when
 `transformers` is installed, Hugging Face's `generate` on the ARM's weights. Each point records its
 quality, tokens, forward passes (NFE), TPF, tokens/s, milliseconds per forward pass and the share of
-decode time spent outside the model (bookkeeping). It writes out_dir/bench.json (every point),
+decode time spent outside the model (bookkeeping). On one task (throughput_task) the ARM, ReFusion's
+headline point and the MDM also decode in batches (sampler.generate_batch; 1, 4, 16 and 64 prompts
+at a time): tokens/s, latency per prompt, and the share of prompts whose batched tokens equal the
+one-prompt decode's. It writes out_dir/bench.json (every point),
 bench.md (the headline, then the table: the baselines, and per ReFusion model and infill mode its
 fastest setting within 1 point of the ARM's quality, its most accurate setting and its fastest
 setting) and, with matplotlib, bench.png (quality against speed relative to the ARM, as the paper's
@@ -44,9 +47,10 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
 from model import ModelConfig, Transformer
-from sampler import INFILL_MODES, MDMSettings, RefusionSettings, make_decoder
-from support.benchmark import (NAMES, TimedModel, best_mdm, fastest_close, first_quality, headline,
-                               hf_generate, machine, markdown_table, most_accurate, totals,
+from sampler import INFILL_MODES, MDMSettings, RefusionSettings, generate_batch, make_decoder
+from support.benchmark import (NAMES, TimedModel, batch_throughput, best_mdm, check_batch_settings,
+                               fastest_close, first_quality, headline, hf_generate, machine,
+                               markdown_table, most_accurate, throughput_table, totals,
                                write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
@@ -75,6 +79,8 @@ learning_rate = 0.0        # ... peak learning rate (from scratch)
 device = "cpu"             # cpu, cuda or mps: training and decoding
 dtype = "float32"          # the weights of every decode, ours and Hugging Face's: or bfloat16
 compile = False            # torch.compile the training forward pass (GPU runs)
+throughput_task = "transform"  # the task whose ARM, ReFusion and MDM are also decoded in batches
+batch_sizes = (1, 4, 16, 64)   # ... of these sizes (sampler.generate_batch), max(...) prompts
 seed = 1337                # training seed of every model (decodes are greedy)
 retrain = False            # train again even when out_dir holds the models
 # -----------------------------------------------------------------------------
@@ -109,7 +115,7 @@ SWEEP = dict(slot_sizes=(4, 8, 16), thresholds=((0.9, 0.3), (0.7, 0.1), (0.5, 0.
 QUICK = dict(out_dir="bench-quick", tasks=("transform",), num_prompts=8,
              model=dict(n_layer=2, n_head=2, n_embd=64, max_iters=60, finetune_iters=30),
              sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3), (0.5, 0.0)),
-                        serial_num_blocks=(1,)), step_times=3)
+                        serial_num_blocks=(1,)), step_times=3, batch_sizes=(1, 2, 4, 8))
 
 
 def recipe(cfg, task):
@@ -281,7 +287,26 @@ def bench_task(cfg, task, prompts, references):
     for row in rows:
         row["speedup_vs_ar"], row["speedup_vs_mdm"] = (row["tokens_per_s"] / ar_speed,
                                                        row["tokens_per_s"] / mdm_speed)
-    return rows, {"train": (t1 - t0) / 60, "decode": (time.perf_counter() - t1) / 60}
+    batched = (batched_points(cfg, rows, models, ids, prompts, r["max_new_tokens"])
+               if task == cfg["throughput_task"] else None)
+    return rows, {"train": (t1 - t0) / 60, "decode": (time.perf_counter() - t1) / 60}, batched
+
+
+def batched_points(cfg, rows, models, ids, prompts, max_new_tokens):
+    """The throughput table's rows (support.benchmark.batch_throughput): the ARM, ReFusion's point
+    of the headline (its fastest within 1 point of the ARM's quality, or its most accurate) and the
+    MDM compared with, decoding the first max(batch_sizes) prompts at each batch size."""
+    ar_quality = first_quality(rows[0])
+    refusion = [r for r in rows if r["method"] == "refusion"]
+    picks = [rows[0], fastest_close(refusion, ar_quality) or most_accurate(refusion),
+             best_mdm(rows)]
+    decoders = {}
+    for row in picks:
+        knobs = {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper",
+                 **row["settings"], "method": row["method"], "max_new_tokens": max_new_tokens}
+        decoders[row["label"]] = make_decoder(knobs, models[row["model"]], ids, None)[0]
+    sizes = QUICK["batch_sizes"] if cfg["quick"] else cfg["batch_sizes"]
+    return batch_throughput(decoders, prompts, sizes, generate_batch)
 
 
 def highlights(rows):
@@ -364,6 +389,7 @@ def check_bench_config(cfg):
                 MDMSettings(L, **knobs)
             if method == "refusion":
                 RefusionSettings(L, **knobs)
+    check_batch_settings(cfg)
     if cfg["dataset"] and len(cfg["tasks"]) > 1:
         raise ValueError(f"--dataset={cfg['dataset']} replaces one task's data: "
                          "name that task alone in --tasks")
@@ -389,8 +415,9 @@ def main(argv):
     prompts = {task: validation_prompts(cfg, task) for task in cfg["tasks"]}
     os.makedirs(cfg["out_dir"], exist_ok=True)
     results = {task: bench_task(cfg, task, *prompts[task]) for task in cfg["tasks"]}
-    rows = [row for task_rows, _ in results.values() for row in task_rows]
-    task_minutes = {task: minutes for task, (_, minutes) in results.items()}
+    rows = [row for task_rows, _, _ in results.values() for row in task_rows]
+    task_minutes = {task: minutes for task, (_, minutes, _) in results.items()}
+    batched = {task: b for task, (_, _, b) in results.items() if b is not None}
     step_times = {task: training_step_times(cfg, task, QUICK["step_times"] if cfg["quick"] else 20)
                   for task in cfg["tasks"]}
     minutes = (time.perf_counter() - t0) / 60
@@ -398,6 +425,8 @@ def main(argv):
         f"Training step ({task}, batch {recipe(cfg, task)['batch_size']}): "
         f"ReFusion {t['refusion'] * 1e3:.0f} ms, AR {t['ar'] * 1e3:.0f} ms, ratio {t['ratio']:.2f}x"
         for task, t in step_times.items())
+    for task, b in batched.items():
+        table += "\n\n" + throughput_table(b["rows"], task, b["n_prompts"])
     table += "\n\n" + "\n".join(
         f"{task}: training {m['train']:.1f} minutes (5 models; near 0 when reused), "
         f"decoding {m['decode']:.1f} minutes" for task, m in task_minutes.items())
@@ -405,7 +434,7 @@ def main(argv):
     table += (f"\n\nWhole run: {minutes:.1f} minutes on {host['processor']} "
               f"({host['cpu_threads']} threads)")
     report = {"config": cfg, "machine": host, "minutes": minutes, "task_minutes": task_minutes,
-              "rows": rows, "training_step_seconds": step_times}
+              "rows": rows, "training_step_seconds": step_times, "batched": batched}
     write_report(cfg["out_dir"], report, table)
 
 

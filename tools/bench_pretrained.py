@@ -18,7 +18,10 @@ point, each prompt by every point in turn, the order rotating, so that all see t
 
 Each point records its quality, tokens, NFE, TPF, tokens/s, ms per forward pass, the share of decode
 time spent outside the model, the peak memory above the loaded models (MB) and, against the first
-point, how many prompts got the same tokens. It writes out_dir/bench.json (the rows of
+point, how many prompts got the same tokens. On one task (throughput_task) the next-token fine-tune
+and ReFusion's headline point also decode in batches of 1, 4, 16 and 64 prompts
+(sampler.generate_batch): tokens/s, latency per prompt, and from which batch size next-token
+decoding catches up. It writes out_dir/bench.json (the rows of
 tools/bench.py's bench.json, the model named), bench.md and bench.png. docs/pretrained.md holds a
 recorded run.
 """
@@ -37,9 +40,11 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 
 import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
-from sampler import INFILL_MODES, RefusionSettings, make_decoder
-from support.benchmark import (TimedModel, counting, headline, hf_decode, hf_model, machine,
-                               markdown_table, peak_above, totals, write_report)
+from sampler import INFILL_MODES, RefusionSettings, generate_batch, make_decoder
+from support.benchmark import (TimedModel, batch_throughput, check_batch_settings, counting,
+                               fastest_close, first_quality, headline, hf_decode, hf_model,
+                               machine, markdown_table, most_accurate, peak_above,
+                               throughput_table, totals, write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.files import write_atomic
@@ -59,6 +64,8 @@ data_root = "data"         # where the prepared data sets live
 device = "cpu"             # cpu, cuda or mps: the fine-tunes and the decodes
 retrain = False            # fine-tune again even when out_dir holds the models
 quick = False              # a smoke run: QUICK's budget, prompts and sweep (tests: a tiny folder)
+throughput_task = "quotes"  # the task whose next-token and ReFusion decoders also run in batches
+batch_sizes = (1, 4, 16, 64)  # ... of these sizes (sampler.generate_batch), max(...) prompts
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
 
@@ -74,7 +81,8 @@ SWEEP = dict(slot_sizes=(8, 16, 32), thresholds=((0.9, 0.3), (0.7, 0.1)), serial
 QUICK = dict(out_dir="bench-pretrained-quick", num_prompts=2,
              train=["--max_iters=2", "--eval_interval=1", "--eval_iters=1", "--warmup_iters=1",
                     "--batch_size=2"],
-             sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3),), serial_num_blocks=(1,)))
+             sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3),), serial_num_blocks=(1,)),
+             batch_sizes=(1, 2))
 NAMES = {"ar": "SmolLM2-ft", "refusion": "ReFusion-SmolLM2"}   # the two fine-tunes
 
 # -----------------------------------------------------------------------------
@@ -252,7 +260,28 @@ def bench_task(cfg, task):
                      **totals(sum(len(o) for o in d.outs), d.nfe, d.seconds, d.calls)})
     for r in rows:
         r["speedup_vs_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
-    return rows, {"train": (t1 - t0) / 60, "decode": (time.perf_counter() - t1) / 60}
+    batched = None
+    if task == cfg["throughput_task"]:
+        batched = batched_points(cfg, rows, points, models, ids, prompts,
+                                 TASKS[task]["max_new_tokens"])
+    return rows, {"train": (t1 - t0) / 60, "decode": (time.perf_counter() - t1) / 60}, batched
+
+
+def batched_points(cfg, rows, points, models, ids, prompts, max_new_tokens):
+    """The throughput table's rows (support.benchmark.batch_throughput): the next-token fine-tune
+    and ReFusion's point of the headline (its fastest within 1 point of the baseline's quality, or
+    its most accurate), in cfg's dtype, decoding the first max(batch_sizes) prompts at each batch
+    size."""
+    refusion = [r for r in rows if r["method"] == "refusion"]
+    picks = [rows[0], fastest_close(refusion, first_quality(rows[0])) or most_accurate(refusion)]
+    decoders = {}
+    for row in picks:
+        label, _, method, kind, dt, knobs = next(p for p in points if p[0] == row["label"])
+        knobs = {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper", **knobs,
+                 "method": method, "max_new_tokens": max_new_tokens}
+        decoders[label] = make_decoder(knobs, models[False, kind, dt], ids, None)[0]
+    sizes = QUICK["batch_sizes"] if cfg["quick"] else cfg["batch_sizes"]
+    return batch_throughput(decoders, prompts, sizes, generate_batch)
 
 
 def forward_costs(model, dtype, prompt_len=32, fed=(1, 8, 16, 32, 64), repeats=5):
@@ -290,6 +319,7 @@ def check_config(cfg):
         raise ValueError(f"--init_from={cfg['init_from']}: no Hugging Face folder there; convert "
                          "SmolLM2 first with python -m tools.convert_gguf smollm2")
     require(cfg, ("num_prompts",), "positive", lambda v: v > 0)
+    check_batch_settings(cfg)
 
 
 def main(argv):
@@ -302,7 +332,8 @@ def main(argv):
     check_writable(cfg["out_dir"])
     t0 = time.perf_counter()
     results = {task: bench_task(cfg, task) for task in cfg["tasks"]}
-    rows = [row for task_rows, _ in results.values() for row in task_rows]
+    rows = [row for task_rows, _, _ in results.values() for row in task_rows]
+    batched = {task: b for task, (_, _, b) in results.items() if b is not None}
     base = model_from_checkpoint(load_checkpoint(os.path.join(cfg["out_dir"],
                                                               f"{cfg['tasks'][0]}-ar")))
     costs = forward_costs(base, cfg["dtype"])
@@ -312,14 +343,18 @@ def main(argv):
     table += "\n\n" + "\n".join(
         f"smollm2 {task}: fine-tunes {', '.join(f'{r} {m:.1f}' for r, m in fine.items())} minutes; "
         f"decoding {spent['decode']:.1f} minutes"
-        for task, (task_rows, spent) in results.items()
+        for task, (task_rows, spent, _) in results.items()
         for fine in [{NAMES[k]: task_rows[0 if k == 'ar' else 3]['train_minutes'] for k in NAMES}])
+    for task, b in batched.items():
+        table += "\n\n" + throughput_table(b["rows"], f"smollm2 {task}, {cfg['dtype']}",
+                                           b["n_prompts"])
     table += ("\n\nOne cached forward pass of k tokens after 32 cached ones, "
               f"{cfg['dtype']} (ms): " + ", ".join(f"{k}: {ms:.1f}" for k, ms in costs.items()))
     table += (f"\n\nWhole run: {minutes:.1f} minutes on {host['processor']} "
               f"({host['cpu_threads']} threads)")
     report = {"config": cfg, "machine": host, "minutes": minutes, "forward_ms": costs,
-              "task_minutes": {task: spent for task, (_, spent) in results.items()}, "rows": rows}
+              "task_minutes": {task: spent for task, (_, spent, _) in results.items()},
+              "rows": rows, "batched": batched}
     write_report(cfg["out_dir"], report, table)
 
 

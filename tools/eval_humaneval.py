@@ -46,6 +46,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 from tqdm import tqdm
@@ -54,7 +55,7 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configurator import check_device, check_seed, parse_args, require, run_cli, settings_in
-from sampler import decoder_settings, make_decoder
+from sampler import decoder_settings, generate_batch, make_decoder
 from support.chat import chat_prompt
 from support.files import write_atomic
 from support.sampling import load_model, note_mismatch, prompt_generator
@@ -80,6 +81,7 @@ temperature = 0.0          # 0: greedy (pass@1 from one sample); above 0: sample
 timeout = 3.0  # seconds each program may run before it counts as failed (its start included)
 max_memory_gb = 2.0  # GiB of address space each program may use (RLIMIT_AS); past it, MemoryError
 allow_code_eval = False  # run the programs the model writes (or HF_ALLOW_CODE_EVAL=1); see Safety
+batch_size = 1             # problems decoded together (sampler.generate_batch)
 seed = 1337                # problem i is sampled from a torch.Generator seeded with seed + i
 device = "cpu"             # cpu, cuda, cuda:N or mps
 out_json = ""  # also write per-problem results (task_id, passed, tokens, nfe, completion) here
@@ -105,8 +107,8 @@ def human_eval():
 
 def check_settings(cfg):
     """Refuse a run without the opt-in to run model-written code, and a limit, timeout, memory
-    limit, seed, decoder setting or --out_json that cannot work, before any weights are read.
-    Raises ValueError naming the setting."""
+    limit, seed, batch size, decoder setting or --out_json that cannot work, before any weights
+    are read. Raises ValueError naming the setting."""
     if not (cfg["allow_code_eval"] or os.environ.get("HF_ALLOW_CODE_EVAL") == "1"):
         raise ValueError("HumanEval runs the programs the model writes on this machine "
                          "(each in its own process with a time and memory limit; not a sandbox): "
@@ -122,6 +124,8 @@ def check_settings(cfg):
                          f"program it starts can exceed; use --max_memory_gb={hard / 2**30:.2f} "
                          "or less")
     check_seed(cfg)
+    if cfg["batch_size"] < 1:
+        raise ValueError(f"--batch_size={cfg['batch_size']}: decode at least one problem at a time")
     if cfg["method"]:
         decoder_settings(cfg)  # bad decoder settings fail before the weights are read
     if cfg["out_json"]:  # refused now, not after hours of decoding; nothing is left behind
@@ -258,11 +262,13 @@ def check_generation(problem, text, chat, timeout, max_memory_gb=max_memory_gb):
     return completion, run_program(program, timeout, max_memory_gb)
 
 
-def summarize(results, skipped):
+def summarize(results, skipped, seconds=None):
     """The run's figures: problems run and skipped, pass@1 in percent (of those run), and tokens,
-    NFE, TPF (tokens / NFE), decode seconds and tokens/s summed over every problem run."""
+    NFE, TPF (tokens / NFE), decode seconds and tokens/s summed over every problem run. seconds:
+    the decodes' wall time, when batches decoded problems together (each problem's own seconds
+    are then its latency in its batch); None: the sum of the problems' seconds."""
     tokens, nfe = sum(r["tokens"] for r in results), sum(r["nfe"] for r in results)
-    seconds = sum(r["seconds"] for r in results)
+    seconds = seconds or sum(r["seconds"] for r in results)
     return {"run": len(results), "skipped": len(skipped),
             "pass@1": 100 * sum(r["passed"] for r in results) / len(results),
             "tokens": tokens, "nfe": nfe, "tpf": tokens / max(nfe, 1), "seconds": seconds,
@@ -312,18 +318,27 @@ def main(argv):
     note_mismatch(cfg["method"], objective)
     chosen, skipped = select_problems(cfg, enc, model.config.block_size, settings.gen_length)
     run(chosen[0][1][:8])  # warm-up: the first forward passes pay one-time costs
-    results = []
-    bar = tqdm(chosen, desc="HumanEval", unit="problem")
-    for i, (problem, prompt) in enumerate(bar):
-        out = run(prompt, generator=prompt_generator(cfg["device"], cfg["seed"], i))
-        text = decode(enc, [t for t in out.tokens if t not in ids["eos_ids"]])
-        completion, verdict = check_generation(problem, text, cfg["chat"], cfg["timeout"],
-                                               cfg["max_memory_gb"])
-        results.append({"task_id": problem["task_id"], "passed": verdict == "passed",
-                        "verdict": verdict, "tokens": len(out.tokens), "nfe": out.nfe,
-                        "seconds": out.seconds, "completion": completion})
+    results, B, wall = [], cfg["batch_size"], 0.0
+    bar = tqdm(total=len(chosen), desc="HumanEval", unit="problem")
+    for b in range(0, len(chosen), B):
+        batch = chosen[b:b + B]
+        generators = [prompt_generator(cfg["device"], cfg["seed"], b + i)
+                      for i in range(len(batch))]
+        t0 = time.perf_counter()
+        outs = ([run(batch[0][1], generator=generators[0])] if B == 1 else
+                generate_batch(run, [prompt for _, prompt in batch], B, generators))
+        wall += time.perf_counter() - t0
+        for (problem, _), out in zip(batch, outs):
+            text = decode(enc, [t for t in out.tokens if t not in ids["eos_ids"]])
+            completion, verdict = check_generation(problem, text, cfg["chat"], cfg["timeout"],
+                                                   cfg["max_memory_gb"])
+            results.append({"task_id": problem["task_id"], "passed": verdict == "passed",
+                            "verdict": verdict, "tokens": len(out.tokens), "nfe": out.nfe,
+                            "seconds": out.seconds, "completion": completion})
+            bar.update()
         bar.set_postfix(passed=sum(r["passed"] for r in results))
-    summary = summarize(results, skipped)
+    bar.close()
+    summary = summarize(results, skipped, wall if B > 1 else None)
     print(f"HumanEval, --method={cfg['method']}, "
           f"{'chat' if cfg['chat'] else 'completion'} format, {settings}")
     print(markdown_table(summary))
