@@ -559,7 +559,9 @@ class BatchAborted(Exception):
 
 def decode_together(decode, prompts, generators, forwards):
     """One batch of generate_batch: a thread per prompt, and this loop running their forward
-    passes. Returns their Generations in order; raises the first error one of them raised."""
+    passes. The threads take turns (one runs at a time, until its next forward pass or its end),
+    so they never contend for the interpreter. Returns their Generations in order; raises the
+    first error one of them raised."""
     model, inbox = decode.args[0], queue.SimpleQueue()
     proxies = [BatchedModel(model, inbox, i) for i in range(len(prompts))]
 
@@ -571,32 +573,38 @@ def decode_together(decode, prompts, generators, forwards):
         except BaseException as e:  # handed to the loop, which raises it
             inbox.put((i, "error", e))
 
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    running, requests, results, error = set(range(len(prompts))), {}, [None] * len(prompts), None
-    while running:
-        i, kind, value = inbox.get()
+    requests, results, error = {}, [None] * len(prompts), None
+
+    def hear_from(i):
+        """Wait for prompt i's next forward pass, or its end."""
+        nonlocal error
+        j, kind, value = inbox.get()
+        assert j == i, "only prompt i runs"
         if kind == "forward":
             requests[i] = value
-        else:
-            running.discard(i)
-            results[i] = value
-            if kind == "error" and error is None and not isinstance(value, BatchAborted):
-                error = value
-        if requests and len(requests) == len(running):  # every prompt still decoding waits
-            order = sorted(requests)
-            replies = [BatchAborted("another prompt of the batch failed")] * len(order)
-            if error is None:
-                try:
-                    replies = forward_batch(model, [requests[j] for j in order])
-                    if forwards is not None:
-                        forwards.append(order)
-                except Exception as e:
-                    error = e
-            for j, reply in zip(order, replies):
-                proxies[j].replies.put(reply)
-            requests = {}
+            return
+        results[i] = value
+        if kind == "error" and error is None and not isinstance(value, BatchAborted):
+            error = value
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(prompts))]
+    for i, t in enumerate(threads):
+        t.start()
+        hear_from(i)
+    while requests:                      # every prompt still decoding waits for its logits
+        waiting, replies = sorted(requests), {}
+        if error is None:
+            try:
+                replies = dict(zip(waiting, forward_batch(model, [requests[j] for j in waiting])))
+                if forwards is not None:
+                    forwards.append(waiting)
+            except Exception as e:
+                error = e
+        requests = {}
+        for j in waiting:
+            proxies[j].replies.put(replies.get(j) if error is None else
+                                   BatchAborted("another prompt of the batch failed"))
+            hear_from(j)
     for t in threads:
         t.join()
     if error is not None:
