@@ -65,6 +65,23 @@ def tensor_shapes(tied):
     return shapes if tied else shapes | {"output.weight": (len(TOKENS), N_EMBD)}
 
 
+def finite_random_bytes(rng, shape, qtype):
+    """Random bytes of a quantized tensor of shape (uint8, gguf's byte shape), every block that
+    would decode to a NaN or an infinity (a random float16 scale can) drawn again: any other bit
+    pattern is one gguf must decode, and a converted folder must hold finite weights."""
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, gguf.quant_shape_to_byte_shape(shape, qtype), dtype=np.uint8)
+    if qtype not in GGUF_TYPES:                       # one gguf cannot decode: refused unread
+        return raw
+    blocks = raw.reshape(-1, block_bytes)                     # a view: drawn again in place
+    while True:
+        values = gguf.quants.dequantize(raw, qtype).reshape(-1, block)
+        bad = ~np.isfinite(values).all(axis=1)
+        if not bad.any():
+            return raw
+        blocks[bad] = rng.integers(0, 256, (int(bad.sum()), block_bytes), dtype=np.uint8)
+
+
 def write_gguf(path, qtype=Q.F32, tied=False, arch="llama", pre="smollm", seed=0, extra_tensors=(),
                rope_dims=None, tokenizer_model="gpt2", extra_meta=(), no_ffn_length=False):
     """A random one-layer Llama (width 256, 4 query / 2 key-value heads) as a GGUF file, its
@@ -104,7 +121,7 @@ def write_gguf(path, qtype=Q.F32, tied=False, arch="llama", pre="smollm", seed=0
             w.add_tensor(name, rng.normal(0.0, 0.05, shape).astype(np.float32 if qtype == Q.F32
                                                                    else np.float16))
         else:
-            raw = rng.integers(0, 256, gguf.quant_shape_to_byte_shape(shape, qtype), dtype=np.uint8)
+            raw = finite_random_bytes(rng, shape, qtype)
             w.add_tensor(name, raw, raw_dtype=qtype)
     for name, (shape, kind) in dict(extra_tensors).items():
         w.add_tensor(name, rng.integers(0, 256, gguf.quant_shape_to_byte_shape(shape, kind),
@@ -197,7 +214,7 @@ def test_converted_folder_is_a_model_transformers_and_we_agree_on(tmp_path):
     (lambda p: write_gguf(p, rope_dims=N_EMBD // N_HEAD // 2),
      "rotary embeddings on part of each head is not supported"),
     (lambda p: write_gguf(p, no_ffn_length=True),
-     "has no 'llama.feed_forward_length' in its metadata"),
+     "has no llama.feed_forward_length in its metadata"),
 ], ids=["architecture", "tensor", "tensor-type", "not-gguf", "pre-tokenizer", "tokenizer-model",
         "rope-scaling", "experts", "partial-rotary", "missing-metadata"])
 def test_converter_refuses_what_it_does_not_support(tmp_path, write, message):
