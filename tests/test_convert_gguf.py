@@ -85,7 +85,7 @@ def finite_random_bytes(rng, shape, qtype):
 def write_gguf(path, qtype=Q.F32, tied=False, arch="llama", pre="smollm", seed=0, extra_tensors=(),
                rope_dims=None, tokenizer_model="gpt2", extra_meta=(), no_ffn_length=False):
     """A random one-layer Llama (width 256, 4 query / 2 key-value heads) as a GGUF file, its
-    matrices of type qtype (random bytes for quantized types: every bit pattern gguf must decode),
+    matrices of type qtype (finite_random_bytes for quantized types),
     its norms float32, with a tiny byte-level BPE tokenizer and SmolLM2's chat template. The other
     arguments write what a converter must refuse: rotary dimensions other than the head's, another
     tokenizer model, extra metadata (key, value) such as rope scaling or experts, no feed-forward
