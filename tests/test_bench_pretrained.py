@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from helpers import save_tiny_hf_folder
+from helpers import ROOT, save_tiny_hf_folder
+from support.benchmark import first_quality, headline
 from tools import bench_pretrained
 
 
@@ -39,3 +40,23 @@ def test_quick_run_fine_tunes_both_models_and_decodes_every_point(tmp_path, monk
     capsys.readouterr()
     bench_pretrained.main(flags)                                     # the fine-tunes are reused
     assert capsys.readouterr().out.count("== reusing") == 2
+
+
+def test_the_readmes_smollm2_table_is_the_recorded_runs_headline():
+    """README's SmolLM2 rows, under the small models', are docs/bench_smollm2.json's headline: per
+    task the next-token fine-tune, then per infill mode ReFusion's fastest point within 1 point of
+    it (or its most accurate); every speed-up is against that task's first row."""
+    report = json.loads((ROOT / "docs" / "bench_smollm2.json").read_text())
+    rows = report["rows"]
+    small = headline(json.loads((ROOT / "docs" / "bench.json").read_text())["rows"])
+    rows_lines = "\n".join(headline(rows).splitlines()[2:])     # under the small models' rows
+    assert small + "\n" + rows_lines in (ROOT / "README.md").read_text(encoding="utf-8")
+    for task in dict.fromkeys(r["task"] for r in rows):
+        task_rows = [r for r in rows if r["task"] == task]
+        assert task_rows[0]["label"] == "SmolLM2-ft next token"
+        assert task_rows[0]["speedup_vs_ar"] == 1.0 and first_quality(task_rows[0]) > 0
+        for r in task_rows:
+            assert r["speedup_vs_ar"] == pytest.approx(r["tokens_per_s"] /
+                                                       task_rows[0]["tokens_per_s"])
+    assert (ROOT / "docs" / "bench_smollm2.md").read_text(encoding="utf-8").startswith(
+        headline(rows))

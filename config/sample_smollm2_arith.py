@@ -1,0 +1,12 @@
+# Decode the SmolLM2 ReFusion fine-tune of the arith task (finetune_smollm2_arith.py) in bf16 on
+# the CPU, and compare it in its summary line with next-token decoding of the same model:
+#   python sampler.py config/sample_smollm2_arith.py
+out_dir = "out-smollm2-arith"
+dtype = "bfloat16"
+num_samples = 20
+max_new_tokens = 48        # the longest validation response, EOS included: 43 SmolLM2 tokens
+slot_size = 32
+serial_num_blocks = 1
+slot_threshold = 0.9
+token_threshold = 0.3
+infill = "ar"              # a serial task: the next-token pathway forces each round's token
