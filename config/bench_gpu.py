@@ -7,6 +7,7 @@
 # python -m tools.bench config/bench_gpu.py
 out_dir = "bench-gpu"
 tasks = ("arith",)
+throughput_task = "arith"  # its batched throughput table (tools.bench --batch_sizes)
 # a million problems (operands of 3 to 6 digits): the ARM sees each about 3 times
 dataset = "arith-1m"
 block_size = 192
