@@ -291,6 +291,29 @@ def plot(rows, path):
     return True
 
 
+def point_config(method, knobs, **extra):
+    """sampler.make_decoder's config of one benchmark point: greedy, the paper's infill and no MDM
+    schedule unless knobs (the point's settings) say otherwise, then extra (max_new_tokens) and
+    the method."""
+    return {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper", **knobs,
+            **extra, "method": method}
+
+
+def refusion_sweep(sweep, name, infill_modes):
+    """(label, knobs) of every ReFusion point of a sweep, for the model called name: each infill
+    mode (sampler.INFILL_MODES; support/ does not import the scripts) x slot size x (slot, token)
+    thresholds x serial blocks, in that order. sweep: {"slot_sizes", "thresholds",
+    "serial_num_blocks"}."""
+    for infill in infill_modes:
+        for S in sweep["slot_sizes"]:
+            for slot_thr, token_thr in sweep["thresholds"]:
+                for blocks in sweep["serial_num_blocks"]:
+                    yield (f"{name} S={S} B={blocks} slot>{slot_thr} token>{token_thr} "
+                           f"infill={infill}",
+                           dict(slot_size=S, serial_num_blocks=blocks, infill=infill,
+                                slot_threshold=slot_thr, token_threshold=token_thr))
+
+
 def batch_throughput(decoders, prompts, batch_sizes, generate_batch, rounds=1):
     """Throughput and latency of each decoder decoding the first max(batch_sizes) prompts,
     batch_size prompts at a time (the sizes above the prompts there are left out).
@@ -330,8 +353,9 @@ def batch_throughput(decoders, prompts, batch_sizes, generate_batch, rounds=1):
                      len(outs)})
     for row in rows:
         same = {r["decoder"]: r for r in rows if r["batch_size"] == row["batch_size"]}
-        first = next(r for r in rows if r["decoder"] == row["decoder"])
-        row["vs_batch_1"] = row["tokens_per_s"] / first["tokens_per_s"]
+        alone = next(r for r in rows
+                     if r["decoder"] == row["decoder"] and r["batch_size"] == batch_sizes[0])
+        row["vs_batch_1"] = row["tokens_per_s"] / alone["tokens_per_s"]
         row["vs_first"] = row["tokens_per_s"] / same[next(iter(decoders))]["tokens_per_s"]
     rows.sort(key=lambda r: (list(decoders).index(r["decoder"]), r["batch_size"]))
     return {"n_prompts": len(prompts), "rows": rows}

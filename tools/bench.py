@@ -50,8 +50,8 @@ from model import ModelConfig, Transformer
 from sampler import INFILL_MODES, MDMSettings, RefusionSettings, generate_batch, make_decoder
 from support.benchmark import (NAMES, TimedModel, batch_throughput, best_mdm, check_batch_settings,
                                fastest_close, first_quality, headline, hf_generate, machine,
-                               markdown_table, most_accurate, throughput_table, totals,
-                               write_report)
+                               markdown_table, most_accurate, point_config, refusion_sweep,
+                               throughput_table, totals, write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.prepare import TokenDataset, prepare
@@ -197,8 +197,7 @@ def run_decoder(method, model, prompts, ids, settings):
     settings ask for a temperature above 0), so no decode depends on the warm-up or on the others.
     Returns the generated id lists (EOS dropped) and the summed speed figures."""
     timed = TimedModel(model)
-    cfg = {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper", **settings,
-           "method": method}
+    cfg = point_config(method, settings)
     device = next(model.parameters()).device
     decode_fn, _ = make_decoder(cfg, timed, ids, torch.Generator(device))  # the warm-up's generator
     decode_fn(prompts[0])  # warm-up, untimed
@@ -227,15 +226,8 @@ def decoder_points(cfg, task):
                 points.append((f"{NAMES[model]} {per_step} token(s)/step, block {block}", "mdm",
                                model, dict(steps=L // per_step, block_length=block)))
     for model in ("refusion", "refusion-ft"):
-        for infill in INFILL_MODES:
-            for S in sweep["slot_sizes"]:
-                for slot_thr, token_thr in sweep["thresholds"]:
-                    for blocks in sweep["serial_num_blocks"]:
-                        label = (f"{NAMES[model]} S={S} B={blocks} slot>{slot_thr} "
-                                 f"token>{token_thr} infill={infill}")
-                        points.append((label, "refusion", model,
-                                       dict(slot_size=S, serial_num_blocks=blocks, infill=infill,
-                                            slot_threshold=slot_thr, token_threshold=token_thr)))
+        points += [(label, "refusion", model, knobs)
+                   for label, knobs in refusion_sweep(sweep, NAMES[model], INFILL_MODES)]
     return points
 
 
@@ -302,8 +294,7 @@ def batched_points(cfg, rows, models, ids, prompts, max_new_tokens):
              best_mdm(rows)]
     decoders = {}
     for row in picks:
-        knobs = {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper",
-                 **row["settings"], "method": row["method"], "max_new_tokens": max_new_tokens}
+        knobs = point_config(row["method"], row["settings"], max_new_tokens=max_new_tokens)
         decoders[row["label"]] = make_decoder(knobs, models[row["model"]], ids, None)[0]
     sizes = QUICK["batch_sizes"] if cfg["quick"] else cfg["batch_sizes"]
     return batch_throughput(decoders, prompts, sizes, generate_batch)

@@ -44,7 +44,8 @@ from sampler import INFILL_MODES, RefusionSettings, generate_batch, make_decoder
 from support.benchmark import (TimedModel, batch_throughput, check_batch_settings, counting,
                                fastest_close, first_quality, headline, hf_decode, hf_model,
                                machine, markdown_table, most_accurate, peak_above,
-                               throughput_table, totals, write_report)
+                               point_config, refusion_sweep, throughput_table, totals,
+                               write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.files import write_atomic
@@ -140,16 +141,9 @@ def decoder_points(cfg, task):
               (f"{ar} next token, float32", f"{ar} next token, float32", "ar", "ar", "float32", {}),
               (f"Hugging Face generate ({ar} weights)", "HF generate", "hf", "ar", dt, {}),
               (f"{rf} next token", f"{rf} next token", "ar", "refusion", dt, {})]
-    for infill in INFILL_MODES:
-        for S in sweep["slot_sizes"]:
-            for slot_thr, token_thr in sweep["thresholds"]:
-                for blocks in sweep["serial_num_blocks"]:
-                    label = (f"{rf} S={S} B={blocks} slot>{slot_thr} token>{token_thr} "
-                             f"infill={infill}")
-                    series = f"{rf}, {'paper infill' if infill == 'paper' else 'infill=ar'}"
-                    points.append((label, series, "refusion", "refusion", dt,
-                                   dict(slot_size=S, serial_num_blocks=blocks, infill=infill,
-                                        slot_threshold=slot_thr, token_threshold=token_thr)))
+    for label, knobs in refusion_sweep(sweep, rf, INFILL_MODES):
+        series = f"{rf}, {'paper infill' if knobs['infill'] == 'paper' else 'infill=ar'}"
+        points.append((label, series, "refusion", "refusion", dt, knobs))
     return points if dt != "float32" else [p for p in points if not p[0].endswith(", float32")]
 
 
@@ -183,9 +177,8 @@ class Point:
         else:
             timed = TimedModel(model)
             self.calls = timed.calls
-            knobs = {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper", **knobs,
-                     "method": method, "max_new_tokens": max_new_tokens}
-            self.decode, _ = make_decoder(knobs, timed, ids, torch.Generator(device))
+            cfg = point_config(method, knobs, max_new_tokens=max_new_tokens)
+            self.decode, _ = make_decoder(cfg, timed, ids, torch.Generator(device))
         self.device, self.outs, self.seconds, self.nfe, self.peak_mb = device, [], 0.0, 0, 0.0
 
     def run(self, prompt, i):
@@ -277,9 +270,8 @@ def batched_points(cfg, rows, points, models, ids, prompts, max_new_tokens):
     decoders = {}
     for row in picks:
         label, _, method, kind, dt, knobs = next(p for p in points if p[0] == row["label"])
-        knobs = {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper", **knobs,
-                 "method": method, "max_new_tokens": max_new_tokens}
-        decoders[label] = make_decoder(knobs, models[False, kind, dt], ids, None)[0]
+        decoders[label] = make_decoder(point_config(method, knobs, max_new_tokens=max_new_tokens),
+                                       models[False, kind, dt], ids, None)[0]
     sizes = QUICK["batch_sizes"] if cfg["quick"] else cfg["batch_sizes"]
     return batch_throughput(decoders, prompts, sizes, generate_batch)
 
