@@ -10,11 +10,13 @@ default, and every value must have the default's type, so a typo fails loudly in
 import ast
 import difflib
 import io
+import math
 import numbers
 import os
 import sys
 import tokenize
 import traceback
+from dataclasses import dataclass
 
 import torch
 
@@ -129,6 +131,12 @@ def _coerce(key, value, default, where="the command line"):
 
 
 def _check_key(key, defaults, where):
+    """Refuse a key defaults lacks, naming the new name of a renamed one (RENAMED) or the close
+    matches. Raises ConfigError."""
+    if key not in defaults and RENAMED.get(key) in defaults:
+        new = RENAMED[key]
+        raise ConfigError(f"{key!r} in {where} was renamed {new!r}: write "
+                          + (f"--{new}=..." if where == "the command line" else f"{new} = ..."))
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=3)
         hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else "."
@@ -143,19 +151,14 @@ PATHS = {"out_dir", "init_from", "dataset", "data_root", "prompt_file", "plot", 
          "layout_png", "decode_png"}
 
 
-# settings renamed, whose old spelling is still accepted (in flags and config files): old -> new
-OLD_NAMES = {"num_blocks": "serial_num_blocks"}
-
-
-def new_name(key, defaults):
-    """key, or the setting it was renamed to (OLD_NAMES) when that is a setting of defaults."""
-    return OLD_NAMES[key] if key not in defaults and OLD_NAMES.get(key) in defaults else key
+# settings renamed: old -> new. An old name, in a flag or a config file, is refused naming the new
+RENAMED = {"num_blocks": "serial_num_blocks", "compare_ar": "compare_next_token"}
 
 
 def explicit_keys(cfg, defaults, argv):
     """The settings a run chose itself: named by a --key flag, or given a value other than the
     default (by a config file). Returns a set of keys."""
-    return ({new_name(a[2:].partition("=")[0], defaults) for a in argv if a.startswith("--")}
+    return ({a[2:].partition("=")[0] for a in argv if a.startswith("--")}
             | {k for k in cfg if cfg[k] != defaults[k]})
 
 
@@ -199,12 +202,10 @@ def parse_args(defaults, argv):
             for key, value in namespace.items():
                 if key.startswith("_") or callable(value) or type(value).__name__ == "module":
                     continue  # imports and helpers are not settings
-                key = new_name(key, defaults)
                 _check_key(key, defaults, arg)
                 config[key] = _coerce(key, value, defaults[key], arg)
             continue
         key, _, text = arg[2:].partition("=")
-        key = new_name(key, defaults)
         _check_key(key, defaults, "the command line")
         if "=" not in arg:
             if not isinstance(defaults[key], bool):
@@ -259,3 +260,140 @@ def run_cli(main, argv):
         # what is still buffered goes nowhere
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(1) from None
+
+# -----------------------------------------------------------------------------
+# the decoders' settings (sampler.py, SPEC section 4), each object checked once, when built
+
+
+@dataclass
+class DecodeSettings:
+    """What every decoder needs: max_new_tokens (> 0; at most this many tokens are returned) and
+    temperature (0: argmax; > 0, finite: Gumbel-max in float64, SPEC section 4). The next-token
+    baseline needs nothing more. Raises ValueError when a value cannot work."""
+    max_new_tokens: int
+    temperature: float = 0.0
+
+    def __post_init__(self):
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: ask for at least one new "
+                             "token")
+        if not 0 <= self.temperature < math.inf:  # also catches NaN
+            raise ValueError(f"temperature={self.temperature}: use 0 for greedy decoding or a "
+                             "finite positive value to sample")
+
+    @property
+    def gen_length(self):
+        """Positions the generation occupies in the context (tokens)."""
+        return self.max_new_tokens
+
+    def length_words(self):
+        """(how max_new_tokens became gen_length, what to lower), for ContextTooLong's message."""
+        return "", "lower max_new_tokens"
+
+
+INFILL_MODES = ("paper", "speculative")
+
+
+@dataclass
+class RefusionSettings(DecodeSettings):
+    """ReFusion's knobs (SPEC section 4): slot_size (S), serial_num_blocks, the two thresholds and
+    the infill: "paper" (the default: the paper's and the authors' code) or "speculative" (SPEC
+    4.1). gen_length is max_new_tokens rounded up to whole serial blocks of whole slots.
+    Thresholds are probabilities compared with `>`: any finite value >= 0, 1 or more meaning
+    "never" (one slot per plan step / only forced tokens accepted).
+    Raises ValueError naming the setting and the fix.
+    """
+    slot_size: int = 8
+    serial_num_blocks: int = 1
+    slot_threshold: float = 0.9
+    token_threshold: float = 0.3
+    infill: str = "paper"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.infill not in INFILL_MODES:
+            renamed = " (infill='ar' is now called 'speculative')" if self.infill == "ar" else ""
+            raise ValueError(f"infill={self.infill!r}: choose 'paper' (the forced token of each "
+                             "infill round is its masked draft, as in the paper) or 'speculative' "
+                             f"(the next-token prediction, SPEC 4.1){renamed}")
+        if self.slot_size <= 0:
+            raise ValueError(f"slot_size={self.slot_size}: a slot holds at least one token (the "
+                             "paper uses 4 to 32)")
+        if self.serial_num_blocks <= 0:
+            raise ValueError(f"serial_num_blocks={self.serial_num_blocks}: use at least one "
+                             "serial block")
+        for name in ("slot_threshold", "token_threshold"):
+            if not 0 <= getattr(self, name) < math.inf:  # also catches NaN
+                raise ValueError(f"{name}={getattr(self, name)}: thresholds are finite "
+                                 "probabilities >= 0 (any value >= 1 already means never)")
+
+    @property
+    def n_slots(self):
+        """Slots in the whole generation: a multiple of serial_num_blocks."""
+        n = self.serial_num_blocks
+        return math.ceil(self.max_new_tokens / (self.slot_size * n)) * n
+
+    @property
+    def slots_per_serial_block(self):
+        """Slots in each serial block (the most infilled in parallel: the cache's rows)."""
+        return self.n_slots // self.serial_num_blocks
+
+    @property
+    def gen_length(self):
+        """max_new_tokens rounded up to whole serial blocks of whole slots (tokens)."""
+        return self.n_slots * self.slot_size
+
+    def length_words(self):
+        return (f", max_new_tokens={self.max_new_tokens} rounded up to {self.serial_num_blocks} "
+                f"serial block(s) of whole {self.slot_size}-token slots",
+                "lower max_new_tokens, slot_size or serial_num_blocks")
+
+
+@dataclass
+class MDMSettings(DecodeSettings):
+    """LLaDA's schedule (SPEC section 4, "Baseline decoders"): `steps` denoising steps over
+    semi-autoregressive blocks of `block_length` tokens, decoded left to right. steps None: one
+    token per step; block_length None: one semi-autoregressive block. block_length must divide
+    max_new_tokens, the number of blocks must divide steps, and steps <= max_new_tokens.
+    Raises ValueError naming the setting and the fix.
+    """
+    steps: int | None = None
+    block_length: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        n = self.max_new_tokens
+        self.steps = n if self.steps is None else self.steps
+        self.block_length = n if self.block_length is None else self.block_length
+        if self.steps <= 0 or self.block_length <= 0:
+            raise ValueError(f"steps={self.steps}, block_length={self.block_length}: both must be "
+                             "positive")
+        if n % self.block_length:
+            raise ValueError(f"max_new_tokens={n} is not a multiple of "
+                             f"block_length={self.block_length}; pick a block_length dividing {n}")
+        if self.steps % self.n_semi_ar_blocks:
+            raise ValueError(f"steps={self.steps} cannot be shared equally by the "
+                             f"{self.n_semi_ar_blocks} semi-autoregressive blocks of "
+                             f"{self.block_length} tokens; pick steps as a multiple of "
+                             f"{self.n_semi_ar_blocks}")
+        if self.steps > n:
+            raise ValueError(f"steps={self.steps} > max_new_tokens={n}: some steps would commit no "
+                             f"token; use at most {n} steps (one token per step)")
+
+    @property
+    def n_semi_ar_blocks(self):
+        """Semi-autoregressive blocks of block_length tokens, decoded left to right."""
+        return self.max_new_tokens // self.block_length
+
+
+class ContextTooLong(ValueError):
+    """A prompt + generation longer than the model's context: prompt_len, settings (whose gen_length
+    is the generation's length in tokens) and limit (the context, in positions) say by how much;
+    the message names the settings to change (settings.length_words)."""
+
+    def __init__(self, prompt_len, settings, limit):
+        how, fix = settings.length_words()
+        super().__init__(f"prompt ({prompt_len} tokens) + generation ({settings.gen_length} "
+                         f"tokens{how}) exceeds the model's context of {limit} positions; shorten "
+                         f"the prompt or {fix}")
+        self.prompt_len, self.settings, self.limit = prompt_len, settings, limit

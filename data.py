@@ -38,6 +38,12 @@ class Batch:
     mdm_weight: torch.Tensor
     key_mask: torch.Tensor | None = None
 
+    @property
+    def attn_mask(self):
+        """key_mask as the model's attn_mask, (B, 1, 1, T): every query sees every key that is not
+        padding; None without a key_mask."""
+        return None if self.key_mask is None else self.key_mask[:, None, None]
+
 
 def _p_mask(batch_size, eps, generator, device):
     """p = (1 - eps) t + eps with t ~ U(0, 1): one masking probability per sample, (B,) float32."""

@@ -7,9 +7,6 @@ holds the same number of tokens, `pos`; new keys/values are written at [pos, pos
 row 0 exist only while slots are infilled in parallel: each row is then one slot, sharing the
 committed prefix. They are allocated when an infill first needs that many (up to max_batch), not
 up front, so memory follows the rows a decode uses, not the slots it could use.
-
-BatchedCache lets one forward pass serve several prompts' caches at once (sampler.py's batched
-decoding): it lays their rows side by side, padded, and hands each cache its new keys/values back.
 """
 
 import torch
@@ -28,7 +25,7 @@ class KVCache:
     kv: (n_layer, 2, rows, n_kv_head, max_len, head_dim), dtype and device of the model, with rows
     (1 at first) growing up to max_batch as repeat_prefix asks for them.
     batch: number of active rows (1 outside parallel infill). pos: tokens held in every row.
-    peak_bytes: the most bytes kv has held.
+    cache_bytes: the most bytes kv has held.
     """
 
     def __init__(self, n_layer, n_kv_head, head_dim, max_len, max_batch=1, dtype=torch.float32,
@@ -37,7 +34,7 @@ class KVCache:
                               device=device)
         self.n_layer, self.max_batch, self.max_len = n_layer, max_batch, max_len
         self.batch, self.pos = 1, 0
-        self.peak_bytes = self.kv.numel() * self.kv.element_size()
+        self.cache_bytes = self.kv.numel() * self.kv.element_size()
 
     def update(self, layer, k, v):
         """Write the new keys/values of one layer after the cached ones (called by the model).
@@ -60,20 +57,6 @@ class KVCache:
             raise ValueError(f"KV cache overflow: {self.pos} cached + {T} new "
                              f"> max_len={self.max_len}")
 
-    def attention_mask(self, T):
-        """The keys each of T new tokens may see: None when the cache is empty (plain causal
-        attention, SDPA's is_causal), else causal_mask (1, 1, T, pos + T)."""
-        return None if self.pos == 0 else causal_mask(self.pos, T, self.kv.device)
-
-    def append(self, kv):
-        """Write the keys/values of T new tokens of every layer after the cached ones and count
-        them (update and advance at once): kv (n_layer, 2, batch, n_kv_head, T, head_dim).
-        Raises ValueError as update does."""
-        B, T = kv.shape[2], kv.shape[4]
-        self.check_room(B, T)
-        self.kv[:, :, :B, :, self.pos:self.pos + T] = kv
-        self.pos += T
-
     def advance(self, n):
         """Count n tokens as appended to every active row (the model calls this after its last
         layer)."""
@@ -93,7 +76,7 @@ class KVCache:
         if k > self.kv.shape[2]:                  # more rows than ever before: allocate them
             more = self.kv.new_zeros(*self.kv.shape[:2], k - self.kv.shape[2], *self.kv.shape[3:])
             self.kv = torch.cat([self.kv, more], dim=2)
-            self.peak_bytes = max(self.peak_bytes, self.kv.numel() * self.kv.element_size())
+            self.cache_bytes = max(self.cache_bytes, self.kv.numel() * self.kv.element_size())
         self.kv[:, :, 1:k, :, :self.pos] = self.kv[:, :, :1, :, :self.pos]
         self.batch = k
 
@@ -122,51 +105,3 @@ class KVCache:
         end = start + gathered.shape[-2]
         self.kv[:, :, 0, :, start:end] = gathered
         self.batch, self.pos = 1, end
-
-
-class BatchedCache:
-    """Several prompts' KVCaches as one padded batch, for one forward pass (batched decoding).
-
-    caches: the prompts' KVCaches, cache i with R_i active rows of P_i tokens; lengths: the T_i new
-    tokens each gets; T: the batch's new tokens per row (max T_i). Rows are laid side by side, in
-    order: row r of cache i holds its P_i cached tokens at [0, P_i), then (masked) padding up to
-    pos = max P_i, then the T new tokens at [pos, pos + T), of which the last T - T_i are padding
-    too. kv: (n_layer, 2, sum R_i, n_kv_head, pos + T, head_dim), a copy of the cached keys/values
-    (transient, for this pass). After the last layer, advance hands each cache its T_i new keys/
-    values (KVCache.append), computed once as if it had been decoded alone.
-    """
-
-    def __init__(self, caches, lengths, T):
-        self.caches, self.lengths = caches, lengths
-        self.pos, self.batch = max(c.pos for c in caches), sum(c.batch for c in caches)
-        n_layer, _, _, n_kv_head, _, head_dim = caches[0].kv.shape
-        self.kv = caches[0].kv.new_zeros(n_layer, 2, self.batch, n_kv_head, self.pos + T, head_dim)
-        self.first_row = [0]
-        for c in caches:
-            r = self.first_row[-1]
-            self.kv[:, :, r:r + c.batch, :, :c.pos] = c.kv[:, :, :c.batch, :, :c.pos]
-            self.first_row.append(r + c.batch)
-        device = self.kv.device
-        self.cached = torch.cat([torch.full((c.batch,), c.pos, device=device) for c in caches])
-
-    def attention_mask(self, T):
-        """(batch, 1, T, pos + T) bool: query t of a row sees the row's own cached keys and new
-        keys pos..pos + t. (A padded query sees keys too, so its ignored output stays finite.)"""
-        k_idx = torch.arange(self.pos + T, device=self.kv.device)[None, None, :]
-        q_idx = torch.arange(T, device=self.kv.device)[None, :, None]
-        own = k_idx < self.cached[:, None, None]
-        new = (k_idx >= self.pos) & (k_idx <= self.pos + q_idx)
-        return (own | new)[:, None]
-
-    def update(self, layer, k, v):
-        """As KVCache.update: k, v (batch, n_kv_head, T, head_dim) -> (batch, n_kv_head, pos + T,
-        head_dim) views of cached + new."""
-        T = k.shape[2]
-        self.kv[layer, 0, :, :, self.pos:self.pos + T] = k
-        self.kv[layer, 1, :, :, self.pos:self.pos + T] = v
-        return self.kv[layer, 0], self.kv[layer, 1]
-
-    def advance(self, T):
-        """Append each cache's own new tokens (its first T_i of the T) to it."""
-        for c, n, r0, r1 in zip(self.caches, self.lengths, self.first_row, self.first_row[1:]):
-            c.append(self.kv[:, :, r0:r1, :, self.pos:self.pos + n])

@@ -164,17 +164,19 @@ class Transformer(nn.Module):
         return KVCache(c.n_layer, c.n_kv_head, c.head_dim, max_len, max_batch, dtype=p.dtype,
                        device=p.device)
 
-    def forward(self, idx, position_ids, kv_cache=None, key_mask=None):
+    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None):
         """Logits for every input token.
 
         idx:          (B, T) int64 token ids, in buffer (physical) order.
         position_ids: (B, T) int64 true positions, used only by RoPE.
         kv_cache:     optional KVCache holding P earlier tokens of every row; the new tokens attend
-                      to all of them and causally to each other (when config.causal), and their
-                      keys/values are appended to the cache. (A BatchedCache serves several
-                      prompts' caches in one pass, padded: see kvcache.py.)
-        key_mask:     optional (B, P + T) bool, False for keys no query may attend to (padding in
-                      the bidirectional MDM baseline).
+                      to all of them and causally to each other, and their keys/values are appended
+                      to the cache.
+        attn_mask:    optional (B, 1, T, P + T) bool (or broadcastable to it), True where a query
+                      may attend to a key. Given, it is the whole rule: the MDM's padding, a
+                      committed buffer whose tokens saw different things (sampler.py's plain
+                      decoder), prompts side by side (support/batching.py).
+        Without either, attention is causal (config.causal) or over every token.
         Returns logits: (B, T, vocab_size) float32.
         Raises ValueError when idx and position_ids differ in shape.
         """
@@ -182,19 +184,13 @@ class Transformer(nn.Module):
             raise ValueError(f"idx {tuple(idx.shape)} and position_ids {tuple(position_ids.shape)} "
                              "must have the same (B, T) shape")
         T = idx.shape[1]
-        # The cache knows which keys each new token may see (None: plain causal attention over the
-        # T tokens, SDPA's is_causal); a causal model without one, given a key_mask, builds it.
-        mask = kv_cache.attention_mask(T) if kv_cache is not None and self.config.causal else None
-        if self.config.causal and mask is None and key_mask is not None:
-            mask = causal_mask(0, T, idx.device)
-        is_causal = self.config.causal and mask is None
-        if key_mask is not None:
-            km = key_mask[:, None, None, :]                   # (B, 1, 1, P + T)
-            mask = km if mask is None else mask & km
+        if attn_mask is None and kv_cache is not None and kv_cache.pos > 0:
+            attn_mask = causal_mask(kv_cache.pos, T, idx.device)   # every cached key, then causal
+        is_causal = attn_mask is None and self.config.causal       # SDPA's own causal mask
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         x = self.embed_tokens(idx)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, is_causal, kv_cache)
+            x = layer(x, cos, sin, attn_mask, is_causal, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.lm_head(self.norm(x)).float()

@@ -9,6 +9,7 @@ Run everything: python -m pytest -q
 """
 
 import math
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 
 import data
 from data import layout_one_sample
-from sampler import DecodeSettings, MDMSettings, RefusionSettings, draft_tokens, generate_ar, generate_mdm, \
-    generate_refusion, tokens_per_step
+from sampler import DecodeSettings, MDMSettings, RefusionSettings, draft_tokens, generate_mdm, \
+    generate_next_token, generate_refusion, generate_refusion_plain, tokens_per_step
 from kvcache import KVCache
 from model import ModelConfig, Transformer
 import train
@@ -30,13 +31,15 @@ TOL = 1e-5
 
 def tiny_model(seed=0, causal=True, **overrides):
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=40, block_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, causal=causal)
+    cfg = dict(vocab_size=40, block_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+               causal=causal)
     cfg.update(overrides)
     return Transformer(ModelConfig(**cfg)).eval()
 
 
 # ----------------------------------------------------------------------------------------------
-# model.py + kvcache.py: cached attention is exact, and the cache does not care where a key sits (SPEC section 2)
+# model.py + kvcache.py: cached attention is exact, and the cache does not care where a key sits
+# (SPEC section 2)
 
 @torch.no_grad()
 def test_cached_decode_matches_full_forward():
@@ -45,7 +48,8 @@ def test_cached_decode_matches_full_forward():
     pos = torch.arange(20)[None]
     full = model(idx, pos)
     cache = model.new_kv_cache(max_len=20)
-    parts = [model(idx[:, a:b], pos[:, a:b], cache) for a, b in [(0, 7), (7, 8), (8, 9), (9, 14), (14, 20)]]
+    parts = [model(idx[:, a:b], pos[:, a:b], cache)
+             for a, b in [(0, 7), (7, 8), (8, 9), (9, 14), (14, 20)]]
     assert cache.pos == 20
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=TOL, rtol=0)
 
@@ -53,14 +57,15 @@ def test_cached_decode_matches_full_forward():
 @torch.no_grad()
 def test_cached_decode_after_crop_and_repeated_rows():
     model = tiny_model(seed=1)
-    prefix, a, b = torch.randint(0, 40, (1, 9)), torch.randint(0, 40, (1, 5)), torch.randint(0, 40, (1, 5))
+    prefix = torch.randint(0, 40, (1, 9))
+    a, b = torch.randint(0, 40, (1, 5)), torch.randint(0, 40, (1, 5))
     cache = model.new_kv_cache(max_len=32, max_batch=3)
     model(prefix, torch.arange(9)[None], cache)
-    model(torch.randint(0, 40, (1, 4)), torch.arange(9, 13)[None], cache)   # a detour, then cropped away
+    model(torch.randint(0, 40, (1, 4)), torch.arange(9, 13)[None], cache)  # a detour, cropped away
     cache.crop(9)
     cache.repeat_prefix(2)
     pos = torch.arange(9, 14).expand(2, 5)
-    out = model(torch.cat([a, b]), pos, cache)                                 # (2, 5, V), one row each
+    out = model(torch.cat([a, b]), pos, cache)                         # (2, 5, V), one row each
     for row, cont in enumerate([a, b]):
         full = model(torch.cat([prefix, cont], 1), torch.arange(14)[None])[:, 9:]
         torch.testing.assert_close(out[row:row + 1], full, atol=TOL, rtol=0)
@@ -72,7 +77,8 @@ def test_cache_is_order_invariant_for_independent_blocks():
     give the same logits for a later token: attention does not care where a key sits."""
     model = tiny_model(seed=2)
     prefix = torch.randint(0, 40, (1, 6))
-    blocks = {4: torch.randint(0, 40, (1, 4)), 10: torch.randint(0, 40, (1, 4))}  # start position -> tokens
+    # start position -> tokens
+    blocks = {4: torch.randint(0, 40, (1, 4)), 10: torch.randint(0, 40, (1, 4))}
     nxt, nxt_pos = torch.randint(0, 40, (1, 1)), torch.tensor([[14]])
     outs = []
     for order in ([4, 10], [10, 4]):
@@ -91,7 +97,8 @@ def test_commit_rows_lays_segments_in_the_given_order():
     cache = KVCache(n_layer=1, n_kv_head=1, head_dim=1, max_len=8, max_batch=3)
     cache.pos = 5
     cache.repeat_prefix(3)                                  # three rows of 5 tokens each
-    cache.kv[0, 0, :, 0, :, 0] = torch.arange(3 * 8, dtype=torch.float32).view(3, 8)  # row r, token t -> 8r + t
+    # row r, token t -> 8r + t
+    cache.kv[0, 0, :, 0, :, 0] = torch.arange(3 * 8, dtype=torch.float32).view(3, 8)
     cache.commit_rows([(2, 2), (0, 3), (1, 1)], start=2)
     assert (cache.batch, cache.pos) == (1, 8)
     assert cache.kv[0, 0, 0, 0, :, 0].tolist() == [0, 1, 18, 19, 2, 3, 4, 10]
@@ -105,7 +112,8 @@ def test_slot_layout_hand_computed_case():
     slot 1 masked; clean slots ordered slot 2 then slot 0; two pads."""
     E, M, PAD_ID = 256, 257, 258
     tokens = torch.tensor([[10, 11, 1, 2, 3, 4, 5, E, PAD_ID, PAD_ID]])
-    b = data.layout_slots(tokens, torch.tensor([2]), torch.tensor([8]), S=torch.tensor([2]), p=torch.tensor([0.5]),
+    b = data.layout_slots(tokens, torch.tensor([2]), torch.tensor([8]), S=torch.tensor([2]),
+                          p=torch.tensor([0.5]),
                           slot_is_masked=torch.tensor([[False, True, False] + [False] * 7]),
                           slot_rank=torch.tensor([[1, 2, 0] + list(range(3, 10))]), mask_id=M)
     X = data.IGNORE
@@ -113,7 +121,8 @@ def test_slot_layout_hand_computed_case():
     assert b.position_ids.tolist() == [[0, 1, 6, 7, 2, 3, 4, 5, 8, 9]]
     assert b.labels.tolist() == [[X, X, E, X, 2, X, 3, 4, X, X]]
     w = 1 / (0.5 * 6)                       # 1 / (p_mask * response length, EOS included)
-    torch.testing.assert_close(b.mdm_weight, torch.tensor([[0, 0, 0, 0, 0, 0, w, w, 0, 0]]), atol=1e-7, rtol=0)
+    torch.testing.assert_close(b.mdm_weight, torch.tensor([[0, 0, 0, 0, 0, 0, w, w, 0, 0]]),
+                               atol=1e-7, rtol=0)
 
 
 def random_samples(seed, B=6, T=60, vocab=200):
@@ -130,33 +139,41 @@ def test_clean_slots_shuffled_masked_slots_in_order(S):
     M, shuffled_rows = 257, 0
     for seed in range(4):
         tokens, prompt_len, length = random_samples(seed)
-        b = data.reorganize_slots(tokens, prompt_len, length, (S,), M, torch.Generator().manual_seed(seed))
+        b = data.reorganize_slots(tokens, prompt_len, length, (S,), M,
+                                  torch.Generator().manual_seed(seed))
         for row in range(len(tokens)):
             P, n = int(prompt_len[row]), int(length[row])
-            idx, pos, lab = b.idx[row].tolist(), b.position_ids[row].tolist(), b.labels[row].tolist()
+            idx, pos = b.idx[row].tolist(), b.position_ids[row].tolist()
+            lab = b.labels[row].tolist()
             w, orig = b.mdm_weight[row].tolist(), tokens[row].tolist()
-            assert idx[:P] == orig[:P] and pos[:P] == list(range(P))             # prompt untouched, first
+            assert idx[:P] == orig[:P] and pos[:P] == list(range(P))   # prompt untouched, first
             assert lab[:P] == [data.IGNORE] * P
             assert pos[n:] == list(range(n, len(orig))) and idx[n:] == orig[n:]  # padding last
-            slot_of = lambda q: (q - P) // S
-            order = [slot_of(q) for q in pos[P:n]]                               # slot id along the buffer
+
+            def slot_of(q):                                        # the slot of true position q
+                return (q - P) // S
+
+            order = [slot_of(q) for q in pos[P:n]]                     # slot id along the buffer
             slots = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
-            assert sorted(slots) == list(range(slot_of(n - 1) + 1))             # each slot one contiguous run
+            assert sorted(slots) == list(range(slot_of(n - 1) + 1))   # each slot one run
             masked = [k for k in slots if idx[P + order.index(k)] == M]
             clean = [k for k in slots if k not in masked]
-            assert slots == clean + masked and masked == sorted(masked)          # clean first; masked in order
+            assert slots == clean + masked and masked == sorted(masked)  # clean first; in order
             shuffled_rows += clean != sorted(clean)
             for i in range(P, n):
                 q = pos[i]
-                assert pos[i] == (pos[i - 1] + 1 if i > P and slot_of(pos[i - 1]) == slot_of(q) else q)
+                follows = i > P and slot_of(pos[i - 1]) == slot_of(q)
+                assert pos[i] == (pos[i - 1] + 1 if follows else q)
                 if slot_of(q) in masked:
-                    assert (idx[i], lab[i]) == (M, orig[q]) and w[i] == w[P + order.index(masked[0])] > 0
+                    assert (idx[i], lab[i]) == (M, orig[q])
+                    assert w[i] == w[P + order.index(masked[0])] > 0
                 else:
                     has_next = q + 1 < n and slot_of(q + 1) == slot_of(q)
-                    assert idx[i] == orig[q] and lab[i] == (orig[q + 1] if has_next else data.IGNORE)
+                    assert idx[i] == orig[q]
+                    assert lab[i] == (orig[q + 1] if has_next else data.IGNORE)
                     assert w[i] == 0
     if S < 8:
-        assert shuffled_rows > 0                                                # clean slots really permuted
+        assert shuffled_rows > 0                                   # clean slots really permuted
 
 
 @pytest.mark.parametrize("slot_end_labels", [False, True])
@@ -171,12 +188,15 @@ def test_vectorized_layout_equals_the_per_sample_loop(seed, slot_end_labels):
     p = torch.rand(B, generator=g) * 0.999 + 0.001
     slot_is_masked = torch.rand(B, T, generator=g) < p[:, None]
     slot_rank = torch.stack([torch.randperm(T, generator=g) for _ in range(B)])
-    b = data.layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, 257, slot_end_labels)
+    b = data.layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, 257,
+                          slot_end_labels)
     for r in range(B):
-        idx, pos, labels, weight = layout_one_sample(tokens[r].tolist(), int(prompt_len[r]), int(length[r]),
-                                                     int(S[r]), float(p[r]), slot_is_masked[r].tolist(),
+        idx, pos, labels, weight = layout_one_sample(tokens[r].tolist(), int(prompt_len[r]),
+                                                     int(length[r]), int(S[r]), float(p[r]),
+                                                     slot_is_masked[r].tolist(),
                                                      slot_rank[r].tolist(), 257, slot_end_labels)
-        assert b.idx[r].tolist() == idx and b.position_ids[r].tolist() == pos and b.labels[r].tolist() == labels
+        assert b.idx[r].tolist() == idx and b.position_ids[r].tolist() == pos
+        assert b.labels[r].tolist() == labels
         torch.testing.assert_close(b.mdm_weight[r], torch.tensor(weight), atol=1e-7, rtol=1e-6)
 
 
@@ -189,12 +209,15 @@ def pad_one_sample_with_eos(tokens, P, n, eos_id, pad_id, gen_length, max_len, w
     return row + [pad_id] * (width - len(row)), len(row)
 
 
-@pytest.mark.parametrize("seed,gen_length,max_len", [(0, 16, 60), (1, 40, 60), (2, 40, 45), (3, 1, 60)])
+@pytest.mark.parametrize("seed,gen_length,max_len",
+                         [(0, 16, 60), (1, 40, 60), (2, 40, 45), (3, 1, 60)])
 def test_mdm_layout_pads_every_response_with_eos_to_the_canvas(seed, gen_length, max_len):
     tokens, prompt_len, length = random_samples(seed, B=8, T=max_len)
-    padded, new_length = data.pad_with_eos(tokens, prompt_len, length, 256, 258, gen_length, max_len)
+    padded, new_length = data.pad_with_eos(tokens, prompt_len, length, 256, 258, gen_length,
+                                           max_len)
     for r in range(8):
-        row, n = pad_one_sample_with_eos(tokens[r].tolist(), int(prompt_len[r]), int(length[r]), 256, 258,
+        row, n = pad_one_sample_with_eos(tokens[r].tolist(), int(prompt_len[r]), int(length[r]),
+                                         256, 258,
                                          gen_length, max_len, padded.shape[1])
         assert padded[r].tolist() == row and int(new_length[r]) == n
     assert padded.shape[1] == int(new_length.max())
@@ -209,16 +232,20 @@ def test_mdm_trains_on_the_canvas_it_decodes():
     prompt_len, length = torch.tensor([P, P]), torch.tensor([6, 8])
     cfg = dict(objective="mdm", gen_length=G, block_size=64, mask_eps=1e-3)
     meta = {"mask_id": 257, "eos_id": 256, "pad_id": 258}
-    batch = train.make_batch(cfg, tokens, prompt_len, length, meta, torch.Generator().manual_seed(0))
+    batch = train.make_batch(cfg, tokens, prompt_len, length, meta,
+                             torch.Generator().manual_seed(0))
     canvas = P + MDMSettings(G).max_new_tokens                       # what generate_mdm feeds
     assert batch.idx.shape == (2, canvas) and batch.key_mask.all()   # every position attended
     laid_out = torch.tensor([[5, 6, 7, 8, 9] + [256] * 10, [5, 6, 7, 8, 9, 10, 11] + [256] * 8])
     masked = batch.idx == 257
-    assert not masked[:, :P].any() and masked[:, 8:].any()           # the padding EOS are masked too
+    assert not masked[:, :P].any() and masked[:, 8:].any()   # the padding EOS are masked too
     assert torch.equal(batch.idx[~masked], laid_out[~masked])
-    assert torch.equal(batch.labels[masked], laid_out[masked]) and (batch.labels[~masked] == data.IGNORE).all()
-    p = (1 - 1e-3) * torch.rand(2, generator=torch.Generator().manual_seed(0)) + 1e-3   # the batch's p_mask
-    expected = torch.where(masked, 1 / (p[:, None] * G), 0.0)    # the padding counts in the response length
+    assert torch.equal(batch.labels[masked], laid_out[masked])
+    assert (batch.labels[~masked] == data.IGNORE).all()
+    # the batch's p_mask
+    p = (1 - 1e-3) * torch.rand(2, generator=torch.Generator().manual_seed(0)) + 1e-3
+    # the padding counts in the response length
+    expected = torch.where(masked, 1 / (p[:, None] * G), 0.0)
     torch.testing.assert_close(batch.mdm_weight, expected, atol=1e-7, rtol=1e-6)
 
 
@@ -228,7 +255,8 @@ def test_mdm_trains_on_the_canvas_it_decodes():
 def test_hybrid_loss_is_ar_mean_plus_weighted_mdm_sum():
     X = data.IGNORE
     labels = torch.tensor([[X, 1, 2, 3], [0, X, X, 2]])
-    weight = torch.tensor([[0, 0, 0.5, 0.5], [0, 0, 0, 0.25]])    # row 0: tokens 2, 3 masked; row 1: token 3
+    # row 0: tokens 2, 3 masked; row 1: token 3
+    weight = torch.tensor([[0, 0, 0.5, 0.5], [0, 0, 0, 0.25]])
     logits = torch.randn(2, 4, 5, generator=torch.Generator().manual_seed(0))
     ce = -torch.log_softmax(logits, -1)
     ar = (ce[0, 1, 1] + ce[1, 0, 0]) / 2
@@ -241,8 +269,8 @@ def test_hybrid_loss_is_ar_mean_plus_weighted_mdm_sum():
 
 
 def test_refusion_ar_loss_from_an_ar_model_equals_its_loss_without_slot_boundaries():
-    """An ARM loaded with --init_from into a ReFusion run: with nothing masked and the clean slots in
-    their original order, the AR part of the hybrid loss is the ARM's next-token loss over the
+    """An ARM loaded with --init_from into a ReFusion run: with nothing masked and the clean slots
+    in their original order, the AR part of the hybrid loss is the ARM's next-token loss over the
     response, minus the labels that would cross a slot boundary."""
     ar_model = tiny_model(seed=6)
     refusion_model = tiny_model(seed=7)
@@ -254,7 +282,7 @@ def test_refusion_ar_loss_from_an_ar_model_equals_its_loss_without_slot_boundari
     b = data.layout_slots(tokens, prompt_len, length, S, p=torch.full((B,), 0.5),
                           slot_is_masked=torch.zeros(B, T, dtype=torch.bool),
                           slot_rank=torch.arange(T).expand(B, T), mask_id=38)
-    assert torch.equal(b.idx, tokens)                                 # nothing moved, nothing masked
+    assert torch.equal(b.idx, tokens)                          # nothing moved, nothing masked
     _, ar_part, mdm_part = hybrid_loss(refusion_model(b.idx, b.position_ids), b)
     # the reference: the ARM's cross-entropy at every response label except those at slot boundaries
     logits = ar_model(tokens, torch.arange(T).expand(B, T))
@@ -269,16 +297,18 @@ def test_refusion_ar_loss_from_an_ar_model_equals_its_loss_without_slot_boundari
 
 
 def test_slot_end_labels_give_the_arm_loss_when_nothing_is_masked():
-    """With slot_end_labels, nothing masked and the clean slots in their original order, the labels
-    are exactly the ARM's (every response token predicted from the one before, the first from the
-    prompt's last token), so the AR part of the hybrid loss is the ARM's loss on the same weights."""
+    """With slot_end_labels, nothing masked and the clean slots in their original order, the
+    labels are exactly the ARM's (every response token predicted from the one before, the first
+    from the prompt's last token), so the AR part of the hybrid loss is the ARM's loss on the same
+    weights."""
     model = tiny_model(seed=6)
     tokens, prompt_len, length = random_samples(9, B=4, T=40, vocab=36)
     tokens[tokens == 258] = 39
     B, T = tokens.shape
-    b = data.layout_slots(tokens, prompt_len, length, torch.tensor([4, 3, 8, 5]), p=torch.full((B,), 0.5),
-                          slot_is_masked=torch.zeros(B, T, dtype=torch.bool), slot_rank=torch.arange(T).expand(B, T),
-                          mask_id=38, slot_end_labels=True)
+    b = data.layout_slots(tokens, prompt_len, length, torch.tensor([4, 3, 8, 5]),
+                          p=torch.full((B,), 0.5),
+                          slot_is_masked=torch.zeros(B, T, dtype=torch.bool),
+                          slot_rank=torch.arange(T).expand(B, T), mask_id=38, slot_end_labels=True)
     arm = data.autoregressive_batch(tokens, prompt_len, length)
     assert torch.equal(b.labels, arm.labels)
     torch.testing.assert_close(hybrid_loss(model(b.idx, b.position_ids), b),
@@ -289,12 +319,13 @@ def test_ar_fraction_lays_out_that_share_of_samples_as_the_arm_does():
     """ar_fraction draws, after everything else, which samples take the ARM's layout; the other
     samples are exactly what reorganize_slots gives without it (same random stream before)."""
     tokens, prompt_len, length = random_samples(10, B=16, T=50)
-    plain = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257, torch.Generator().manual_seed(3))
+    plain = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257,
+                                  torch.Generator().manual_seed(3))
     arm = data.autoregressive_batch(tokens, prompt_len, length)
-    mixed = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257, torch.Generator().manual_seed(3),
-                                  ar_fraction=0.5)
+    mixed = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257,
+                                  torch.Generator().manual_seed(3), ar_fraction=0.5)
     g = torch.Generator().manual_seed(3)
-    data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257, g)          # the same draws first
+    data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257, g)   # the same draws first
     as_arm = torch.rand(16, generator=g) < 0.5
     assert 0 < as_arm.sum() < 16
     for r in range(16):
@@ -304,7 +335,8 @@ def test_ar_fraction_lays_out_that_share_of_samples_as_the_arm_does():
 
 
 # ----------------------------------------------------------------------------------------------
-# sampler.py: plan, verify, infill, commit on an oracle whose logits put all mass on a known target (SPEC section 4)
+# sampler.py: plan, verify, infill, commit on an oracle whose logits put all mass on a known target
+# (SPEC section 4)
 
 class OracleModel(nn.Module):
     """Knows the target token at every position. A mask token predicts its own position's target,
@@ -312,14 +344,16 @@ class OracleModel(nn.Module):
 
     def __init__(self, target, vocab_size, mask_id, confident=True):
         super().__init__()
-        self.target, self.vocab_size, self.mask_id, self.confident = target, vocab_size, mask_id, confident
+        self.target, self.vocab_size, self.mask_id = target, vocab_size, mask_id
+        self.confident = confident
         self.config = SimpleNamespace(block_size=len(target) + 1, causal=True)
         self.seen = []    # every (position, token) fed with a clean token
+        self.device_of = nn.Parameter(torch.zeros(0))  # no weights, but a device
 
     def new_kv_cache(self, max_len, max_batch=1):
         return KVCache(0, 1, 2, max_len, max_batch)
 
-    def forward(self, idx, position_ids, kv_cache=None):
+    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None):
         want = position_ids + (idx != self.mask_id).long()
         want = self.target[want.clamp(max=len(self.target) - 1)]
         logits = torch.zeros(*idx.shape, self.vocab_size)
@@ -346,9 +380,10 @@ def test_oracle_decode_reproduces_target_in_few_forwards(slot_size, serial_num_b
     P, L = 5, 24
     target = oracle_target(P, L)
     settings = RefusionSettings(L, slot_size=slot_size, serial_num_blocks=serial_num_blocks)
-    out = generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(), settings, mask_id=MASK, eos_ids=(EOS,))
+    out = generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(), settings,
+                            mask_id=MASK, eos_ids=(EOS,))
     assert out.tokens == target[P:P + L].tolist()
-    assert out.nfe == 2 * serial_num_blocks      # per block: one plan picks every slot, one verify accepts all
+    assert out.nfe == 2 * serial_num_blocks  # a block: a plan picks every slot, a verify takes all
     assert out.tpf > 1
     positions = [p for step in out.trace for p, _ in step]
     assert sorted(positions) == list(range(P, P + L))    # every position filled exactly once
@@ -359,7 +394,8 @@ def test_oracle_decode_cuts_at_eos(eos_at):
     P, L = 3, 24
     target = oracle_target(P, L, eos_at=eos_at, seed=1)
     settings = RefusionSettings(L, slot_size=4, serial_num_blocks=2)
-    out = generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(), settings, mask_id=MASK, eos_ids=(EOS,))
+    out = generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(), settings,
+                            mask_id=MASK, eos_ids=(EOS,))
     assert out.tokens == target[P:P + eos_at + 1].tolist()
     positions = sorted(p for step in out.trace for p, _ in step)
     assert positions == list(range(P, P + eos_at + 1))
@@ -368,8 +404,9 @@ def test_oracle_decode_cuts_at_eos(eos_at):
 def test_unconfident_model_still_finishes_one_slot_per_plan_step():
     P, L, S = 4, 16, 4
     target = oracle_target(P, L, seed=2)
-    model = OracleModel(target, V, MASK, confident=False)     # uniform logits: every probability is 1/V
-    out = generate_refusion(model, target[:P].tolist(), RefusionSettings(L, slot_size=S), mask_id=MASK, eos_ids=(EOS,))
+    model = OracleModel(target, V, MASK, confident=False)  # uniform logits: every probability 1/V
+    out = generate_refusion(model, target[:P].tolist(), RefusionSettings(L, slot_size=S),
+                            mask_id=MASK, eos_ids=(EOS,))
     assert len(out.tokens) == L and len(out.trace) == L // S
     assert all(len(step) == S for step in out.trace)
     # one plan and one verify per slot, then S - 1 infill iterations of draft + verify
@@ -390,12 +427,13 @@ def test_a_tie_for_the_best_slot_goes_to_the_leftmost():
 
 @pytest.mark.parametrize("eos_at", [None, 6, 9, 15])
 def test_parallel_infill_fills_every_selected_slot(eos_at):
-    """slot_threshold 0 selects every slot and token_threshold > 1 accepts only forced tokens, so all
-    slots of the block are infilled side by side, one token per row per iteration."""
+    """slot_threshold 0 selects every slot and token_threshold > 1 accepts only forced tokens, so
+    all slots of the block are infilled side by side, one token per row per iteration."""
     P, L, S = 5, 16, 4
     target = oracle_target(P, L, eos_at=eos_at, seed=3)
     settings = RefusionSettings(L, slot_size=S, slot_threshold=0.0, token_threshold=1.5)
-    out = generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(), settings, mask_id=MASK, eos_ids=(EOS,))
+    out = generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(), settings,
+                            mask_id=MASK, eos_ids=(EOS,))
     end = L if eos_at is None else eos_at + 1
     assert out.tokens == target[P:P + end].tolist()
     assert len(out.trace) == 1                       # one plan step commits every slot (up to EOS)
@@ -407,7 +445,8 @@ def test_parallel_infill_fills_every_selected_slot(eos_at):
 # sampler.py against a naive reference decoder that recomputes the whole buffer for every prediction
 
 @torch.no_grad()
-def naive_one_slot_decode(model, prompt, gen_len, slot_size, serial_num_blocks, accept_all, eos_id, mask_id):
+def naive_one_slot_decode(model, prompt, gen_len, slot_size, serial_num_blocks, accept_all, eos_id,
+                          mask_id):
     """SPEC section 4 in the regime slot_threshold > 1 (one slot per plan step), without a cache.
     accept_all: token_threshold 0 (the plan's drafts are committed whole), else token_threshold > 1
     (each later token is drafted from the accepted prefix and forced in, one at a time).
@@ -416,7 +455,8 @@ def naive_one_slot_decode(model, prompt, gen_len, slot_size, serial_num_blocks, 
     response, nfe = {}, 0
 
     def logits_after(extra_toks, extra_pos):
-        return model(torch.tensor([toks + extra_toks]), torch.tensor([poss + extra_pos]))[0, len(toks):]
+        logits = model(torch.tensor([toks + extra_toks]), torch.tensor([poss + extra_pos]))
+        return logits[0, len(toks):]
 
     def pick(probs):                                                  # the mask id is never drafted
         return probs.clone().index_fill_(-1, torch.tensor([mask_id]), -1.0).argmax(-1)
@@ -427,9 +467,11 @@ def naive_one_slot_decode(model, prompt, gen_len, slot_size, serial_num_blocks, 
         stop = False
         while pool:
             pos = [p + i for p in pool for i in range(slot_size)]
-            probs = torch.softmax(logits_after([mask_id] * len(pos), pos), -1).view(len(pool), slot_size, -1)
+            probs = torch.softmax(logits_after([mask_id] * len(pos), pos), -1)
+            probs = probs.view(len(pool), slot_size, -1)
             drafts = pick(probs)
-            best = int(probs[:, 0].gather(-1, drafts[:, :1])[:, 0].argmax())   # raw probability of each first draft
+            # the raw probability of each first draft
+            best = int(probs[:, 0].gather(-1, drafts[:, :1])[:, 0].argmax())
             start = pool[best]
             if accept_all:
                 slot = drafts[best].tolist()
@@ -440,7 +482,8 @@ def naive_one_slot_decode(model, prompt, gen_len, slot_size, serial_num_blocks, 
                 while len(slot) < slot_size and eos_id not in slot:
                     j = len(slot)
                     fed = slot + [mask_id] * (slot_size - j)
-                    slot.append(int(pick(logits_after(fed, list(range(start, start + slot_size)))[j])))
+                    at = list(range(start, start + slot_size))
+                    slot.append(int(pick(logits_after(fed, at)[j])))
                     nfe += 2
             if eos_id in slot:
                 slot = slot[:slot.index(eos_id) + 1]
@@ -457,163 +500,109 @@ def naive_one_slot_decode(model, prompt, gen_len, slot_size, serial_num_blocks, 
     return (out[:out.index(eos_id) + 1] if eos_id in out else out), nfe
 
 
-@pytest.mark.parametrize("accept_all", [False, True], ids=["token_threshold_above_1", "token_threshold_0"])
-@pytest.mark.parametrize("seed,slot_size,serial_num_blocks", [(0, 4, 1), (1, 4, 2), (2, 8, 1), (3, 2, 3)])
-def test_decode_matches_naive_reference_with_one_slot_per_step(accept_all, seed, slot_size, serial_num_blocks):
+@pytest.mark.parametrize("accept_all", [False, True],
+                         ids=["token_threshold_above_1", "token_threshold_0"])
+@pytest.mark.parametrize("seed,slot_size,serial_num_blocks",
+                         [(0, 4, 1), (1, 4, 2), (2, 8, 1), (3, 2, 3)])
+def test_decode_matches_naive_reference_with_one_slot_per_step(accept_all, seed, slot_size,
+                                                               serial_num_blocks):
     model = tiny_model(seed=seed)
     prompt = torch.randint(0, 36, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
     gen_len = 24
-    settings = RefusionSettings(gen_len, slot_size=slot_size, serial_num_blocks=serial_num_blocks, slot_threshold=1.5,
-                                token_threshold=0.0 if accept_all else 1.5)
+    settings = RefusionSettings(gen_len, slot_size=slot_size, serial_num_blocks=serial_num_blocks,
+                                slot_threshold=1.5, token_threshold=0.0 if accept_all else 1.5)
     # once with an EOS the model never emits, once with one it emits mid-way
-    ref, _ = naive_one_slot_decode(model, prompt, gen_len, slot_size, serial_num_blocks, accept_all, -1, 38)
+    naive = partial(naive_one_slot_decode, model, prompt, gen_len, slot_size, serial_num_blocks,
+                    accept_all)
+    ref, _ = naive(-1, 38)
     for eos in (-1, ref[len(ref) // 2]):
-        ref, ref_nfe = naive_one_slot_decode(model, prompt, gen_len, slot_size, serial_num_blocks, accept_all, eos, 38)
+        ref, ref_nfe = naive(eos, 38)
         out = generate_refusion(model, prompt, settings, mask_id=38, eos_ids=(eos,))
         assert out.tokens == ref
         assert out.nfe == ref_nfe
 
 
 # ----------------------------------------------------------------------------------------------
-# sampler.py, infill="ar" (SPEC section 4.1, beyond the paper): the next-token pathway forces the tokens
-
-class BadDrafterOracle(OracleModel):
-    """An oracle whose clean tokens predict the next target token, but whose mask tokens at the
-    positions in `bad` (default: all) confidently predict a wrong one (target + 1): a model whose
-    masked-diffusion pathway is untrained. `fed` keeps the tokens of every call."""
-
-    def __init__(self, target, vocab_size, mask_id, bad=None):
-        super().__init__(target, vocab_size, mask_id)
-        self.bad, self.fed = bad, []
-
-    def forward(self, idx, position_ids, kv_cache=None):
-        self.fed.append(idx.clone())
-        logits = super().forward(idx, position_ids, kv_cache)
-        wrong = (self.target[position_ids.clamp(max=len(self.target) - 1)] + 1) % 30
-        bad = idx == self.mask_id
-        if self.bad is not None:
-            bad &= torch.isin(position_ids, torch.tensor(self.bad))
-        return torch.where(bad[..., None], F.one_hot(wrong, self.vocab_size) * 100.0, logits)
+# sampler.py: the decoder on one screen (no cache) and the cached decoder are one algorithm
 
 
-@pytest.mark.parametrize("slot_size,serial_num_blocks", [(4, 1), (8, 3), (6, 2), (1, 4)])
-def test_ar_infill_matches_the_paper_on_a_confident_oracle(slot_size, serial_num_blocks):
-    """Where both pathways agree, the variant changes nothing: the same tokens in the same NFE."""
-    P, L = 5, 24
-    target = oracle_target(P, L)
-    for eos_at in (None, 13):
-        target = oracle_target(P, L, eos_at=eos_at)
-        runs = [generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(),
-                                  RefusionSettings(L, slot_size=slot_size, serial_num_blocks=serial_num_blocks, infill=infill),
-                                  mask_id=MASK, eos_ids=(EOS,)) for infill in ("paper", "ar")]
-        assert runs[0].tokens == runs[1].tokens == target[P:P + L if eos_at is None else P + eos_at + 1].tolist()
-        assert runs[0].nfe == runs[1].nfe
+class PassRecorder(nn.Module):
+    """Passes every call on to `model` and keeps the logits of the tokens each pass adds after
+    what it already holds (the cache, or the plain decoder's committed buffer): (R, T, V)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config, self.passes = model, model.config, []
+
+    def new_kv_cache(self, max_len, max_batch=1):
+        return self.model.new_kv_cache(max_len, max_batch)
+
+    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None):
+        logits = self.model(idx, position_ids, kv_cache=kv_cache, attn_mask=attn_mask)
+        self.passes.append(logits.clone())
+        return logits
 
 
-@pytest.mark.parametrize("serial_num_blocks", [1, 4])
-def test_ar_infill_keeps_the_next_token_pathway_where_the_paper_forces_bad_drafts(serial_num_blocks):
-    """slot_threshold 0 plans every slot of a block at once; the drafter is always wrong, so each
-    infill round accepts only its forced token. The paper forces the wrong masked drafts; the
-    variant forces next-token predictions, so only the first token of a slot that did not start at
-    the frontier (drafted from masks) is wrong. With one slot per block everything is right."""
-    P, L, S = 5, 16, 4
-    target = oracle_target(P, L, seed=5)
-    settings = dict(slot_size=S, serial_num_blocks=serial_num_blocks, slot_threshold=0.0, token_threshold=0.5)
-    paper, ar = (generate_refusion(BadDrafterOracle(target, V, MASK), target[:P].tolist(),
-                                   RefusionSettings(L, infill=infill, **settings), mask_id=MASK, eos_ids=(EOS,))
-                 for infill in ("paper", "ar"))
-    wrong = ((target + 1) % 30)[P:P + L].tolist()
-    assert paper.tokens == wrong
-    expected = target[P:P + L].tolist()
-    slots_per_serial_block = L // S // serial_num_blocks
-    for i in range(L // S):
-        if i % slots_per_serial_block:              # planned together with a slot to its left
-            expected[i * S] = wrong[i * S]
-    assert ar.tokens == expected
-    # per block: plan, verify, then S - 1 rounds of draft + verify, one forced token per row each
-    assert paper.nfe == ar.nfe == serial_num_blocks * (2 + 2 * (S - 1))
+def assert_plain_equals_cached(model, prompt, settings, generator_seed=None, **ids):
+    """Decode with generate_refusion_plain and generate_refusion: the same tokens, trace and NFE,
+    and every forward pass gives the same logits for the tokens it adds (so each committed token
+    was shown, without a cache, exactly what it saw with one). Returns the cached Generation."""
+    plain, cached = PassRecorder(model), PassRecorder(model)
+    seeded = {} if generator_seed is None else dict(
+        generator=torch.Generator().manual_seed(generator_seed))
+    a = generate_refusion_plain(plain, prompt, settings, **ids, **seeded)
+    seeded = {} if generator_seed is None else dict(
+        generator=torch.Generator().manual_seed(generator_seed))
+    b = generate_refusion(cached, prompt, settings, **ids, **seeded)
+    assert (a.tokens, a.trace, a.nfe) == (b.tokens, b.trace, b.nfe)
+    assert len(plain.passes) == len(cached.passes) == b.nfe
+    for p, c in zip(plain.passes, cached.passes):
+        torch.testing.assert_close(p[:, -c.shape[1]:], c, atol=TOL, rtol=0)
+    return b
 
 
-@pytest.mark.parametrize("seed,slot_size", [(0, 4), (1, 8), (2, 3), (3, 1)])
-def test_ar_infill_with_one_slot_per_block_equals_next_token_decoding(seed, slot_size):
-    """SPEC 4.1's guarantee: at greedy decoding with a token threshold that only the argmax can pass
-    (0.5), every token is the next-token prediction of what is left of it; with one slot per serial
-    block that is exactly next-token decoding of the same model, whatever its drafts."""
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("slot_size,serial_num_blocks,slot_threshold,token_threshold", [
+    (4, 3, 0.0, 1.5),   # every slot of a serial block infilled side by side, seen by the next
+    (4, 2, 0.0, 0.6),   # infill rows finished at different rounds
+    (2, 3, 0.5, 0.1),
+    (8, 1, 0.9, 0.3),   # the paper's thresholds
+    (4, 1, 0.5, 0.0),   # verify commits whole slots
+    (1, 2, 0.5, 0.1)])
+def test_plain_decoder_is_the_cached_decoder_pass_for_pass(
+        seed, slot_size, serial_num_blocks, slot_threshold, token_threshold):
     model = tiny_model(seed=seed)
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)      # confident enough that some drafts pass 0.5
+        model.lm_head.weight.mul_(6.0)      # confident enough that drafts pass the thresholds
     prompt = torch.randint(0, 36, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
-    L = 24
-    ref = generate_ar(model, prompt, DecodeSettings(L), eos_ids=(-1,)).tokens
-    for eos in (-1, ref[len(ref) // 2]):
-        ref = generate_ar(model, prompt, DecodeSettings(L), eos_ids=(eos,)).tokens
-        settings = RefusionSettings(L, slot_size=slot_size, serial_num_blocks=L // slot_size, token_threshold=0.5,
-                                    infill="ar")
-        out = generate_refusion(model, prompt, settings, mask_id=38, eos_ids=(eos,))
-        assert out.tokens == ref
+    settings = RefusionSettings(24, slot_size=slot_size, serial_num_blocks=serial_num_blocks,
+                                slot_threshold=slot_threshold, token_threshold=token_threshold)
+    free = assert_plain_equals_cached(model, prompt, settings, mask_id=38, eos_ids=(-1,))
+    # an EOS the model writes mid-way, then sampled plan drafts (Gumbel-max, one generator each)
+    assert_plain_equals_cached(model, prompt, settings, mask_id=38, eos_ids=(free.tokens[9],))
+    sampled = RefusionSettings(24, slot_size=slot_size, serial_num_blocks=serial_num_blocks,
+                               slot_threshold=slot_threshold, token_threshold=token_threshold,
+                               temperature=1.0)
+    assert_plain_equals_cached(model, prompt, sampled, generator_seed=seed, mask_id=38,
+                               eos_ids=(-1,))
 
 
-def test_ar_infill_restarts_later_rows_from_their_first_token():
-    """Verify judges a later slot's tokens after the drafts of the slots before it; the variant
-    keeps only that slot's first token, so the rest is judged in the slot's own row. Slot 0's
-    drafts after its first token are wrong (it is infilled); slots 1 and 2 pass verify whole."""
-    P, L, S = 5, 12, 4
-    target = oracle_target(P, L, seed=6)
-    wrong = target.clone()
-    wrong[P + 1:P + S] = (target[P + 1:P + S] + 1) % 30        # what the paper forces into slot 0
-    for infill, row, expected in (("paper", target[P + S:P + 2 * S].tolist(), wrong),
-                                  ("ar", [int(target[P + S])] + [MASK] * 3, target)):
-        model = BadDrafterOracle(target, V, MASK, bad=list(range(P + 1, P + S)))
-        settings = RefusionSettings(L, slot_size=S, slot_threshold=0.0, token_threshold=0.5, infill=infill)
-        out = generate_refusion(model, target[:P].tolist(), settings, mask_id=MASK, eos_ids=(EOS,))
-        first_draft_pass = model.fed[2]                      # after plan and verify: 3 rows, one per slot
-        assert first_draft_pass.shape == (3, S) and first_draft_pass[1].tolist() == row
-        assert out.tokens == expected[P:P + L].tolist()
-
-
-@torch.no_grad()
-def naive_ar_infill_of_one_block(model, prompt, gen_len, slot_size, eos_id, mask_id):
-    """SPEC 4.1 without a cache, in the regime slot_threshold 0 (every slot planned at once),
-    token_threshold > 1 (only forced tokens) and one serial block: slot 0 starts with what the last
-    prompt token predicts, every other slot with its planned (masked) draft; then each slot is
-    continued by next-token predictions given the prompt and its own tokens. The first slot holding
-    an EOS ends there and drops the slots after it. Returns (tokens, the NFE the algorithm implies)."""
-    def predict(toks, poss):
-        return int(model(torch.tensor([toks]), torch.tensor([poss]))[0, -1].index_fill(-1, torch.tensor([mask_id]),
-                                                                                     -math.inf).argmax())
-
-    P, n = len(prompt), gen_len // slot_size
-    positions = list(range(P, P + gen_len))
-    plan = model(torch.tensor([prompt + [mask_id] * gen_len]), torch.tensor([list(range(P)) + positions]))[0, P:]
-    slots = []
-    for i in range(n):
-        start = P + i * slot_size
-        slot = [predict(prompt, list(range(P)))] if i == 0 else \
-            [int(plan[i * slot_size].index_fill(-1, torch.tensor([mask_id]), -math.inf).argmax())]
-        while len(slot) < slot_size and eos_id not in slot:
-            slot.append(predict(prompt + slot, list(range(P)) + list(range(start, start + len(slot)))))
-        slots.append(slot)
-        if eos_id in slot:
-            slots[-1] = slot[:slot.index(eos_id) + 1]
-            break
-    rounds = max(len(slot) for slot in slots) - 1
-    return [t for slot in slots for t in slot], 2 + 2 * rounds
-
-
-@pytest.mark.parametrize("seed,slot_size", [(0, 4), (1, 8), (2, 6)])
-def test_ar_infill_of_parallel_rows_matches_naive_reference(seed, slot_size):
-    """Several rows infilled side by side: each row sees the prompt and itself only, and its keys
-    and values are recomputed where a forced token replaced a draft (checked by the exact tokens)."""
-    model = tiny_model(seed=seed)
-    prompt = torch.randint(0, 36, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
-    L = 24
-    ref, _ = naive_ar_infill_of_one_block(model, prompt, L, slot_size, -1, 38)
-    for eos in (-1, ref[len(ref) // 2 + 1]):
-        ref, ref_nfe = naive_ar_infill_of_one_block(model, prompt, L, slot_size, eos, 38)
-        settings = RefusionSettings(L, slot_size=slot_size, slot_threshold=0.0, token_threshold=1.5, infill="ar")
-        out = generate_refusion(model, prompt, settings, mask_id=38, eos_ids=(eos,))
-        assert out.tokens == ref
-        assert out.nfe == ref_nfe
+@pytest.mark.parametrize("eos_at", [None, 0, 5, 13, 23])
+def test_plain_decoder_is_the_cached_decoder_on_oracles(eos_at):
+    """Confident, unsure and wrong-drafting oracles: EOS met in verify and in infill."""
+    P, L = 5, 24
+    target = oracle_target(P, L, eos_at=eos_at, seed=7)
+    models = [OracleModel(target, V, MASK), OracleModel(target, V, MASK, confident=False),
+              BadDrafterOracle(target, V, MASK), BadDrafterOracle(target, V, MASK, bad=[6, 7, 12])]
+    for model in models:
+        for S, blocks, slot_thr, token_thr in [(4, 1, 0.9, 0.3), (4, 3, 0.0, 1.5), (8, 3, 0.0, 0.5),
+                                               (6, 2, 0.5, 0.0), (1, 4, 0.9, 0.3)]:
+            settings = RefusionSettings(L, slot_size=S, serial_num_blocks=blocks,
+                                        slot_threshold=slot_thr, token_threshold=token_thr)
+            out = assert_plain_equals_cached(model, target[:P].tolist(), settings, mask_id=MASK,
+                                             eos_ids=(EOS,))
+            if model is models[0]:
+                assert out.tokens == target[P:P + (L if eos_at is None else eos_at + 1)].tolist()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -630,14 +619,16 @@ def naive_next_token_decode(model, prompt, max_new_tokens, eos_id, temperature, 
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_ar_decode_with_cache_matches_no_cache_reference(temperature):
+def test_next_token_decode_with_cache_matches_no_cache_reference(temperature):
     model = tiny_model(seed=4)
     prompt = torch.randint(0, 36, (7,), generator=torch.Generator().manual_seed(4)).tolist()
-    ref = naive_next_token_decode(model, prompt, 20, -1, temperature, torch.Generator().manual_seed(0))
-    for eos in (-1, ref[len(ref) // 2]):    # an EOS the model never emits, then one it emits mid-way
-        ref = naive_next_token_decode(model, prompt, 20, eos, temperature, torch.Generator().manual_seed(0))
-        out = generate_ar(model, prompt, DecodeSettings(20, temperature=temperature), eos_ids=(eos,),
-                          generator=torch.Generator().manual_seed(0))
+    ref = naive_next_token_decode(model, prompt, 20, -1, temperature,
+                                  torch.Generator().manual_seed(0))
+    for eos in (-1, ref[len(ref) // 2]):  # an EOS the model never emits, then one it emits mid-way
+        ref = naive_next_token_decode(model, prompt, 20, eos, temperature,
+                                      torch.Generator().manual_seed(0))
+        out = generate_next_token(model, prompt, DecodeSettings(20, temperature=temperature),
+                                  eos_ids=(eos,), generator=torch.Generator().manual_seed(0))
         assert out.tokens == ref and len(ref) == (20 if eos == -1 else ref.index(eos) + 1)
         # the prefill predicts the first token, then one forward per further token: TPF is exactly 1
         assert out.nfe == len(out.tokens)
@@ -650,8 +641,8 @@ class RecordingModel(nn.Module):
         super().__init__()
         self.model, self.config, self.calls = model, model.config, []
 
-    def forward(self, idx, position_ids, kv_cache=None, key_mask=None):
-        logits = self.model(idx, position_ids, kv_cache, key_mask)
+    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None):
+        logits = self.model(idx, position_ids, kv_cache, attn_mask)
         self.calls.append((idx[0].clone(), logits[0].clone()))
         return logits
 
@@ -661,20 +652,21 @@ def test_mdm_commits_the_most_confident_token_each_step_and_never_changes_it(blo
     P, L, M = 5, 12, 38
     model = RecordingModel(tiny_model(seed=5, causal=False))
     prompt = torch.randint(0, 36, (P,), generator=torch.Generator().manual_seed(5)).tolist()
-    out = generate_mdm(model, prompt, MDMSettings(L, steps=L, block_length=block_length), mask_id=M, eos_ids=(-1,))
+    out = generate_mdm(model, prompt, MDMSettings(L, steps=L, block_length=block_length),
+                       mask_id=M, eos_ids=(-1,))
     assert out.nfe == len(model.calls) == L and len(out.tokens) == L
     block = block_length or L
     inputs = [idx for idx, _ in model.calls] + [torch.tensor(prompt + out.tokens)]
     for step, (before, after) in enumerate(zip(inputs, inputs[1:])):
         known = before != M
-        assert before[:P].tolist() == prompt and int(known.sum()) == P + step   # one more per call
-        assert torch.equal(after[known], before[known])                         # committed never change
+        assert before[:P].tolist() == prompt and int(known.sum()) == P + step  # one more per call
+        assert torch.equal(after[known], before[known])                        # committed: final
         new = ((after != M) & ~known).nonzero()[:, 0].tolist()
-        # low-confidence remasking: the new token is the most probable masked one of the current block
+        # low-confidence remasking: the new token is the most probable masked one of the block
         logits = model.calls[step][1].clone()
         logits[:, M] = -math.inf
         confidence, token = torch.softmax(logits, -1).max(-1)
-        start = P + step // block * block      # one token per step, so block b owns steps b*block ...
+        start = P + step // block * block  # one token per step: block b owns steps b * block ...
         candidates = [p for p in range(start, start + block) if before[p] == M]
         best = max(candidates, key=lambda p: float(confidence[p]))
         assert new == [best] and int(after[best]) == int(token[best])
@@ -686,15 +678,18 @@ def test_mdm_schedule_spreads_each_blocks_tokens_evenly_over_its_steps():
     model = tiny_model(seed=6, causal=False)
     P = 4
     prompt = list(range(P))
-    for L, steps, block_length, per_step in [(12, 4, None, [3, 3, 3, 3]), (10, 4, None, [3, 3, 2, 2]),
-                                             (12, 6, 6, [2, 2, 2, 2, 2, 2]), (12, 4, 3, [3, 3, 3, 3])]:
+    for L, steps, block_length, per_step in [(12, 4, None, [3, 3, 3, 3]),
+                                             (10, 4, None, [3, 3, 2, 2]),
+                                             (12, 6, 6, [2, 2, 2, 2, 2, 2]),
+                                             (12, 4, 3, [3, 3, 3, 3])]:
         settings = MDMSettings(L, steps=steps, block_length=block_length)
         out = generate_mdm(model, prompt, settings, mask_id=38, eos_ids=(-1,))
         assert [len(s) for s in out.trace] == per_step and out.nfe == steps and len(out.tokens) == L
         block, n_blocks = block_length or L, L // (block_length or L)
         for b in range(n_blocks):                # block b is filled by its own steps, left to right
             own = out.trace[b * steps // n_blocks:(b + 1) * steps // n_blocks]
-            assert sorted(p for s in own for p, _ in s) == list(range(P + b * block, P + (b + 1) * block))
+            filled = sorted(p for s in own for p, _ in s)
+            assert filled == list(range(P + b * block, P + (b + 1) * block))
 
 
 @torch.no_grad()
@@ -705,5 +700,162 @@ def test_only_the_bidirectional_model_sees_later_tokens(causal):
     changed = idx.clone()
     changed[0, 9] = (idx[0, 9] + 1) % 36
     pos = torch.arange(12)[None]
-    diff = float((model(idx, pos) - model(changed, pos))[0, :9].abs().max())   # positions before the change
+    # the positions before the change
+    diff = float((model(idx, pos) - model(changed, pos))[0, :9].abs().max())
     assert diff <= 1e-6 if causal else diff > 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# sampler.py, infill="speculative" (SPEC section 4.1, beyond the paper): the next-token pathway
+# forces the tokens
+
+class BadDrafterOracle(OracleModel):
+    """An oracle whose clean tokens predict the next target token, but whose mask tokens at the
+    positions in `bad` (default: all) confidently predict a wrong one (target + 1): a model whose
+    masked-diffusion pathway is untrained. `fed` keeps the tokens of every call."""
+
+    def __init__(self, target, vocab_size, mask_id, bad=None):
+        super().__init__(target, vocab_size, mask_id)
+        self.bad, self.fed = bad, []
+
+    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None):
+        self.fed.append(idx.clone())
+        logits = super().forward(idx, position_ids, kv_cache)
+        wrong = (self.target[position_ids.clamp(max=len(self.target) - 1)] + 1) % 30
+        bad = idx == self.mask_id
+        if self.bad is not None:
+            bad &= torch.isin(position_ids, torch.tensor(self.bad))
+        return torch.where(bad[..., None], F.one_hot(wrong, self.vocab_size) * 100.0, logits)
+
+
+@pytest.mark.parametrize("slot_size,serial_num_blocks", [(4, 1), (8, 3), (6, 2), (1, 4)])
+def test_speculative_infill_matches_the_paper_on_a_confident_oracle(slot_size, serial_num_blocks):
+    """Where both pathways agree, the variant changes nothing: the same tokens in the same NFE."""
+    P, L = 5, 24
+    target = oracle_target(P, L)
+    for eos_at in (None, 13):
+        target = oracle_target(P, L, eos_at=eos_at)
+        runs = [generate_refusion(OracleModel(target, V, MASK), target[:P].tolist(),
+                                  RefusionSettings(L, slot_size=slot_size,
+                                                   serial_num_blocks=serial_num_blocks,
+                                                   infill=infill),
+                                  mask_id=MASK, eos_ids=(EOS,))
+                for infill in ("paper", "speculative")]
+        end = P + L if eos_at is None else P + eos_at + 1
+        assert runs[0].tokens == runs[1].tokens == target[P:end].tolist()
+        assert runs[0].nfe == runs[1].nfe
+
+
+@pytest.mark.parametrize("serial_num_blocks", [1, 4])
+def test_speculative_infill_keeps_the_next_token_pathway_where_the_paper_forces_bad_drafts(
+        serial_num_blocks):
+    """slot_threshold 0 plans every slot of a block at once; the drafter is always wrong, so each
+    infill round accepts only its forced token. The paper forces the wrong masked drafts; the
+    variant forces next-token predictions, so only the first token of a slot that did not start at
+    the frontier (drafted from masks) is wrong. With one slot per block everything is right."""
+    P, L, S = 5, 16, 4
+    target = oracle_target(P, L, seed=5)
+    settings = dict(slot_size=S, serial_num_blocks=serial_num_blocks, slot_threshold=0.0,
+                    token_threshold=0.5)
+    paper, speculative = (generate_refusion(BadDrafterOracle(target, V, MASK), target[:P].tolist(),
+                                            RefusionSettings(L, infill=infill, **settings),
+                                            mask_id=MASK, eos_ids=(EOS,))
+                          for infill in ("paper", "speculative"))
+    wrong = ((target + 1) % 30)[P:P + L].tolist()
+    assert paper.tokens == wrong
+    expected = target[P:P + L].tolist()
+    slots_per_serial_block = L // S // serial_num_blocks
+    for i in range(L // S):
+        if i % slots_per_serial_block:              # planned together with a slot to its left
+            expected[i * S] = wrong[i * S]
+    assert speculative.tokens == expected
+    # per block: plan, verify, then S - 1 rounds of draft + verify, one forced token per row each
+    assert paper.nfe == speculative.nfe == serial_num_blocks * (2 + 2 * (S - 1))
+
+
+@pytest.mark.parametrize("seed,slot_size", [(0, 4), (1, 8), (2, 3), (3, 1)])
+def test_speculative_infill_with_one_slot_per_block_equals_next_token_decoding(seed, slot_size):
+    """SPEC 4.1's guarantee: at greedy decoding with a token threshold that only the argmax can pass
+    (0.5), every token is the next-token prediction of what is left of it; with one slot per serial
+    block that is exactly next-token decoding of the same model, whatever its drafts."""
+    model = tiny_model(seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)      # confident enough that some drafts pass 0.5
+    prompt = torch.randint(0, 36, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+    L = 24
+    ref = generate_next_token(model, prompt, DecodeSettings(L), eos_ids=(-1,)).tokens
+    for eos in (-1, ref[len(ref) // 2]):
+        ref = generate_next_token(model, prompt, DecodeSettings(L), eos_ids=(eos,)).tokens
+        settings = RefusionSettings(L, slot_size=slot_size, serial_num_blocks=L // slot_size,
+                                    token_threshold=0.5, infill="speculative")
+        out = generate_refusion(model, prompt, settings, mask_id=38, eos_ids=(eos,))
+        assert out.tokens == ref
+
+
+def test_speculative_infill_restarts_later_rows_from_their_first_token():
+    """Verify judges a later slot's tokens after the drafts of the slots before it; the variant
+    keeps only that slot's first token, so the rest is judged in the slot's own row. Slot 0's
+    drafts after its first token are wrong (it is infilled); slots 1 and 2 pass verify whole."""
+    P, L, S = 5, 12, 4
+    target = oracle_target(P, L, seed=6)
+    wrong = target.clone()
+    wrong[P + 1:P + S] = (target[P + 1:P + S] + 1) % 30        # what the paper forces into slot 0
+    for infill, row, expected in (("paper", target[P + S:P + 2 * S].tolist(), wrong),
+                                  ("speculative", [int(target[P + S])] + [MASK] * 3, target)):
+        model = BadDrafterOracle(target, V, MASK, bad=list(range(P + 1, P + S)))
+        settings = RefusionSettings(L, slot_size=S, slot_threshold=0.0, token_threshold=0.5,
+                                    infill=infill)
+        out = generate_refusion(model, target[:P].tolist(), settings, mask_id=MASK, eos_ids=(EOS,))
+        first_draft_pass = model.fed[2]          # after plan and verify: 3 rows, one per slot
+        assert first_draft_pass.shape == (3, S) and first_draft_pass[1].tolist() == row
+        assert out.tokens == expected[P:P + L].tolist()
+
+
+@torch.no_grad()
+def naive_speculative_infill_of_one_block(model, prompt, gen_len, slot_size, eos_id, mask_id):
+    """SPEC 4.1 without a cache, in the regime slot_threshold 0 (every slot planned at once),
+    token_threshold > 1 (only forced tokens) and one serial block: slot 0 starts with what the last
+    prompt token predicts, every other slot with its planned (masked) draft; then each slot is
+    continued by next-token predictions given the prompt and its own tokens. The first slot holding
+    an EOS ends there and drops the slots after it. Returns (tokens, the NFE the algorithm
+    implies)."""
+    def predict(toks, poss):
+        logits = model(torch.tensor([toks]), torch.tensor([poss]))[0, -1]
+        return int(logits.index_fill(-1, torch.tensor([mask_id]), -math.inf).argmax())
+
+    P, n = len(prompt), gen_len // slot_size
+    positions = list(range(P, P + gen_len))
+    plan = model(torch.tensor([prompt + [mask_id] * gen_len]),
+                 torch.tensor([list(range(P)) + positions]))[0, P:]
+    slots = []
+    for i in range(n):
+        start = P + i * slot_size
+        slot = [predict(prompt, list(range(P)))] if i == 0 else \
+            [int(plan[i * slot_size].index_fill(-1, torch.tensor([mask_id]), -math.inf).argmax())]
+        while len(slot) < slot_size and eos_id not in slot:
+            at = list(range(P)) + list(range(start, start + len(slot)))
+            slot.append(predict(prompt + slot, at))
+        slots.append(slot)
+        if eos_id in slot:
+            slots[-1] = slot[:slot.index(eos_id) + 1]
+            break
+    rounds = max(len(slot) for slot in slots) - 1
+    return [t for slot in slots for t in slot], 2 + 2 * rounds
+
+
+@pytest.mark.parametrize("seed,slot_size", [(0, 4), (1, 8), (2, 6)])
+def test_speculative_infill_of_parallel_rows_matches_naive_reference(seed, slot_size):
+    """Several rows infilled side by side: each row sees the prompt and itself only, and its keys
+    and values are recomputed where a forced token replaced a draft (checked by the exact
+    tokens)."""
+    model = tiny_model(seed=seed)
+    prompt = torch.randint(0, 36, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+    L = 24
+    ref, _ = naive_speculative_infill_of_one_block(model, prompt, L, slot_size, -1, 38)
+    for eos in (-1, ref[len(ref) // 2 + 1]):
+        ref, ref_nfe = naive_speculative_infill_of_one_block(model, prompt, L, slot_size, eos, 38)
+        settings = RefusionSettings(L, slot_size=slot_size, slot_threshold=0.0, token_threshold=1.5,
+                                    infill="speculative")
+        out = generate_refusion(model, prompt, settings, mask_id=38, eos_ids=(eos,))
+        assert out.tokens == ref
+        assert out.nfe == ref_nfe

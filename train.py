@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from configurator import explicit_keys, parse_args, run_cli, settings_in
 from data import IGNORE, autoregressive_batch, pad_with_eos, random_mask_batch, reorganize_slots
+from model import ModelConfig, Transformer
 
 # -----------------------------------------------------------------------------
 # default config: a small ReFusion model on the Python standard library, 8 minutes on 2 CPU cores
@@ -195,119 +196,145 @@ def estimate_loss(model, cfg, val_data, autocast):
         tokens, prompt_len, length = val_data.get_batch(cfg["batch_size"], rng, cfg["device"])
         batch = make_batch(cfg, tokens, prompt_len, length, val_data.meta, gen)
         with autocast:
-            logits = model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
+            logits = model(batch.idx, batch.position_ids, attn_mask=batch.attn_mask)
         losses.append(hybrid_loss(logits.float(), batch)[0].item())
     model.train()
     return float(np.mean(losses))
 
 
-def train_step(run, model, forward_model, it, autocast):
+class Diverged(ValueError):
+    """A loss that stopped being finite: args (what, value, iteration)."""
+
+
+def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, autocast):
     """One optimizer step at iteration `it`: this process's share of gradient_accumulation_steps
-    micro-batches (forward, hybrid_loss, backward), clipping, AdamW. model: run.model, or its DDP
-    wrapper; forward_model: model, or its torch.compile. Returns (loss, ar_loss, mdm_loss) of the
-    last micro-batch, its response tokens summed over the step, and the step's FLOPs.
-    Raises SystemExit when the loss stops being finite (run.diverged)."""
-    cfg, world = run.cfg, run.world
+    micro-batches (forward, hybrid_loss, backward), clipping, AdamW. forward: model, or its DDP
+    wrapper and torch.compile. Returns (loss, ar_loss, mdm_loss) of the last micro-batch, its
+    response tokens summed over the step, and the step's FLOPs. Raises Diverged."""
     micro_steps = cfg["gradient_accumulation_steps"] // world  # this process's share of the step
-    for group in run.optimizer.param_groups:
+    for group in optimizer.param_groups:
         group["lr"] = get_lr(it, cfg)
     n_tokens, flops = 0, 0
     for micro in range(micro_steps):
-        rng, gen = micro_batch_rng(cfg, it, run.rank * micro_steps + micro)
-        tokens, prompt_len, length = run.train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
-        batch = make_batch(cfg, tokens, prompt_len, length, run.train_data.meta, gen)
+        rng, gen = micro_batch_rng(cfg, it, rank * micro_steps + micro)
+        tokens, prompt_len, length = train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
+        batch = make_batch(cfg, tokens, prompt_len, length, train_data.meta, gen)
         # DDP averages gradients across processes only after the last micro-batch. FSDP
         # reduce-scatters after every one: holding them back would keep each process's full
         # unsharded gradients.
-        if world > 1 and not cfg["fsdp"]:
-            model.require_backward_grad_sync = micro == micro_steps - 1
+        if world > 1 and not cfg["fsdp"]:  # on the DDP wrapper, inside torch.compile's if any
+            ddp = getattr(forward, "_orig_mod", forward)
+            ddp.require_backward_grad_sync = micro == micro_steps - 1
         with autocast:
-            logits = forward_model(batch.idx, batch.position_ids, key_mask=batch.key_mask)
+            logits = forward(batch.idx, batch.position_ids, attn_mask=batch.attn_mask)
         losses = hybrid_loss(logits.float(), batch)
         if not torch.isfinite(losses[0]):
-            raise run.diverged("loss", losses[0].item(), it)
+            raise Diverged("loss", losses[0].item(), it)
         (losses[0] / micro_steps).backward()
         n_tokens += int(length.sum())
-        flops += flops_per_token(run.model, batch.idx.shape[1]) * batch.idx.numel()
+        flops += flops_per_token(model, batch.idx.shape[1]) * batch.idx.numel()
     if cfg["grad_clip"] > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     return losses, n_tokens, flops
 
 
-def train(run, stop_requested=()):
-    """The training loop from run.iter_num to max_iters: evaluate and save every eval_interval
-    steps, then one train_step. When stop_requested (a list, non-empty once a stop was asked for)
-    is not empty on any process after a step, every process stops there and saves. Returns True
-    when so interrupted. Without a terminal (a log file, a pipe), where every frame of a progress
-    bar would be kept, one plain line every log_interval steps replaces the bar.
-    Raises SystemExit when a loss stops being finite (the last checkpoint, if any, is kept)."""
-    cfg, world = run.cfg, run.world
-    model = run.model
+def train(cfg, model, optimizer, train_data, val_data, iter_num, best_val_loss=math.inf, rank=0,
+          world=1, stop_requested=()):
+    """The training loop, from iteration iter_num to max_iters: evaluate every eval_interval steps,
+    then one train_step; a progress bar (loss, tokens/s, TFLOP/s, MFU on CUDA) or, off a terminal,
+    a line every log_interval steps. A generator: it yields (steps completed, best validation loss,
+    stopped) whenever a checkpoint is due, after each evaluation past the first step and at the
+    end, and the caller saves it. Once stop_requested (a list) is non-empty on any process, every
+    process stops after that step: the last yield, stopped True. Raises Diverged."""
+    forward = model
     if world > 1 and not cfg["fsdp"]:  # a sharded model (support.shard) syncs its own gradients
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    forward_model = torch.compile(model) if cfg["compile"] else model
+        forward = torch.nn.parallel.DistributedDataParallel(model)
+    forward = torch.compile(forward) if cfg["compile"] else forward
     autocast = autocast_for(cfg["device"], cfg["dtype"])
     model.train()
     live = sys.stdout.isatty() and sys.stderr.isatty()  # where tqdm redraws its bar in place
-    bar = tqdm(range(run.iter_num, cfg["max_iters"]), initial=run.iter_num, total=cfg["max_iters"],
-               desc="train", mininterval=1.0, disable=run.rank != 0 or not live)
-    t0, n_tokens, flops, start_iter = time.perf_counter(), 0, 0, run.iter_num
-    interrupted = False
+    bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"],
+               desc="train", mininterval=1.0, disable=rank != 0 or not live)
+    t0, n_tokens, flops, start, stop = time.perf_counter(), 0, 0, iter_num, False
     for it in bar:
-        run.iter_num = it
         if it % cfg["eval_interval"] == 0 or it == cfg["max_iters"] - 1:
-            val_loss = estimate_loss(forward_model, cfg, run.val_data, autocast)
+            val_loss = estimate_loss(forward, cfg, val_data, autocast)
             if not math.isfinite(val_loss):
-                raise run.diverged("validation loss", val_loss, it)
-            run.best_val_loss = min(run.best_val_loss, val_loss)
-            if run.rank == 0:
+                raise Diverged("validation loss", val_loss, it)
+            best_val_loss = min(best_val_loss, val_loss)
+            if rank == 0:
                 tqdm.write(f"iter {it}: val loss {val_loss:.4f}")
-            if it > start_iter:  # nothing new to save at the first step of a run
-                run.save()
-        losses, step_tokens, step_flops = train_step(run, model, forward_model, it, autocast)
-        loss, ar_loss, mdm_loss = (x.item() for x in losses)
+            if it > start:  # nothing new to save at the first step of a run
+                yield it, best_val_loss, False
+        losses, step_tokens, step_flops = train_step(cfg, model, forward, optimizer, train_data,
+                                                     it, rank, world, autocast)
         n_tokens, flops = n_tokens + step_tokens, flops + step_flops
-        dt = time.perf_counter() - t0
-        tflops = flops * world / dt / 1e12
-        mfu = {"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] \
-            else {}
-        bar.set_postfix(loss=f"{loss:.3f}", ar=f"{ar_loss:.3f}", mdm=f"{mdm_loss:.3f}",
-                        tok_s=f"{n_tokens * world / dt:.0f}", tflops=f"{tflops:.3f}", **mfu)
-        if not live and run.rank == 0 and it % cfg["log_interval"] == 0:
-            print(f"iter {it}: loss {loss:.4f} (ar {ar_loss:.4f}, mdm {mdm_loss:.4f}), "
-                  f"{n_tokens * world / dt:.0f} tok/s, {tflops:.3f} TFLOP/s"
-                  + (f", MFU {mfu['mfu']}" if mfu else ""), flush=True)
+        log_step(cfg, bar, it, losses, n_tokens * world, flops * world,
+                 time.perf_counter() - t0, world, lines=not live and rank == 0)
         stop = bool(stop_requested)
         if world > 1:  # every process stops after the same step, even if only one saw the Ctrl-C
             flag = torch.tensor(float(stop), device=cfg["device"])
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             stop = bool(flag.item())
         if stop:
-            interrupted = True
             break
-    run.iter_num += 1  # steps completed
-    run.save()
     bar.close()
-    return interrupted
+    yield it + 1, best_val_loss, stop
+
+
+def log_step(cfg, bar, it, losses, tokens, flops, seconds, world, lines):
+    """Show a step's losses and the speed so far (tokens and FLOPs of every process over seconds)
+    on the progress bar; with lines (off a terminal, where no bar is drawn), print a line every
+    log_interval steps instead."""
+    loss, ar_loss, mdm_loss = (x.item() for x in losses)
+    tflops = flops / seconds / 1e12
+    mfu = {"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] \
+        else {}
+    bar.set_postfix(loss=f"{loss:.3f}", ar=f"{ar_loss:.3f}", mdm=f"{mdm_loss:.3f}",
+                    tok_s=f"{tokens / seconds:.0f}", tflops=f"{tflops:.3f}", **mfu)
+    if lines and it % cfg["log_interval"] == 0:
+        print(f"iter {it}: loss {loss:.4f} (ar {ar_loss:.4f}, mdm {mdm_loss:.4f}), "
+              f"{tokens / seconds:.0f} tok/s, {tflops:.3f} TFLOP/s"
+              + (f", MFU {mfu['mfu']}" if mfu else ""), flush=True)
 
 
 def main(argv):
-    """python train.py [config/*.py] [--key=value ...]: check the settings, hold out_dir, start the
-    run (support.runs.start_run: scratch, resume or a pretrained model), train until max_iters or a
-    Ctrl-C / SIGTERM, save."""
-    from support import runs, shard  # the plumbing: checks, out_dir, where a run starts, FSDP
+    """python train.py [config/*.py] [--key=value ...]: the settings, where the run starts, the
+    data, the model and its optimizer, then the loop until max_iters or a stop request (Ctrl-C,
+    SIGTERM), saving a checkpoint whenever it yields. support/ holds the plumbing, called here as
+    plain functions: checks, out_dir's lock, processes, data, FSDP, signals, checkpoints."""
+    from support import runs, shard
     cfg = parse_args(DEFAULTS, argv)
     explicit = explicit_keys(cfg, DEFAULTS, argv)
-    runs.check_config(cfg)
+    runs.check_train_config(cfg)
     shard.check_sharding(cfg, launched="RANK" in os.environ)
     # the process that writes checkpoints (RANK 0 under torchrun) holds out_dir from here to the end
     with runs.hold_out_dir(cfg["out_dir"]) if os.environ.get("RANK", "0") == "0" else nullcontext():
-        run = runs.start_run(cfg, explicit, load_weights, make_optimizer)
+        start = runs.where_to_start(cfg, explicit)   # scratch, resume, a checkpoint, a HF folder
+        rank, world = runs.setup_process(cfg)
+        train_data, val_data = runs.load_data(cfg, start, rank)
+        model = Transformer(ModelConfig(**start.model_args))
+        if start.weights is not None:                # the paper's start: a pretrained model
+            load_weights(model, start.weights)
+        model = runs.place_model(cfg, model)
+        optimizer = make_optimizer(cfg, model)
+        runs.restore_optimizer(start, model, optimizer)
+        if rank == 0:
+            print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
+                  f"{len(train_data):,} training samples, device {cfg['device']}, "
+                  f"{world} process(es)")
         with runs.stop_requests() as requested:
-            interrupted = train(run, requested)
-        runs.finish(run, interrupted)
+            try:
+                for steps, best_val_loss, stopped in train(
+                        cfg, model, optimizer, train_data, val_data, start.iter_num,
+                        start.best_val_loss, rank, world, requested):
+                    runs.save(cfg, model, optimizer, start.model_args, train_data, steps,
+                              best_val_loss, rank)
+            except Diverged as e:
+                raise runs.diverged(cfg, e) from None
+        runs.finish(cfg, rank, world, steps, best_val_loss, stopped)
 
 
 if __name__ == "__main__":

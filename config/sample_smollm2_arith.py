@@ -9,4 +9,4 @@ slot_size = 32
 serial_num_blocks = 1
 slot_threshold = 0.9
 token_threshold = 0.3
-infill = "ar"              # a serial task: the next-token pathway forces each round's token
+infill = "speculative"     # a serial task: the next-token pathway forces each round's token

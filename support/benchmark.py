@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn as nn
 
+from support.batching import generate_batch
 from support.files import write_atomic
 
 # -----------------------------------------------------------------------------
@@ -224,9 +225,10 @@ def markdown_table(rows):
 # the plot's series: (colour, marker)
 STYLE = {"ARM": ("tab:blue", "s"), "HF generate": ("tab:cyan", "D"), "MDM": ("tab:olive", "v"),
          "MDM-ft (from the ARM)": ("tab:green", "^"),
-         "ReFusion, paper infill": ("tab:red", "o"), "ReFusion, infill=ar": ("tab:orange", "o"),
+         "ReFusion, paper infill": ("tab:red", "o"),
+         "ReFusion, infill=speculative": ("tab:orange", "o"),
          "ReFusion-ft, paper infill": ("tab:purple", "o"),
-         "ReFusion-ft, infill=ar": ("tab:pink", "o")}
+         "ReFusion-ft, infill=speculative": ("tab:pink", "o")}
 # the small benchmark's models, as its rows name them
 NAMES = {"ar": "ARM", "mdm": "MDM", "mdm-ft": "MDM-ft", "refusion": "ReFusion",
          "refusion-ft": "ReFusion-ft"}
@@ -240,7 +242,7 @@ def series(row):
     if row["method"] == "hf":
         return "HF generate"
     if row["method"] == "refusion":
-        infill = "paper infill" if row["settings"]["infill"] == "paper" else "infill=ar"
+        infill = "paper infill" if row["settings"]["infill"] == "paper" else "infill=speculative"
         return f"{NAMES[row['model']]}, {infill}"
     return "MDM-ft (from the ARM)" if row["model"] == "mdm-ft" else NAMES[row["model"]]
 
@@ -308,21 +310,20 @@ def refusion_sweep(sweep, name, infill_modes):
         for S in sweep["slot_sizes"]:
             for slot_thr, token_thr in sweep["thresholds"]:
                 for blocks in sweep["serial_num_blocks"]:
-                    yield (f"{name} S={S} B={blocks} slot>{slot_thr} token>{token_thr} "
+                    yield (f"{name} S={S} serial={blocks} slot>{slot_thr} token>{token_thr} "
                            f"infill={infill}",
                            dict(slot_size=S, serial_num_blocks=blocks, infill=infill,
                                 slot_threshold=slot_thr, token_threshold=token_thr))
 
 
-def batch_throughput(decoders, prompts, batch_sizes, generate_batch, rounds=1):
+def batch_throughput(decoders, prompts, batch_sizes, rounds=1):
     """Throughput and latency of each decoder decoding the first max(batch_sizes) prompts,
     batch_size prompts at a time (the sizes above the prompts there are left out).
 
-    decoders: {label: a one-prompt decoder, as sampler.make_decoder returns it}, greedy; the first
-    is the one "vs first" compares with. batch_sizes: ascending, the first 1 (each prompt decoded
-    alone, as the rest of the benchmark does: the reference); generate_batch: sampler's (support/
-    does not import the scripts). Interleaved: each round runs every batch size, and in it every
-    decoder, in turn; the figures are the median round's.
+    decoders: {label: (model, a one-prompt decoder as sampler.make_decoder returns it)}, greedy;
+    the first is the one "vs first" compares with. batch_sizes: ascending, the first 1 (each prompt
+    decoded alone, as the rest of the benchmark does: the reference). Interleaved: each round runs
+    every batch size, and in it every decoder, in turn; the figures are the median round's.
     Returns {"n_prompts", "rows"}: a row per (decoder, batch size) with tokens, seconds (wall),
     tokens_per_s, latency_ms (the mean over prompts of its decode's seconds: from its batch's
     start to its end), vs_batch_1 (tokens/s over the decoder's at batch 1), vs_first (over the
@@ -336,10 +337,10 @@ def batch_throughput(decoders, prompts, batch_sizes, generate_batch, rounds=1):
     runs = {}                                    # (label, batch size) -> [(seconds, outs)] a round
     for _ in range(rounds):
         for B in batch_sizes:
-            for label, decode in decoders.items():
+            for label, (model, decode) in decoders.items():
                 t0 = time.perf_counter()
-                outs = ([decode(p) for p in prompts] if B == 1 else
-                        generate_batch(decode, prompts, B))
+                outs = ([decode(model, p) for p in prompts] if B == 1 else
+                        generate_batch(model, decode, prompts, B))
                 runs.setdefault((label, B), []).append((time.perf_counter() - t0, outs))
     rows = []
     for (label, B), timed in runs.items():

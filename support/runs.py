@@ -3,11 +3,17 @@ What train.py's command line needs besides the objective and the loop: the setti
 out_dir a run holds, where a run starts (--init_from: scratch, resume, a checkpoint, a Hugging Face
 folder), processes under torchrun, FSDP, signals, and the checkpoint it saves.
 
-    check_config(cfg)          refuse settings that cannot work, before any data is prepared
+    check_train_config(cfg)    refuse settings that cannot work, before any data is prepared
     hold_out_dir(out_dir)      one training run per out_dir at a time (a lock, and who holds it)
-    start_run(cfg, ...)        the data, the model, the optimizer and the counters: a Run
+    where_to_start(cfg, ...)   scratch, resume or a pretrained model: the Start of a run
+    setup_process(cfg)         torchrun's processes, the seed: (rank, world size)
+    load_data(cfg, ...)        the prepared splits
+    place_model(cfg, model)    activation checkpointing, FSDP's shards, the device
+    restore_optimizer(...)     a resumed run's optimizer state
     stop_requests()            Ctrl-C and SIGTERM end the run after its step, saved
-    finish(run, interrupted)   the last words of a run (and the end of the process group)
+    save(cfg, ...)             the resumable checkpoint
+    diverged(cfg, error)       what a loss that stopped being finite says
+    finish(cfg, ...)           the last words of a run (and the end of the process group)
 """
 
 import ctypes
@@ -28,7 +34,7 @@ import torch
 from filelock import FileLock, Timeout
 
 from configurator import check_device, check_seed, require
-from model import ModelConfig, Transformer
+from model import ModelConfig
 from support.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, sharded_info_path
 from support.files import write_atomic
 from support.hf_folder import from_pretrained
@@ -47,7 +53,7 @@ RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "slot_sizes", "
 # -----------------------------------------------------------------------------
 # settings, checked once, where they enter
 
-def check_config(cfg):
+def check_train_config(cfg):
     """Refuse settings that cannot work, with the fix, before anything is prepared or trained
     (FSDP's: support.shard.check_sharding). Raises ValueError."""
     if cfg["objective"] not in OBJECTIVES:
@@ -334,123 +340,122 @@ def start_from_hf_folder(cfg, explicit):
 # anything else: a checkpoint's path
 START_MODES = {"scratch": start_from_scratch, "resume": resume_from_checkpoint}
 
-# -----------------------------------------------------------------------------
-# the run
 
-
-@dataclass
-class Run:
-    """What a training run carries from step to step; iter_num counts the steps completed."""
-    cfg: dict
-    model: Transformer
-    optimizer: torch.optim.Optimizer
-    model_args: dict
-    train_data: TokenDataset
-    val_data: TokenDataset
-    data_dir: str
-    rank: int
-    world: int
-    iter_num: int
-    best_val_loss: float
-
-    def save(self):
-        """Write the resumable checkpoint atomically: ckpt.pt by rank 0 (save_checkpoint), or under
-        --fsdp each process its shards (support.shard.save_sharded). Call on every process."""
-        info = {"model_args": self.model_args, "iter_num": self.iter_num,
-                "best_val_loss": self.best_val_loss, "config": self.cfg,
-                "meta": self.train_data.meta, "data_dir": os.path.abspath(self.data_dir)}
-        if self.cfg["fsdp"]:
-            save_sharded(self.cfg["out_dir"], self.model, self.optimizer, info)
-        elif self.rank == 0:
-            save_checkpoint(self.cfg["out_dir"], dict(info, model=self.model.state_dict(),
-                                                      optimizer=self.optimizer.state_dict()))
-
-    def diverged(self, what, value, it):
-        """The SystemExit for a loss (`what`) that became `value` at iteration `it`, saying whether
-        a checkpoint to go back to exists (a run stopped before its first evaluation has written
-        none)."""
-        ckpt_file = checkpoint_path(self.cfg["out_dir"])
-        if os.path.exists(ckpt_file):
-            then = (f"the last good checkpoint {ckpt_file} is kept: lower --learning_rate (or "
-                    "check the data), then continue it with --init_from=resume")
-        else:
-            then = ("no checkpoint was written yet: lower --learning_rate (or check the data) and "
-                    "start again")
-        return SystemExit(f"error: {what} became {value} at iteration {it}; {then}")
-
-
-def start_run(cfg, explicit, load_weights, make_optimizer):
-    """The Run that train.main trains, once its settings are checked and out_dir is held: where it
-    starts (START_MODES), the processes (setup_distributed), the data (prepared once), the model
-    (its weights, activation checkpointing, FSDP's shards) and the optimizer.
-    explicit: the settings the run chose itself (configurator.explicit_keys); load_weights,
-    make_optimizer: train.py's. Raises ValueError naming what cannot be started as asked."""
-    ckpt_file = checkpoint_path(cfg["out_dir"])
-    existing = [f for f in (ckpt_file, sharded_info_path(cfg["out_dir"])) if os.path.exists(f)]
+def where_to_start(cfg, explicit):
+    """The Start of a run (START_MODES, else start_from_pretrained), once its settings are checked
+    and out_dir is held; fills in lr_decay_iters and turns off a --compile that cannot run here.
+    explicit: the settings the run chose itself (configurator.explicit_keys). Raises ValueError
+    for a checkpoint a new run would overwrite, or one already trained to max_iters."""
+    existing = [f for f in (checkpoint_path(cfg["out_dir"]), sharded_info_path(cfg["out_dir"]))
+                if os.path.exists(f)]
     if cfg["init_from"] != "resume" and existing:
         raise ValueError(f"{existing[0]} already exists: continue it with --init_from=resume, or "
                          "choose another --out_dir (nothing was overwritten)")
     start = START_MODES.get(cfg["init_from"], start_from_pretrained)(cfg, explicit)
-    if cfg["fsdp"]:  # known only now: a resumed run takes it from its checkpoint
-        ckpt_file = sharded_info_path(cfg["out_dir"])
     cfg["lr_decay_iters"] = cfg["lr_decay_iters"] or cfg["max_iters"]
     if start.iter_num >= cfg["max_iters"]:
-        raise ValueError(f"{ckpt_file} is already trained for {start.iter_num} iterations; "
+        raise ValueError(f"{saved_path(cfg)} is already trained for {start.iter_num} iterations; "
                          f"raise --max_iters above {start.iter_num} to continue it")
     check_compile(cfg)
+    return start
+
+
+def saved_path(cfg):
+    """The file a run's checkpoint is named by: out_dir's ckpt.pt, or with --fsdp its sharded
+    checkpoint's info file (support.shard)."""
+    return sharded_info_path(cfg["out_dir"]) if cfg["fsdp"] else checkpoint_path(cfg["out_dir"])
+
+
+def setup_process(cfg):
+    """This process's part in the run: its place under torchrun (setup_distributed), the seed of
+    the initial weights, and, on a CPU, memory kept between steps (reuse_freed_memory). Returns
+    (rank, world_size)."""
     if cfg["device"] == "cpu":
         reuse_freed_memory()
     rank, world = setup_distributed(cfg)
     torch.manual_seed(cfg["seed"])
+    return rank, world
+
+
+def load_data(cfg, start, rank):
+    """The training and validation splits (support.prepare: prepared once, then memmapped), checked
+    against the data a resumed run was trained on. Returns (train_data, val_data) TokenDatasets.
+    Raises ValueError when a resumed run's data changed."""
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"],
                        cfg["too_long"])
     train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
-    # the data file changed since
+    train_data.dir = os.path.abspath(data_dir)  # recorded in the checkpoint: the sampler's data
     if start.data_sha1 not in (None, train_data.meta.get("data_sha1")):
-        raise ValueError(f"the prepared data {data_dir} is not the data {ckpt_file} was trained on "
-                         f"(its SHA-1 differs: --dataset={cfg['dataset']} was edited, or prepared "
-                         "with another tokenizer or Python); resume with that data, or start a new "
-                         f"run from its weights with --init_from={cfg['out_dir']} "
+        raise ValueError(f"the prepared data {data_dir} is not the data {saved_path(cfg)} was "
+                         f"trained on (its SHA-1 differs: --dataset={cfg['dataset']} was edited, "
+                         "or prepared with another tokenizer or Python); resume with that data, "
+                         f"or start a new run from its weights with --init_from={cfg['out_dir']} "
                          "--out_dir=ANOTHER (the checkpoint is as it was)")
     if len(train_data) < cfg["batch_size"] and rank == 0:
         print(f"warning: the training split has {len(train_data)} samples, fewer than one batch of "
               f"{cfg['batch_size']}; batches draw samples with replacement, so they repeat",
               file=sys.stderr)
-    model = Transformer(ModelConfig(**start.model_args))
-    if start.weights is not None:
-        load_weights(model, start.weights)
+    return train_data, val_data
+
+
+def place_model(cfg, model):
+    """Put the model where it trains: activation checkpointing when asked, then FSDP's shards
+    (each moved to the device as it is cut; before the optimizer, which must see them), then the
+    device. Returns the model."""
     if cfg["activation_checkpointing"]:
         checkpoint_layers(model)
-    # before the optimizer, which must see the shards; each moves to the device as it is cut
     if cfg["fsdp"]:
         shard_model(model, cfg["device"], bf16=cfg["device"].startswith("cuda"))
-    model.to(cfg["device"])
-    optimizer = make_optimizer(cfg, model)
+    return model.to(cfg["device"])
+
+
+def restore_optimizer(start, model, optimizer):
+    """A resumed run's optimizer state (moved to the parameters' device), or its shards."""
     if start.optimizer is not None:
-        optimizer.load_state_dict(start.optimizer)  # moves its state to the parameters' device
+        optimizer.load_state_dict(start.optimizer)
     if start.shards is not None:
         load_sharded(start.shards, model, optimizer)
-    if rank == 0:
-        print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
-              f"{len(train_data):,} training samples, device {cfg['device']}, {world} process(es)")
-    return Run(cfg, model, optimizer, start.model_args, train_data, val_data, data_dir, rank, world,
-               start.iter_num, start.best_val_loss)
 
 
-def finish(run, interrupted):
+def save(cfg, model, optimizer, model_args, train_data, iter_num, best_val_loss, rank):
+    """Write the resumable checkpoint atomically: ckpt.pt by rank 0 (save_checkpoint), or under
+    --fsdp each process its shards (support.shard.save_sharded). Call on every process.
+    iter_num: the steps completed."""
+    info = {"model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
+            "config": cfg, "meta": train_data.meta, "data_dir": train_data.dir}
+    if cfg["fsdp"]:
+        save_sharded(cfg["out_dir"], model, optimizer, info)
+    elif rank == 0:
+        save_checkpoint(cfg["out_dir"], dict(info, model=model.state_dict(),
+                                             optimizer=optimizer.state_dict()))
+
+
+def diverged(cfg, error):
+    """The SystemExit for a loss that stopped being finite (train.Diverged: what, value, iteration),
+    saying whether a checkpoint to go back to exists (a run stopped before its first evaluation
+    has written none)."""
+    ckpt_file = checkpoint_path(cfg["out_dir"])
+    if os.path.exists(ckpt_file):
+        then = (f"the last good checkpoint {ckpt_file} is kept: lower --learning_rate (or check "
+                "the data), then continue it with --init_from=resume")
+    else:
+        then = ("no checkpoint was written yet: lower --learning_rate (or check the data) and "
+                "start again")
+    what, value, it = error.args
+    return SystemExit(f"error: {what} became {value} at iteration {it}; {then}")
+
+
+def finish(cfg, rank, world, iter_num, best_val_loss, interrupted):
     """The end of a run, after its last save: every process waits for rank 0's save and leaves the
     process group; rank 0 says where the checkpoint is. Raises SystemExit when the run was
     interrupted (Ctrl-C, SIGTERM), with the command that continues it."""
-    cfg, rank, world = run.cfg, run.rank, run.world
-    ckpt_file = sharded_info_path(cfg["out_dir"]) if cfg["fsdp"] \
-        else checkpoint_path(cfg["out_dir"])
     if world > 1:
         torch.distributed.barrier()  # no process exits (ending the others) before rank 0 has saved
         torch.distributed.destroy_process_group()
     if interrupted:
         launcher = "torchrun ... train.py" if world > 1 else "python train.py"
-        raise SystemExit(f"interrupted after {run.iter_num} iterations; saved {ckpt_file}. "
+        raise SystemExit(f"interrupted after {iter_num} iterations; saved {saved_path(cfg)}. "
                          f"Continue with `{launcher} --out_dir={cfg['out_dir']} --init_from=resume`"
                          if rank == 0 else 1)
     if rank == 0:
-        print(f"saved {ckpt_file} (best val loss {run.best_val_loss:.4f})")
+        print(f"saved {saved_path(cfg)} (best val loss {best_val_loss:.4f})")

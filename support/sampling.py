@@ -1,11 +1,13 @@
 """
-What sampler.py's command line needs besides the decoders: the model and its tokenizer, the
-prompts, the live trace (--show), the picture (--plot), and what is printed.
+What sampler.py's command line needs besides the decoders: the checks of its settings, the model
+and its tokenizer, the prompts, the live trace (--show), the picture (--plot), and what is printed.
 
+    check_sample_config(cfg)   refuse settings that cannot work, before any weights are read
     load_model(cfg)            a checkpoint (out_dir) or a Hugging Face folder (--init_from),
                                its ids
     load_prompts(cfg, ...)     --prompt, --prompt_file (--chat: in the chat template) or validation
                                prompts
+    decode_prompts(cfg, ...)   decode them (--batch_size at a time) and print each, then a summary
     LiveTrace                  --show: the response redrawn after every decoding step
     Report                     each sample's response, verdict and speed, then the summary line
 """
@@ -20,6 +22,8 @@ from json import dumps
 
 import torch
 
+from configurator import check_device, check_seed
+from support.batching import generate_batch
 from support.chat import chat_prompt
 from support.checkpoint import checkpoint_path, decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import read_utf8, score
@@ -28,6 +32,22 @@ from support.hf_folder import from_pretrained
 from support.hf_tokenizer import hf_special_ids, undecodable_ids
 from support.prepare import TokenDataset, prepare
 from support.tokenizer import decode, encode_prompt, get_tokenizer
+
+
+def check_sample_config(cfg):
+    """Refuse sampler.py settings that cannot work before any weights are read: the device, the
+    seed, the number of samples and the batch size (the decoder's own settings: sampler.py's
+    decoder_settings). Raises ConfigError or ValueError naming the flag. config/sample_*.py pass
+    it (tests/test_config.py)."""
+    check_device(cfg["device"])
+    check_seed(cfg)
+    if cfg["num_samples"] <= 0:
+        raise ValueError(f"--num_samples={cfg['num_samples']}: ask for at least one validation "
+                         "prompt")
+    if cfg["batch_size"] < 1:
+        raise ValueError(f"--batch_size={cfg['batch_size']}: decode at least one prompt at a time")
+    if cfg["batch_size"] > 1 and cfg["show"]:
+        raise ValueError("--show redraws one decode at a time; use it with --batch_size=1")
 
 
 def load_model(cfg):
@@ -93,14 +113,14 @@ def fit_mdm_canvas(cfg, ckpt, explicit):
 
 
 MISMATCH_NOTES = {
-    ("ar", "refusion"): "a refusion model trained with the paper's objective never learns a slot's "
-                        "first token as a next token (SPEC section 4, known limit (a); "
+    ("next_token", "refusion"): "a refusion model trained with the paper's objective never learns "
+                        "a slot's first token as a next token (SPEC section 4, known limit (a); "
                         "slot_end_labels and ar_fraction train it), so plain next-token decoding "
                         "does poorly; for left-to-right decoding use --method=refusion "
                         "--serial_num_blocks=<number of slots>",
     ("refusion", "ar"): "an ar model was never trained to predict mask tokens, so its plan "
                         "drafts are poor and ReFusion decoding falls back to about two forward "
-                        "passes per token; use --method=ar",
+                        "passes per token; use --method=next_token",
 }
 
 
@@ -110,22 +130,22 @@ def note_mismatch(method, objective, ckpt=None):
     section 3), or ReFusion decoding of an ar model. ckpt: the checkpoint dict, or None."""
     trained = (ckpt or {}).get("config", {})
     kept_next_tokens = trained.get("slot_end_labels") or trained.get("ar_fraction", 0) > 0
-    if (method, objective) in MISMATCH_NOTES and not (method == "ar" and kept_next_tokens):
+    if (method, objective) in MISMATCH_NOTES and not (method == "next_token" and kept_next_tokens):
         print("note: " + MISMATCH_NOTES[method, objective], file=sys.stderr)
 
 
 def compares_next_token(cfg, n_prompts, asked):
-    """Whether the summary line also gives next-token decoding of the same prompts (compare_ar):
-    for --method=refusion, more than one prompt and text output. asked: compare_ar was set
-    explicitly, and so a note says why it cannot be done."""
-    if not cfg["compare_ar"]:
+    """Whether the summary line also gives next-token decoding of the same prompts
+    (compare_next_token): for --method=refusion, more than one prompt and text output. asked:
+    compare_next_token was set explicitly, and so a note says why it cannot be done."""
+    if not cfg["compare_next_token"]:
         return False
     missing = [why for why, fails in [("--method=refusion", cfg["method"] != "refusion"),
                                       ("more than one prompt", n_prompts < 2),
                                       ("text output (not --json)", cfg["json"])] if fails]
     if missing and asked:
-        print(f"note: --compare_ar compares a summary line, which needs {' and '.join(missing)}; "
-              "decoding without it", file=sys.stderr)
+        print(f"note: --compare_next_token compares a summary line, which needs "
+              f"{' and '.join(missing)}; decoding without it", file=sys.stderr)
     return not missing
 
 
@@ -252,6 +272,38 @@ def check_plot_path(cfg):
 
 
 
+def decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_token=None):
+    """Decode the prompts (lists of ids) with decode(model, prompt, generator=, on_step=) as
+    sampler.make_decoder returns it, batch_size at a time (support.batching.generate_batch), each
+    from its own generator (prompt_generator); print every sample (Report), then the summary. With
+    next_token (a decoder as decode), decode each batch again that way right after, so that both
+    see the same machine, for the summary's comparison. --show draws the live trace, --plot the
+    first prompt's decode."""
+    report, n = Report(cfg, enc, ids, ckpt), cfg["batch_size"]
+
+    def run(decoder, batch, b, live=None):
+        generators = [prompt_generator(cfg["device"], cfg["seed"], b + i)
+                      for i in range(len(batch))]
+        if n == 1:  # a prompt at a time, as the decoders run
+            return [decoder(model, batch[0], generator=generators[0], on_step=live)]
+        return generate_batch(model, decoder, batch, n, generators)
+
+    for b in range(0, len(prompts), n):
+        batch = prompts[b:b + n]
+        live = (LiveTrace(enc, batch[0], settings.max_new_tokens, ids["eos_ids"])
+                if cfg["show"] else None)
+        outs = report.timed(lambda: run(decode, batch, b, live))
+        if cfg["plot"] and b == 0:
+            plot_first_decode(cfg, enc, ids, settings, prompts[0], outs[0])
+        for prompt, out in zip(batch, outs):
+            report.sample(prompt, out)
+        if next_token:
+            outs = report.timed(lambda: run(next_token, batch, b), next_token=True)
+            for prompt, out in zip(batch, outs):
+                report.next_token(prompt, out)
+    report.summary()
+
+
 def plot_first_decode(cfg, enc, ids, settings, prompt, out):
     """--plot: draw the decode `out` of the first prompt (support.drawing.plot_decode) into
     cfg["plot"], titled with the decoder's settings and the prompt's end."""
@@ -347,7 +399,8 @@ def summary(decoded, next_tokens=(), seconds=None):
             f"{tokens / max(nfe, 1):.2f} tokens per forward, {speed:.1f} tokens/s")
     if next_tokens:
         ar_right, ar_tokens, ar_nfe, ar_speed = totals(next_tokens, seconds.get(True))
-        line += (f"; next-token decoding (--method=ar) of the same prompts: {ar_right}{ar_tokens} "
+        line += (f"; next-token decoding (--method=next_token) of the same prompts: "
+                 f"{ar_right}{ar_tokens} "
                  f"tokens in {ar_nfe} forward passes, {ar_speed:.1f} tokens/s; speed-up "
                  f"{speed / ar_speed:.2f}x")
     return line

@@ -9,7 +9,7 @@ import pytest
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-from helpers import qa_rows, write  # noqa: E402  (needs the path above)
+from helpers import qa_rows, trained_model, write  # noqa: E402  (needs the path above)
 from support import corpora  # noqa: E402
 
 
@@ -30,3 +30,15 @@ def stdlib():
 def arith():
     """What prepare() builds for --dataset=arith (built once per test session)."""
     return corpora.DATASETS["arith"]()
+
+
+@pytest.fixture(scope="session")
+def refusion_model(tmp_path_factory):
+    """(model, ids) of a small ReFusion model trained for the tests (helpers.trained_model)."""
+    return trained_model(tmp_path_factory, "refusion")
+
+
+@pytest.fixture(scope="session")
+def mdm_model(tmp_path_factory):
+    """(model, ids) of a small MDM trained for the tests (helpers.trained_model)."""
+    return trained_model(tmp_path_factory, "mdm")

@@ -1,10 +1,15 @@
 """Small builders shared by the tests under tests/."""
 
+import collections
+import json
 from pathlib import Path
 
 import torch
 
+import sampler
+import train
 from model import ModelConfig, Transformer
+from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parent.parent  # the repository
@@ -104,3 +109,49 @@ def save_tiny_hf_folder(folder, mask=True, seed=0, family="qwen3"):
     with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(spec, f)
     return model
+
+
+# Prompts of 1 to 36 bytes: "W" ends after one token while the others have slots left.
+PROMPTS = [list(f"What is {i} + {i}?".encode()) for i in (3, 41, 7)] + [
+    list(("long " * 9).encode()), list(b"W"), list(("What is 12 + 12? " * 2).encode())]
+
+
+def trained_model(tmp_path_factory, objective):
+    """(model, ids) of a 2-layer, 32-wide model trained for 300 steps on qa_rows() (a few
+    seconds): confident where the data is clear, unsure elsewhere, so decodes take every path."""
+    tmp = tmp_path_factory.mktemp(objective)
+    path = write(tmp, "sums.json", json.dumps(qa_rows()))
+    train.main(tiny_run_flags(tmp, (path,), "run", objective) +
+               ["--max_iters=300", "--n_layer=2", "--n_embd=32", "--eval_interval=1000",
+                "--warmup_iters=20", "--learning_rate=3e-3", "--batch_size=16"])
+    ckpt = load_checkpoint(str(tmp / "run"))
+    return model_from_checkpoint(ckpt).eval(), decoder_ids(ckpt["meta"])
+
+
+class PathCounter:
+    """Counts the ReFusion paths decodes take, by wrapping sampler's verify and infill steps."""
+
+    def __init__(self, monkeypatch):
+        self.seen = collections.Counter()
+        verify, infill = sampler.verify_drafts, sampler.infill_slots
+
+        def counted_verify(state, *args):
+            commit, accepted = verify(state, *args)
+            if len(commit):
+                self.seen["verify ends at EOS" if commit.eos else "verify commits whole slots"] += 1
+            return commit, accepted
+
+        def counted_infill(state, starts, *args):
+            commit = infill(state, starts, *args)
+            self.seen["infill of several rows" if len(starts) > 1 else "infill of one row"] += 1
+            if commit.eos:
+                self.seen["infill ends at EOS"] += 1
+            return commit
+
+        monkeypatch.setattr(sampler, "verify_drafts", counted_verify)
+        monkeypatch.setattr(sampler, "infill_slots", counted_infill)
+
+
+# S, serial blocks, slot threshold, token threshold: together they take every path (asserted)
+SETTINGS = [(4, 1, 0.9, 0.3), (4, 2, 0.9, 0.3), (4, 1, 0.5, 0.0), (8, 2, 0.0, 0.6),
+            (2, 1, 0.7, 0.1), (4, 2, 0.0, 1.5), (1, 2, 0.5, 0.1), (2, 2, 0.0, 0.0)]

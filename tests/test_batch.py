@@ -1,54 +1,21 @@
-"""Batched decoding (sampler.generate_batch, kvcache.BatchedCache): every prompt of a batch gets
-the tokens, steps and NFE the one-prompt decoder gives it alone."""
-
-import collections
-import json
+"""Batched decoding (support/batching.py: generate_batch, BatchedCache): every prompt of a batch
+gets the tokens, steps and NFE the one-prompt decoder gives it alone."""
 
 import pytest
 import torch
 
-import sampler
-import train
-from helpers import qa_rows, tiny_model, tiny_run_flags, write
-from kvcache import BatchedCache
-from sampler import DEFAULTS, ContextTooLong, generate_batch, make_decoder
-from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
+from helpers import PROMPTS, SETTINGS, PathCounter, tiny_model
+from sampler import DEFAULTS, ContextTooLong, make_decoder
+from support.batching import BatchedCache, forward_batch, generate_batch
 from test_refusion import EOS, MASK, V, BadDrafterOracle, OracleModel, oracle_target
 
-# Prompts of 1 to 36 bytes: "W" ends after one token while the others have slots left.
-PROMPTS = [list(f"What is {i} + {i}?".encode()) for i in (3, 41, 7)] + [
-    list(("long " * 9).encode()), list(b"W"), list(("What is 12 + 12? " * 2).encode())]
-
-
-def trained_model(tmp_path_factory, objective):
-    """(model, ids) of a 2-layer, 32-wide model trained for 300 steps on qa_rows() (a few
-    seconds): confident where the data is clear, unsure elsewhere, so decodes take every path."""
-    tmp = tmp_path_factory.mktemp(objective)
-    path = write(tmp, "sums.json", json.dumps(qa_rows()))
-    train.main(tiny_run_flags(tmp, (path,), "run", objective) +
-               ["--max_iters=300", "--n_layer=2", "--n_embd=32", "--eval_interval=1000",
-                "--warmup_iters=20", "--learning_rate=3e-3", "--batch_size=16"])
-    ckpt = load_checkpoint(str(tmp / "run"))
-    return model_from_checkpoint(ckpt).eval(), decoder_ids(ckpt["meta"])
-
-
-@pytest.fixture(scope="module")
-def refusion_model(tmp_path_factory):
-    return trained_model(tmp_path_factory, "refusion")
-
-
-@pytest.fixture(scope="module")
-def mdm_model(tmp_path_factory):
-    return trained_model(tmp_path_factory, "mdm")
-
-
-def assert_batched_equals_one_prompt(decode, prompts, batch_size, **kwargs):
+def assert_batched_equals_one_prompt(model, decode, prompts, batch_size, **kwargs):
     """Decode prompts one by one and batched; every prompt's Generation must agree in tokens,
     trace, NFE, forward passes per step and cache bytes, and the batch must have carried each
     prompt in exactly its NFE forward passes. Returns the batched forward passes' prompt lists."""
-    one = [decode(p) for p in prompts]
+    one = [decode(model, p) for p in prompts]
     forwards = []
-    many = generate_batch(decode, prompts, batch_size, forwards=forwards, **kwargs)
+    many = generate_batch(model, decode, prompts, batch_size, forwards=forwards, **kwargs)
     for i, (a, b) in enumerate(zip(one, many)):
         assert (b.tokens, b.trace, b.nfe, b.step_nfe, b.cache_bytes) == \
             (a.tokens, a.trace, a.nfe, a.step_nfe, a.cache_bytes), f"prompt {i}"
@@ -56,36 +23,7 @@ def assert_batched_equals_one_prompt(decode, prompts, batch_size, **kwargs):
     return forwards
 
 
-class PathCounter:
-    """Counts the ReFusion paths decodes take, by wrapping sampler's verify and infill steps."""
-
-    def __init__(self, monkeypatch):
-        self.seen = collections.Counter()
-        verify, infill = sampler.verify_drafts, sampler.infill_slots
-
-        def counted_verify(state, *args):
-            commit, accepted = verify(state, *args)
-            if len(commit):
-                self.seen["verify ends at EOS" if commit.eos else "verify commits whole slots"] += 1
-            return commit, accepted
-
-        def counted_infill(state, starts, *args):
-            commit = infill(state, starts, *args)
-            self.seen["infill of several rows" if len(starts) > 1 else "infill of one row"] += 1
-            if commit.eos:
-                self.seen["infill ends at EOS"] += 1
-            return commit
-
-        monkeypatch.setattr(sampler, "verify_drafts", counted_verify)
-        monkeypatch.setattr(sampler, "infill_slots", counted_infill)
-
-
-# S, serial blocks, slot threshold, token threshold: together they take every path (asserted)
-SETTINGS = [(4, 1, 0.9, 0.3), (4, 2, 0.9, 0.3), (4, 1, 0.5, 0.0), (8, 2, 0.0, 0.6),
-            (2, 1, 0.7, 0.1), (4, 2, 0.0, 1.5), (1, 2, 0.5, 0.1), (2, 2, 0.0, 0.0)]
-
-
-@pytest.mark.parametrize("infill", ["paper", "ar"])
+@pytest.mark.parametrize("infill", ["paper", "speculative"])
 def test_batched_refusion_equals_the_one_prompt_decoder_on_a_trained_model(
         refusion_model, infill, monkeypatch):
     model, ids = refusion_model
@@ -94,8 +32,8 @@ def test_batched_refusion_equals_the_one_prompt_decoder_on_a_trained_model(
         cfg = dict(DEFAULTS, method="refusion", max_new_tokens=16, slot_size=S, infill=infill,
                    serial_num_blocks=blocks, slot_threshold=slot_threshold,
                    token_threshold=token_threshold)
-        decode, _ = make_decoder(cfg, model, ids, None)
-        forwards = assert_batched_equals_one_prompt(decode, PROMPTS, batch_size=len(PROMPTS))
+        decode, _ = make_decoder(cfg, ids, None)
+        forwards = assert_batched_equals_one_prompt(model, decode, PROMPTS, batch_size=len(PROMPTS))
         assert len(forwards[0]) == len(PROMPTS)
         left_early += len(forwards[-1]) < len(PROMPTS)  # prompts left while others decoded on
     assert left_early >= len(SETTINGS) // 2
@@ -108,15 +46,15 @@ def test_batched_refusion_equals_the_one_prompt_decoder_on_a_trained_model(
 def test_any_batch_size_gives_the_same_generations(refusion_model, batch_size):
     model, ids = refusion_model
     cfg = dict(DEFAULTS, method="refusion", max_new_tokens=16, slot_size=4)
-    decode, _ = make_decoder(cfg, model, ids, None)
-    forwards = assert_batched_equals_one_prompt(decode, PROMPTS, batch_size)
+    decode, _ = make_decoder(cfg, ids, None)
+    forwards = assert_batched_equals_one_prompt(model, decode, PROMPTS, batch_size)
     assert max(len(carried) for carried in forwards) == batch_size
 
 
 def test_batched_next_token_decoding_equals_one_prompt(refusion_model):
     model, ids = refusion_model
-    decode, _ = make_decoder(dict(DEFAULTS, method="ar", max_new_tokens=16), model, ids, None)
-    forwards = assert_batched_equals_one_prompt(decode, PROMPTS, len(PROMPTS))
+    decode, _ = make_decoder(dict(DEFAULTS, method="next_token", max_new_tokens=16), ids, None)
+    forwards = assert_batched_equals_one_prompt(model, decode, PROMPTS, len(PROMPTS))
     assert len(forwards[0]) > len(forwards[-1])       # EOS ended some prompts before others
 
 
@@ -125,11 +63,11 @@ def test_batched_mdm_equals_one_prompt(mdm_model, block_length):
     """Prompts of different lengths: the batch pads the shorter ones and masks the padding."""
     model, ids = mdm_model
     cfg = dict(DEFAULTS, method="mdm", max_new_tokens=12, steps=6, block_length=block_length)
-    decode, _ = make_decoder(cfg, model, ids, None)
-    assert_batched_equals_one_prompt(decode, PROMPTS, len(PROMPTS))
+    decode, _ = make_decoder(cfg, ids, None)
+    assert_batched_equals_one_prompt(model, decode, PROMPTS, len(PROMPTS))
 
 
-@pytest.mark.parametrize("infill", ["paper", "ar"])
+@pytest.mark.parametrize("infill", ["paper", "speculative"])
 @pytest.mark.parametrize("eos_at", [None, 3, 11])
 def test_batched_oracle_decodes_reproduce_the_target(infill, eos_at):
     """Prefixes of one target as prompts (1 to 20 tokens): each decodes its own continuation."""
@@ -138,10 +76,10 @@ def test_batched_oracle_decodes_reproduce_the_target(infill, eos_at):
     model = OracleModel(target, V, MASK)
     cfg = dict(DEFAULTS, method="refusion", max_new_tokens=L, slot_size=4, infill=infill,
                serial_num_blocks=2)
-    decode, _ = make_decoder(cfg, model, dict(eos_ids=(EOS,), mask_id=MASK, pad_id=None), None)
+    decode, _ = make_decoder(cfg, dict(eos_ids=(EOS,), mask_id=MASK, pad_id=None), None)
     prompts = [target[:n].tolist() for n in (1, 7, 20, 13)]
-    one = [decode(p) for p in prompts]
-    assert_batched_equals_one_prompt(decode, prompts, 3)
+    one = [decode(model, p) for p in prompts]
+    assert_batched_equals_one_prompt(model, decode, prompts, 3)
     for p, out in zip(prompts, one):
         expected = target[len(p):len(p) + L].tolist()
         if EOS in expected:
@@ -151,17 +89,18 @@ def test_batched_oracle_decodes_reproduce_the_target(infill, eos_at):
 
 @pytest.mark.parametrize("confident", [True, False])
 def test_batched_stress_models_take_their_paths_alike(confident, monkeypatch):
-    """A model whose mask predictions are wrong (infill='ar' keeps the next-token pathway) and an
-    unsure one (one slot per plan, every infill round): batched as alone."""
+    """A model whose mask predictions are wrong (infill='speculative' keeps the next-token
+    pathway) and an unsure one (one slot per plan, every infill round): batched as alone."""
     target = oracle_target(24, 40, seed=4)
     model = (BadDrafterOracle(target, V, MASK, bad=[26, 27, 33]) if confident
              else OracleModel(target, V, MASK, confident=False))
     paths = PathCounter(monkeypatch)
-    for infill in ("paper", "ar"):
+    for infill in ("paper", "speculative"):
         cfg = dict(DEFAULTS, method="refusion", max_new_tokens=16, slot_size=4, infill=infill)
-        decode, _ = make_decoder(cfg, model, dict(eos_ids=(EOS,), mask_id=MASK, pad_id=None),
+        decode, _ = make_decoder(cfg, dict(eos_ids=(EOS,), mask_id=MASK, pad_id=None),
                                  None)
-        assert_batched_equals_one_prompt(decode, [target[:n].tolist() for n in (24, 2, 11)], 3)
+        assert_batched_equals_one_prompt(model, decode, [target[:n].tolist() for n in (24, 2, 11)],
+                                         3)
     assert paths.seen["infill of one row"] > 0
 
 
@@ -170,31 +109,32 @@ def test_each_prompt_draws_from_its_own_generator(refusion_model):
     decoded beside it."""
     model, ids = refusion_model
     cfg = dict(DEFAULTS, method="refusion", max_new_tokens=16, slot_size=4, temperature=2.0)
-    decode, _ = make_decoder(cfg, model, ids, None)
+    decode, _ = make_decoder(cfg, ids, None)
 
     def seeded(*seeds):
         return [torch.Generator().manual_seed(s) for s in seeds]
 
-    alone = [decode(p, generator=g) for p, g in zip(PROMPTS[:3], seeded(0, 1, 2))]
-    together = generate_batch(decode, PROMPTS[:3], 3, generators=seeded(0, 1, 2))
-    beside_others = generate_batch(decode, [PROMPTS[0], PROMPTS[5]], 2, generators=seeded(0, 9))
+    alone = [decode(model, p, generator=g) for p, g in zip(PROMPTS[:3], seeded(0, 1, 2))]
+    together = generate_batch(model, decode, PROMPTS[:3], 3, generators=seeded(0, 1, 2))
+    beside_others = generate_batch(model, decode, [PROMPTS[0], PROMPTS[5]], 2,
+                                   generators=seeded(0, 9))
     assert [o.tokens for o in together] == [o.tokens for o in alone]
     assert beside_others[0].tokens == alone[0].tokens
-    other_seeds = generate_batch(decode, PROMPTS[:3], 3, generators=seeded(5, 6, 7))
+    other_seeds = generate_batch(model, decode, PROMPTS[:3], 3, generators=seeded(5, 6, 7))
     assert [o.tokens for o in other_seeds] != [o.tokens for o in alone]  # the draws are theirs
 
 
 def test_a_failing_prompt_fails_the_batch_naming_its_error(refusion_model):
     model, ids = refusion_model
-    decode, _ = make_decoder(dict(DEFAULTS, method="refusion", max_new_tokens=16), model, ids,
+    decode, _ = make_decoder(dict(DEFAULTS, method="refusion", max_new_tokens=16), ids,
                              None)
     with pytest.raises(ContextTooLong, match="exceeds the model's context"):
-        generate_batch(decode, [PROMPTS[0], [65] * 60, PROMPTS[1]], 3)
+        generate_batch(model, decode, [PROMPTS[0], [65] * 60, PROMPTS[1]], 3)
     with pytest.raises(ValueError, match="batch_size=0: decode at least one prompt"):
-        generate_batch(decode, PROMPTS, 0)
+        generate_batch(model, decode, PROMPTS, 0)
     # the threads of the failed batch are gone; the next batch decodes as usual
-    assert [o.tokens for o in generate_batch(decode, PROMPTS[:2], 2)] == \
-        [decode(p).tokens for p in PROMPTS[:2]]
+    assert [o.tokens for o in generate_batch(model, decode, PROMPTS[:2], 2)] == \
+        [decode(model, p).tokens for p in PROMPTS[:2]]
 
 
 @torch.inference_mode()
@@ -214,7 +154,7 @@ def test_batched_cache_pass_equals_each_cache_alone():
     new = [(torch.randint(0, 40, (1, 4), generator=g), torch.arange(9, 13)[None]),
            (torch.randint(0, 40, (2, 2), generator=g), torch.tensor([[3, 4], [7, 8]]))]
     want = [model(idx, pos, kv_cache=c) for (idx, pos), c in zip(new, alone)]
-    got = sampler.forward_batch(model, [(idx, pos, c) for (idx, pos), c in zip(new, batched)])
+    got = forward_batch(model, [(idx, pos, c) for (idx, pos), c in zip(new, batched)])
     for w, o, a, b in zip(want, got, alone, batched):
         assert o.shape == w.shape and torch.allclose(o, w, atol=1e-5)
         assert (a.pos, a.batch) == (b.pos, b.batch)

@@ -9,7 +9,7 @@ import torch
 
 from configurator import parse_args
 from helpers import ROOT, tiny_model
-from sampler import DecodeSettings, generate_ar
+from sampler import DecodeSettings, generate_next_token
 from support.checkpoint import load_checkpoint, save_checkpoint
 from support.corpora import score, transform_records
 from tools import bench
@@ -43,7 +43,7 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
     refusion = [r for r in rows if r["method"] == "refusion"]
     # QUICK's sweep, both models, both infill modes
     assert len(refusion) == 2 * 2 * 2
-    assert {r["settings"]["infill"] for r in refusion} == {"paper", "ar"}
+    assert {r["settings"]["infill"] for r in refusion} == {"paper", "speculative"}
     mdm_rows = [r for r in rows if r["method"] == "mdm"]
     # 1, 2 and 4 tokens per step each
     assert [r["model"] for r in mdm_rows] == ["mdm"] * 3 + ["mdm-ft"] * 3
@@ -102,7 +102,7 @@ def check_headline(rows):
         labels = [line.split(" | ")[1] for line in lines if line.startswith(f"| {task} |")]
         assert labels[:2] == ["ARM", bench.best_mdm(task_rows)["label"]] and len(labels) == 4
         ar_quality = bench.first_quality(task_rows[0])
-        for label, infill in zip(labels[2:], ("paper", "ar")):
+        for label, infill in zip(labels[2:], ("paper", "speculative")):
             pick = by_label[task, label]
             points = [r for r in task_rows
                       if r["method"] == "refusion" and r["settings"]["infill"] == infill]
@@ -199,9 +199,9 @@ def test_each_prompt_is_sampled_from_its_own_seeded_generator():
     tokens as the decoder given torch.Generator().manual_seed(i) for that prompt alone."""
     model, ids = tiny_model(), {"eos_ids": (39,), "mask_id": 38, "pad_id": 37}
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
-    texts, _ = bench.run_decoder("ar", model, prompts, ids,
+    texts, _ = bench.run_decoder("next_token", model, prompts, ids,
                                  {"temperature": 1.0, "max_new_tokens": 12})
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
-        out = generate_ar(model, prompt, DecodeSettings(12, temperature=1.0), eos_ids=(39,),
+        out = generate_next_token(model, prompt, DecodeSettings(12, temperature=1.0), eos_ids=(39,),
                           generator=torch.Generator().manual_seed(i), banned_ids=(38, 37))
         assert text == [t for t in out.tokens if t != 39]

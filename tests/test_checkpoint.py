@@ -182,4 +182,4 @@ def test_a_nan_weight_is_refused_at_load_naming_the_file_for_every_source(tmp_pa
     save_file(weights, tmp_path / "folder" / "model.safetensors")
     with pytest.raises(ValueError, match=r"model.safetensors: the weight layers.1.mlp.down_proj"
                                          r".weight holds 1 NaN or infinite"):
-        sampler.main([f"--init_from={tmp_path / 'folder'}", "--prompt=hi", "--method=ar"])
+        sampler.main([f"--init_from={tmp_path / 'folder'}", "--prompt=hi", "--method=next_token"])

@@ -11,7 +11,7 @@ import sampler
 import train
 from configurator import ConfigError, parse_args
 from helpers import ROOT
-from support import runs
+from support import runs, sampling
 from tools import bench, consolidate, eval_humaneval
 
 
@@ -59,8 +59,8 @@ def test_every_config_file_names_known_keys_and_passes_the_scripts_checks(path):
     no GPU."""
     assert path.startswith(("train_", "finetune_", "sample_", "bench_")), \
         "name a config after the script that reads it"
-    script, check = ((train, runs.check_config) if path.startswith(("train_", "finetune_"))
-                     else (sampler, sampler.check_config) if path.startswith("sample_")
+    script, check = ((train, runs.check_train_config) if path.startswith(("train_", "finetune_"))
+                     else (sampler, check_sample_config) if path.startswith("sample_")
                      else (bench, bench.check_bench_config))
     cfg = parse_args(script.DEFAULTS, [str(ROOT / "config" / path), "--device=cpu"])
     # raises on a setting that cannot work
@@ -136,15 +136,29 @@ def test_output_into_a_reader_that_left_ends_every_script_quietly(tmp_path):
         assert (script, proc.returncode, err.decode()) == (script, 1, "")
 
 
-def test_a_renamed_setting_is_still_accepted_by_its_old_name(tmp_path):
-    """--num_blocks (and num_blocks = ... in a config file) set serial_num_blocks, as before the
-    rename."""
-    assert parse_args(sampler.DEFAULTS, ["--num_blocks=2"])["serial_num_blocks"] == 2
+def test_an_old_name_is_refused_naming_the_new_one(tmp_path):
+    """A renamed setting (--num_blocks, compare_ar = ... in a config file) and a renamed value
+    (--method=ar, infill = "ar") are refused with the new name, never silently read."""
+    with pytest.raises(ConfigError, match=re.escape(
+            "'num_blocks' in the command line was renamed 'serial_num_blocks': write "
+            "--serial_num_blocks=...")):
+        parse_args(sampler.DEFAULTS, ["--num_blocks=2"])
     config = tmp_path / "decode.py"
-    config.write_text("num_blocks = 3\n")
-    assert parse_args(sampler.DEFAULTS, [str(config)])["serial_num_blocks"] == 3
+    config.write_text("compare_ar = False\n")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"'compare_ar' in {config} was renamed 'compare_next_token': write "
+            "compare_next_token = ...")):
+        parse_args(sampler.DEFAULTS, [str(config)])
     with pytest.raises(ValueError, match="unknown config key 'num_block'"):
         parse_args(sampler.DEFAULTS, ["--num_block=2"])
+    old_values = [("--method=ar", r"--method='ar': choose one of refusion, next_token, mdm "
+                                  r"\(--method=ar is now called next_token\)"),
+                  ("--infill=ar", r"infill='ar': choose .* \(infill='ar' is now called "
+                                  r"'speculative'\)")]
+    for flag, message in old_values:
+        cfg = parse_args(sampler.DEFAULTS, ["--method=refusion", flag])
+        with pytest.raises(ValueError, match=message):
+            sampler.decoder_settings(cfg)
 
 
 def test_every_tool_answers_help_as_a_module_and_as_a_file(tmp_path):
@@ -199,3 +213,11 @@ def test_a_module_of_support_run_as_a_command_says_it_is_none_and_prepare_is_a_t
                           text=True, check=True)
     assert done.stdout.splitlines()[-1].startswith(
         f"prepared {tmp_path / 'transform-bytes-384'}: 18,989 training")
+
+
+def check_sample_config(cfg):
+    """What sampler.main checks before any weights are read: the command line's settings, then the
+    decoder's (when --method is given)."""
+    sampling.check_sample_config(cfg)
+    if cfg["method"]:
+        sampler.decoder_settings(cfg)

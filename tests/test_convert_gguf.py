@@ -22,7 +22,7 @@ import torch
 from safetensors.numpy import load_file
 
 from helpers import TEXTS
-from sampler import DecodeSettings, generate_ar
+from sampler import DecodeSettings, generate_next_token
 from support import gguf_file
 from support.chat import chat_parts, chat_prompt
 from support.gguf_file import GGUF_TYPES, convert_gguf
@@ -342,7 +342,7 @@ def test_smollm2_converted_equals_transformers(tmp_path):
         answer = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
                                     do_sample=False, eos_token_id=list(eos_ids),
                                     pad_token_id=pad_id)[0, len(prompt):].tolist()
-    ours_answer = generate_ar(ours, prompt, DecodeSettings(32), eos_ids=eos_ids).tokens
+    ours_answer = generate_next_token(ours, prompt, DecodeSettings(32), eos_ids=eos_ids).tokens
     assert ours_answer == answer and answer[-1] in eos_ids
     assert "Paris" in enc.decode(answer)
 

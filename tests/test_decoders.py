@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from helpers import tiny_model
+from helpers import PROMPTS, SETTINGS, PathCounter, tiny_model
 from sampler import DECODERS, DEFAULTS, DecodeSettings, MDMSettings, RefusionSettings, \
-    draft_tokens, generate_ar, generate_refusion, make_decoder
+    draft_tokens, generate_next_token, generate_refusion, generate_refusion_plain, make_decoder
 from test_refusion import EOS, MASK, V, OracleModel, oracle_target
 
 class PrefersSpecialIds(nn.Module):
@@ -24,13 +24,13 @@ class PrefersSpecialIds(nn.Module):
     def new_kv_cache(self, max_len, max_batch=1):
         return self.model.new_kv_cache(max_len, max_batch)
 
-    def forward(self, idx, position_ids, kv_cache=None):
-        logits = self.model(idx, position_ids, kv_cache=kv_cache)
+    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None):
+        logits = self.model(idx, position_ids, kv_cache=kv_cache, attn_mask=attn_mask)
         logits[..., self.ids] += 50.0
         return logits
 
 
-@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+@pytest.mark.parametrize("method", ["refusion", "next_token", "mdm"])
 def test_no_decoder_writes_the_mask_or_pad_id(method):
     """No training label is the mask or the pad id, so the CLI's decoders never write either, even
     from a model that prefers them; the mask id would read as a position still to be decoded."""
@@ -40,21 +40,21 @@ def test_no_decoder_writes_the_mask_or_pad_id(method):
                      torch.tensor([[0, 1, 2]])).argmax(-1)[0].tolist()) <= {37, 38}
     cfg = dict(DEFAULTS, method=method, max_new_tokens=16, serial_num_blocks=1, slot_threshold=0.5,
                token_threshold=0.0)
-    run, _ = make_decoder(cfg, model, ids, torch.Generator())
-    out = run([1, 2, 3]).tokens
+    run, _ = make_decoder(cfg, ids, torch.Generator())
+    out = run(model, [1, 2, 3]).tokens
     assert len(out) > 0 and not {37, 38} & set(out)
     generate, Settings = DECODERS[method]
-    kwargs = dict(eos_ids=(39,)) | ({} if method == "ar" else dict(mask_id=38))
+    kwargs = dict(eos_ids=(39,)) | ({} if method == "next_token" else dict(mask_id=38))
     # without the ban, the pad id wins
     assert 37 in generate(model, [1, 2, 3], Settings(16), **kwargs).tokens
 
 
-@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+@pytest.mark.parametrize("method", ["refusion", "next_token", "mdm"])
 def test_decoder_refuses_a_model_of_the_other_attention_with_the_fix(method):
     model = tiny_model(causal=method == "mdm")      # the wrong kind of model for each method
     generate, Settings = DECODERS[method]
-    ids = {"eos_ids": (39,)} if method == "ar" else {"eos_ids": (39,), "mask_id": 38}
-    fix = ("trained with a causal objective.*use --method=refusion or --method=ar"
+    ids = {"eos_ids": (39,)} if method == "next_token" else {"eos_ids": (39,), "mask_id": 38}
+    fix = ("trained with a causal objective.*use --method=refusion or --method=next_token"
            if method == "mdm" else "bidirectional attention.*use --method=mdm")
     with pytest.raises(ValueError, match=fix):
         generate(model, [1, 2, 3], Settings(8), **ids)
@@ -116,9 +116,9 @@ def test_a_vanishing_temperature_samples_the_greedy_choice_and_never_a_banned_id
     # accepted: finite and positive
     settings = DecodeSettings(8, temperature=1e-310)
     model = tiny_model()
-    greedy = generate_ar(model, [1, 2, 3], DecodeSettings(8), eos_ids=(39,),
+    greedy = generate_next_token(model, [1, 2, 3], DecodeSettings(8), eos_ids=(39,),
                          banned_ids=(37, 38)).tokens
-    assert generate_ar(model, [1, 2, 3], settings, eos_ids=(39,),
+    assert generate_next_token(model, [1, 2, 3], settings, eos_ids=(39,),
                        generator=torch.Generator().manual_seed(0),
                        banned_ids=(37, 38)).tokens == greedy
 
@@ -137,21 +137,22 @@ def test_generation_length_rounds_up_to_whole_slots_and_returns_at_most_max_new_
     ids = {"eos_ids": (-1,), "mask_id": 38, "pad_id": 37}
     cfg = dict(DEFAULTS, method="refusion", max_new_tokens=10, slot_size=8, serial_num_blocks=4,
                slot_threshold=0.0)
-    run, _ = make_decoder(cfg, tiny_model(), ids, torch.Generator())
+    run, _ = make_decoder(cfg, ids, torch.Generator())
+    model = tiny_model()
     with pytest.raises(ValueError, match=r"^prompt \(97 tokens\) \+ generation \(32 tokens, "
                                          r"max_new_tokens=10 rounded up to 4 serial block\(s\) of "
                                          r"whole 8-token slots\) exceeds the model's context of "
                                          r"128 positions; shorten the prompt or lower "
                                          r"max_new_tokens, slot_size or serial_num_blocks$"):
-        run([1] * 97)
+        run(model, [1] * 97)
     # 96 + 32 = 128 fits
-    run([1] * 96)
-    for method in ("ar", "mdm"):
-        run, _ = make_decoder(dict(DEFAULTS, method=method, max_new_tokens=16),
-                              tiny_model(causal=method == "ar"), ids, torch.Generator())
+    run(model, [1] * 96)
+    for method in ("next_token", "mdm"):
+        run, _ = make_decoder(dict(DEFAULTS, method=method, max_new_tokens=16), ids,
+                              torch.Generator())
         with pytest.raises(ValueError, match=r"generation \(16 tokens\) exceeds .* shorten the "
                                              r"prompt or lower max_new_tokens$") as error:
-            run(list(range(120)))
+            run(tiny_model(causal=method == "next_token"), list(range(120)))
         assert "slot" not in str(error.value)
 
 
@@ -177,5 +178,26 @@ def test_the_kv_cache_holds_the_rows_a_decode_uses_not_a_row_per_slot(slot_size)
     c = model.config
     one_row = c.n_layer * 2 * c.n_kv_head * (P + N) * c.head_dim * 4       # float32 keys and values
     assert len(out.tokens) == N and out.cache_bytes == one_row
-    ar = generate_ar(model, list(range(P)), DecodeSettings(N), eos_ids=(-1,))
+    ar = generate_next_token(model, list(range(P)), DecodeSettings(N), eos_ids=(-1,))
     assert ar.cache_bytes == one_row
+
+
+def test_plain_decoder_equals_the_cached_one_on_a_trained_model(refusion_model, monkeypatch):
+    """generate_refusion_plain (no cache) and generate_refusion give the same tokens and NFE on a
+    trained model, over settings that take every path of the cached decoder (asserted): verify
+    committing whole slots and ending at EOS, infill of one row and of several, ending at EOS."""
+    model, ids = refusion_model
+    paths = PathCounter(monkeypatch)
+    for S, blocks, slot_threshold, token_threshold in SETTINGS:
+        settings = RefusionSettings(16, slot_size=S, serial_num_blocks=blocks,
+                                    slot_threshold=slot_threshold, token_threshold=token_threshold)
+        for prompt in PROMPTS:
+            plain = generate_refusion_plain(model, prompt, settings, mask_id=ids["mask_id"],
+                                            eos_ids=ids["eos_ids"])
+            cached = generate_refusion(model, prompt, settings, mask_id=ids["mask_id"],
+                                       eos_ids=ids["eos_ids"])
+            assert (plain.tokens, plain.nfe, plain.trace) == \
+                (cached.tokens, cached.nfe, cached.trace), (S, blocks, prompt)
+    assert set(paths.seen) == {"verify commits whole slots", "verify ends at EOS",
+                               "infill of one row", "infill of several rows",
+                               "infill ends at EOS"}, paths.seen

@@ -20,7 +20,7 @@ pytest.importorskip("matplotlib")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+@pytest.mark.parametrize("method", ["refusion", "next_token", "mdm"])
 def test_decode_picture_draws_each_step_of_the_trace(tmp_path, method):
     """Row s holds exactly the positions step s committed (full colour, value s) on top of every
     position committed by step s (faded); the margin gives each step's forward passes, which add
@@ -28,7 +28,7 @@ def test_decode_picture_draws_each_step_of_the_trace(tmp_path, method):
     generate, Settings = DECODERS[method]
     knobs = (dict(slot_size=4, serial_num_blocks=2, slot_threshold=0.0, token_threshold=0.05)
              if method == "refusion" else {})
-    kwargs = dict(eos_ids=(-1,)) | ({} if method == "ar" else dict(mask_id=38))
+    kwargs = dict(eos_ids=(-1,)) | ({} if method == "next_token" else dict(mask_id=38))
     out = generate(tiny_model(causal=method != "mdm"), [1, 2, 3], Settings(16, **knobs), **kwargs)
     assert (sum(out.step_nfe) == out.nfe and len(out.step_nfe) == len(out.trace) and
             min(out.step_nfe) >= 1)

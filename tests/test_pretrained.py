@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import TEXTS, save_tiny_hf_folder
 from model import ModelConfig, Transformer
-from sampler import DecodeSettings, RefusionSettings, generate_ar, generate_refusion
+from sampler import DecodeSettings, RefusionSettings, generate_next_token, generate_refusion
 from support import tokenizer
 from support.chat import CHATML, chat_prompt
 from support.hf_folder import from_pretrained
@@ -128,13 +128,14 @@ def test_greedy_generate_ar_matches_transformers(hf_pair):
                            do_sample=False, eos_token_id=None,
                            pad_token_id=0)[0, len(prompt):].tolist()
         # VOCAB: an EOS never produced
-        assert generate_ar(ours, prompt, DecodeSettings(24), eos_ids=(VOCAB,)).tokens == free
+        assert generate_next_token(ours, prompt, DecodeSettings(24),
+                                   eos_ids=(VOCAB,)).tokens == free
         eos = free[12]  # now a token it does produce: both must stop at its first occurrence
         stopped = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
                               do_sample=False, eos_token_id=eos,
                               pad_token_id=eos)[0, len(prompt):].tolist()
-    assert generate_ar(ours, prompt, DecodeSettings(24), eos_ids=(eos,)).tokens == stopped == \
-        free[:free.index(eos) + 1]
+    assert generate_next_token(ours, prompt, DecodeSettings(24), eos_ids=(eos,)).tokens == \
+        stopped == free[:free.index(eos) + 1]
 
 
 def test_refusion_decode_runs_on_loaded_model(hf_pair):
@@ -479,7 +480,7 @@ def test_sampler_decodes_a_folder_in_the_chat_template(tmp_path, capsys):
                                                   + [258, 10, 257] + list(b"assistant\n"))
     sampler.main([folder, "--chat", "--prompt=Say hi", "--max_new_tokens=16", "--slot_size=4",
                   "--serial_num_blocks=1", "--json"])
-    sampler.main([folder, "--prompt=Say hi", "--max_new_tokens=5", "--method=ar", "--json"])
+    sampler.main([folder, "--prompt=Say hi", "--max_new_tokens=5", "--method=next_token", "--json"])
     refusion, ar = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert refusion["prompt"].startswith("<|im_start|>user\nSay hi<|im_end|>") and \
         0 < refusion["tokens"] <= 16
@@ -667,18 +668,18 @@ def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
     lm_head[:259] = lm_head[262] = 0
     save_file(tensors | {"lm_head.weight": lm_head}, folder / "model.safetensors")
     flags = [f"--init_from={folder}", "--prompt=hi", "--json"]
-    sampler.main(flags + ["--method=ar", "--max_new_tokens=5"])
+    sampler.main(flags + ["--method=next_token", "--max_new_tokens=5"])
     sampler.main(flags + ["--method=refusion", "--max_new_tokens=8", "--slot_size=4",
                           "--serial_num_blocks=1"])
     greedy_ar, greedy_refusion = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert (greedy_ar["text"], greedy_ar["tokens"]) == ("\0" * 5, 5)
     assert (greedy_refusion["text"], greedy_refusion["tokens"]) == ("\0" * 8, 8)
-    cfg = dict(sampler.DEFAULTS, init_from=str(folder), method="ar", max_new_tokens=32,
+    cfg = dict(sampler.DEFAULTS, init_from=str(folder), method="next_token", max_new_tokens=32,
                temperature=1.0)
     model, enc, ids, _, _ = load_model(cfg)
-    run, _ = sampler.make_decoder(cfg, model, ids, torch.Generator().manual_seed(0))
+    run, _ = sampler.make_decoder(cfg, ids, torch.Generator().manual_seed(0))
     # Gumbel-max: the padded rows would win nearly always
-    sampled = run(tokenizer.encode(enc, "hi")).tokens
+    sampled = run(model, tokenizer.encode(enc, "hi")).tokens
     assert sampled and not set(sampled) & {*range(259, 300)}
     assert ids["undecodable_ids"] == undecodable_ids(enc, 300, "") == \
         (259, 260, 261, *range(263, 300))
@@ -703,7 +704,7 @@ def test_token_ids_beyond_the_models_rows_are_refused_at_load(tmp_path, qa_file,
                r"tokens\) are at or beyond the 300 embedding rows of the model in "
                rf"{re.escape(str(folder / 'config.json'))}")
     with pytest.raises(ValueError, match=message):
-        sampler.main([f"--init_from={folder}", "--chat", "--prompt=hi", "--method=ar"])
+        sampler.main([f"--init_from={folder}", "--chat", "--prompt=hi", "--method=next_token"])
     with pytest.raises(ValueError, match=message):
         train.main([f"--init_from={folder}", f"--dataset={qa_file[0]}",
                     f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'ft'}",
@@ -965,7 +966,7 @@ def test_a_post_processor_s_bos_begins_every_prompt_as_transformers_encodes_it(t
     assert prompt[0] == 260 and 260 not in response
     import sampler
     capsys.readouterr()
-    sampler.main([f"--init_from={tmp_path / 'llama3'}", "--prompt=hi", "--method=ar",
+    sampler.main([f"--init_from={tmp_path / 'llama3'}", "--prompt=hi", "--method=next_token",
                   "--max_new_tokens=2", "--json"])
     assert json.loads(capsys.readouterr().out)["prompt"] == "<|begin_of_text|>hi"
     edit_json(tmp_path / "llama3" / "tokenizer.json",

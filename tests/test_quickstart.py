@@ -23,7 +23,8 @@ def test_quick_start_trains_and_prints_a_verdict_per_sample_and_a_summary(tmp_pa
     assert len(verdicts) == 3
     right = sum(line.startswith("right") for line in verdicts)
     assert re.match(rf"3 samples: {right} of 3 right \(exact\); \d+ tokens in \d+ forward passes, "
-                    r".*; next-token decoding \(--method=ar\) of the same prompts: \d of 3 right "
+                    r".*; next-token decoding \(--method=next_token\) of the same prompts: "
+                    r"\d of 3 right "
                     r"\(exact\); (\d+) tokens in \1 forward passes, [\d.]+ tokens/s; "
                     r"speed-up [\d.]+x$",
                     printed[-1])

@@ -32,19 +32,19 @@ def trained(tmp_path_factory):
 
 def test_cli_builds_each_decoder_and_refuses_an_unknown_method():
     ids = {"eos_ids": (39,), "mask_id": 38, "pad_id": 37}
-    for method, causal, gen_length in [("refusion", True, 16), ("ar", True, 10),
+    for method, causal, gen_length in [("refusion", True, 16), ("next_token", True, 10),
                                        ("mdm", False, 10)]:
         # refusion: 10 -> 2 slots of 8
         cfg = dict(DEFAULTS, method=method, max_new_tokens=10, serial_num_blocks=1)
-        run, settings = make_decoder(cfg, tiny_model(causal=causal), ids, torch.Generator())
-        out = run([1, 2, 3])
+        run, settings = make_decoder(cfg, ids, torch.Generator())
+        out = run(tiny_model(causal=causal), [1, 2, 3])
         assert settings.gen_length == gen_length and 0 < len(out.tokens) <= 10 and out.nfe > 0
-    with pytest.raises(ValueError, match="--method='beam': choose one of refusion, ar, mdm"):
-        make_decoder(dict(DEFAULTS, method="beam"), tiny_model(), ids, torch.Generator())
+    with pytest.raises(ValueError, match="--method='beam': choose one of refusion, next_token, mdm"):
+        make_decoder(dict(DEFAULTS, method="beam"), ids, torch.Generator())
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("--method=beam", "choose one of refusion, ar, mdm"),
+    ("--method=beam", "choose one of refusion, next_token, mdm"),
     ("--slot_threshold=nan", "thresholds are finite probabilities"),
     ("--method=mdm --steps=7 --max_new_tokens=64 --block_length=32", "steps")])
 def test_bad_decoder_settings_fail_before_any_weights_are_read(tmp_path, flag, message):
@@ -91,7 +91,7 @@ def test_sampler_prepares_damaged_validation_data_anew(tmp_path, qa_file, capsys
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] >= 1
 
 
-@pytest.mark.parametrize("method", ["refusion", "ar"])
+@pytest.mark.parametrize("method", ["refusion", "next_token"])
 def test_seed_samples_a_prompt_as_the_api_does_with_that_seed(trained, capsys, method):
     """--seed=7 --temperature=1 draws exactly what the decoder draws from
     torch.Generator().manual_seed(7): the warm-up decode has a generator of its own, so it consumes
@@ -104,9 +104,10 @@ def test_seed_samples_a_prompt_as_the_api_does_with_that_seed(trained, capsys, m
     meta, model, enc = ckpt["meta"], model_from_checkpoint(ckpt), get_tokenizer("bytes")
     generate, Settings = DECODERS[method]
     settings = Settings(16, temperature=1.0,
-                        **({} if method == "ar" else dict(slot_size=4, serial_num_blocks=1)))
+                        **({} if method == "next_token" else
+                           dict(slot_size=4, serial_num_blocks=1)))
     ids = dict(eos_ids=(meta["eos_id"],), banned_ids=(meta["mask_id"], meta["pad_id"]))
-    ids |= {} if method == "ar" else dict(mask_id=meta["mask_id"])
+    ids |= {} if method == "next_token" else dict(mask_id=meta["mask_id"])
     texts = []
     for seed in (7, 8):
         out = generate(model, encode(enc, "What is 7 + 7?"), settings,
@@ -163,12 +164,12 @@ def test_live_trace_draws_characters_whole_eos_as_a_marker_and_ends_on_the_retur
     ckpt = load_checkpoint(trained)
     model, meta = model_from_checkpoint(ckpt), ckpt["meta"]
     # real decodes: the last frame is the response
-    for method in ("refusion", "ar"):
+    for method in ("refusion", "next_token"):
         cfg = dict(DEFAULTS, method=method, max_new_tokens=6, slot_size=4, serial_num_blocks=1,
                    temperature=1.0)
-        run, _ = make_decoder(cfg, model, decoder_ids(meta), torch.Generator().manual_seed(0))
+        run, _ = make_decoder(cfg, decoder_ids(meta), torch.Generator().manual_seed(0))
         live = LiveTrace(enc, prompt, 6, (meta["eos_id"],))
-        out = run(prompt, on_step=live)
+        out = run(model, prompt, on_step=live)
         ended = out.tokens[-1] == meta["eos_id"]
         assert live.response() == \
             decode(enc, out.tokens[:len(out.tokens) - ended]) + EOS_MARK * ended
@@ -208,8 +209,8 @@ def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_
         tmp_path, capsys):
     """On a built-in corpus whose answers code checks (here transform), every sample ends with its
     verdict and its speed, and one summary line adds them up (TPF = all tokens / all forward
-    passes), then gives next-token decoding of the same prompts (compare_ar): what --method=ar makes
-    of them."""
+    passes), then gives next-token decoding of the same prompts (compare_next_token): what
+    --method=next_token makes of them."""
     flags = tiny_run_flags(tmp_path, ("transform",), "run") + ["--block_size=160", "--max_iters=2"]
     train.main(flags)
     sample = [f"--out_dir={tmp_path / 'run'}", "--num_samples=3", "--max_new_tokens=16",
@@ -225,13 +226,14 @@ def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_
     assert out[-1].startswith(f"3 samples: {right} of 3 right (exact); {tokens} tokens in {nfe} "
                               f"forward passes, {tokens / nfe:.2f} tokens per forward, ")
     # next-token decoding, one sample a line
-    sampler.main(sample + ["--method=ar", "--json"])
+    sampler.main(sample + ["--method=next_token", "--json"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     ar_right, ar_tokens = sum(r["exact"] for r in rows), sum(r["tokens"] for r in rows)
-    assert re.search(rf"; next-token decoding \(--method=ar\) of the same prompts: {ar_right} of 3 "
+    assert re.search(rf"; next-token decoding \(--method=next_token\) of the same prompts: "
+                     rf"{ar_right} of 3 "
                      rf"right \(exact\); {ar_tokens} tokens in {ar_tokens} forward passes, "
                      r"[\d.]+ tokens/s; speed-up [\d.]+x$", out[-1])
-    sampler.main(sample + ["--compare_ar=False"])
+    sampler.main(sample + ["--compare_next_token=False"])
     assert "next-token" not in capsys.readouterr().out.strip().split("\n")[-1]
 
 
@@ -293,12 +295,12 @@ def test_a_causal_checkpoint_asked_for_mdm_decoding_is_told_its_attention_not_a_
 
 def test_the_next_token_note_speaks_only_of_models_trained_without_next_token_labels(
         tmp_path, qa_file, capsys):
-    """Next-token decoding of a refusion model (--method=ar, or compare_ar's half of the summary)
-    says it does poorly only when training left the slots' first tokens without next-token labels
-    (the paper's objective); with slot_end_labels it says nothing."""
+    """Next-token decoding of a refusion model (--method=next_token, or compare_next_token's half
+    of the summary) says it does poorly only when training left the slots' first tokens without
+    next-token labels (the paper's objective); with slot_end_labels it says nothing."""
     for name, options in [("paper", []), ("labels", ["--slot_end_labels=True"])]:
         train.main(tiny_run_flags(tmp_path, qa_file, name) + ["--max_iters=2"] + options)
-        for method in ("ar", "refusion"):
+        for method in ("next_token", "refusion"):
             capsys.readouterr()
             sampler.main([f"--out_dir={tmp_path / name}", "--num_samples=2", "--max_new_tokens=8",
                           "--slot_size=4", f"--method={method}"])
@@ -308,13 +310,14 @@ def test_the_next_token_note_speaks_only_of_models_trained_without_next_token_la
 
 @pytest.mark.parametrize("flags, missing", [(["--num_samples=1"], "more than one prompt"),
                                             (["--json"], "text output"),
-                                            (["--method=ar"], "--method=refusion")])
+                                            (["--method=next_token"], "--method=refusion")])
 def test_an_explicit_compare_ar_that_cannot_apply_says_why(trained, capsys, flags, missing):
     sampler.main([f"--out_dir={trained}", "--max_new_tokens=8", "--slot_size=4",
-                  "--compare_ar=True", *flags])
+                  "--compare_next_token=True", *flags])
     captured = capsys.readouterr()
-    assert f"note: --compare_ar compares a summary line, which needs {missing}" in captured.err
-    assert "next-token decoding (--method=ar) of the same prompts" not in captured.out
+    assert f"note: --compare_next_token compares a summary line, which needs {missing}" in \
+        captured.err
+    assert "next-token decoding (--method=next_token) of the same prompts" not in captured.out
 
 
 def test_init_from_takes_a_checkpoint_as_train_py_does(trained, capsys):
@@ -344,7 +347,7 @@ def test_batch_size_decodes_prompts_together_and_each_sample_stays_its_own(train
     margins, tests/test_batch.py), for ReFusion and for the summary's next-token half; the summary's
     tokens/s is over the batches' wall time. --show draws one decode, so it refuses a batch."""
     flags = [f"--out_dir={trained}", "--num_samples=5", "--max_new_tokens=8", "--slot_size=4"]
-    for method in ("refusion", "ar"):
+    for method in ("refusion", "next_token"):
         rows = {}
         for B in (1, 3):
             sampler.main(flags + ["--json", f"--method={method}", f"--batch_size={B}"])

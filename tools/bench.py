@@ -18,11 +18,11 @@ budget, and the paper's recipe: ReFusion fine-tuned from the ARM, next to an MDM
 the same way (as Dream starts from Qwen; their extra budget in their rows). The MDMs are trained on
 the canvas they decode (LLaDA's EOS padding). It decodes the same validation prompts with the ARM,
 both MDMs at 1, 2 and 4 tokens per step, ReFusion over a sweep of slot size, thresholds and serial
-blocks (SWEEP), each with the paper's infill and infill="ar" (SPEC section 4.1), and, when
+blocks (SWEEP), each with the paper's infill and infill="speculative" (SPEC section 4.1), and, when
 `transformers` is installed, Hugging Face's `generate` on the ARM's weights. Each point records its
 quality, tokens, forward passes (NFE), TPF, tokens/s, milliseconds per forward pass and the share of
 decode time spent outside the model (bookkeeping). On one task (throughput_task) the ARM, ReFusion's
-headline point and the MDM also decode in batches (sampler.generate_batch; 1, 4, 16 and 64 prompts
+headline point and the MDM also decode in batches (generate_batch; 1, 4, 16 and 64 prompts
 at a time): tokens/s, latency per prompt, and the share of prompts whose batched tokens equal the
 one-prompt decode's. It writes out_dir/bench.json (every point),
 bench.md (the headline, then the table: the baselines, and per ReFusion model and infill mode its
@@ -47,7 +47,7 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
 from model import ModelConfig, Transformer
-from sampler import INFILL_MODES, MDMSettings, RefusionSettings, generate_batch, make_decoder
+from sampler import INFILL_MODES, MDMSettings, RefusionSettings, make_decoder
 from support.benchmark import (NAMES, TimedModel, batch_throughput, best_mdm, check_batch_settings,
                                fastest_close, first_quality, headline, hf_generate, machine,
                                markdown_table, most_accurate, point_config, refusion_sweep,
@@ -80,7 +80,7 @@ device = "cpu"             # cpu, cuda or mps: training and decoding
 dtype = "float32"          # the weights of every decode, ours and Hugging Face's: or bfloat16
 compile = False            # torch.compile the training forward pass (GPU runs)
 throughput_task = "transform"  # the task whose ARM, ReFusion and MDM are also decoded in batches
-batch_sizes = (1, 4, 16, 64)   # ... of these sizes (sampler.generate_batch), max(...) prompts
+batch_sizes = (1, 4, 16, 64)   # ... of these sizes (generate_batch), max(...) prompts
 seed = 1337                # training seed of every model (decodes are greedy)
 retrain = False            # train again even when out_dir holds the models
 # -----------------------------------------------------------------------------
@@ -91,8 +91,8 @@ DEFAULTS = settings_in(globals())
 # the three trained from scratch the same budget (max_iters at learning_rate), the two started from
 # the ARM the same extra budget (finetune_iters at finetune_lr). ReFusion-ft's training options
 # (SPEC section 3, off in the paper's recipe): on arith and stdlib, whose answers are serial,
-# slot_end_labels and ar_fraction keep the ARM's next-token pathway, which infill="ar" decodes with
-# (the fine-tune table in docs/benchmark.md measured them on arith).
+# slot_end_labels and ar_fraction keep the ARM's next-token pathway, which infill="speculative"
+# decodes with (the fine-tune table in docs/benchmark.md measured them on arith).
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, batch_size=32, learning_rate=3e-3)
 KEEP_THE_ARM = dict(finetune_lr=1e-3,
                     refusion_ft_options=dict(slot_end_labels=True, ar_fraction=0.5))
@@ -199,10 +199,11 @@ def run_decoder(method, model, prompts, ids, settings):
     timed = TimedModel(model)
     cfg = point_config(method, settings)
     device = next(model.parameters()).device
-    decode_fn, _ = make_decoder(cfg, timed, ids, torch.Generator(device))  # the warm-up's generator
-    decode_fn(prompts[0])  # warm-up, untimed
+    decode_fn, _ = make_decoder(cfg, ids, torch.Generator(device))  # the warm-up's generator
+    decode_fn(timed, prompts[0])  # warm-up, untimed
     timed.calls.update(n=0, seconds=0.0)
-    outs = [decode_fn(p, generator=prompt_generator(device, 0, i)) for i, p in enumerate(prompts)]
+    outs = [decode_fn(timed, p, generator=prompt_generator(device, 0, i))
+            for i, p in enumerate(prompts)]
     texts = [[t for t in o.tokens if t not in ids["eos_ids"]] for o in outs]
     return texts, totals(sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs),
                          sum(o.seconds for o in outs), timed.calls)
@@ -212,11 +213,11 @@ def decoder_points(cfg, task):
     """(label, method, model name, decoder knobs) for every point of a task: the ARM, both MDMs at
     1, 2 and 4 tokens per step (one block at 1 token per step; LLaDA's semi-autoregressive blocks at
     2 and 4, of 32 tokens or the largest divisor of the length below that), then both ReFusion
-    models over the sweep, each point with the paper's infill and with infill="ar"
+    models over the sweep, each point with the paper's infill and with infill="speculative"
     (SPEC section 4.1)."""
     L = recipe(cfg, task)["max_new_tokens"]
     sweep = QUICK["sweep"] if cfg["quick"] else SWEEP
-    points = [("ARM", "ar", "ar", {})]
+    points = [("ARM", "next_token", "ar", {})]
     semi_ar = max(b for b in range(1, 33) if L % b == 0)
     for model in ("mdm", "mdm-ft"):
         for per_step in (1, 2, 4):
@@ -295,9 +296,9 @@ def batched_points(cfg, rows, models, ids, prompts, max_new_tokens):
     decoders = {}
     for row in picks:
         knobs = point_config(row["method"], row["settings"], max_new_tokens=max_new_tokens)
-        decoders[row["label"]] = make_decoder(knobs, models[row["model"]], ids, None)[0]
+        decoders[row["label"]] = models[row["model"]], make_decoder(knobs, ids, None)[0]
     sizes = QUICK["batch_sizes"] if cfg["quick"] else cfg["batch_sizes"]
-    return batch_throughput(decoders, prompts, sizes, generate_batch)
+    return batch_throughput(decoders, prompts, sizes)
 
 
 def highlights(rows):
@@ -356,7 +357,7 @@ def training_step_times(cfg, task, steps=20):
             batch = train.make_batch(dict(step_cfg, objective=objective), tokens, prompt_len,
                                      length, meta, gen)
             with train.autocast_for(device):
-                logits = models[objective](batch.idx, batch.position_ids, key_mask=batch.key_mask)
+                logits = models[objective](batch.idx, batch.position_ids, attn_mask=batch.attn_mask)
             train.hybrid_loss(logits.float(), batch)[0].backward()
             optims[objective].step()
             optims[objective].zero_grad(set_to_none=True)

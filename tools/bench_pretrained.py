@@ -11,16 +11,17 @@ files, the same data, steps and settings: ReFusion (config/finetune_smollm2_<tas
 token (config/finetune_smollm2_<task>_ar.py). Then it decodes the same validation prompts with every
 point, each prompt by every point in turn, the order rotating, so that all see the same machine:
 
-    the next-token fine-tune   our generate_ar in the dtype asked for, the same in float32 (what
-                               bf16 changes), and Hugging Face's generate on the same weights
+    the next-token fine-tune   our generate_next_token in the dtype asked for, the same in float32
+                               (what bf16 changes), and Hugging Face's generate on the same weights
     the ReFusion fine-tune     its own next-token decoding, and ReFusion decoding over a sweep of
-                               slot sizes and thresholds, each with the paper's infill and "ar"
+                               slot sizes and thresholds, each with the paper's infill and
+                               "speculative"
 
 Each point records its quality, tokens, NFE, TPF, tokens/s, ms per forward pass, the share of decode
 time spent outside the model, the peak memory above the loaded models (MB) and, against the first
 point, how many prompts got the same tokens. On one task (throughput_task) the next-token fine-tune
 and ReFusion's headline point also decode in batches of 1, 4, 16 and 64 prompts
-(sampler.generate_batch): tokens/s, latency per prompt, and from which batch size next-token
+(generate_batch): tokens/s, latency per prompt, and from which batch size next-token
 decoding catches up. It writes out_dir/bench.json (the rows of
 tools/bench.py's bench.json, the model named), bench.md and bench.png. docs/pretrained.md holds a
 recorded run.
@@ -40,7 +41,7 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 
 import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
-from sampler import INFILL_MODES, RefusionSettings, generate_batch, make_decoder
+from sampler import INFILL_MODES, RefusionSettings, make_decoder
 from support.benchmark import (TimedModel, batch_throughput, check_batch_settings, counting,
                                fastest_close, first_quality, headline, hf_decode, hf_model,
                                machine, markdown_table, most_accurate, peak_above,
@@ -66,7 +67,7 @@ device = "cpu"             # cpu, cuda or mps: the fine-tunes and the decodes
 retrain = False            # fine-tune again even when out_dir holds the models
 quick = False              # a smoke run: QUICK's budget, prompts and sweep (tests: a tiny folder)
 throughput_task = "quotes"  # the task whose next-token and ReFusion decoders also run in batches
-batch_sizes = (1, 4, 16, 64)  # ... of these sizes (sampler.generate_batch), max(...) prompts
+batch_sizes = (1, 4, 16, 64)  # ... of these sizes (generate_batch), max(...) prompts
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
 
@@ -137,12 +138,13 @@ def decoder_points(cfg, task):
     generate, then the ReFusion fine-tune's next-token decoding and its ReFusion sweep."""
     dt, sweep = cfg["dtype"], QUICK["sweep"] if cfg["quick"] else SWEEP
     ar, rf = NAMES["ar"], NAMES["refusion"]
-    points = [(f"{ar} next token", f"{ar} next token", "ar", "ar", dt, {}),
-              (f"{ar} next token, float32", f"{ar} next token, float32", "ar", "ar", "float32", {}),
+    points = [(f"{ar} next token", f"{ar} next token", "next_token", "ar", dt, {}),
+              (f"{ar} next token, float32", f"{ar} next token, float32", "next_token", "ar",
+               "float32", {}),
               (f"Hugging Face generate ({ar} weights)", "HF generate", "hf", "ar", dt, {}),
-              (f"{rf} next token", f"{rf} next token", "ar", "refusion", dt, {})]
+              (f"{rf} next token", f"{rf} next token", "next_token", "refusion", dt, {})]
     for label, knobs in refusion_sweep(sweep, rf, INFILL_MODES):
-        series = f"{rf}, {'paper infill' if knobs['infill'] == 'paper' else 'infill=ar'}"
+        series = f"{rf}, {'paper infill' if knobs['infill'] == 'paper' else 'infill=speculative'}"
         points.append((label, series, "refusion", "refusion", dt, knobs))
     return points if dt != "float32" else [p for p in points if not p[0].endswith(", float32")]
 
@@ -178,7 +180,8 @@ class Point:
             timed = TimedModel(model)
             self.calls = timed.calls
             cfg = point_config(method, knobs, max_new_tokens=max_new_tokens)
-            self.decode, _ = make_decoder(cfg, timed, ids, torch.Generator(device))
+            self.model = timed
+            self.decode, _ = make_decoder(cfg, ids, torch.Generator(device))
         self.device, self.outs, self.seconds, self.nfe, self.peak_mb = device, [], 0.0, 0, 0.0
 
     def run(self, prompt, i):
@@ -187,7 +190,7 @@ class Point:
             before = self.calls["n"]
             tokens, seconds = hf_decode(self.hf, prompt, self.ids, self.max_new_tokens)
             return tokens, seconds, self.calls["n"] - before
-        out = self.decode(prompt, generator=prompt_generator(self.device, 0, i))
+        out = self.decode(self.model, prompt, generator=prompt_generator(self.device, 0, i))
         return out.tokens, out.seconds, out.nfe
 
     def __call__(self, prompt, i):
@@ -270,10 +273,11 @@ def batched_points(cfg, rows, points, models, ids, prompts, max_new_tokens):
     decoders = {}
     for row in picks:
         label, _, method, kind, dt, knobs = next(p for p in points if p[0] == row["label"])
-        decoders[label] = make_decoder(point_config(method, knobs, max_new_tokens=max_new_tokens),
-                                       models[False, kind, dt], ids, None)[0]
+        decoders[label] = (models[False, kind, dt],
+                           make_decoder(point_config(method, knobs, max_new_tokens=max_new_tokens),
+                                        ids, None)[0])
     sizes = QUICK["batch_sizes"] if cfg["quick"] else cfg["batch_sizes"]
-    return batch_throughput(decoders, prompts, sizes, generate_batch)
+    return batch_throughput(decoders, prompts, sizes)
 
 
 def forward_costs(model, dtype, prompt_len=32, fed=(1, 8, 16, 32, 64), repeats=5):
@@ -297,7 +301,7 @@ def forward_costs(model, dtype, prompt_len=32, fed=(1, 8, 16, 32, 64), repeats=5
     return costs
 
 
-def check_config(cfg):
+def check_bench_pretrained_config(cfg):
     """Check the settings before any work. Raises ValueError with the fix."""
     for task in cfg["tasks"]:
         if task not in TASKS:
@@ -320,7 +324,7 @@ def main(argv):
         cfg["num_prompts"] = min(cfg["num_prompts"], QUICK["num_prompts"])
         if "out_dir" not in explicit_keys(cfg, DEFAULTS, argv):
             cfg["out_dir"] = QUICK["out_dir"]
-    check_config(cfg)
+    check_bench_pretrained_config(cfg)
     check_writable(cfg["out_dir"])
     t0 = time.perf_counter()
     results = {task: bench_task(cfg, task) for task in cfg["tasks"]}

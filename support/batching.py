@@ -1,0 +1,213 @@
+"""
+Many prompts at once (SPEC section 4.2, beyond the paper, opt-in: --batch_size): the one-prompt
+decoders of sampler.py, unchanged, with the forward passes of a batch's prompts run as one.
+
+    generate_batch(model, decode, prompts, batch_size)   the Generations, in prompt order
+    decode_together                                      one batch: a thread per prompt
+    forward_batch                                        the passes they wait for, as one
+    BatchedCache                                         their KV caches side by side, padded
+
+Each prompt runs `decode` in its own thread, on a BatchedModel that posts its forward passes and
+waits. When every prompt still decoding waits (whatever its step: a plan, a verify, an infill
+round, a next token, a denoising step), forward_batch runs their passes as one padded pass and each
+prompt goes on with its own logits. So each prompt takes the steps and the NFE it takes alone.
+"""
+
+import queue
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from kvcache import causal_mask
+
+
+def generate_batch(model, decode, prompts, batch_size, generators=None, forwards=None):
+    """Decode prompts batch_size at a time with the one-prompt decoder `decode`, every forward
+    pass of a batch's prompts run as one (SPEC section 4.2).
+
+    model: the Transformer. decode(model, prompt, generator=None) -> Generation: a one-prompt
+    decoder as sampler.make_decoder returns it. prompts: list of token-id lists. generators: one
+    torch.Generator per prompt (its draws at temperature > 0 are its own), or None for decode's.
+    forwards: optional list; each batched pass appends the indexes of the prompts it carried.
+    A prompt that finishes leaves its batch; the next batch starts when all of it has finished. At
+    temperature 0 the tokens are the one-prompt decoder's up to rounding: a pass of another shape
+    sums float32 (or bfloat16) in another order, which can flip a near tie (SPEC section 4.2).
+    Returns the Generations in prompt order; their seconds are each prompt's latency in its batch.
+    Raises ValueError for batch_size < 1; the first error a prompt's decode raised.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: decode at least one prompt at a time")
+    generators = generators or [None] * len(prompts)
+    out = []
+    for b in range(0, len(prompts), batch_size):
+        chunk = range(b, min(b + batch_size, len(prompts)))
+        log = [] if forwards is not None else None
+        out += decode_together(model, decode, [prompts[i] for i in chunk],
+                               [generators[i] for i in chunk], log)
+        if log is not None:
+            forwards += [[b + i for i in carried] for carried in log]
+    return out
+
+
+class BatchedModel:
+    """The model as one prompt's decoder sees it in a batch: its config and caches, but each
+    forward pass is posted to the batch's inbox, and waits for its logits."""
+
+    def __init__(self, model, inbox, index):
+        self.config, self.new_kv_cache, self.parameters = (model.config, model.new_kv_cache,
+                                                           model.parameters)
+        self.inbox, self.index, self.replies = inbox, index, queue.SimpleQueue()
+
+    def __call__(self, idx, position_ids, kv_cache=None):
+        self.inbox.put((self.index, "forward", (idx, position_ids, kv_cache)))
+        reply = self.replies.get()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+
+class BatchAborted(Exception):
+    """Raised in a prompt's decode when another prompt of its batch failed."""
+
+
+def decode_together(model, decode, prompts, generators, forwards):
+    """One batch of generate_batch: a thread per prompt, and this loop running their forward
+    passes. The threads take turns (one runs at a time, until its next forward pass or its end),
+    so they never contend for the interpreter. Returns their Generations in order; raises the
+    first error one of them raised."""
+    inbox = queue.SimpleQueue()
+    proxies = [BatchedModel(model, inbox, i) for i in range(len(prompts))]
+
+    def work(i):
+        try:
+            gen = {} if generators[i] is None else {"generator": generators[i]}
+            inbox.put((i, "done", decode(proxies[i], prompts[i], **gen)))
+        except BaseException as e:  # handed to the loop, which raises it
+            inbox.put((i, "error", e))
+
+    requests, results, error = {}, [None] * len(prompts), None
+
+    def hear_from(i):
+        """Wait for prompt i's next forward pass, or its end."""
+        nonlocal error
+        j, kind, value = inbox.get()
+        assert j == i, "only prompt i runs"
+        if kind == "forward":
+            requests[i] = value
+            return
+        results[i] = value
+        if kind == "error" and error is None and not isinstance(value, BatchAborted):
+            error = value
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(prompts))]
+    for i, t in enumerate(threads):
+        t.start()
+        hear_from(i)
+    while requests:                      # every prompt still decoding waits for its logits
+        waiting, replies = sorted(requests), {}
+        if error is None:
+            try:
+                replies = dict(zip(waiting, forward_batch(model, [requests[j] for j in waiting])))
+                if forwards is not None:
+                    forwards.append(waiting)
+            except Exception as e:
+                error = e
+        requests = {}
+        for j in waiting:
+            proxies[j].replies.put(replies.get(j) if error is None else
+                                   BatchAborted("another prompt of the batch failed"))
+            hear_from(j)
+    for t in threads:
+        t.join()
+    if error is not None:
+        raise error
+    return results
+
+
+@torch.inference_mode()
+def forward_batch(model, requests):
+    """One forward pass for the forward passes several prompts asked for.
+
+    requests: list of (idx (R_i, T_i) int64, position_ids (R_i, T_i) int64, KVCache or None), all
+    with a cache (ReFusion, next-token decoding) or none (the MDM). Rows are padded to the longest
+    T_i (token 0 at position 0); cached rows attend through a BatchedCache, uncached ones to every
+    key but the padding.
+    Returns the logits of each request: (R_i, T_i, V) float32 (views of one tensor).
+    Raises ValueError when some requests have a cache and others do not.
+    """
+    T = max(idx.shape[1] for idx, _, _ in requests)
+    idx = torch.cat([F.pad(r[0], (0, T - r[0].shape[1])) for r in requests])
+    positions = torch.cat([F.pad(r[1], (0, T - r[1].shape[1])) for r in requests])
+    lengths = [r[0].shape[1] for r in requests]
+    caches = [r[2] for r in requests]
+    if all(c is not None for c in caches):
+        cache = BatchedCache(caches, lengths, T)
+        logits = model(idx, positions, kv_cache=cache, attn_mask=cache.attention_mask(T))
+    elif all(c is None for c in caches):
+        mask = None
+        if min(lengths) < T:  # (rows, 1, 1, T): every key of the row's own tokens
+            row_lengths = torch.tensor([n for r, n in zip(requests, lengths)
+                                        for _ in range(r[0].shape[0])], device=idx.device)
+            mask = (torch.arange(T, device=idx.device)[None] < row_lengths[:, None])[:, None, None]
+            if model.config.causal:
+                mask = mask & causal_mask(0, T, idx.device)
+        logits = model(idx, positions, attn_mask=mask)
+    else:
+        raise ValueError("a batch mixes forward passes with and without a KV cache")
+    out, r0 = [], 0
+    for (idx_i, _, _), n in zip(requests, lengths):
+        out.append(logits[r0:r0 + idx_i.shape[0], :n])
+        r0 += idx_i.shape[0]
+    return out
+
+
+class BatchedCache:
+    """Several prompts' KVCaches as one padded batch, for one forward pass.
+
+    caches: the prompts' KVCaches, cache i with R_i active rows of P_i tokens; lengths: the T_i new
+    tokens each gets; T: the batch's new tokens per row (max T_i). Rows are laid side by side, in
+    order: row r of cache i holds its P_i cached tokens at [0, P_i), then (masked) padding up to
+    pos = max P_i, then the T new tokens at [pos, pos + T), of which the last T - T_i are padding
+    too. kv: (n_layer, 2, sum R_i, n_kv_head, pos + T, head_dim), a copy of the cached keys/values
+    (transient, for this pass). After the last layer, advance hands each cache its T_i new keys/
+    values, computed once as if it had been decoded alone.
+    """
+
+    def __init__(self, caches, lengths, T):
+        self.caches, self.lengths = caches, lengths
+        self.pos, self.batch = max(c.pos for c in caches), sum(c.batch for c in caches)
+        n_layer, _, _, n_kv_head, _, head_dim = caches[0].kv.shape
+        self.kv = caches[0].kv.new_zeros(n_layer, 2, self.batch, n_kv_head, self.pos + T, head_dim)
+        self.first_row = [0]
+        for c in caches:
+            r = self.first_row[-1]
+            self.kv[:, :, r:r + c.batch, :, :c.pos] = c.kv[:, :, :c.batch, :, :c.pos]
+            self.first_row.append(r + c.batch)
+        device = self.kv.device
+        self.cached = torch.cat([torch.full((c.batch,), c.pos, device=device) for c in caches])
+
+    def attention_mask(self, T):
+        """(batch, 1, T, pos + T) bool: query t of a row sees the row's own cached keys and new
+        keys pos..pos + t. (A padded query sees keys too, so its ignored output stays finite.)"""
+        k_idx = torch.arange(self.pos + T, device=self.kv.device)[None, None, :]
+        q_idx = torch.arange(T, device=self.kv.device)[None, :, None]
+        own = k_idx < self.cached[:, None, None]
+        new = (k_idx >= self.pos) & (k_idx <= self.pos + q_idx)
+        return (own | new)[:, None]
+
+    def update(self, layer, k, v):
+        """As KVCache.update: k, v (batch, n_kv_head, T, head_dim) -> (batch, n_kv_head, pos + T,
+        head_dim) views of cached + new."""
+        T = k.shape[2]
+        self.kv[layer, 0, :, :, self.pos:self.pos + T] = k
+        self.kv[layer, 1, :, :, self.pos:self.pos + T] = v
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def advance(self, T):
+        """Append each cache's own new tokens (its first T_i of the T) to it."""
+        for c, n, r0, r1 in zip(self.caches, self.lengths, self.first_row, self.first_row[1:]):
+            c.check_room(r1 - r0, n)
+            new = self.kv[:, :, r0:r1, :, self.pos:self.pos + n]
+            c.kv[:, :, :r1 - r0, :, c.pos:c.pos + n] = new
+            c.advance(n)
