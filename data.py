@@ -30,7 +30,8 @@ class Batch:
     mdm_weight:   (B, T) float32 1 / (p_mask * response length) where the label is a masked
                   token's own token (masked-diffusion loss), 0 where it is a next token
                   (autoregressive loss).
-    key_mask:     (B, T) bool, False on padding (used by bidirectional attention), or None.
+    key_mask:     (B, T) bool, False on padding: the bidirectional MDM's (a causal model's
+                  padding comes last, where no query sees it), or None.
     """
     idx: torch.Tensor
     position_ids: torch.Tensor

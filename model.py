@@ -169,9 +169,9 @@ class Transformer(nn.Module):
 
         idx:          (B, T) int64 token ids, in buffer (physical) order.
         position_ids: (B, T) int64 true positions, used only by RoPE.
-        kv_cache:     optional KVCache holding P earlier tokens of every row; the new tokens attend
-                      to all of them and causally to each other, and their keys/values are appended
-                      to the cache.
+        kv_cache:     optional KVCache holding P earlier tokens of every row (a causal model's);
+                      the new tokens attend to all of them and causally to each other, and their
+                      keys/values are appended to the cache.
         attn_mask:    optional (B, 1, T, P + T) bool (or broadcastable to it), True where a query
                       may attend to a key. Given, it is the whole rule: the MDM's padding, a
                       committed buffer whose tokens saw different things (sampler.py's plain

@@ -42,12 +42,13 @@ from configurator import (INFILL_MODES, ContextTooLong, DecodeSettings,  # noqa:
 # forward passes of decoding cheaper than under no_grad (about 10% per token on a small model).
 @torch.inference_mode()
 def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, generator=None):
-    """ReFusion's decoding of one prompt, plainly (SPEC section 4, the paper's infill). No cache:
-    every forward pass feeds the whole committed buffer (the prompt, then the slots in commit
-    order, at their true positions), then the new tokens, each committed token seeing what it saw
-    when committed (slots infilled side by side never see each other: SPEC 4, "State").
-    Arguments as generate_refusion's. Returns a Generation: generate_refusion's tokens and NFE.
-    """
+    """ReFusion's decoding of one prompt, plainly (SPEC section 4; the paper's infill whatever
+    settings.infill says; its helpers are under "choosing tokens" below). No cache: each pass feeds
+    the whole committed buffer (the prompt, then the slots in commit order, at true positions),
+    then the new tokens, each committed token seeing what it saw (infilled slots not each other).
+    Arguments as generate_refusion's first six. Returns a Generation: its tokens and NFE."""
+    check_attention(model, "refusion")
+    check_context(model, len(prompt), settings)
     t0, S, device = time.perf_counter(), settings.slot_size, next(model.parameters()).device
     cols, eos_t = torch.arange(S, device=device), torch.tensor(eos_ids, device=device)
     buf, pos = list(prompt), list(range(len(prompt)))  # the committed buffer, in commit order
@@ -56,13 +57,13 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
     def forward(tokens, at):  # (R, T) tokens at true positions `at` -> (R, T, V), after buf
         nonlocal nfe
         nfe += 1
-        n, (R, T) = len(buf), tokens.shape
-        j = torch.arange(n + T, device=device)
+        n_buf, (R, T) = len(buf), tokens.shape
+        j = torch.arange(n_buf + T, device=device)
         lo, hi = torch.tensor(unseen + [(0, 0)] * T, device=device).T
         sees = (j <= j[:, None]) & ((j < lo[:, None]) | (j >= hi[:, None]))  # causal, less unseen
-        idx = torch.cat([torch.tensor(buf, device=device).expand(R, n), tokens], dim=1)
-        at = torch.cat([torch.tensor(pos, device=device).expand(R, n), at], dim=1)
-        return model(idx, at, attn_mask=sees)[:, n:]
+        idx = torch.cat([torch.tensor(buf, device=device).expand(R, n_buf), tokens], dim=1)
+        where = torch.cat([torch.tensor(pos, device=device).expand(R, n_buf), at], dim=1)
+        return model(idx, where, attn_mask=sees)[:, n_buf:]
 
     def commit(starts, slots, apart):  # 4. after buf; apart (infilled): unseen by each other
         base = len(buf)
@@ -96,9 +97,9 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
                 done, ended = commit(starts, slots, apart=False), stop is not None
             else:  # 3. infill: each picked slot in its own row, from what verify accepted of it
                 accepted, ends, ended = leading_true(passed), torch.full_like(at[:, 0], S), False
-                while True:  # c. the first row with an accepted EOS ends there; later rows go
+                while True:  # c. (first: verify's prefix may hold EOS) a row ends at its EOS
                     is_eos = torch.isin(drafts, eos_t) & (cols < accepted[:, None])
-                    if is_eos.any():
+                    if is_eos.any():  # the first such row; the rows after it go
                         r = int(is_eos.any(dim=1).nonzero()[0])
                         drafts, at, ends = drafts[:r + 1], at[:r + 1], ends[:r + 1]
                         ends[r], ended = int(is_eos[r].long().argmax()) + 1, True

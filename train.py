@@ -7,9 +7,12 @@ Train a ReFusion model (or one of the baselines) on prompt/response data.
 The ReFusion objective (SPEC section 3; paper section 3.1): each response is cut into slots, some
 slots are masked, the clean ones are shuffled in front of the masked ones (keeping their true
 position ids), and one causal forward pass gives two losses: next-token prediction inside every
-clean slot (AR) and the masked tokens' own values, weighted by 1/p_mask (MDM). This file is the
-objective's batches, the loss and the loop; where a run starts, its out_dir, signals, FSDP and
-checkpoints are support/runs.py.
+clean slot (AR) and the masked tokens' own values, weighted by 1/p_mask (MDM). This file reads top
+to bottom: the settings, the objective's batches and loss, the step and the loop (a generator that
+yields whenever a checkpoint is due: iterate it, it does nothing until then), then main, which
+runs them in order (settings, where the run starts, data, model, optimizer, the loop, saving) and
+calls the plumbing of support/runs.py as plain functions: checks, out_dir's lock, processes, data,
+FSDP, signals, checkpoints.
 """
 
 import math
@@ -111,6 +114,10 @@ def hybrid_loss(logits, batch):
     return ar_loss + mdm_loss, ar_loss, mdm_loss
 
 
+# -----------------------------------------------------------------------------
+# the model's start and its optimizer
+
+
 @torch.no_grad()
 def load_weights(model, ckpt):
     """Copy a checkpoint's weights into model, the paper's start from a pretrained ARM. Rows the
@@ -203,7 +210,12 @@ def estimate_loss(model, cfg, val_data, autocast):
 
 
 class Diverged(ValueError):
-    """A loss that stopped being finite: args (what, value, iteration)."""
+    """A loss that stopped being finite: what ("loss" or "validation loss"), its value and the
+    iteration (support.runs.diverged says what to do)."""
+
+    def __init__(self, what, value, iteration):
+        super().__init__(f"{what} became {value} at iteration {iteration}")
+        self.what, self.value, self.iteration = what, value, iteration
 
 
 def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, autocast):
@@ -321,6 +333,10 @@ def main(argv):
         model = runs.place_model(cfg, model)
         optimizer = make_optimizer(cfg, model)
         runs.restore_optimizer(start, model, optimizer)
+        # the counters to go on from; the checkpoint's weights and optimizer state are let go
+        model_args, steps, best_val_loss, stopped = (start.model_args, start.iter_num,
+                                                     start.best_val_loss, False)
+        del start
         if rank == 0:
             print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
                   f"{len(train_data):,} training samples, device {cfg['device']}, "
@@ -328,9 +344,9 @@ def main(argv):
         with runs.stop_requests() as requested:
             try:
                 for steps, best_val_loss, stopped in train(
-                        cfg, model, optimizer, train_data, val_data, start.iter_num,
-                        start.best_val_loss, rank, world, requested):
-                    runs.save(cfg, model, optimizer, start.model_args, train_data, steps,
+                        cfg, model, optimizer, train_data, val_data, steps, best_val_loss, rank,
+                        world, requested):
+                    runs.save(cfg, model, optimizer, model_args, train_data, steps,
                               best_val_loss, rank)
             except Diverged as e:
                 raise runs.diverged(cfg, e) from None

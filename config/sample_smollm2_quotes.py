@@ -9,4 +9,4 @@ slot_size = 8
 serial_num_blocks = 1
 slot_threshold = 0.7
 token_threshold = 0.1
-infill = "speculative"              # the benchmark's fastest point at the next-token quality
+infill = "speculative"     # the benchmark's fastest point at the next-token quality

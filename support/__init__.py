@@ -10,8 +10,9 @@ command lines' main functions.
     prepare        records -> memmapped token files, and TokenDataset reading them back
     files          files written whole or not at all
     checkpoint     code-free checkpoints: ckpt.pt written by train.py, read by everything else
-    runs           train.py's plumbing: checks, out_dir lock, start modes, signals, processes
-    sampling       sampler.py's plumbing: models, prompts, the live trace, what is printed
+    runs           train.py's plumbing: checks, out_dir lock, start modes, data, signals, saving
+    sampling       sampler.py's plumbing: checks, models, prompts, the live trace, what is printed
+    batching       many prompts at once (SPEC 4.2): the one-prompt decoders' passes run together
     shard          FSDP: sharded training and sharded checkpoints
     hf_folder      Hugging Face model folders -> Transformer
     hf_tokenizer   tokenizer.json -> tiktoken, and a folder's special ids

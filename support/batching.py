@@ -19,8 +19,6 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kvcache import causal_mask
-
 
 def generate_batch(model, decode, prompts, batch_size, generators=None, forwards=None):
     """Decode prompts batch_size at a time with the one-prompt decoder `decode`, every forward
@@ -144,14 +142,12 @@ def forward_batch(model, requests):
     if all(c is not None for c in caches):
         cache = BatchedCache(caches, lengths, T)
         logits = model(idx, positions, kv_cache=cache, attn_mask=cache.attention_mask(T))
-    elif all(c is None for c in caches):
+    elif all(c is None for c in caches):  # the MDM's bidirectional passes
         mask = None
         if min(lengths) < T:  # (rows, 1, 1, T): every key of the row's own tokens
             row_lengths = torch.tensor([n for r, n in zip(requests, lengths)
                                         for _ in range(r[0].shape[0])], device=idx.device)
             mask = (torch.arange(T, device=idx.device)[None] < row_lengths[:, None])[:, None, None]
-            if model.config.causal:
-                mask = mask & causal_mask(0, T, idx.device)
         logits = model(idx, positions, attn_mask=mask)
     else:
         raise ValueError("a batch mixes forward passes with and without a KV cache")

@@ -2,12 +2,12 @@
 What the benchmarks (python -m tools.bench, python -m tools.bench_pretrained) measure and how they
 report it:
 
-    TimedModel, counting, totals   forward passes counted and timed; a point's speed figures
-    peak_above                     the peak resident memory of a decode above what was loaded
-    hf_model, hf_decode            Hugging Face transformers on the same weights, greedy generate
-    headline, markdown_table       the tables (the README's, bench.md's)
+    TimedModel, counting, speed_figures  forward passes counted and timed; a point's figures
+    peak_above                           the peak resident memory of a decode above the weights
+    hf_model, hf_decode                  Hugging Face transformers on the same weights, greedy
+    headline, highlights_table           the tables (the README's, bench.md's)
     batch_throughput, throughput_table   tokens/s and latency at batch 1, 4, 16, 64
-    plot, machine                  quality against speed; what the figures were measured on
+    plot, machine                        quality against speed; what the figures were measured on
 """
 
 import importlib.metadata
@@ -57,7 +57,7 @@ def counting(forward, device):
     return wrapped, calls
 
 
-def totals(tokens, nfe, seconds, calls):
+def speed_figures(tokens, nfe, seconds, calls):
     """A point's speed figures: tokens, NFE (as the decoder counts it), TPF (tokens / NFE), seconds,
     tokens/s, the forward calls the model saw (counting: equal to NFE), ms per forward pass and the
     share of decode time spent outside the model's forward passes."""
@@ -124,7 +124,7 @@ def hf_generate(model, prompts, ids, max_new_tokens):
     tokens = sum(len(o) for o, _ in outs)
     seconds = sum(s for _, s in outs)
     return ([[t for t in o if t not in ids["eos_ids"]] for o, _ in outs],
-            totals(tokens, calls["n"], seconds, calls))
+            speed_figures(tokens, calls["n"], seconds, calls))
 
 def resident_kb(field):
     """A field of this process's memory, in kB, from /proc/self/status: "VmRSS" (resident now) or
@@ -162,7 +162,9 @@ def best_mdm(rows):
 
 def fastest_close(points, ar_quality):
     """The fastest of the points whose quality is within 1 point of the ARM's, or None when none
-    is."""
+    is, or when the ARM got nothing right (a --quick run's models): then nothing is close to it."""
+    if ar_quality <= 0:
+        return None
     close = [r for r in points if first_quality(r) >= ar_quality - 0.01]
     return max(close, key=lambda r: r["tokens_per_s"]) if close else None
 
@@ -209,7 +211,7 @@ def quality_text(row):
     return ", ".join(f"{m} {q:.1%}" for m, q in row["quality"].items())
 
 
-def markdown_table(rows):
+def highlights_table(rows):
     """The highlighted rows as a markdown table."""
     lines = ["| task | decoder | why | train iters | quality | tokens | NFE | TPF | tokens/s | "
              "ms/forward | bookkeeping | vs ARM | vs MDM |", "| --- " * 13 + "|"]
@@ -396,7 +398,8 @@ def throughput_table(rows, task, n_prompts):
 
 def machine():
     """What the figures were measured on: Python, torch, transformers (None when not installed), CPU
-    model and threads, GPU if any."""
+    model, the vector instructions torch's CPU kernels use (AVX2, AVX512, ...) and threads, GPU if
+    any."""
     processor = platform.processor() or platform.machine()
     if os.path.isfile("/proc/cpuinfo"):  # Linux names the CPU model here, platform does not
         with open("/proc/cpuinfo") as f:
@@ -404,6 +407,7 @@ def machine():
                               if line.startswith("model name")), processor)
     return {"python": platform.python_version(), "torch": torch.__version__,
             "cpu_threads": torch.get_num_threads(), "processor": processor,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "transformers": importlib.metadata.version("transformers")
             if importlib.util.find_spec("transformers") else None}

@@ -232,6 +232,7 @@ class TokenDataset:
         self.tokens = np.memmap(paths[1], dtype=self.meta.get("token_dtype", "uint16"), mode="r")
         self.samples = np.load(paths[2], allow_pickle=False)  # (N, 3): start, prompt_len, total_len
         self.pad_id = self.meta["pad_id"]
+        self.data_dir = os.path.abspath(data_dir)  # a checkpoint records it: the sampler's data
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -241,6 +242,20 @@ class TokenDataset:
         start, prompt_len, total_len = (int(x) for x in self.samples[i])
         ids = self.tokens[start:start + total_len].tolist()
         return ids[:prompt_len], ids[prompt_len:]
+
+    def first_fitting(self, n: int, room: int, block_size: int):
+        """The first n samples (prompt_ids, response_ids), in split order, whose prompt leaves room
+        for `room` new tokens in a context of block_size: the validation prompts every command
+        decodes (the sampler's --num_samples, the benchmarks' num_prompts), so that the first 10
+        are the first 10 of any larger set. Fewer when fewer fit."""
+        fits = []
+        for i in range(len(self)):
+            if len(fits) == n:
+                break
+            prompt, response = self.sample(i)
+            if len(prompt) + room <= block_size:
+                fits.append((prompt, response))
+        return fits
 
     def get_batch(self, batch_size: int, rng: np.random.Generator, device="cpu"):
         """get_batch_at for `batch_size` sample indices drawn uniformly (with replacement) by

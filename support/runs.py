@@ -209,7 +209,8 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 @contextmanager
 def stop_requests():
     """While the block runs, none of STOP_SIGNALS ends the process: each is noted in the list the
-    block gets (train.train finishes its step and saves, then the run says how to resume it); the
+    block gets (train.train finishes its step and yields a last checkpoint, which train.main saves,
+    then the run says how to resume it); the
     previous handlers are back after the block, however it ends."""
     requested = []
     previous = {sig: signal.signal(sig, lambda signum, frame: requested.append(signum))
@@ -384,7 +385,6 @@ def load_data(cfg, start, rank):
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"],
                        cfg["too_long"])
     train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
-    train_data.dir = os.path.abspath(data_dir)  # recorded in the checkpoint: the sampler's data
     if start.data_sha1 not in (None, train_data.meta.get("data_sha1")):
         raise ValueError(f"the prepared data {data_dir} is not the data {saved_path(cfg)} was "
                          f"trained on (its SHA-1 differs: --dataset={cfg['dataset']} was edited, "
@@ -422,7 +422,7 @@ def save(cfg, model, optimizer, model_args, train_data, iter_num, best_val_loss,
     --fsdp each process its shards (support.shard.save_sharded). Call on every process.
     iter_num: the steps completed."""
     info = {"model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
-            "config": cfg, "meta": train_data.meta, "data_dir": train_data.dir}
+            "config": cfg, "meta": train_data.meta, "data_dir": train_data.data_dir}
     if cfg["fsdp"]:
         save_sharded(cfg["out_dir"], model, optimizer, info)
     elif rank == 0:
@@ -431,18 +431,17 @@ def save(cfg, model, optimizer, model_args, train_data, iter_num, best_val_loss,
 
 
 def diverged(cfg, error):
-    """The SystemExit for a loss that stopped being finite (train.Diverged: what, value, iteration),
-    saying whether a checkpoint to go back to exists (a run stopped before its first evaluation
-    has written none)."""
-    ckpt_file = checkpoint_path(cfg["out_dir"])
+    """The SystemExit for a loss that stopped being finite (train.Diverged), saying whether a
+    checkpoint to go back to exists (a run stopped before its first evaluation has written
+    none)."""
+    ckpt_file = saved_path(cfg)
     if os.path.exists(ckpt_file):
         then = (f"the last good checkpoint {ckpt_file} is kept: lower --learning_rate (or check "
                 "the data), then continue it with --init_from=resume")
     else:
         then = ("no checkpoint was written yet: lower --learning_rate (or check the data) and "
                 "start again")
-    what, value, it = error.args
-    return SystemExit(f"error: {what} became {value} at iteration {it}; {then}")
+    return SystemExit(f"error: {error}; {then}")
 
 
 def finish(cfg, rank, world, iter_num, best_val_loss, interrupted):

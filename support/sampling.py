@@ -154,8 +154,9 @@ MAX_TOKEN_BYTES = 256  # more than any token of the tokenizers read here spells 
 
 def load_prompts(cfg, enc, ckpt, gen_length, block_size):
     """Prompts (lists of token ids) from --prompt, --prompt_file (in the chat template with --chat)
-    or evenly spread over the validation split of the checkpoint's data (validation_split), those
-    that leave room for gen_length new tokens in the context of block_size.
+    or the first num_samples of the validation split of the checkpoint's data (validation_split)
+    that leave room for gen_length new tokens in the context of block_size, as the benchmarks
+    take theirs (TokenDataset.first_fitting).
     Raises ValueError / FileNotFoundError naming the problem."""
     if cfg["prompt"] and cfg["prompt_file"]:
         raise ValueError("give either --prompt or --prompt_file, not both")
@@ -165,23 +166,41 @@ def load_prompts(cfg, enc, ckpt, gen_length, block_size):
         limit = block_size * MAX_TOKEN_BYTES
         return [wrap(read_utf8(cfg["prompt_file"], f"--prompt_file={cfg['prompt_file']}", limit))]
     if cfg["prompt"]:
-        return [wrap(cfg["prompt"])]
+        return [wrap(with_the_datas_line_end(cfg, enc, ckpt))]
     if ckpt is None:
         raise ValueError("--init_from=FOLDER has no validation split: give --prompt or "
                          "--prompt_file")
     val_data = validation_split(ckpt)
-    fits = [i for i in range(len(val_data))
-            if len(val_data.sample(i)[0]) + gen_length <= block_size]
+    fits = val_data.first_fitting(cfg["num_samples"], gen_length, block_size)
     if not fits:
         raise ValueError(f"no validation prompt leaves room for {gen_length} new tokens in the "
                          f"context of {block_size}; lower --max_new_tokens")
-    if cfg["num_samples"] > len(fits):
+    if len(fits) < cfg["num_samples"]:
         print(f"note: {len(fits)} of the {len(val_data)} validation prompts leave room for "
               f"{gen_length} new tokens; decoding those {len(fits)}, not "
               f"--num_samples={cfg['num_samples']}", file=sys.stderr)
-    picks = [fits[int(j)] for j in torch.linspace(0, len(fits) - 1,
-                                                  min(cfg["num_samples"], len(fits)))]
-    return [val_data.sample(i)[0] for i in picks]
+    return [prompt for prompt, _ in fits]
+
+
+def with_the_datas_line_end(cfg, enc, ckpt):
+    """--prompt's text, and a newline after it when the first 20 validation prompts of the model's
+    data all end with one and this one does not (the quotes corpus: a line of code, then its
+    rewrite), with a note: a model shown a prompt cut before its newline writes the rest of the
+    line instead. The text as written when the data cannot be read (a checkpoint moved without
+    it)."""
+    text = cfg["prompt"]
+    if ckpt is None or cfg["chat"] or text.endswith("\n"):
+        return text
+    try:
+        val_data = validation_split(ckpt)
+    except (FileNotFoundError, ValueError):
+        return text
+    seen = [decode(enc, val_data.sample(i)[0]) for i in range(min(len(val_data), 20))]
+    if seen and all(p.endswith("\n") for p in seen):
+        print("note: the model was trained on prompts that end with a newline, so one was added "
+              "to --prompt", file=sys.stderr)
+        return text + "\n"
+    return text
 
 
 def validation_split(ckpt):

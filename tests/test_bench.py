@@ -34,7 +34,7 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
             "decode transform: ARM: " in printed.out)
     report = json.loads((tmp_path / "bench-quick" / "bench.json").read_text())
     rows = report["rows"]
-    assert ({"python", "torch", "transformers", "cpu_threads", "processor"} <=
+    assert ({"python", "torch", "transformers", "cpu_threads", "processor", "cpu_capability"} <=
             set(report["machine"]) and report["minutes"] > 0)
     # the quick run trains its 5 models
     minutes = report["task_minutes"]["transform"]
@@ -78,7 +78,8 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
     steps = report["training_step_seconds"]["transform"]
     assert steps["ratio"] == steps["refusion"] / steps["ar"]
     table = (tmp_path / "bench-quick" / "bench.md").read_text()
-    assert (table.startswith(bench.headline(rows) + "\n\n| task | decoder | why |") and
+    assert (table.startswith(bench.QUICK_NOTE + "\n\n" + bench.headline(rows) +
+                             "\n\n| task | decoder | why |") and
             "Training step (transform" in table and
             "Batched decoding (transform, 2 prompts; tokens/s over all of them)" in table)
     check_headline(rows)
@@ -205,3 +206,13 @@ def test_each_prompt_is_sampled_from_its_own_seeded_generator():
         out = generate_next_token(model, prompt, DecodeSettings(12, temperature=1.0), eos_ids=(39,),
                           generator=torch.Generator().manual_seed(i), banned_ids=(38, 37))
         assert text == [t for t in out.tokens if t != 39]
+
+
+def test_nothing_is_close_to_an_arm_that_got_nothing_right():
+    """A point is "within 1 point of the ARM" only where the ARM got something right: next to a
+    --quick run's ARM at 0%, no point is tagged close, and the headline takes the most accurate."""
+    points = [{"quality": {"exact": q}, "tokens_per_s": s} for q, s in ((0.0, 10.0), (0.0, 20.0))]
+    assert bench.fastest_close(points, 0.0) is None
+    assert bench.fastest_close(points, 0.005)["tokens_per_s"] == 20.0  # 0% is within 1 of 0.5%
+    assert bench.fastest_close(points + [{"quality": {"exact": 0.5}, "tokens_per_s": 1.0}],
+                               0.5)["tokens_per_s"] == 1.0

@@ -219,5 +219,4 @@ def check_sample_config(cfg):
     """What sampler.main checks before any weights are read: the command line's settings, then the
     decoder's (when --method is given)."""
     sampling.check_sample_config(cfg)
-    if cfg["method"]:
-        sampler.decoder_settings(cfg)
+    sampler.decoder_settings(dict(cfg, method=cfg["method"] or "refusion"))  # its knobs, checked

@@ -125,10 +125,10 @@ def test_a_vanishing_temperature_samples_the_greedy_choice_and_never_a_banned_id
 
 def test_generation_length_rounds_up_to_whole_slots_and_returns_at_most_max_new_tokens():
     """max_new_tokens below slot_size, or not a multiple of slot_size x serial_num_blocks, decodes
-    whole slots in equal blocks (10 tokens, S=8, B=4: 32 positions) and returns at most
-    max_new_tokens; only a rounded length that does not fit the context is refused, and the command
-    line says how the knobs set it: the AR and MDM baselines, which have no slots, in their own
-    words."""
+    whole slots in equal serial blocks (10 tokens, S=8, 4 serial blocks: 32 positions) and returns
+    at most max_new_tokens; only a rounded length that does not fit the context is refused, and the
+    command line says how the knobs set it: the AR and MDM baselines, which have no slots, in their
+    own words."""
     settings = RefusionSettings(10, slot_size=8, serial_num_blocks=4, slot_threshold=0.0)
     assert (settings.gen_length, settings.n_slots) == (32, 4)
     assert RefusionSettings(3, slot_size=8).gen_length == 8

@@ -57,7 +57,7 @@ def imports(path):
 
 
 def project_name(name, project):
-    """The project module an imported name belongs to (support.runs for support.runs.Run), or
+    """The project module an imported name belongs to (support.runs for support.runs.Start), or
     None for the standard library and other packages."""
     project = set(project) | set(modules()) | {"support", "tools"}
     parts = name.split(".")
@@ -169,3 +169,40 @@ def test_the_method_imports_without_the_plumbings_packages():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_method_reads_on_one_screen():
+    """The budget of the reading path: sampler.py at most 750 lines and the five method files at
+    most 1,750 together; no function of theirs over 60 lines but the decoder on one screen,
+    generate_refusion_plain, at most 80; sampler.py's ReFusion sections read no infill setting
+    (SPEC 4.1 is SpeculativeInfill's, in a section of its own), and the method imports no threads
+    or queues (batching is support/batching.py's)."""
+    lines = {m: (ROOT / f"{m}.py").read_text(encoding="utf-8") for m in sorted(METHOD)}
+    assert len(lines["sampler"].splitlines()) <= 750
+    assert sum(len(text.splitlines()) for text in lines.values()) <= 1750
+    for module, text in lines.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef):
+                limit = 80 if node.name == "generate_refusion_plain" else 60
+                assert node.end_lineno - node.lineno + 1 <= limit, f"{module}.{node.name}"
+        assert not {"threading", "queue"} & {name for name, _, _ in imports(ROOT / f"{module}.py")}
+    # the ReFusion sections: from the first to the section of SPEC 4.1
+    text = lines["sampler"].splitlines()
+    first = next(i for i, line in enumerate(text) if line.startswith("# ReFusion on one screen"))
+    last = next(i for i, line in enumerate(text) if line.startswith("# beyond the paper: infill"))
+    reads = [(node.lineno, ast.unparse(node)) for node in ast.walk(ast.parse(lines["sampler"]))
+             if first < getattr(node, "lineno", 0) < last and
+             (isinstance(node, ast.Attribute) and node.attr == "infill" or
+              isinstance(node, ast.Constant) and node.value in ("paper", "speculative"))]
+    assert reads == []
+
+
+def test_no_two_functions_or_classes_share_a_name():
+    """One name, one meaning: no two top-level functions or classes of the project's modules
+    share a name (a script's `main` aside)."""
+    where = {}
+    for module, path in modules().items():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name != "main":
+                where.setdefault(node.name, []).append(module)
+    assert {name: found for name, found in where.items() if len(found) > 1} == {}

@@ -16,6 +16,7 @@ import train
 from helpers import qa_rows, tiny_model, tiny_run_flags, write
 from sampler import DECODERS, DEFAULTS, make_decoder
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
+from support.prepare import TokenDataset
 from support.sampling import EOS_MARK, LiveTrace
 from support.tokenizer import decode, encode, get_tokenizer
 
@@ -39,7 +40,8 @@ def test_cli_builds_each_decoder_and_refuses_an_unknown_method():
         run, settings = make_decoder(cfg, ids, torch.Generator())
         out = run(tiny_model(causal=causal), [1, 2, 3])
         assert settings.gen_length == gen_length and 0 < len(out.tokens) <= 10 and out.nfe > 0
-    with pytest.raises(ValueError, match="--method='beam': choose one of refusion, next_token, mdm"):
+    with pytest.raises(ValueError,
+                       match="--method='beam': choose one of refusion, next_token, mdm"):
         make_decoder(dict(DEFAULTS, method="beam"), ids, torch.Generator())
 
 
@@ -311,7 +313,7 @@ def test_the_next_token_note_speaks_only_of_models_trained_without_next_token_la
 @pytest.mark.parametrize("flags, missing", [(["--num_samples=1"], "more than one prompt"),
                                             (["--json"], "text output"),
                                             (["--method=next_token"], "--method=refusion")])
-def test_an_explicit_compare_ar_that_cannot_apply_says_why(trained, capsys, flags, missing):
+def test_an_explicit_compare_next_token_that_cannot_apply_says_why(trained, capsys, flags, missing):
     sampler.main([f"--out_dir={trained}", "--max_new_tokens=8", "--slot_size=4",
                   "--compare_next_token=True", *flags])
     captured = capsys.readouterr()
@@ -362,3 +364,44 @@ def test_batch_size_decodes_prompts_together_and_each_sample_stays_its_own(train
                          (["--batch_size=2", "--show"], "--show redraws one decode at a time")]:
         with pytest.raises(ValueError, match=message):
             sampler.main(flags + bad)
+
+
+def test_validation_prompts_are_the_first_that_fit_as_the_benchmarks_take_them(trained, capsys):
+    """--num_samples=N decodes the first N validation prompts that leave room for the generation,
+    in split order (TokenDataset.first_fitting, which the benchmarks use too): the first 2 are
+    the first 2 of 5."""
+    ckpt = load_checkpoint(trained)
+    val = TokenDataset(ckpt["data_dir"], "val")
+    enc = get_tokenizer(ckpt["meta"]["tokenizer"])
+    prompts = {}
+    for n in (2, 5):
+        sampler.main([f"--out_dir={trained}", "--json", f"--num_samples={n}",
+                      "--max_new_tokens=8", "--slot_size=4"])
+        prompts[n] = [json.loads(line)["prompt"] for line in capsys.readouterr().out.splitlines()]
+    block = ckpt["model_args"]["block_size"]
+    expected = [decode(enc, val.sample(i)[0]) for i in range(len(val))
+                if len(val.sample(i)[0]) + 8 <= block][:5]
+    assert prompts[5] == expected and prompts[2] == expected[:2]
+
+
+def test_a_prompt_gets_the_newline_its_training_prompts_end_with(tmp_path, capsys):
+    """A model trained on prompts that all end with a newline (as the quotes corpus's lines do)
+    gets one after a --prompt that lacks it, with a note; a model trained on prompts without one
+    gets the prompt as written."""
+    rows = [{"query": f"x = '{i}'\n", "response": f'x = "{i}"\n'} for i in range(60)]
+    path = write(tmp_path, "lines.json", json.dumps(rows))
+    train.main(tiny_run_flags(tmp_path, (path,), "lines") + ["--max_iters=1"])
+    capsys.readouterr()
+    flags = ["--json", "--max_new_tokens=4", "--slot_size=4"]
+    sampler.main([f"--out_dir={tmp_path / 'lines'}", "--prompt=x = 'a'"] + flags)
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["prompt"] == "x = 'a'\n"
+    assert "note: the model was trained on prompts that end with a newline" in captured.err
+    sampler.main([f"--out_dir={tmp_path / 'lines'}", "--prompt=x = 'b'\n"] + flags)
+    assert json.loads(capsys.readouterr().out)["prompt"] == "x = 'b'\n"
+    sums = write(tmp_path, "sums.json", json.dumps(qa_rows()))
+    train.main(tiny_run_flags(tmp_path, (sums,), "sums") + ["--max_iters=1"])
+    capsys.readouterr()
+    sampler.main([f"--out_dir={tmp_path / 'sums'}", "--prompt=What is 2 + 2?"] + flags)
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["prompt"] == "What is 2 + 2?" and "newline" not in captured.err

@@ -50,8 +50,8 @@ from model import ModelConfig, Transformer
 from sampler import INFILL_MODES, MDMSettings, RefusionSettings, make_decoder
 from support.benchmark import (NAMES, TimedModel, batch_throughput, best_mdm, check_batch_settings,
                                fastest_close, first_quality, headline, hf_generate, machine,
-                               markdown_table, most_accurate, point_config, refusion_sweep,
-                               throughput_table, totals, write_report)
+                               highlights_table, most_accurate, point_config, refusion_sweep,
+                               throughput_table, speed_figures, write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.prepare import TokenDataset, prepare
@@ -112,6 +112,9 @@ OVERRIDES = ("dataset", "block_size", "max_new_tokens", "max_iters", "finetune_i
 # the ReFusion sweep: every slot size x (slot_threshold, token_threshold) x serial blocks
 SWEEP = dict(slot_sizes=(4, 8, 16), thresholds=((0.9, 0.3), (0.7, 0.1), (0.5, 0.0)),
              serial_num_blocks=(1, 4))
+QUICK_NOTE = ("A --quick run checks the plumbing only: its models train for a few steps, so its "
+              "qualities (0% among them) and speeds say nothing about the method; "
+              "python -m tools.bench measures it.")
 QUICK = dict(out_dir="bench-quick", tasks=("transform",), num_prompts=8,
              model=dict(n_layer=2, n_head=2, n_embd=64, max_iters=60, finetune_iters=30),
              sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3), (0.5, 0.0)),
@@ -176,8 +179,7 @@ def validation_prompts(cfg, task):
     room = max([L] + [RefusionSettings(L, **knobs).gen_length
                       for _, method, _, knobs in decoder_points(cfg, task) if method == "refusion"])
     val = TokenDataset(prepare(r["dataset"], "bytes", r["block_size"]), "val")
-    pairs = [val.sample(i) for i in range(len(val))]
-    fits = [(p, q) for p, q in pairs if len(p) + room <= r["block_size"]][:cfg["num_prompts"]]
+    fits = val.first_fitting(cfg["num_prompts"], room, r["block_size"])
     if not fits:
         raise ValueError(f"no {task} validation prompt leaves room for {room} new tokens in the "
                          f"context of {r['block_size']}; change the task's recipe "
@@ -205,8 +207,8 @@ def run_decoder(method, model, prompts, ids, settings):
     outs = [decode_fn(timed, p, generator=prompt_generator(device, 0, i))
             for i, p in enumerate(prompts)]
     texts = [[t for t in o.tokens if t not in ids["eos_ids"]] for o in outs]
-    return texts, totals(sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs),
-                         sum(o.seconds for o in outs), timed.calls)
+    return texts, speed_figures(sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs),
+                                sum(o.seconds for o in outs), timed.calls)
 
 
 def decoder_points(cfg, task):
@@ -402,6 +404,8 @@ def main(argv):
             cfg["out_dir"] = QUICK["out_dir"]
     check_bench_config(cfg)
     check_writable(cfg["out_dir"])
+    if cfg["quick"]:
+        print(QUICK_NOTE, flush=True)
     t0 = time.perf_counter()
     # prepares the data and raises before any training if no prompt fits
     prompts = {task: validation_prompts(cfg, task) for task in cfg["tasks"]}
@@ -413,7 +417,8 @@ def main(argv):
     step_times = {task: training_step_times(cfg, task, QUICK["step_times"] if cfg["quick"] else 20)
                   for task in cfg["tasks"]}
     minutes = (time.perf_counter() - t0) / 60
-    table = headline(rows) + "\n\n" + markdown_table(highlights(rows)) + "\n\n" + "\n".join(
+    table = (QUICK_NOTE + "\n\n" if cfg["quick"] else "") + headline(rows) + "\n\n"
+    table += highlights_table(highlights(rows)) + "\n\n" + "\n".join(
         f"Training step ({task}, batch {recipe(cfg, task)['batch_size']}): "
         f"ReFusion {t['refusion'] * 1e3:.0f} ms, AR {t['ar'] * 1e3:.0f} ms, ratio {t['ratio']:.2f}x"
         for task, t in step_times.items())
@@ -424,7 +429,7 @@ def main(argv):
         f"decoding {m['decode']:.1f} minutes" for task, m in task_minutes.items())
     host = machine()
     table += (f"\n\nWhole run: {minutes:.1f} minutes on {host['processor']} "
-              f"({host['cpu_threads']} threads)")
+              f"({host['cpu_capability']}, {host['cpu_threads']} threads)")
     report = {"config": cfg, "machine": host, "minutes": minutes, "task_minutes": task_minutes,
               "rows": rows, "training_step_seconds": step_times, "batched": batched}
     write_report(cfg["out_dir"], report, table)

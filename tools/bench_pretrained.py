@@ -44,8 +44,8 @@ from configurator import explicit_keys, parse_args, require, run_cli, settings_i
 from sampler import INFILL_MODES, RefusionSettings, make_decoder
 from support.benchmark import (TimedModel, batch_throughput, check_batch_settings, counting,
                                fastest_close, first_quality, headline, hf_decode, hf_model,
-                               machine, markdown_table, most_accurate, peak_above,
-                               point_config, refusion_sweep, throughput_table, totals,
+                               machine, highlights_table, most_accurate, peak_above,
+                               point_config, refusion_sweep, throughput_table, speed_figures,
                                write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
@@ -132,7 +132,7 @@ def fine_tune(cfg, task, kind):
 # the points and their decodes
 
 
-def decoder_points(cfg, task):
+def smollm2_points(cfg, task):
     """(label, series, method, model, dtype, knobs) of every point of a task, the baseline first:
     the next-token fine-tune decoded by us (in cfg's dtype and in float32) and by Hugging Face's
     generate, then the ReFusion fine-tune's next-token decoding and its ReFusion sweep."""
@@ -149,16 +149,15 @@ def decoder_points(cfg, task):
     return points if dt != "float32" else [p for p in points if not p[0].endswith(", float32")]
 
 
-def validation_prompts(cfg, task, enc_name, block_size):
+def smollm2_prompts(cfg, task, enc_name, block_size):
     """The first num_prompts validation samples whose prompt leaves room for every point's
     generation in the context: (prompts, references), lists of token-id lists."""
     L = TASKS[task]["max_new_tokens"]
-    room = max([L] + [RefusionSettings(L, **p[5]).gen_length for p in decoder_points(cfg, task)
+    room = max([L] + [RefusionSettings(L, **p[5]).gen_length for p in smollm2_points(cfg, task)
                       if p[2] == "refusion"])
     data_dir = prepare(TASKS[task]["dataset"], enc_name, block_size, cfg["data_root"])
     val = TokenDataset(data_dir, "val")
-    pairs = [val.sample(i) for i in range(len(val))]
-    fits = [(p, q) for p, q in pairs if len(p) + room <= block_size][:cfg["num_prompts"]]
+    fits = val.first_fitting(cfg["num_prompts"], room, block_size)
     if not fits:
         raise ValueError(f"no {task} validation prompt leaves room for {room} new tokens in the "
                          f"context of {block_size}")
@@ -166,7 +165,7 @@ def validation_prompts(cfg, task, enc_name, block_size):
 
 
 class Point:
-    """One point's decoder over the prompts, as bench_task calls it prompt by prompt: its
+    """One point's decoder over the prompts, as bench_smollm2_task calls it prompt by prompt: its
     forward passes timed (TimedModel, or counting Hugging Face's forward), its outputs, seconds,
     NFE and the peak memory of its decodes above the loaded models."""
 
@@ -207,7 +206,7 @@ class Point:
         self.calls.update(n=0, seconds=0.0)
 
 
-def bench_task(cfg, task):
+def bench_smollm2_task(cfg, task):
     """Fine-tune or reuse the task's two models, decode its validation prompts with every point,
     interleaved, and return the rows (bench.json's format) and the minutes spent."""
     t0 = time.perf_counter()
@@ -217,8 +216,8 @@ def bench_task(cfg, task):
     meta = ckpts["ar"]["meta"]
     ids, enc = decoder_ids(meta), get_tokenizer(meta["tokenizer"])
     block_size = ckpts["ar"]["model_args"]["block_size"]
-    prompts, references = validation_prompts(cfg, task, meta["tokenizer"], block_size)
-    models, points = {}, decoder_points(cfg, task)
+    prompts, references = smollm2_prompts(cfg, task, meta["tokenizer"], block_size)
+    models, points = {}, smollm2_points(cfg, task)
     for _, _, method, kind, dt, _ in points:
         key = (method == "hf", kind, dt)
         if key not in models:
@@ -253,17 +252,17 @@ def bench_task(cfg, task):
                      "quality": {m: sum(s[m] for s in scores) / len(scores) for m in scores[0]},
                      "same_tokens_as_first": sum(a == b for a, b in zip(d.outs, first)),
                      "peak_mb": d.peak_mb,
-                     **totals(sum(len(o) for o in d.outs), d.nfe, d.seconds, d.calls)})
+                     **speed_figures(sum(len(o) for o in d.outs), d.nfe, d.seconds, d.calls)})
     for r in rows:
         r["speedup_vs_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     batched = None
     if task == cfg["throughput_task"]:
-        batched = batched_points(cfg, rows, points, models, ids, prompts,
-                                 TASKS[task]["max_new_tokens"])
+        batched = smollm2_batched_points(cfg, rows, points, models, ids, prompts,
+                                         TASKS[task]["max_new_tokens"])
     return rows, {"train": (t1 - t0) / 60, "decode": (time.perf_counter() - t1) / 60}, batched
 
 
-def batched_points(cfg, rows, points, models, ids, prompts, max_new_tokens):
+def smollm2_batched_points(cfg, rows, points, models, ids, prompts, max_new_tokens):
     """The throughput table's rows (support.benchmark.batch_throughput): the next-token fine-tune
     and ReFusion's point of the headline (its fastest within 1 point of the baseline's quality, or
     its most accurate), in cfg's dtype, decoding the first max(batch_sizes) prompts at each batch
@@ -327,7 +326,7 @@ def main(argv):
     check_bench_pretrained_config(cfg)
     check_writable(cfg["out_dir"])
     t0 = time.perf_counter()
-    results = {task: bench_task(cfg, task) for task in cfg["tasks"]}
+    results = {task: bench_smollm2_task(cfg, task) for task in cfg["tasks"]}
     rows = [row for task_rows, _, _ in results.values() for row in task_rows]
     batched = {task: b for task, (_, _, b) in results.items() if b is not None}
     base = model_from_checkpoint(load_checkpoint(os.path.join(cfg["out_dir"],
@@ -335,7 +334,7 @@ def main(argv):
     costs = forward_costs(base, cfg["dtype"])
     minutes = (time.perf_counter() - t0) / 60
     host = machine()
-    table = headline(rows) + "\n\n" + markdown_table([dict(r, why=r["series"]) for r in rows])
+    table = headline(rows) + "\n\n" + highlights_table([dict(r, why=r["series"]) for r in rows])
     table += "\n\n" + "\n".join(
         f"smollm2 {task}: fine-tunes {', '.join(f'{r} {m:.1f}' for r, m in fine.items())} minutes; "
         f"decoding {spent['decode']:.1f} minutes"
@@ -347,7 +346,7 @@ def main(argv):
     table += ("\n\nOne cached forward pass of k tokens after 32 cached ones, "
               f"{cfg['dtype']} (ms): " + ", ".join(f"{k}: {ms:.1f}" for k, ms in costs.items()))
     table += (f"\n\nWhole run: {minutes:.1f} minutes on {host['processor']} "
-              f"({host['cpu_threads']} threads)")
+              f"({host['cpu_capability']}, {host['cpu_threads']} threads)")
     report = {"config": cfg, "machine": host, "minutes": minutes, "forward_ms": costs,
               "task_minutes": {task: spent for task, (_, spent, _) in results.items()},
               "rows": rows, "batched": batched}

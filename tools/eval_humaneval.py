@@ -70,7 +70,7 @@ dtype = "float32"          # the weights in float32 or bfloat16 (half the memory
 chat = False  # the release's instruct prompt in the chat template; on by default for a folder
 method = ""                # refusion, next_token or mdm; empty: the model's objective's
 limit = 0                  # the first this many problems; 0: all 164
-max_new_tokens = 512  # refusion: rounded up to whole blocks of slots, slot_size x serial_num_blocks
+max_new_tokens = 512  # refusion: rounded up to whole serial blocks of slots (S x serial_num_blocks)
 slot_size = 32             # refusion: tokens per slot (S)
 serial_num_blocks = 4      # refusion: serial blocks, decoded one after another
 slot_threshold = 0.9  # refusion: a slot is planned when its first draft's probability exceeds this
@@ -276,7 +276,7 @@ def summarize(results, skipped, seconds=None):
             "tokens_per_s": tokens / max(seconds, 1e-9)}
 
 
-def markdown_table(s):
+def summary_table(s):
     """One markdown table row of the summary s (from summarize), with its header."""
     return ("| problems run | skipped | pass@1 (%) | tokens | NFE | TPF | seconds | tokens/s |\n"
             "|---|---|---|---|---|---|---|---|\n"
@@ -343,7 +343,7 @@ def main(argv):
     summary = summarize(results, skipped, wall if n > 1 else None)
     print(f"HumanEval, --method={cfg['method']}, "
           f"{'chat' if cfg['chat'] else 'completion'} format, {settings}")
-    print(markdown_table(summary))
+    print(summary_table(summary))
     if cfg["out_json"]:
         report = {"config": cfg, "summary": summary, "skipped": skipped, "results": results}
         write_atomic(cfg["out_json"], lambda f: f.write(json.dumps(report, indent=1).encode()))
