@@ -183,6 +183,8 @@ def parse_args(defaults, argv):
                 readers = ("init_from",) if model else ("prompt_file", "dataset")
                 flags = " or ".join(f"--{key}={arg}" for key in readers if key in defaults)
                 fix = f"to read it, write {flags}" if flags else "flags are written --key=value"
+                if arg.partition("=")[0] in defaults and "=" in arg:  # a flag without its dashes
+                    fix = f"a setting is written with two dashes: --{arg}"
                 raise ConfigError(f"{arg!r} is not a config file (a .py file of assignments); "
                                   f"{fix}")
             if not os.path.isfile(arg):

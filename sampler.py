@@ -5,17 +5,15 @@ named steps, then the baselines and a short command line.
     generate_refusion_plain  the paper's algorithm in one function: no cache, no extension
     generate_refusion        the same with the KV cache: serial blocks, one after another
     decode_serial_block      one serial block: plan, verify, infill (if verify commits none), commit
-    plan_slots       step 1  one diffusion step over the masked slots: draft, pick the confident
-    verify_drafts    step 2  one causal pass over the picked drafts: their longest confident prefix
-    infill_slots     step 3  finish the picked slots in parallel, left to right, one cache row each
+    plan_slots       step 1  one diffusion step over the masked slots: draft, select the confident
+    verify_drafts    step 2  one causal pass over the selected drafts: their longest passing prefix
+    infill_slots     step 3  finish the selected slots in parallel, left to right, a cache row each
     commit_slots     step 4  record the finished slots, whose keys/values now follow the buffer
     SpeculativeInfill        infill="speculative" (SPEC 4.1, beyond the paper): one object, or None
     generate_next_token, generate_mdm    the baselines: next-token decoding, LLaDA-style MDM
 
-    python sampler.py --num_samples=3                    # prompts from the validation split
-    python sampler.py --prompt_file=my_prompt.txt --json
-    python sampler.py --show --num_samples=1             # watch the slots fill in, step by step
-    python sampler.py --plot=decode.png --num_samples=1  # draw which step committed each token
+    python sampler.py config/sample_quotes.py            # the quick start's model, 10 prompts
+    python sampler.py config/sample_quotes.py --show --num_samples=1 --plot=decode.png
     python sampler.py --init_from=smollm2 --chat --prompt="What is a hash table?"   # a real model
 
 The command line's plumbing (models, prompts, the live trace, printing) is support/sampling.py;
@@ -42,11 +40,11 @@ from configurator import (INFILL_MODES, ContextTooLong, DecodeSettings,  # noqa:
 # forward passes of decoding cheaper than under no_grad (about 10% per token on a small model).
 @torch.inference_mode()
 def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, generator=None):
-    """ReFusion's decoding of one prompt, plainly (SPEC section 4; the paper's infill whatever
-    settings.infill says; its helpers are under "choosing tokens" below). No cache: each pass feeds
-    the whole committed buffer (the prompt, then the slots in commit order, at true positions),
-    then the new tokens, each committed token seeing what it saw (infilled slots not each other).
-    Arguments as generate_refusion's first six. Returns a Generation: its tokens and NFE."""
+    """ReFusion's decoding of one prompt (token ids), plainly (SPEC section 4, the paper's infill;
+    settings: RefusionSettings, whose infill is not read; only the mask id is banned; the helpers
+    are under "choosing tokens" below). No cache: each pass feeds the whole committed buffer (the
+    prompt, then the slots in commit order, at true positions) and the new tokens, each committed
+    token seeing what it saw (infilled slots not each other). Returns a Generation."""
     check_attention(model, "refusion")
     check_context(model, len(prompt), settings)
     t0, S, device = time.perf_counter(), settings.slot_size, next(model.parameters()).device
@@ -77,14 +75,15 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
     for b in range(settings.serial_num_blocks):
         n = settings.slots_per_serial_block
         pool = [len(prompt) + (b * n + k) * S for k in range(n)]  # the serial block's slots
-        while pool:  # 1. plan: draft every masked slot; pick those whose first token is confident
+        while pool:  # 1. plan: draft every masked slot; select those whose first token passes
             at = torch.tensor(pool, device=device)[:, None] + cols              # (slots, S)
             logits = forward(torch.full_like(at, mask_id).view(1, -1), at.view(1, -1))[0]
             drafts, probs = draft_tokens(logits, settings.temperature, generator, [mask_id])
             scores = probs.view(-1, S)[:, 0]  # if none passes, the first of the best
-            picked = (scores > settings.slot_threshold).nonzero()[:, 0].tolist() or [
+            selected = (scores > settings.slot_threshold).nonzero()[:, 0].tolist() or [
                 int(scores.argmax())]
-            starts, drafts, at = [pool[k] for k in picked], drafts.view(-1, S)[picked], at[picked]
+            starts, drafts, at = [pool[k] for k in selected], drafts.view(-1, S)[selected], \
+                at[selected]
             # 2. verify: one causal pass over the drafts, concatenated; its longest passing prefix
             flat = drafts.view(1, -1)
             probs = next_token_probs(forward(flat, at.view(1, -1)), flat).view(-1, S)
@@ -95,7 +94,7 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
                 n_commit = stop + 1 if stop is not None else len(prefix) // S * S
                 slots = [prefix[i:min(i + S, n_commit)] for i in range(0, n_commit, S)]
                 done, ended = commit(starts, slots, apart=False), stop is not None
-            else:  # 3. infill: each picked slot in its own row, from what verify accepted of it
+            else:  # 3. infill: each selected slot in its own row, from what verify accepted of it
                 accepted, ends, ended = leading_true(passed), torch.full_like(at[:, 0], S), False
                 while True:  # c. (first: verify's prefix may hold EOS) a row ends at its EOS
                     is_eos = torch.isin(drafts, eos_t) & (cols < accepted[:, None])
@@ -164,6 +163,36 @@ def decode_serial_block(state, pool, settings):
         pool = [p for p in pool
                 if p not in commit.starts and not (commit.eos and p > commit.starts[-1])]
     return eos
+
+
+class DecodeState:
+    """What the decoder carries from step to step (SPEC section 4, "State"): the committed buffer
+    (the prompt, then the slots in commit order) as `response` (true position -> token) and the
+    cache's row 0 (so `cache.pos` is its length); `pending`, the prompt until the first plan call
+    feeds it; nfe; per step its trace and step_nfe; speculative (a SpeculativeInfill, or None)."""
+
+    def __init__(self, model, prompt, settings, mask_id, eos_ids, generator, on_step, banned_ids):
+        self.model, self.generator, self.on_step = model, generator, on_step
+        self.cache = model.new_kv_cache(max_len=len(prompt) + settings.gen_length,
+                                        max_batch=settings.slots_per_serial_block)
+        self.device = self.cache.kv.device
+        self.mask_id, self.eos_ids = mask_id, tuple(eos_ids)
+        self.eos_tensor = torch.tensor(self.eos_ids, device=self.device)  # for end_rows_at_eos
+        self.banned = [mask_id, *banned_ids]  # never written into the response
+        self.temperature, self.prompt_len = settings.temperature, len(prompt)
+        self.pending, self.pending_pos = list(prompt), list(range(len(prompt)))
+        self.response, self.nfe, self.trace, self.step_nfe = {}, 0, [], []
+        self.speculative = SpeculativeInfill.of(settings, len(prompt))  # SPEC 4.1, or None
+
+    def forward(self, tokens, positions, keep=None):
+        """One counted pass of tokens (B, T) at true positions (B, T) after the cache -> logits
+        (B, T, V); the cache keeps the keys/values of the first `keep` tokens (None: all)."""
+        start = self.cache.pos
+        self.nfe += 1
+        logits = self.model(tokens, positions, kv_cache=self.cache)
+        if keep is not None:
+            self.cache.crop(start + keep)
+        return logits
 
 
 def plan_slots(state, pool, slot_size, slot_threshold):
@@ -355,35 +384,6 @@ def commit_slots(state, commit):
     if state.on_step:
         state.on_step(step)
 
-
-class DecodeState:
-    """What the decoder carries from step to step (SPEC section 4, "State"): the committed buffer
-    (the prompt, then the slots in commit order) as `response` (true position -> token) and the
-    cache's row 0 (so `cache.pos` is its length); `pending`, the prompt until the first plan call
-    feeds it; nfe; per step its trace and step_nfe; speculative (a SpeculativeInfill, or None)."""
-
-    def __init__(self, model, prompt, settings, mask_id, eos_ids, generator, on_step, banned_ids):
-        self.model, self.generator, self.on_step = model, generator, on_step
-        self.cache = model.new_kv_cache(max_len=len(prompt) + settings.gen_length,
-                                        max_batch=settings.slots_per_serial_block)
-        self.device = self.cache.kv.device
-        self.mask_id, self.eos_ids = mask_id, tuple(eos_ids)
-        self.eos_tensor = torch.tensor(self.eos_ids, device=self.device)  # for end_rows_at_eos
-        self.banned = [mask_id, *banned_ids]  # never written into the response
-        self.temperature, self.prompt_len = settings.temperature, len(prompt)
-        self.pending, self.pending_pos = list(prompt), list(range(len(prompt)))
-        self.response, self.nfe, self.trace, self.step_nfe = {}, 0, [], []
-        self.speculative = SpeculativeInfill.of(settings, len(prompt))  # SPEC 4.1, or None
-
-    def forward(self, tokens, positions, keep=None):
-        """One counted pass of tokens (B, T) at true positions (B, T) after the cache -> logits
-        (B, T, V); the cache keeps the keys/values of the first `keep` tokens (None: all)."""
-        start = self.cache.pos
-        self.nfe += 1
-        logits = self.model(tokens, positions, kv_cache=self.cache)
-        if keep is not None:
-            self.cache.crop(start + keep)
-        return logits
 
 # -----------------------------------------------------------------------------
 # beyond the paper: infill="speculative", the next-token pathway in charge (SPEC 4.1, opt-in)
@@ -653,10 +653,9 @@ METHOD_OF = {"refusion": "refusion", "ar": "next_token", "mdm": "mdm"}
 def decoder_settings(cfg):
     """The settings object of cfg["method"] (a RefusionSettings, DecodeSettings or MDMSettings),
     which checks cfg's knobs. Raises ValueError for an unknown method or invalid settings."""
-    if cfg["method"] not in DECODERS:
-        renamed = " (--method=ar is now called next_token)" if cfg["method"] == "ar" else ""
-        raise ValueError(f"--method={cfg['method']!r}: choose one of {', '.join(DECODERS)}"
-                         f"{renamed}")
+    if cfg["method"] not in DECODERS:  # the old name too
+        raise ValueError(f"--method={cfg['method']!r}: choose one of {', '.join(DECODERS)}" +
+                         " (--method=ar is now called next_token)" * (cfg["method"] == "ar"))
     Settings = DECODERS[cfg["method"]][1]
     knobs = {f.name: cfg[f.name] for f in fields(Settings)}
     if cfg["method"] == "mdm":  # 0: one token per step, one semi-autoregressive block
@@ -677,9 +676,8 @@ def make_decoder(cfg, ids, generator):
                          "masks); use --method=next_token, or fine-tune it with train.py first")
     banned = tuple(i for i in (ids["mask_id"], ids["pad_id"], *ids.get("undecodable_ids", ()))
                    if i is not None and i not in ids["eos_ids"])
-    kwargs = dict(eos_ids=ids["eos_ids"], banned_ids=banned)
-    if cfg["method"] != "next_token":
-        kwargs["mask_id"] = ids["mask_id"]
+    kwargs = dict(eos_ids=ids["eos_ids"], banned_ids=banned) | (
+        {} if cfg["method"] == "next_token" else {"mask_id": ids["mask_id"]})
     return partial(DECODERS[cfg["method"]][0], settings=settings, generator=generator,
                    **kwargs), settings
 
@@ -733,7 +731,11 @@ def main(argv):
     decode, settings = make_decoder(cfg, ids, torch.Generator(cfg["device"]))  # the warm-up's
     check_attention(model, cfg["method"])
     sampling.note_mismatch(cfg["method"], objective, ckpt)
-    prompts = sampling.load_prompts(cfg, enc, ckpt, settings.gen_length, model.config.block_size)
+    # prompts with room for ReFusion's rounded generation whichever the method (the MDM: its
+    # canvas), so that --method=next_token decodes the lines the summary compares with
+    room = settings.gen_length if cfg["method"] == "mdm" else decoder_settings(
+        dict(cfg, method="refusion")).gen_length
+    prompts = sampling.load_prompts(cfg, enc, ckpt, room, model.config.block_size)
     decode(model, prompts[0][:8])  # warm-up: the first forward passes pay one-time costs
     next_token = None
     if sampling.compares_next_token(cfg, len(prompts), "compare_next_token" in explicit):

@@ -113,8 +113,9 @@ def plot_decode(out, prompt_len, path, title="", texts=None, canvas=0):
     ax.axvline(len(out.tokens) - 0.5, color="tab:red", linestyle="--", linewidth=1)
     ax.set_xlabel("response position (dashed: end of the returned response)")
     ax.set_ylabel("decoding step")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_title(title, fontsize=9, loc="left")
-    bar = fig.colorbar(image, ax=ax, pad=0.08, label="step that committed the token")
+    bar = fig.colorbar(image, ax=ax, pad=0.08, label="committing step")
     bar.locator = MaxNLocator(integer=True)                # steps are whole numbers
     fig.tight_layout()
     save_png(fig, path)

@@ -136,13 +136,16 @@ def note_mismatch(method, objective, ckpt=None):
 
 def compares_next_token(cfg, n_prompts, asked):
     """Whether the summary line also gives next-token decoding of the same prompts
-    (compare_next_token): for --method=refusion, more than one prompt and text output. asked:
-    compare_next_token was set explicitly, and so a note says why it cannot be done."""
+    (compare_next_token): for --method=refusion, more than one prompt, text output and no --show
+    (whose drawing would be timed with ReFusion's decodes alone). asked: compare_next_token was
+    set explicitly, and so a note says why it cannot be done."""
     if not cfg["compare_next_token"]:
         return False
     missing = [why for why, fails in [("--method=refusion", cfg["method"] != "refusion"),
                                       ("more than one prompt", n_prompts < 2),
-                                      ("text output (not --json)", cfg["json"])] if fails]
+                                      ("text output (not --json)", cfg["json"]),
+                                      ("no --show (its drawing is timed with the decode)",
+                                       cfg["show"])] if fails]
     if missing and asked:
         print(f"note: --compare_next_token compares a summary line, which needs "
               f"{' and '.join(missing)}; decoding without it", file=sys.stderr)

@@ -220,3 +220,9 @@ def check_sample_config(cfg):
     decoder's (when --method is given)."""
     sampling.check_sample_config(cfg)
     sampler.decoder_settings(dict(cfg, method=cfg["method"] or "refusion"))  # its knobs, checked
+
+
+def test_a_setting_written_without_its_dashes_is_told_so():
+    """`python sampler.py num_samples=3` names the flag it meant, not a file to read."""
+    with pytest.raises(ConfigError, match="a setting is written with two dashes: --num_samples=3"):
+        parse_args(sampler.DEFAULTS, ["num_samples=3"])

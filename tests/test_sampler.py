@@ -312,8 +312,10 @@ def test_the_next_token_note_speaks_only_of_models_trained_without_next_token_la
 
 @pytest.mark.parametrize("flags, missing", [(["--num_samples=1"], "more than one prompt"),
                                             (["--json"], "text output"),
-                                            (["--method=next_token"], "--method=refusion")])
-def test_an_explicit_compare_next_token_that_cannot_apply_says_why(trained, capsys, flags, missing):
+                                            (["--method=next_token"], "--method=refusion"),
+                                            (["--show"], "no --show")])
+def test_an_explicit_compare_next_token_that_cannot_apply_says_why(trained, capsys, flags,
+                                                                   missing):
     sampler.main([f"--out_dir={trained}", "--max_new_tokens=8", "--slot_size=4",
                   "--compare_next_token=True", *flags])
     captured = capsys.readouterr()
@@ -405,3 +407,18 @@ def test_a_prompt_gets_the_newline_its_training_prompts_end_with(tmp_path, capsy
     sampler.main([f"--out_dir={tmp_path / 'sums'}", "--prompt=What is 2 + 2?"] + flags)
     captured = capsys.readouterr()
     assert json.loads(captured.out)["prompt"] == "What is 2 + 2?" and "newline" not in captured.err
+
+
+def test_next_token_decoding_picks_the_prompts_refusion_would(trained, capsys, monkeypatch):
+    """The validation prompts leave room for ReFusion's rounded generation whichever the method,
+    so that --method=next_token decodes the prompts the summary's next-token half decoded (6 new
+    tokens in slots of 4: room for 8, for both methods)."""
+    from support import sampling
+    rooms, load = [], sampling.load_prompts
+    monkeypatch.setattr(sampling, "load_prompts",
+                        lambda cfg, enc, ckpt, room, block: rooms.append(room) or load(
+                            cfg, enc, ckpt, room, block))
+    for method in ("refusion", "next_token"):
+        sampler.main([f"--out_dir={trained}", "--num_samples=2", "--max_new_tokens=6",
+                      "--slot_size=4", f"--method={method}"])
+    assert rooms == [8, 8]

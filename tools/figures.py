@@ -1,24 +1,17 @@
-"""
+r"""
 Draw the pictures of docs/ from the code's own output (support/drawing.py; needs matplotlib):
 
     python -m tools.figures            # docs/layout.png: reorganize_slots of one transform sample
     python -m tools.figures --out_dir=bench/transform-refusion-ft \
         --sampler_flags="--slot_size=8 --serial_num_blocks=1"
-                                       # ... and docs/decode.png: sampler.py --plot of that
+                                       # ... and a decode.png: sampler.py --plot of that
                                        # checkpoint's first validation prompt
 
-docs/decode.png shows a 3-layer, 96-wide model trained on the transform task in about 10 CPU
-minutes, the paper's way (an ARM first, then fine-tuned into ReFusion; M="--dataset=transform
---block_size=200 --n_layer=3 --n_head=4 --n_embd=96 --batch_size=32"):
+docs/decode.png is sampler.py --plot of the quick start's model (config/train_quotes.py) on one
+validation line, drawn by the sampler itself:
 
-    python train.py $M --out_dir=out/tr-ar --objective=ar --max_iters=1200 --learning_rate=3e-3 \
-        --min_lr=3e-4 --eval_interval=300
-    python train.py $M --out_dir=out/tr-ft --objective=refusion --init_from=out/tr-ar/ckpt.pt \
-        --max_iters=500 --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=20 --slot_sizes=4,8
-    python train.py $M --out_dir=out/tr-ft2 --objective=refusion --init_from=out/tr-ft/ckpt.pt \
-        --max_iters=1000 --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=20 --slot_sizes=4,8
-    python -m tools.figures --layout_png= --out_dir=out/tr-ft2 \
-        --sampler_flags="--max_new_tokens=72 --slot_size=4 --serial_num_blocks=2"
+    python sampler.py config/sample_quotes.py --plot=docs/decode.png \
+        --prompt="('urllib', 'urlcleanup'): ('urllib.request', 'urlcleanup'),"
 """
 
 import os
