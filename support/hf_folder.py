@@ -108,26 +108,34 @@ def abridged(names):
 # -----------------------------------------------------------------------------
 # model folders: config.json and safetensors -> Transformer
 
-# What differs between the families from_pretrained loads. Anything else in config.json that the
-# Transformer does not implement is refused by name (see hf_model_config).
+# What differs between the families from_pretrained loads: the query/key norms, the value
+# transformers' config class (Qwen3Config, LlamaConfig; transformers 5) gives each field config.json
+# leaves out, and the fields it derives when null (num_key_value_heads from num_attention_heads,
+# head_dim from hidden_size / num_attention_heads); tests/test_pretrained.py checks them against
+# the classes. Anything else in config.json that the Transformer does not implement is refused by
+# name (see hf_model_config).
 FAMILIES = {
-    # transformers' Qwen3Config defaults head_dim to 128
-    "qwen3": dict(qk_norm=True, derive_head_dim=False),
-    # Llama 2/3, SmolLM2: head_dim = hidden_size / heads
-    "llama": dict(qk_norm=False, derive_head_dim=True),
+    "qwen3": dict(qk_norm=True, derived=("num_key_value_heads",), defaults=dict(
+        vocab_size=151936, max_position_embeddings=32768, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, hidden_size=4096, intermediate_size=22016,
+        head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # Llama 2/3, SmolLM2
+    "llama": dict(qk_norm=False, derived=("num_key_value_heads", "head_dim"), defaults=dict(
+        vocab_size=32000, max_position_embeddings=2048, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=None, hidden_size=4096,
+        intermediate_size=11008, head_dim=None, rms_norm_eps=1e-6, tie_word_embeddings=False)),
 }
+DEFAULT_ROPE_THETA = 10000.0  # both classes' default_theta
+# the activations transformers' ACT2FN maps to SiLU
+SILU = ("silu", "swish")
 
 # config.json's fields the model is built from: the sizes, each a positive whole number (WHOLE), and
 # the others with what each must be (FIELD_KINDS)
-SIZES = ("vocab_size", "max_position_embeddings", "num_hidden_layers", "num_attention_heads",
-         "hidden_size", "intermediate_size")
 WHOLE = ("a positive whole number", lambda v: is_int(v, 1))
 POSITIVE = ("a positive finite number", lambda v: isinstance(v, (int, float))
             and not isinstance(v, bool) and 0 < v < math.inf)
 FIELD_KINDS = {"rope_theta": POSITIVE, "rms_norm_eps": POSITIVE,
-               "tie_word_embeddings": ("true or false", lambda v: isinstance(v, bool)),
-               # None: derived
-               "head_dim": ("a positive whole number", lambda v: v is None or is_int(v, 1))}
+               "tie_word_embeddings": ("true or false", lambda v: isinstance(v, bool))}
 # safetensors' names of the weight dtypes from_pretrained loads
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
@@ -139,8 +147,10 @@ def hf_model_config(folder):
     Qwen3 normalizes each head's queries and keys (qk_norm), Llama does not; both may tie lm_head to
     the embedding (tie_word_embeddings). Raises FileNotFoundError without config.json; ValueError
     naming the file and each field this model does not implement (model_type, rope scaling,
-    attention or MLP bias, sliding window, activation, quantization_config), a missing field or one
-    of the wrong type (FIELD_KINDS), or a file that is not JSON (read_json).
+    attention or MLP bias, sliding window, activation, quantization_config), a field of the wrong
+    type (FIELD_KINDS), or a file that is not JSON (read_json). Every field is read as
+    transformers' config class reads it: one left out takes its default (FAMILIES), RoPE's base
+    comes from rope_scaling or rope_parameters before a top-level rope_theta, "swish" is SiLU.
     """
     path = need(folder, "config.json")
     hf = read_json(path)
@@ -153,7 +163,8 @@ def hf_model_config(folder):
     model_type = hf.get("model_type")
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     # transformers 4 writes rope_theta and rope_scaling (null when plain), transformers 5
-    # rope_parameters
+    # rope_parameters; read as transformers 5 reads them (RotaryEmbeddingConfigMixin): rope_scaling
+    # when set, else rope_parameters, whose rope_theta comes before a top-level one
     rope_key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     rope = hf.get(rope_key) or {}
     expect(isinstance(rope, dict), path, f"{rope_key} is a {type(rope).__name__}, not an object")
@@ -163,23 +174,21 @@ def hf_model_config(folder):
         ("attention_bias", not hf.get("attention_bias")),
         ("mlp_bias", not hf.get("mlp_bias")),
         ("use_sliding_window", not hf.get("use_sliding_window")),
-        ("hidden_act", hf.get("hidden_act", "silu") == "silu")] if not ok]
+        ("hidden_act", hf.get("hidden_act", "silu") in SILU)] if not ok]
     if unsupported:
         raise ValueError(f"{path}: {', '.join(unsupported)} is not implemented here; this model "
                          f"loads Qwen3 and Llama-family checkpoints ({', '.join(FAMILIES)}: "
                          "plain RoPE, no attention or MLP bias, full attention, SiLU) only")
-    try:
-        values = {key: hf[key] for key in SIZES + ("rms_norm_eps", "tie_word_embeddings")}
-        values["rope_theta"] = hf["rope_theta"] if "rope_theta" in hf else rope["rope_theta"]
-        # absent: n_head
-        values["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
-        values["head_dim"] = hf["head_dim"] if "head_dim" in hf or not family["derive_head_dim"] \
-            else None
-    except KeyError as e:
-        raise ValueError(f"{path} has no {e}; it is not a complete {model_type} config") from None
+    # a field left out takes the config class's default; a null one is derived where the class
+    # derives it
+    values = {key: hf.get(key, default) for key, default in family["defaults"].items()}
+    values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA))
     wrong = [f"{key}={value!r} (expected {FIELD_KINDS.get(key, WHOLE)[0]})"
-             for key, value in values.items() if not FIELD_KINDS.get(key, WHOLE)[1](value)]
+             for key, value in values.items() if not FIELD_KINDS.get(key, WHOLE)[1](value)
+             and not (value is None and key in family["derived"])]
     expect(not wrong, path, ", ".join(wrong))
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
     try:
         return ModelConfig(
             vocab_size=values["vocab_size"], block_size=values["max_position_embeddings"],
@@ -261,6 +270,10 @@ def from_pretrained(folder, dtype=torch.float32):
     if config.tie_embeddings:
         # a stored copy of the tied matrix is ignored, as transformers does
         found.pop("lm_head.weight", None)
+    # older conversions store RoPE's inverse frequencies, which follow from rope_theta: transformers
+    # ignores them (PreTrainedModel._adjust_missing_and_unexpected_keys), and so does this
+    found = {name: shape for name, shape in found.items()
+             if not name.endswith("rotary_emb.inv_freq")}
     missing, unexpected = sorted(expected.keys() - found.keys()), \
         sorted(found.keys() - expected.keys())
     misshaped = [f"{name} {found[name]} (config.json implies {expected[name]})"

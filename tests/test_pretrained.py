@@ -27,7 +27,7 @@ from model import ModelConfig, Transformer
 from sampler import DecodeSettings, RefusionSettings, generate_next_token, generate_refusion
 from support import tokenizer
 from support.chat import CHATML, chat_prompt
-from support.hf_folder import from_pretrained
+from support.hf_folder import from_pretrained, hf_model_config
 from support.hf_tokenizer import (PRE_TOKENIZERS, QWEN2_PAT, byte_of_char, hf_special_ids,
                                   hf_tokenizer, undecodable_ids)
 from support.sampling import load_model
@@ -156,6 +156,106 @@ def test_missing_shard_is_named(tmp_path):
         from_pretrained(str(tmp_path))
 
 
+# config.json and the tensors read as transformers reads them (bad input, fifth round)
+
+
+def with_config(folder, **changes):
+    """Rewrites folder's config.json with changes; a value of DELETE drops the field."""
+    config = json.loads((folder / "config.json").read_text()) | changes
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                    if v != "DELETE"}))
+
+
+def with_inv_freq(folder):
+    """Adds each layer's rotary_emb.inv_freq, as older Llama conversions store it (of another base,
+    so that reading it would change the logits)."""
+    tensors = load_file(folder / "model.safetensors")
+    inv_freq = 1.0 / 500.0 ** (torch.arange(0, 16, 2).float() / 16)
+    save_file(tensors | {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv_freq.clone()
+                         for i in range(TINY["num_hidden_layers"])}, folder / "model.safetensors")
+
+
+FOLDER_VARIANTS = {
+    # transformers 5 takes rope_parameters' base before a top-level one
+    "two-rope-bases": lambda f: with_config(
+        f, rope_theta=500.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # transformers 4's spelling
+    "rope-theta-and-null-scaling": lambda f: with_config(
+        f, rope_theta=500.0, rope_scaling=None, rope_parameters="DELETE"),
+    "rope-scaling-default": lambda f: with_config(
+        f, rope_theta=500.0, rope_scaling={"rope_type": "default", "rope_theta": 2000.0},
+        rope_parameters="DELETE"),
+    "no-rope-theta": lambda f: with_config(f, rope_theta="DELETE", rope_parameters="DELETE"),
+    "rope-parameters-without-theta": lambda f: with_config(
+        f, rope_theta=500.0, rope_parameters={"rope_type": "default"}),
+    "swish": lambda f: with_config(f, hidden_act="swish"),
+    "inv-freq": with_inv_freq,
+}
+
+
+@pytest.mark.parametrize("variant", list(FOLDER_VARIANTS))
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_folder_transformers_loads_gives_transformers_logits(tmp_path, family, variant):
+    transformers = pytest.importorskip("transformers")
+    save_hf_model(tmp_path, family, tied=True)
+    FOLDER_VARIANTS[variant](tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), attn_implementation="eager", dtype=torch.float32).eval()
+    ours = from_pretrained(str(tmp_path))
+    assert ours.config.rope_theta == reference.config.rope_parameters["rope_theta"]
+    torch.manual_seed(1)
+    idx, pos = torch.randint(0, VOCAB, (2, 16)), position_layout("gapped", 2, 16)
+    with torch.no_grad():
+        expected = reference(input_ids=idx, position_ids=pos,
+                             attention_mask=torch.ones_like(idx)).logits
+        got = ours(idx, pos)
+    assert torch.allclose(got, expected, atol=TOL, rtol=0), (got - expected).abs().max()
+
+
+# every field a model is built from: (ours, transformers' attribute)
+BUILT_FROM = [("vocab_size", "vocab_size"), ("block_size", "max_position_embeddings"),
+              ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"),
+              ("n_kv_head", "num_key_value_heads"), ("n_embd", "hidden_size"),
+              ("head_dim", "head_dim"), ("intermediate_size", "intermediate_size"),
+              ("norm_eps", "rms_norm_eps"), ("tie_embeddings", "tie_word_embeddings")]
+
+
+REFUSED = {("qwen3", "head_dim=null"): r"head_dim=None \(expected a positive whole number\)",
+           ("qwen3", "num_key_value_heads"): "n_head=4 must be a multiple of n_kv_head=32"}
+
+
+@pytest.mark.parametrize("left_out", [transformers_name for _, transformers_name in BUILT_FROM]
+                         + ["rope_theta", "num_key_value_heads=null", "head_dim=null"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_field_config_json_leaves_out_takes_transformers_default(tmp_path, family, left_out):
+    """Each field the model is built from, left out of config.json (or null where transformers
+    derives it), is what transformers' own config class makes of it."""
+    transformers = pytest.importorskip("transformers")
+    name, _, null = left_out.partition("=")
+    config = {"model_type": family, **TINY, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": True}
+    config[name] = None if null else "DELETE"
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                      if v != "DELETE"}))
+    if (family, left_out) in REFUSED:
+        # both refuse a null head_dim; 32 key-value heads (Qwen3Config's default) for 4 query heads
+        # cannot be built
+        with pytest.raises(ValueError, match=REFUSED[family, left_out]):
+            hf_model_config(str(tmp_path))
+        if null:
+            with pytest.raises(Exception, match="head_dim"):
+                transformers.AutoConfig.from_pretrained(str(tmp_path))
+        return
+    reference = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    ours = hf_model_config(str(tmp_path))
+    # transformers' LlamaConfig keeps head_dim None where it derives it at the attention layers
+    expected = {ours_name: getattr(reference, name) for ours_name, name in BUILT_FROM}
+    expected["head_dim"] = expected["head_dim"] or reference.hidden_size // \
+        reference.num_attention_heads
+    assert {ours_name: getattr(ours, ours_name) for ours_name, _ in BUILT_FROM} == expected
+    assert ours.rope_theta == reference.rope_parameters["rope_theta"]
+
+
 # ----------------------------------------------------------------------------------------------
 # from_pretrained on folders written here (no transformers needed)
 
@@ -262,7 +362,10 @@ def edit_tensors(keep=lambda name: True, add=()):
     (edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ValueError,
      "rope_scaling=.*yarn"),
     (edit_config(attention_bias=True), ValueError, "attention_bias=True is not implemented"),
-    (edit_config(head_dim="DELETE"), ValueError, "has no 'head_dim'"),
+    # a Qwen3 config.json without head_dim means transformers' default, 128
+    (edit_config(head_dim="DELETE"), ValueError,
+     r"wrongly shaped tensors: model\.layers\.0\.self_attn\.k_norm\.weight \[16\] "
+     r"\(config.json implies \[128\]\)"),
     (edit_config(vocab_size=301), ValueError,
      r"wrongly shaped tensors: model\.embed_tokens\.weight \[300, 64\] "
      r"\(config.json implies \[301, 64\]\)"),

