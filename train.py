@@ -320,6 +320,7 @@ def main(argv):
     from support import runs, shard
     cfg = parse_args(DEFAULTS, argv)
     explicit = explicit_keys(cfg, DEFAULTS, argv)
+    runs.take_resumed_settings(cfg, explicit)        # --init_from=resume: the checkpoint's
     runs.check_train_config(cfg)
     shard.check_sharding(cfg, launched="RANK" in os.environ)
     # the process that writes checkpoints (RANK 0 under torchrun) holds out_dir from here to the end

@@ -44,8 +44,10 @@ def save_checkpoint(out_dir, ckpt):
                  "checkpoint")
 
 
-def load_checkpoint(path_or_dir, device="cpu"):
-    """Read a checkpoint dict from a file or an out_dir holding ckpt.pt.
+def load_checkpoint(path_or_dir, device="cpu", settings_only=False):
+    """Read a checkpoint dict from a file or an out_dir holding ckpt.pt. settings_only: its
+    settings and counters, the tensors mapped from the file unread (torch.load's mmap), their
+    finiteness unchecked.
 
     Warns on stderr when a sharded checkpoint beside it is newer (not consolidated since).
     Raises FileNotFoundError when there is none (naming tools.consolidate when the run has only a
@@ -69,7 +71,7 @@ def load_checkpoint(path_or_dir, device="cpu"):
               f"`python -m tools.consolidate --out_dir={out_dir}` to use the latest weights",
               file=sys.stderr)
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+        ckpt = torch.load(path, map_location=device, weights_only=True, mmap=settings_only)
     except Exception as e:  # torch raises several types for truncated or unsafe files
         raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}); it may be "
                          "truncated, from another program, or hold code (which is never "
@@ -81,7 +83,8 @@ def load_checkpoint(path_or_dir, device="cpu"):
         raise ValueError(f"{path} has checkpoint format {ckpt.get('format')!r}, this code reads "
                          f"format {FORMAT}; retrain it with this version of train.py")
     check_consistent(ckpt, path)
-    check_finite(ckpt["model"], path)
+    if not settings_only:
+        check_finite(ckpt["model"], path)
     return upgrade(ckpt)
 
 

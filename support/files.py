@@ -2,7 +2,7 @@
 Files written whole or not at all: checkpoints, prepared data and reports go through write_atomic.
 
     write_atomic(path, write)   a new temp file beside path, fsync, rename over path, fsync the
-                                directory
+                                directory (a symlink at path is written through)
 
 A crash, a power cut or a full disk at any moment leaves either the previous file or the new one,
 never a mix, and no temp file keeps the disk full.
@@ -57,10 +57,17 @@ def write_atomic(path, write, what=None):
     crosses file systems. It is flushed and fsynced before the rename, and the directory after it,
     so the new file survives a power cut. On any error the temp file is removed and path is as it
     was.
+    A path that is a symlink (or a chain of them) is written through: the file it points to is
+    replaced, in its own directory, and the link is kept.
     what: how a message names the file ("checkpoint"); its base name by default.
-    Raises DiskFull (a ValueError) when the disk is full (raise_if_disk_full), and whatever else
-    write raises.
+    Raises DiskFull (a ValueError) when the disk is full (raise_if_disk_full), FileNotFoundError
+    for a link into a directory that does not exist, and whatever else write raises.
     """
+    if os.path.islink(path):
+        link, path = path, os.path.realpath(path)
+        if not os.path.isdir(os.path.dirname(path)):
+            raise FileNotFoundError(f"{link} is a symlink to {path}, whose directory does not "
+                                    "exist; create it, or remove the link to write a file there")
     directory = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:

@@ -3,6 +3,7 @@ What train.py's command line needs besides the objective and the loop: the setti
 out_dir a run holds, where a run starts (--init_from: scratch, resume, a checkpoint, a Hugging Face
 folder), processes under torchrun, FSDP, signals, and the checkpoint it saves.
 
+    take_resumed_settings(...) --init_from=resume: the checkpoint's settings, before the checks
     check_train_config(cfg)    refuse settings that cannot work, before any data is prepared
     hold_out_dir(out_dir)      one training run per out_dir at a time (a lock, and who holds it)
     where_to_start(cfg, ...)   scratch, resume or a pretrained model: the Start of a run
@@ -39,8 +40,8 @@ from support.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from support.files import write_atomic
 from support.hf_folder import from_pretrained
 from support.prepare import TokenDataset, prepare
-from support.shard import (check_sharding, checkpoint_layers, load_sharded, load_sharded_info,
-                           save_sharded, shard_model)
+from support.shard import (checkpoint_layers, load_sharded, load_sharded_info, save_sharded,
+                           shard_model)
 from support.tokenizer import TOKENIZERS, get_tokenizer, vocab_size
 
 OBJECTIVES = ("refusion", "ar", "mdm")
@@ -242,14 +243,15 @@ class Start:
     data_sha1: str | None = None
 
 
-def inherit_settings(cfg, explicit, source, keys, what):
-    """Take `keys` from a checkpoint's config; a key set explicitly to another value is refused.
-    Raises ValueError naming the flag and the fix."""
-    for key in keys:
-        if key in explicit and source[key] != cfg[key]:
-            raise ValueError(f"--{key}={cfg[key]} differs from the checkpoint's {source[key]!r}; "
-                             f"{what}: drop the flag")
-        cfg[key] = source[key]
+def inherit_settings(cfg, explicit, source, keys, what, also=()):
+    """Take `keys` from a checkpoint's config; flags set explicitly to other values are refused,
+    every one of them (and the problems in also) in one message. Raises ValueError naming each flag
+    and the fix."""
+    wrong = [f"--{key}={cfg[key]} differs from the checkpoint's {source[key]!r}"
+             for key in keys if key in explicit and source[key] != cfg[key]] + list(also)
+    if wrong:
+        raise ValueError(f"{'; '.join(wrong)}; {what}: drop the flag{'s' * (len(wrong) > 1)}")
+    cfg |= {key: source[key] for key in keys}
 
 
 def start_from_scratch(cfg, explicit):
@@ -261,33 +263,51 @@ def start_from_scratch(cfg, explicit):
                       causal=cfg["objective"] != "mdm"))
 
 
-def resume_from_checkpoint(cfg, explicit):
-    """--init_from=resume: the run in out_dir continues exactly. Every setting comes from its
-    checkpoint unless a flag says otherwise; the model, data and objective cannot change. A sharded
-    checkpoint (ckpt_sharded.pt, from --fsdp=True) comes first: a ckpt.pt beside it is its
-    consolidated copy for the sampler. Raises ValueError for a run that cannot be resumed as
-    asked."""
-    sharded = os.path.isfile(sharded_info_path(cfg["out_dir"]))
-    ckpt = load_sharded_info(cfg["out_dir"]) if sharded else load_checkpoint(cfg["out_dir"], "cpu")
+def take_resumed_settings(cfg, explicit):
+    """--init_from=resume, before the settings are checked: every setting comes from out_dir's
+    checkpoint unless a flag says otherwise. A sharded checkpoint (ckpt_sharded.pt, from
+    --fsdp=True) comes first: a ckpt.pt beside it is its consolidated copy for the sampler. Flags
+    that contradict what a resumed run keeps (RESUME_KEYS, its sharding) are refused all at once.
+    Raises ValueError naming them, or a checkpoint that cannot be resumed as asked (weights only; a
+    sharded run outside torchrun); FileNotFoundError without one (load_checkpoint)."""
+    if cfg["init_from"] != "resume":
+        return
+    out_dir = cfg["out_dir"]
+    sharded = os.path.isfile(sharded_info_path(out_dir))
+    ckpt = load_sharded_info(out_dir) if sharded else load_checkpoint(out_dir, settings_only=True)
+    # the optimizer state of one cannot be loaded into the other
+    written = "sharded" if sharded else "whole"
+    also = [f"--fsdp={cfg['fsdp']} differs from the checkpoint, which was written {written}"] \
+        * ("fsdp" in explicit and cfg["fsdp"] != sharded)
     inherit_settings(cfg, explicit, ckpt["config"], RESUME_KEYS,
-                     "a resumed run keeps its model, data and objective")
+                     "a resumed run keeps its model, data, objective and sharding", also)
     cfg |= {k: v for k, v in ckpt["config"].items() if k in cfg and k not in explicit | {"device"}}
+    cfg["fsdp"] = sharded
     if not sharded and "optimizer" not in ckpt:
-        raise ValueError(f"{checkpoint_path(cfg['out_dir'])} holds weights only (consolidated from "
+        raise ValueError(f"{checkpoint_path(out_dir)} holds weights only (consolidated from "
                          "a sharded checkpoint); start a new run from it with "
-                         f"--init_from={checkpoint_path(cfg['out_dir'])}")
-    if cfg["fsdp"] != sharded:  # the optimizer state of one cannot be loaded into the other
-        raise ValueError(f"--fsdp={cfg['fsdp']}: the checkpoint in {cfg['out_dir']} was written "
-                         f"{'sharded' if sharded else 'whole'}; resume it with --fsdp={sharded}")
-    # again: --fsdp may have come from the checkpoint
-    check_sharding(cfg, launched="RANK" in os.environ)
-    data_sha1 = ckpt["meta"].get("data_sha1")
-    if sharded:  # the shards are read once the model is sharded (support.shard.load_sharded)
-        return Start(ckpt["model_args"], iter_num=ckpt["iter_num"],
-                     best_val_loss=ckpt["best_val_loss"],
-                     shards=ckpt["shards"], data_sha1=data_sha1)
+                         f"--init_from={checkpoint_path(out_dir)}")
+    if sharded and "RANK" not in os.environ:
+        raise ValueError(f"the run in {out_dir} was sharded (--fsdp=True, its checkpoint "
+                         f"{sharded_info_path(out_dir)}): resume it under torchrun, `torchrun "
+                         f"--standalone --nproc_per_node=N train.py --init_from=resume "
+                         f"--out_dir={out_dir}` (--fsdp=True comes from the checkpoint), or "
+                         f"consolidate it (`python -m tools.consolidate --out_dir={out_dir}`) and "
+                         f"start a new run from its weights with --init_from={out_dir} "
+                         "--out_dir=ANOTHER")
+
+
+def resume_from_checkpoint(cfg, explicit):
+    """--init_from=resume: the run in out_dir continues exactly, with the settings
+    take_resumed_settings took from its checkpoint (sharded when cfg["fsdp"])."""
+    if cfg["fsdp"]:  # the shards are read once the model is sharded (support.shard.load_sharded)
+        info = load_sharded_info(cfg["out_dir"])
+        return Start(info["model_args"], iter_num=info["iter_num"],
+                     best_val_loss=info["best_val_loss"], shards=info["shards"],
+                     data_sha1=info["meta"].get("data_sha1"))
+    ckpt = load_checkpoint(cfg["out_dir"], "cpu")
     return Start(ckpt["model_args"], ckpt, ckpt["optimizer"], ckpt["iter_num"],
-                 ckpt["best_val_loss"], data_sha1=data_sha1)
+                 ckpt["best_val_loss"], data_sha1=ckpt["meta"].get("data_sha1"))
 
 
 def start_from_pretrained(cfg, explicit):

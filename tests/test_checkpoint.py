@@ -15,7 +15,7 @@ import train
 from helpers import tiny_model, tiny_run_flags, write
 from support import checkpoint
 from support.checkpoint import load_checkpoint, save_checkpoint
-from support.files import DiskFull
+from support.files import DiskFull, write_atomic
 from support.prepare import prepare
 
 
@@ -113,6 +113,29 @@ def test_a_symlink_at_the_old_temp_name_is_never_followed(tmp_path, monkeypatch)
     assert [os.path.dirname(t) for t in renamed] == [str(out)] * 2 and renamed[0] != renamed[1]
     # the planted link, untouched
     assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt.pt.tmp"]
+
+
+def test_a_symlinked_checkpoint_is_written_through_and_the_link_kept(tmp_path, qa_file):
+    """A ckpt.pt that links to a file elsewhere (a bigger disk): resuming writes the new weights
+    into that file, in its own directory, and leaves the link as it was; a chain of links too."""
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    train.main(flags + ["--max_iters=2"])
+    store = tmp_path / "store"
+    store.mkdir()
+    os.replace(tmp_path / "run" / "ckpt.pt", store / "weights.pt")
+    os.symlink("../store/weights.pt", tmp_path / "run" / "ckpt.pt")
+    train.main(flags + ["--init_from=resume", "--max_iters=4"])
+    assert os.readlink(tmp_path / "run" / "ckpt.pt") == "../store/weights.pt"
+    assert load_checkpoint(str(store / "weights.pt"))["iter_num"] == 4
+    assert os.listdir(store) == ["weights.pt"]
+    os.symlink(tmp_path / "run" / "ckpt.pt", tmp_path / "chain.pt")
+    write_atomic(str(tmp_path / "chain.pt"), lambda f: f.write(b"through two links"))
+    assert (store / "weights.pt").read_bytes() == b"through two links"
+    assert os.path.islink(tmp_path / "chain.pt") and os.path.islink(tmp_path / "run" / "ckpt.pt")
+    os.symlink(tmp_path / "gone" / "ckpt.pt", tmp_path / "dangling.pt")
+    with pytest.raises(FileNotFoundError, match=r"dangling.pt is a symlink to \S+gone/ckpt.pt, "
+                                                "whose directory does not exist"):
+        write_atomic(str(tmp_path / "dangling.pt"), lambda f: f.write(b"x"))
 
 
 def _fail_mid_write(error):

@@ -130,11 +130,18 @@ def test_a_sharded_checkpoint_resumes_exactly_and_consolidates_for_the_sampler(t
     assert json.loads(capsys.readouterr().out)["tokens"] > 0
 
     out = f"--out_dir={tmp_path / 'resumed'}"
-    for extra, message in [(["--fsdp=False"], "written sharded; resume it with --fsdp=True"),
-                           # --fsdp=True from the checkpoint
-                           ([], "launch with `torchrun")]:
-        with pytest.raises(ValueError, match=message):
-            train.main([out, "--init_from=resume", "--max_iters=8"] + extra)
+    with pytest.raises(ValueError, match="--fsdp=False differs from the checkpoint, which was "
+                       "written sharded; a resumed run keeps .* sharding: drop the flag"):
+        train.main([out, "--init_from=resume", "--max_iters=8", "--fsdp=False"])
+    # without torchrun: said plainly, with no flag to drop (--fsdp=True came from the checkpoint)
+    with pytest.raises(ValueError) as refused:
+        train.main([out, "--init_from=resume", "--max_iters=8"])
+    assert re.match(r"the run in .*resumed was sharded \(--fsdp=True, its checkpoint "
+                    r".*ckpt_sharded\.pt\): resume it under torchrun, `torchrun --standalone "
+                    r"--nproc_per_node=N train\.py --init_from=resume --out_dir=.*` \(--fsdp=True "
+                    r"comes from the checkpoint\), or consolidate it \(`python -m "
+                    r"tools\.consolidate --out_dir=.*`\) and start a new run from its weights",
+                    str(refused.value)) and "drop" not in str(refused.value)
     # only the consolidated copy is left
     os.remove(tmp_path / "resumed" / "ckpt_sharded.pt")
     with pytest.raises(ValueError,

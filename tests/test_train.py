@@ -309,6 +309,26 @@ def test_small_data_warns_and_compile_falls_back_where_it_cannot_run(tmp_path, q
         capsys.readouterr().err
 
 
+def test_what_a_resumed_run_or_a_fine_tune_cannot_change_is_checked_first_and_named_at_once(
+        tmp_path, qa_file):
+    """A resume repeating its first command's flags but another objective and depth: the flags
+    that contradict the checkpoint are named together, before the checks of the settings they
+    would make (an MDM's canvas of the default --gen_length=128 does not fit --block_size=64)."""
+    flags = [f for f in tiny_run_flags(tmp_path, qa_file, "run") if not f.startswith("--gen")]
+    train.main(flags + ["--max_iters=2"])
+    with pytest.raises(ValueError) as refused:
+        train.main(flags + ["--init_from=resume", "--max_iters=4", "--objective=mdm",
+                            "--n_layer=2"])
+    assert re.fullmatch(r"--n_layer=2 differs from the checkpoint's 1; --objective=mdm differs "
+                        r"from the checkpoint's 'refusion'; a resumed run keeps its model, data, "
+                        r"objective and sharding: drop the flags", str(refused.value))
+    with pytest.raises(ValueError) as refused:
+        train.main(tiny_run_flags(tmp_path, qa_file, "ft") + [
+            f"--init_from={tmp_path / 'run'}", "--n_layer=2", "--n_embd=32"])
+    assert str(refused.value).startswith("--n_layer=2 differs from the checkpoint's 1; --n_embd=32 "
+                                         "differs from the checkpoint's 16; a fine-tune keeps")
+
+
 def test_resume_takes_the_checkpoints_settings_and_init_from_its_shape(tmp_path, qa_file):
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", "--batch_size=3"])
     out = f"--out_dir={tmp_path / 'run'}"
