@@ -70,7 +70,7 @@ log_interval = 50         # without a terminal (a log file, a pipe): a line ever
 seed = 1337               # seeds the initial weights and every micro-batch's samples and masks
 device = "cpu"            # under torchrun with CUDA each process takes cuda:LOCAL_RANK
 compile = False           # torch.compile the model (the same results, faster on a GPU)
-dtype = "auto"            # matmuls in 'bfloat16' (autocast) or 'float32'; 'auto': bf16 on CUDA only
+dtype = "auto"            # matmuls in 'bfloat16' (autocast) or 'float32'; 'auto': bf16 if native
 fsdp = False              # under torchrun: shard weights, gradients and AdamW state (support.shard)
 activation_checkpointing = False  # recompute activations in backward: less memory, 1/3 more compute
 peak_tflops = 312.0       # for the MFU estimate: bf16 peak of the GPU (A100: 312, H100 SXM: 989)
@@ -160,12 +160,11 @@ def micro_batch_rng(cfg, iter_num, micro):
     return np.random.default_rng(key), torch.Generator().manual_seed(torch_seed)
 
 
-def autocast_for(device, dtype="auto"):
+def autocast_for(device, dtype):
     """The mixed-precision context of a training forward pass: bf16 autocast for dtype "bfloat16",
-    or "auto" on CUDA; nothing (float32) otherwise. Weights, gradients and AdamW's state stay
-    float32 either way. On a CPU with bf16 matrix units bf16 is faster for a model as large as
-    SmolLM2 (docs/pretrained.md), slower for the small models of the quick start."""
-    if dtype == "bfloat16" or (dtype == "auto" and device.startswith("cuda")):
+    nothing (float32) for "float32" (main makes --dtype=auto one of them:
+    support.hardware.pick_dtype). Weights, gradients and AdamW's state stay float32 either way."""
+    if dtype == "bfloat16":
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return nullcontext()
 
@@ -317,7 +316,7 @@ def main(argv):
     data, the model and its optimizer, then the loop until max_iters or a stop request (Ctrl-C,
     SIGTERM), saving a checkpoint whenever it yields. support/ holds the plumbing, called here as
     plain functions: checks, out_dir's lock, processes, data, FSDP, signals, checkpoints."""
-    from support import runs, shard
+    from support import hardware, runs, shard
     cfg = parse_args(DEFAULTS, argv)
     explicit = explicit_keys(cfg, DEFAULTS, argv)
     runs.take_resumed_settings(cfg, explicit)        # --init_from=resume: the checkpoint's
@@ -338,15 +337,17 @@ def main(argv):
         model_args, steps, best_val_loss, stopped = (start.model_args, start.iter_num,
                                                      start.best_val_loss, False)
         del start
+        # auto: bf16 where it pays
+        dtype, why = hardware.pick_dtype(cfg["dtype"], cfg["device"], model.num_params())
         if rank == 0:
             print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
                   f"{len(train_data):,} training samples, device {cfg['device']}, "
-                  f"{world} process(es)")
+                  f"{world} process(es), matmuls in {dtype}" + (f" ({why})" if why else ""))
         with runs.stop_requests() as requested:
             try:
                 for steps, best_val_loss, stopped in train(
-                        cfg, model, optimizer, train_data, val_data, steps, best_val_loss, rank,
-                        world, requested):
+                        dict(cfg, dtype=dtype), model, optimizer, train_data, val_data, steps,
+                        best_val_loss, rank, world, requested):
                     runs.save(cfg, model, optimizer, model_args, train_data, steps,
                               best_val_loss, rank)
             except Diverged as e:

@@ -1,8 +1,8 @@
-# Decode the SmolLM2 ReFusion fine-tune of the arith task (finetune_smollm2_arith.py) in bf16 on
-# the CPU, and compare it in its summary line with next-token decoding of the same model:
+# Decode the SmolLM2 ReFusion fine-tune of the arith task (finetune_smollm2_arith.py) on
+# the CPU (bf16 where it pays), and compare it in its summary with next-token decoding of it:
 #   python sampler.py config/sample_smollm2_arith.py
 out_dir = "out-smollm2-arith"
-dtype = "bfloat16"
+dtype = "auto"             # bf16 where the CPU multiplies it natively (AVX-512 BF16, AMX)
 num_samples = 20
 max_new_tokens = 48        # the longest validation response, EOS included: 43 SmolLM2 tokens
 slot_size = 32

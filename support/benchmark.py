@@ -8,6 +8,9 @@ report it:
     headline, highlights_table           the tables (the README's, bench.md's)
     batch_throughput, throughput_table   tokens/s and latency at batch 1, 4, 16, 64
     plot, machine                        quality against speed; what the figures were measured on
+    pass_costs, free_tokens, refusion_speedups
+                                         what one forward pass costs against the tokens it is fed,
+                                         and what that allows ReFusion (python -m tools.probe)
 """
 
 import importlib.metadata
@@ -15,6 +18,7 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -22,6 +26,7 @@ import torch.nn as nn
 
 from support.batching import generate_batch
 from support.files import write_atomic
+from support.hardware import cpu_kind
 
 # -----------------------------------------------------------------------------
 # measuring
@@ -55,6 +60,52 @@ def counting(forward, device):
         calls["seconds"] += time.perf_counter() - t0
         return out
     return wrapped, calls
+
+
+def pass_costs(models, prompt_len=64, fed=(1, 2, 4, 8, 16, 32, 64, 128), repeats=12):
+    """Milliseconds of one cached forward pass of k tokens after prompt_len cached ones, for every
+    model of models ({name: Transformer}, e.g. one per dtype) and every k in fed: the median of
+    repeats, interleaved (each round times every model and k once, in turn, after a first round
+    that warms up) so that all see the same machine load. Returns {name: {k: ms}}."""
+    caches, times = {}, {name: {k: [] for k in fed} for name in models}
+    with torch.inference_mode():
+        for name, model in models.items():
+            device = next(model.parameters()).device
+            caches[name] = model.new_kv_cache(prompt_len + max(fed))
+            model(torch.zeros(1, prompt_len, dtype=torch.long, device=device),
+                  torch.arange(prompt_len, device=device)[None], kv_cache=caches[name])
+        for round_ in range(repeats + 1):
+            for name, model in models.items():
+                device = next(model.parameters()).device
+                sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+                for k in fed:
+                    sync()
+                    t0 = time.perf_counter()
+                    model(torch.zeros(1, k, dtype=torch.long, device=device),
+                          torch.arange(prompt_len, prompt_len + k, device=device)[None],
+                          kv_cache=caches[name])
+                    sync()
+                    if round_:
+                        times[name][k].append(time.perf_counter() - t0)
+                    caches[name].crop(prompt_len)
+    return {name: {k: 1e3 * statistics.median(t) for k, t in ks.items()}
+            for name, ks in times.items()}
+
+
+def free_tokens(costs, ratio=1.25):
+    """The most tokens fed to one pass for at most `ratio` times the cost of one token
+    (costs: {k: ms}, with k = 1 among them)."""
+    return max(k for k, ms in costs.items() if ms <= ratio * costs[1])
+
+
+def refusion_speedups(costs, tpf, pass_mix):
+    """What ReFusion decoding can reach against the fastest next-token decoding of these costs
+    ({name: {k: ms}}): at `tpf` tokens per forward pass, its passes fed the numbers of tokens in
+    pass_mix (each as often), it spends mean(cost of those passes) / tpf ms per token, against the
+    smallest cost of a 1-token pass. Returns {name: speed-up}."""
+    best = min(c[1] for c in costs.values())
+    return {name: best / (statistics.mean(c[k] for k in pass_mix) / tpf)
+            for name, c in costs.items()}
 
 
 def speed_figures(tokens, nfe, seconds, calls):
@@ -398,8 +449,8 @@ def throughput_table(rows, task, n_prompts):
 
 def machine():
     """What the figures were measured on: Python, torch, transformers (None when not installed), CPU
-    model, the vector instructions torch's CPU kernels use (AVX2, AVX512, ...) and threads, GPU if
-    any."""
+    model, the vector instructions torch's CPU kernels use (AVX2, AVX512, ...; with bf16 units:
+    support.hardware.cpu_kind) and threads, GPU if any."""
     processor = platform.processor() or platform.machine()
     if os.path.isfile("/proc/cpuinfo"):  # Linux names the CPU model here, platform does not
         with open("/proc/cpuinfo") as f:
@@ -407,7 +458,7 @@ def machine():
                               if line.startswith("model name")), processor)
     return {"python": platform.python_version(), "torch": torch.__version__,
             "cpu_threads": torch.get_num_threads(), "processor": processor,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_kind": cpu_kind(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "transformers": importlib.metadata.version("transformers")
             if importlib.util.find_spec("transformers") else None}

@@ -23,12 +23,14 @@ from json import dumps
 import torch
 
 from configurator import check_device, check_seed
+from model import ModelConfig
 from support.batching import generate_batch
 from support.chat import chat_prompt
 from support.checkpoint import checkpoint_path, decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import read_utf8, score
 from support.drawing import cell_text, plot_decode, png_path, pyplot
-from support.hf_folder import from_pretrained
+from support.hardware import settle_dtype
+from support.hf_folder import from_pretrained, hf_model_config
 from support.hf_tokenizer import hf_special_ids, undecodable_ids
 from support.prepare import TokenDataset, prepare
 from support.tokenizer import decode, encode_prompt, get_tokenizer
@@ -62,16 +64,14 @@ def load_model(cfg):
     Raises FileNotFoundError / ValueError naming the problem (a tokenizer id the model has no row
     for among them).
     """
-    if cfg["dtype"] not in ("float32", "bfloat16"):
-        raise ValueError(f"--dtype={cfg['dtype']!r}: choose float32 or bfloat16")
     folder = cfg["init_from"]
     if folder and not os.path.isfile(os.path.join(folder, "config.json")) and (
             os.path.isfile(folder) or os.path.isfile(checkpoint_path(folder))):
         cfg["out_dir"], cfg["init_from"] = folder, ""  # a checkpoint, as train.py's --init_from
-    dtype = getattr(torch, cfg["dtype"])
     if cfg["init_from"]:
         folder = source = cfg["init_from"]
-        model = from_pretrained(folder, dtype=dtype).to(cfg["device"])
+        settle_dtype(cfg, hf_model_config(folder))  # auto: bf16 where it pays
+        model = from_pretrained(folder, dtype=getattr(torch, cfg["dtype"])).to(cfg["device"])
         eos_ids, mask_id, pad_id = hf_special_ids(folder)
         ids = {"eos_ids": eos_ids, "mask_id": mask_id, "pad_id": pad_id}
         objective = "ar" if mask_id is None else "refusion"
@@ -80,7 +80,8 @@ def load_model(cfg):
         ckpt = load_checkpoint(cfg["out_dir"], cfg["device"])
         meta = ckpt["meta"]
         ids = decoder_ids(meta)
-        model = model_from_checkpoint(ckpt, cfg["device"]).to(dtype)
+        settle_dtype(cfg, ModelConfig(**ckpt["model_args"]))  # auto: bf16 where it pays
+        model = model_from_checkpoint(ckpt, cfg["device"]).to(getattr(torch, cfg["dtype"]))
         name = cfg.get("tokenizer") or meta["tokenizer"]
         if name.startswith("hf:") and not os.path.isdir(os.path.expanduser(name[3:])):
             raise FileNotFoundError(

@@ -256,6 +256,7 @@ def test_an_unconsolidated_sharded_run_names_shard_py_and_a_stale_copy_warns(tra
     shutil.copy(os.path.join(trained, "ckpt.pt"), out)
     # consolidated long before the last save
     os.utime(out / "ckpt.pt", (0, 0))
+    capsys.readouterr()
     load_checkpoint(str(out))
     assert capsys.readouterr().err == (f"warning: {out / 'ckpt.pt'} is older than the sharded "
                                        f"checkpoint {out / 'ckpt_sharded.pt'}; run "

@@ -54,10 +54,11 @@ from support.benchmark import (NAMES, TimedModel, batch_throughput, best_mdm, ch
                                throughput_table, speed_figures, write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
+from support.hardware import num_params, settle_dtype
 from support.prepare import TokenDataset, prepare
 from support.runs import check_writable, live_progress
 from support.sampling import prompt_generator
-from support.tokenizer import decode, get_tokenizer
+from support.tokenizer import decode, get_tokenizer, vocab_size
 
 # -----------------------------------------------------------------------------
 # default config
@@ -77,7 +78,7 @@ n_embd = 0                 # ... width
 batch_size = 0             # ... samples per training step
 learning_rate = 0.0        # ... peak learning rate (from scratch)
 device = "cpu"             # cpu, cuda or mps: training and decoding
-dtype = "float32"          # the weights of every decode, ours and Hugging Face's: or bfloat16
+dtype = "auto"             # every decode's weights: auto (bf16 where native), float32 or bfloat16
 compile = False            # torch.compile the training forward pass (GPU runs)
 throughput_task = "transform"  # the task whose ARM, ReFusion and MDM are also decoded in batches
 batch_sizes = (1, 4, 16, 64)   # ... of these sizes (generate_batch), max(...) prompts
@@ -150,7 +151,8 @@ def train_model(cfg, task, name, objective, init_from=None):
                        for k in ("block_size", "batch_size", "n_layer", "n_head", "n_embd")},
                     **{k: options.get(k, train.DEFAULTS[k])
                        for k in ("slot_end_labels", "ar_fraction")})
-    flags = [f"--out_dir={out}", f"--device={cfg['device']}", f"--compile={cfg['compile']}"]
+    flags = [f"--out_dir={out}", f"--device={cfg['device']}", f"--compile={cfg['compile']}",
+             f"--dtype={training_dtype(cfg['device'])}"]
     if os.path.exists(ckpt_file) and not cfg["retrain"]:
         ckpt = load_checkpoint(ckpt_file)
         same = (all(ckpt["config"].get(k) == v for k, v in settings.items())
@@ -330,6 +332,12 @@ def highlights(rows):
     return chosen
 
 
+def training_dtype(device):
+    """The benchmark's models train as the recorded ones did: bf16 autocast on a GPU, float32 on
+    a CPU, where models this small train no faster in bf16 even with bf16 units."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
 def training_step_times(cfg, task, steps=20):
     """Seconds per training step (batch draw, the objective's batch layout, forward, backward,
     AdamW) of the ReFusion and AR objectives on the same batches and model shape, interleaved so
@@ -358,7 +366,7 @@ def training_step_times(cfg, task, steps=20):
             tokens, prompt_len, length = train_data.get_batch(r["batch_size"], rng, device)
             batch = train.make_batch(dict(step_cfg, objective=objective), tokens, prompt_len,
                                      length, meta, gen)
-            with train.autocast_for(device):
+            with train.autocast_for(device, training_dtype(device)):
                 logits = models[objective](batch.idx, batch.position_ids, attn_mask=batch.attn_mask)
             train.hybrid_loss(logits.float(), batch)[0].backward()
             optims[objective].step()
@@ -372,8 +380,12 @@ def training_step_times(cfg, task, steps=20):
 def check_bench_config(cfg):
     """Check every setting (not the data: see validation_prompts) before any training starts.
     Raises ValueError with the fix."""
-    if cfg["dtype"] not in ("float32", "bfloat16"):
-        raise ValueError(f"--dtype={cfg['dtype']!r}: choose float32 or bfloat16")
+    # auto: bf16 where it pays, for the largest task's models
+    settle_dtype(cfg, max((ModelConfig(vocab_size=vocab_size(get_tokenizer("bytes")),
+                                       **{k: recipe(cfg, task)[k]
+                                          for k in ("block_size", "n_layer", "n_head", "n_embd")})
+                           for task in cfg["tasks"] if task in TASKS),
+                          key=num_params, default=ModelConfig()))
     for task in cfg["tasks"]:
         if task not in TASKS:
             raise ValueError(f"--tasks={task}: the benchmark knows {', '.join(TASKS)}")

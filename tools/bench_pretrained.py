@@ -43,13 +43,15 @@ import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
 from sampler import INFILL_MODES, RefusionSettings, make_decoder
 from support.benchmark import (TimedModel, batch_throughput, check_batch_settings, counting,
-                               fastest_close, first_quality, headline, hf_decode, hf_model,
-                               machine, highlights_table, most_accurate, peak_above,
-                               point_config, refusion_sweep, throughput_table, speed_figures,
-                               write_report)
+                               fastest_close, first_quality, free_tokens, headline, hf_decode,
+                               hf_model, highlights_table, machine, most_accurate, pass_costs,
+                               peak_above, point_config, refusion_sweep, speed_figures,
+                               throughput_table, write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.files import write_atomic
+from support.hardware import settle_dtype
+from support.hf_folder import hf_model_config
 from support.prepare import TokenDataset, prepare
 from support.runs import check_writable, live_progress
 from support.sampling import prompt_generator
@@ -61,7 +63,7 @@ init_from = "smollm2"      # the pretrained folder (python -m tools.convert_gguf
 out_dir = "bench-smollm2"  # the fine-tuned models, bench.json, bench.md and bench.png
 tasks = ("quotes", "arith")  # any of TASKS
 num_prompts = 100          # validation prompts decoded by every point (fewer when fewer fit)
-dtype = "bfloat16"         # the weights of every decode but the float32 point: bfloat16 or float32
+dtype = "auto"             # the decodes' weights but the float32 point's: auto, bf16 where native
 data_root = "data"         # where the prepared data sets live
 device = "cpu"             # cpu, cuda or mps: the fine-tunes and the decodes
 retrain = False            # fine-tune again even when out_dir holds the models
@@ -279,27 +281,6 @@ def smollm2_batched_points(cfg, rows, points, models, ids, prompts, max_new_toke
     return batch_throughput(decoders, prompts, sizes)
 
 
-def forward_costs(model, dtype, prompt_len=32, fed=(1, 8, 16, 32, 64), repeats=5):
-    """Milliseconds of one cached forward pass of k tokens after prompt_len cached ones, for each k
-    in fed: the median of repeats, in dtype (what ReFusion's larger passes cost against a token)."""
-    model = model.to(getattr(torch, dtype))
-    device = next(model.parameters()).device
-    costs = {}
-    with torch.inference_mode():
-        for k in fed:
-            times = []
-            for _ in range(repeats + 1):
-                cache = model.new_kv_cache(prompt_len + k)
-                model(torch.zeros(1, prompt_len, dtype=torch.long, device=device),
-                      torch.arange(prompt_len, device=device)[None], kv_cache=cache)
-                t0 = time.perf_counter()
-                model(torch.zeros(1, k, dtype=torch.long, device=device),
-                      torch.arange(prompt_len, prompt_len + k, device=device)[None], kv_cache=cache)
-                times.append(time.perf_counter() - t0)
-            costs[k] = 1e3 * sorted(times[1:])[repeats // 2]
-    return costs
-
-
 def check_bench_pretrained_config(cfg):
     """Check the settings before any work. Raises ValueError with the fix."""
     for task in cfg["tasks"]:
@@ -308,11 +289,10 @@ def check_bench_pretrained_config(cfg):
         for kind in ("refusion", "ar"):
             if not os.path.isfile(config_file(task, kind)):
                 raise ValueError(f"{config_file(task, kind)} is missing: the task's fine-tune")
-    if cfg["dtype"] not in ("bfloat16", "float32"):
-        raise ValueError(f"--dtype={cfg['dtype']!r}: choose bfloat16 or float32")
     if not os.path.isfile(os.path.join(cfg["init_from"], "config.json")):
         raise ValueError(f"--init_from={cfg['init_from']}: no Hugging Face folder there; convert "
                          "SmolLM2 first with python -m tools.convert_gguf smollm2")
+    settle_dtype(cfg, hf_model_config(cfg["init_from"]))  # auto: bf16 where it pays
     require(cfg, ("num_prompts",), "positive", lambda v: v > 0)
     check_batch_settings(cfg)
 
@@ -331,7 +311,8 @@ def main(argv):
     batched = {task: b for task, (_, _, b) in results.items() if b is not None}
     base = model_from_checkpoint(load_checkpoint(os.path.join(cfg["out_dir"],
                                                               f"{cfg['tasks'][0]}-ar")))
-    costs = forward_costs(base, cfg["dtype"])
+    costs = pass_costs({cfg["dtype"]: base.to(getattr(torch, cfg["dtype"]))}, prompt_len=32,
+                       fed=(1, 8, 16, 32, 64), repeats=5)[cfg["dtype"]]   # as tools.probe
     minutes = (time.perf_counter() - t0) / 60
     host = machine()
     table = headline(rows) + "\n\n" + highlights_table([dict(r, why=r["series"]) for r in rows])
@@ -344,7 +325,8 @@ def main(argv):
         table += "\n\n" + throughput_table(b["rows"], f"smollm2 {task}, {cfg['dtype']}",
                                            b["n_prompts"])
     table += ("\n\nOne cached forward pass of k tokens after 32 cached ones, "
-              f"{cfg['dtype']} (ms): " + ", ".join(f"{k}: {ms:.1f}" for k, ms in costs.items()))
+              f"{cfg['dtype']} (ms): " + ", ".join(f"{k}: {ms:.1f}" for k, ms in costs.items())
+              + f"; free tokens (<= 1.25x one): {free_tokens(costs)}")
     table += (f"\n\nWhole run: {minutes:.1f} minutes on {host['processor']} "
               f"({host['cpu_capability']}, {host['cpu_threads']} threads)")
     report = {"config": cfg, "machine": host, "minutes": minutes, "forward_ms": costs,

@@ -1,0 +1,175 @@
+"""
+What a forward pass costs on this machine, and what that allows ReFusion here.
+
+    python -m tools.probe                                 # the quick start's model (out-quotes)
+    python -m tools.probe --init_from=smollm2 --plot=probe.png
+    python -m tools.probe --init_from=smollm2 --tpf=5.0 --pass_mix=8,32
+
+ReFusion's lever is a pass that takes many tokens for about the price of one: decoding at TPF t
+(tokens per forward pass) with passes of m tokens costs cost(m) / t per token, against cost(1) per
+token for next-token decoding. For each dtype it times one cached forward pass of k tokens after
+prompt_len cached ones, for every k in fed (the median of repeats, interleaved: each round times
+every dtype and k once, so that all see the same machine load), and prints:
+
+    the ms of each pass, and the "free" tokens: the most a pass takes for at most 1.25x the cost
+    of one (a GPU's, or a CPU's with bf16 units in bf16: dozens; a CPU without them in bf16: 1)
+    the speed-up ReFusion can reach at --tpf with passes of --pass_mix tokens, against the fastest
+    next-token decoding the machine offers (the cheapest 1-token pass of any dtype)
+    which dtype --dtype=auto takes here and why (support.hardware), beside the faster one for
+    ReFusion decoding by these costs
+
+with the machine: CPU model, the code paths torch takes (AVX2, AVX512, AVX512 BF16, AMX: a CPU
+whose kind ends in BF16 or AMX multiplies bf16 natively) or the GPU's name. --plot draws the
+curve (matplotlib), --json prints the figures as one JSON object. docs/benchmark.md, "What a
+forward pass costs", explains the curve with two CPU kinds measured.
+"""
+
+import copy
+import os
+import sys
+
+if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from json import dumps
+
+from configurator import check_device, parse_args, require, run_cli, settings_in
+from support.benchmark import free_tokens, machine, pass_costs, refusion_speedups
+from support.checkpoint import load_checkpoint, model_from_checkpoint
+from support.drawing import png_path, pyplot
+from support.hardware import pick_dtype
+from support.hf_folder import from_pretrained
+
+# -----------------------------------------------------------------------------
+out_dir = "out-quotes"     # a run's out_dir (its ckpt.pt; the quick start's by default) ...
+init_from = ""             # ... or a Hugging Face model folder (SmolLM2, Qwen3)
+device = "cpu"             # cpu, cuda, cuda:N or mps
+dtypes = ("float32", "bfloat16")  # the dtypes timed
+prompt_len = 64            # tokens cached before each timed pass
+fed = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens fed to the timed passes (k); those past the context
+repeats = 12               # timed rounds (the median is kept), after one that warms up
+tpf = 5.0                  # ReFusion's tokens per forward pass, for the speed-up it can reach
+pass_mix = (32,)           # tokens fed to ReFusion's passes, each as often (each among fed)
+plot = ""                  # draw ms against tokens fed into this PNG (matplotlib)
+json = False               # print the figures as one JSON object instead of tables
+# -----------------------------------------------------------------------------
+DEFAULTS = settings_in(globals())
+
+
+def check_probe_config(cfg):
+    """Refuse settings that cannot work, before the model is read. Raises ValueError."""
+    check_device(cfg["device"])
+    if not cfg["dtypes"] or any(d not in ("float32", "bfloat16") for d in cfg["dtypes"]):
+        raise ValueError(f"--dtypes={','.join(cfg['dtypes'])}: name float32, bfloat16 or both")
+    require(cfg, ("prompt_len", "repeats"), "positive", lambda v: v > 0)
+    require(cfg, ("tpf",), "positive and finite", lambda v: 0 < v < float("inf"))
+    if any(not isinstance(k, int) or k <= 0 for k in cfg["fed"]) or 1 not in cfg["fed"]:
+        raise ValueError(f"--fed={','.join(map(str, cfg['fed']))}: give positive numbers of "
+                         "tokens, 1 among them (the next-token pass every speed-up is against)")
+    if missing := [m for m in cfg["pass_mix"] if m not in cfg["fed"]]:
+        raise ValueError(f"--pass_mix: {', '.join(map(str, missing))} not among --fed; time the "
+                         "passes ReFusion is said to feed")
+    if cfg["plot"]:
+        cfg["plot"] = png_path(cfg["plot"], "--plot")
+
+
+def load(cfg):
+    """(float32 model in eval mode on cfg["device"], its name) from --init_from or --out_dir."""
+    if cfg["init_from"]:
+        return from_pretrained(cfg["init_from"]).to(cfg["device"]), cfg["init_from"]
+    return model_from_checkpoint(load_checkpoint(cfg["out_dir"]), cfg["device"]), cfg["out_dir"]
+
+
+def probe(cfg):
+    """The figures of one probe (see the module's docstring) as a dict."""
+    model, name = load(cfg)
+    room = model.config.block_size - cfg["prompt_len"]
+    fed = tuple(sorted(k for k in set(cfg["fed"]) if k <= room))
+    if missing := [m for m in cfg["pass_mix"] if m > room]:
+        raise ValueError(f"--pass_mix: {missing} tokens after --prompt_len={cfg['prompt_len']} "
+                         f"pass the model's context of {model.config.block_size}; lower them or "
+                         "--prompt_len")
+    models = {d: copy.deepcopy(model).to(getattr(torch, d)) for d in cfg["dtypes"]}
+    costs = pass_costs(models, cfg["prompt_len"], fed, cfg["repeats"])
+    speedups = refusion_speedups(costs, cfg["tpf"], cfg["pass_mix"])
+    auto, why = pick_dtype("auto", cfg["device"], model.num_params())
+    return {"model": name, "params_m": model.num_params() / 1e6, "device": cfg["device"],
+            "machine": machine(), "prompt_len": cfg["prompt_len"], "repeats": cfg["repeats"],
+            "dropped": sorted(set(cfg["fed"]) - set(fed)), "ms": costs,
+            "free_tokens": {d: free_tokens(c) for d, c in costs.items()},
+            "tpf": cfg["tpf"], "pass_mix": list(cfg["pass_mix"]), "refusion_speedup": speedups,
+            "next_token_dtype": min(costs, key=lambda d: costs[d][1]),
+            "refusion_dtype": max(speedups, key=speedups.get), "auto": auto, "auto_why": why}
+
+
+def report_text(r):
+    """The probe's figures as the tables it prints."""
+    host = r["machine"]
+    where = host["gpu"] if r["device"].startswith("cuda") else \
+        f"{host['processor']}, {host['cpu_kind']} (torch's capability {host['cpu_capability']})"
+    fed = list(next(iter(r["ms"].values())))
+    lines = [f"{r['model']} ({r['params_m']:.1f}M parameters) on {r['device']}: {where}, "
+             f"{host['cpu_threads']} threads, torch {host['torch']}", "",
+             f"One cached forward pass of k tokens after {r['prompt_len']} cached ones (ms, median "
+             f"of {r['repeats']}, interleaved):", "",
+             "| dtype | " + " | ".join(f"k={k}" for k in fed) + " | free tokens (<= 1.25x k=1) |",
+             "|---" * (len(fed) + 2) + "|"]
+    lines += [f"| {d} | " + " | ".join(f"{c[k]:.2f}" for k in fed) + f" | {r['free_tokens'][d]} |"
+              for d, c in r["ms"].items()]
+    if r["dropped"]:
+        lines.append(f"(k = {', '.join(map(str, r['dropped']))} not timed: past the context)")
+    best = r["ms"][r["next_token_dtype"]][1]
+    mix = ", ".join(map(str, r["pass_mix"]))
+    lines += ["", f"ReFusion at {r['tpf']:g} tokens per forward pass, its passes fed {mix} tokens, "
+              f"against the fastest next-token decoding here ({r['next_token_dtype']}, "
+              f"{best:.2f} ms a token):", "", "| dtype | ms per token | speed-up |",
+              "|---|---|---|"]
+    for d, c in r["ms"].items():
+        per_token = sum(c[k] for k in r["pass_mix"]) / len(r["pass_mix"]) / r["tpf"]
+        lines.append(f"| {d} | {per_token:.2f} | {r['refusion_speedup'][d]:.2f}x |")
+    lines += ["", f"{r['auto_why'].replace('--dtype=auto: ', '--dtype=auto takes ')}; the faster "
+              f"dtype for ReFusion decoding by these costs: {r['refusion_dtype']}"]
+    return "\n".join(lines)
+
+
+def draw(r, path):
+    """ms of a pass against tokens fed (log scale), a line per dtype, the free tokens marked."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for d, c in r["ms"].items():
+        line, = ax.plot(list(c), list(c.values()), marker="o", label=d)
+        free = r["free_tokens"][d]
+        ax.plot([free], [c[free]], marker="s", markersize=10, fillstyle="none",
+                color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    fed = list(next(iter(r["ms"].values())))
+    ax.set_xticks(fed, [str(k) for k in fed])
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        axis(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("tokens fed to one cached forward pass (squares: the most for <= 1.25x one)")
+    ax.set_ylabel("ms per pass")
+    host = r["machine"]
+    kind = host["gpu"] if r["device"].startswith("cuda") else host["cpu_kind"]
+    ax.set_title(f"{os.path.basename(os.path.normpath(r['model']))} on {kind}, "
+                 f"{host['cpu_threads']} threads", fontsize=10)
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv):
+    cfg = parse_args(DEFAULTS, argv)
+    check_probe_config(cfg)
+    r = probe(cfg)
+    print(dumps(r) if cfg["json"] else report_text(r))
+    if cfg["plot"]:
+        draw(r, cfg["plot"])
+        print(f"wrote {cfg['plot']}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    run_cli(main, sys.argv[1:])
