@@ -164,8 +164,8 @@ class Transformer(nn.Module):
         return KVCache(c.n_layer, c.n_kv_head, c.head_dim, max_len, max_batch, dtype=p.dtype,
                        device=p.device)
 
-    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None):
-        """Logits for every input token.
+    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0):
+        """Logits for the input tokens from position logits_from on (all by default).
 
         idx:          (B, T) int64 token ids, in buffer (physical) order.
         position_ids: (B, T) int64 true positions, used only by RoPE.
@@ -177,7 +177,10 @@ class Transformer(nn.Module):
                       committed buffer whose tokens saw different things (sampler.py's plain
                       decoder), prompts side by side (support/batching.py).
         Without either, attention is causal (config.causal) or over every token.
-        Returns logits: (B, T, vocab_size) float32.
+        logits_from:  the first of the T tokens whose logits are computed, a slice's start (-1: the
+                      last token's): the output layer is a small model's largest matmul, so
+                      decoders ask only for what they read.
+        Returns logits: (B, T - logits_from, vocab_size) float32 (with -1: (B, 1, vocab_size)).
         Raises ValueError when idx and position_ids differ in shape.
         """
         if idx.shape != position_ids.shape:
@@ -193,4 +196,4 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, attn_mask, is_causal, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
-        return self.lm_head(self.norm(x)).float()
+        return self.lm_head(self.norm(x[:, logits_from:])).float()

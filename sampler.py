@@ -61,7 +61,7 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
         sees = (j <= j[:, None]) & ((j < lo[:, None]) | (j >= hi[:, None]))  # causal, less unseen
         idx = torch.cat([torch.tensor(buf, device=device).expand(R, n_buf), tokens], dim=1)
         where = torch.cat([torch.tensor(pos, device=device).expand(R, n_buf), at], dim=1)
-        return model(idx, where, attn_mask=sees)[:, n_buf:]
+        return model(idx, where, attn_mask=sees, logits_from=n_buf)
 
     def commit(starts, slots, apart):  # 4. after buf; apart (infilled): unseen by each other
         base = len(buf)
@@ -184,12 +184,12 @@ class DecodeState:
         self.response, self.nfe, self.trace, self.step_nfe = {}, 0, [], []
         self.speculative = SpeculativeInfill.of(settings, len(prompt))  # SPEC 4.1, or None
 
-    def forward(self, tokens, positions, keep=None):
+    def forward(self, tokens, positions, keep=None, logits_from=0):
         """One counted pass of tokens (B, T) at true positions (B, T) after the cache -> logits
-        (B, T, V); the cache keeps the keys/values of the first `keep` tokens (None: all)."""
+        (B, T - logits_from, V); the cache keeps the keys/values of the first `keep` (None: all)."""
         start = self.cache.pos
         self.nfe += 1
-        logits = self.model(tokens, positions, kv_cache=self.cache)
+        logits = self.model(tokens, positions, kv_cache=self.cache, logits_from=logits_from)
         if keep is not None:
             self.cache.crop(start + keep)
         return logits
@@ -204,13 +204,13 @@ def plan_slots(state, pool, slot_size, slot_threshold):
     positions = [p + i for p in pool for i in range(slot_size)]
     tokens = torch.tensor([state.pending + masks], device=state.device)
     pos = torch.tensor([state.pending_pos + positions], device=state.device)
-    logits = state.forward(tokens, pos, keep=n_pending)[0]   # (n_pending + n_slots * S, V)
-    state.pending, state.pending_pos = [], []                # the prompt's KV stays cached
-    drafts, probs = draft_tokens(logits[n_pending:], state.temperature, state.generator,
-                                 state.banned)
+    lead = min(n_pending, 1)  # the prompt's last token, whose logits predict the first response's
+    logits = state.forward(tokens, pos, keep=n_pending, logits_from=n_pending - lead)[0]
+    state.pending, state.pending_pos = [], []  # the prompt's KV stays cached; logits: lead + masks
+    drafts, probs = draft_tokens(logits[lead:], state.temperature, state.generator, state.banned)
     drafts, probs = drafts.view(len(pool), slot_size), probs.view(len(pool), slot_size)
     if state.speculative:  # SPEC 4.1
-        state.speculative.plan(state, pool, logits, n_pending, drafts, probs)
+        state.speculative.plan(state, pool, logits, lead, drafts, probs)
     scores = probs[:, 0]  # a slot's score: its first token's probability
     # the first of equal best scores (torch.argmax) when none passes the threshold (SPEC step 1)
     selected = (scores > slot_threshold).nonzero()[:, 0].tolist() or [int(scores.argmax())]
@@ -404,11 +404,11 @@ class SpeculativeInfill:
         """One for a decode with infill="speculative"; None with the paper's infill."""
         return cls(prompt_len) if settings.infill == "speculative" else None
 
-    def plan(self, state, pool, logits, n_pending, drafts, probs):
+    def plan(self, state, pool, logits, lead, drafts, probs):
         """Step 1: a leftmost slot at the frontier takes its first draft and score from the kept
-        prediction (first, the prompt's last token's). drafts, probs: (len(pool), S), in place."""
-        if n_pending:
-            self.next_logits = (self.frontier, logits[n_pending - 1])
+        prediction (first logits[0]: the prompt's last). drafts, probs (len(pool), S): in place."""
+        if lead:
+            self.next_logits = (self.frontier, logits[0])
         if self.next_logits is not None and self.next_logits[0] == pool[0]:
             drafts[0, :1], probs[0, :1] = draft_tokens(self.next_logits[1][None],
                                                        state.temperature, state.generator,
@@ -472,7 +472,7 @@ def generate_next_token(model, prompt, settings, *, eos_ids, generator=None, on_
     positions = torch.arange(len(prompt), device=device)[None]
     out, trace = [], []
     while True:
-        logits = model(tokens, positions, kv_cache=cache)[0, -1:]      # (1, V): the next token's
+        logits = model(tokens, positions, kv_cache=cache, logits_from=-1)[0]  # (1, V): the next
         token, _ = draft_tokens(logits, settings.temperature, generator, banned_ids)
         out.append(int(token))
         trace.append([(len(prompt) + len(out) - 1, out[-1])])
@@ -514,10 +514,10 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
         in_block = (positions[0] - P) // settings.block_length == b
         steps = settings.steps // settings.n_semi_ar_blocks
         for k in tokens_per_step(settings.block_length, steps):
-            logits = model(x, positions)[0]                                 # (P + L, V)
+            logits = model(x, positions, logits_from=P)[0]            # (L, V): the canvas's
             nfe += 1
             where = (masked & in_block).nonzero()[:, 0]              # the block's masked positions
-            drafts, confidence = draft_tokens(logits[where], settings.temperature, generator,
+            drafts, confidence = draft_tokens(logits[where - P], settings.temperature, generator,
                                               [mask_id, *banned_ids])
             best = confidence.topk(k).indices
             x[0, where[best]] = drafts[best]

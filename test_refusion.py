@@ -353,7 +353,7 @@ class OracleModel(nn.Module):
     def new_kv_cache(self, max_len, max_batch=1):
         return KVCache(0, 1, 2, max_len, max_batch)
 
-    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None):
+    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0):
         want = position_ids + (idx != self.mask_id).long()
         want = self.target[want.clamp(max=len(self.target) - 1)]
         logits = torch.zeros(*idx.shape, self.vocab_size)
@@ -361,7 +361,7 @@ class OracleModel(nn.Module):
             logits.scatter_(-1, want[..., None], 100.0)
         if kv_cache is not None:
             kv_cache.advance(idx.shape[1])
-        return logits
+        return logits[:, logits_from:]
 
 
 MASK, EOS, V = 30, 31, 32
@@ -527,8 +527,8 @@ def test_decode_matches_naive_reference_with_one_slot_per_step(accept_all, seed,
 
 
 class PassRecorder(nn.Module):
-    """Passes every call on to `model` and keeps the logits of the tokens each pass adds after
-    what it already holds (the cache, or the plain decoder's committed buffer): (R, T, V)."""
+    """Passes every call on to `model` and keeps the logits of every token each pass feeds (those
+    the decoder asked for, logits_from on, are returned): (R, T, V)."""
 
     def __init__(self, model):
         super().__init__()
@@ -537,10 +537,10 @@ class PassRecorder(nn.Module):
     def new_kv_cache(self, max_len, max_batch=1):
         return self.model.new_kv_cache(max_len, max_batch)
 
-    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None):
+    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0):
         logits = self.model(idx, position_ids, kv_cache=kv_cache, attn_mask=attn_mask)
         self.passes.append(logits.clone())
-        return logits
+        return logits[:, logits_from:]
 
 
 def assert_plain_equals_cached(model, prompt, settings, generator_seed=None, **ids):
@@ -641,10 +641,10 @@ class RecordingModel(nn.Module):
         super().__init__()
         self.model, self.config, self.calls = model, model.config, []
 
-    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None):
+    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0):
         logits = self.model(idx, position_ids, kv_cache, attn_mask)
-        self.calls.append((idx[0].clone(), logits[0].clone()))
-        return logits
+        self.calls.append((idx[0].clone(), logits[0].clone()))  # every token's, whatever is read
+        return logits[:, logits_from:]
 
 
 @pytest.mark.parametrize("block_length", [None, 4])
@@ -718,14 +718,15 @@ class BadDrafterOracle(OracleModel):
         super().__init__(target, vocab_size, mask_id)
         self.bad, self.fed = bad, []
 
-    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None):
+    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0):
         self.fed.append(idx.clone())
         logits = super().forward(idx, position_ids, kv_cache)
         wrong = (self.target[position_ids.clamp(max=len(self.target) - 1)] + 1) % 30
         bad = idx == self.mask_id
         if self.bad is not None:
             bad &= torch.isin(position_ids, torch.tensor(self.bad))
-        return torch.where(bad[..., None], F.one_hot(wrong, self.vocab_size) * 100.0, logits)
+        return torch.where(bad[..., None], F.one_hot(wrong, self.vocab_size) * 100.0,
+                           logits)[:, logits_from:]
 
 
 @pytest.mark.parametrize("slot_size,serial_num_blocks", [(4, 1), (8, 3), (6, 2), (1, 4)])

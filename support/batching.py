@@ -57,8 +57,8 @@ class BatchedModel:
                                                            model.parameters)
         self.inbox, self.index, self.replies = inbox, index, queue.SimpleQueue()
 
-    def __call__(self, idx, position_ids, kv_cache=None):
-        self.inbox.put((self.index, "forward", (idx, position_ids, kv_cache)))
+    def __call__(self, idx, position_ids, kv_cache=None, logits_from=0):
+        self.inbox.put((self.index, "forward", (idx, position_ids, kv_cache, logits_from)))
         reply = self.replies.get()
         if isinstance(reply, BaseException):
             raise reply
@@ -127,34 +127,37 @@ def decode_together(model, decode, prompts, generators, forwards):
 def forward_batch(model, requests):
     """One forward pass for the forward passes several prompts asked for.
 
-    requests: list of (idx (R_i, T_i) int64, position_ids (R_i, T_i) int64, KVCache or None), all
-    with a cache (ReFusion, next-token decoding) or none (the MDM). Rows are padded to the longest
-    T_i (token 0 at position 0); cached rows attend through a BatchedCache, uncached ones to every
-    key but the padding.
-    Returns the logits of each request: (R_i, T_i, V) float32 (views of one tensor).
+    requests: list of (idx (R_i, T_i) int64, position_ids (R_i, T_i) int64, KVCache or None,
+    logits_from f_i), all with a cache (ReFusion, next-token decoding) or none (the MDM). Rows are
+    padded to the longest T_i (token 0 at position 0); cached rows attend through a BatchedCache,
+    uncached ones to every key but the padding. The output layer runs from the smallest f_i on.
+    Returns the logits of each request: (R_i, T_i - f_i, V) float32 (views of one tensor).
     Raises ValueError when some requests have a cache and others do not.
     """
-    T = max(idx.shape[1] for idx, _, _ in requests)
+    T = max(r[0].shape[1] for r in requests)
+    starts = [r[3] % r[0].shape[1] for r in requests]  # logits_from -1: the last token
+    first = min(starts)
     idx = torch.cat([F.pad(r[0], (0, T - r[0].shape[1])) for r in requests])
     positions = torch.cat([F.pad(r[1], (0, T - r[1].shape[1])) for r in requests])
     lengths = [r[0].shape[1] for r in requests]
     caches = [r[2] for r in requests]
     if all(c is not None for c in caches):
         cache = BatchedCache(caches, lengths, T)
-        logits = model(idx, positions, kv_cache=cache, attn_mask=cache.attention_mask(T))
+        logits = model(idx, positions, kv_cache=cache, attn_mask=cache.attention_mask(T),
+                       logits_from=first)
     elif all(c is None for c in caches):  # the MDM's bidirectional passes
         mask = None
         if min(lengths) < T:  # (rows, 1, 1, T): every key of the row's own tokens
             row_lengths = torch.tensor([n for r, n in zip(requests, lengths)
                                         for _ in range(r[0].shape[0])], device=idx.device)
             mask = (torch.arange(T, device=idx.device)[None] < row_lengths[:, None])[:, None, None]
-        logits = model(idx, positions, attn_mask=mask)
+        logits = model(idx, positions, attn_mask=mask, logits_from=first)
     else:
         raise ValueError("a batch mixes forward passes with and without a KV cache")
     out, r0 = [], 0
-    for (idx_i, _, _), n in zip(requests, lengths):
-        out.append(logits[r0:r0 + idx_i.shape[0], :n])
-        r0 += idx_i.shape[0]
+    for r, n, f in zip(requests, lengths, starts):
+        out.append(logits[r0:r0 + r[0].shape[0], f - first:n - first])
+        r0 += r[0].shape[0]
     return out
 
 

@@ -153,8 +153,11 @@ def test_batched_cache_pass_equals_each_cache_alone():
             caches.append(cache)
     new = [(torch.randint(0, 40, (1, 4), generator=g), torch.arange(9, 13)[None]),
            (torch.randint(0, 40, (2, 2), generator=g), torch.tensor([[3, 4], [7, 8]]))]
-    want = [model(idx, pos, kv_cache=c) for (idx, pos), c in zip(new, alone)]
-    got = forward_batch(model, [(idx, pos, c) for (idx, pos), c in zip(new, batched)])
+    # one asks for every logit, one for its last token's (logits_from), as the decoders do
+    want = [model(idx, pos, kv_cache=c, logits_from=f)
+            for (idx, pos), c, f in zip(new, alone, (0, -1))]
+    got = forward_batch(model, [(idx, pos, c, f)
+                                for (idx, pos), c, f in zip(new, batched, (0, -1))])
     for w, o, a, b in zip(want, got, alone, batched):
         assert o.shape == w.shape and torch.allclose(o, w, atol=1e-5)
         assert (a.pos, a.batch) == (b.pos, b.batch)

@@ -24,8 +24,9 @@ class PrefersSpecialIds(nn.Module):
     def new_kv_cache(self, max_len, max_batch=1):
         return self.model.new_kv_cache(max_len, max_batch)
 
-    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None):
-        logits = self.model(idx, position_ids, kv_cache=kv_cache, attn_mask=attn_mask)
+    def forward(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0):
+        logits = self.model(idx, position_ids, kv_cache=kv_cache, attn_mask=attn_mask,
+                            logits_from=logits_from)
         logits[..., self.ids] += 50.0
         return logits
 
