@@ -75,12 +75,17 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
         assert r["vs_first"] == r["tokens_per_s"] / ar["tokens_per_s"]
         assert r["tokens_per_s"] == r["tokens"] / r["seconds"] and 0 <= r["identical"] <= 1
         assert r["identical"] == 1 or r["batch_size"] > 1
+    # what a pass of the ARM costs here, as tools.probe measures it
+    costs = {int(k): ms for k, ms in report["forward_ms"]["transform"].items()}
+    assert list(costs)[0] == 1 and all(ms > 0 for ms in costs.values())
     steps = report["training_step_seconds"]["transform"]
     assert steps["ratio"] == steps["refusion"] / steps["ar"]
     table = (tmp_path / "bench-quick" / "bench.md").read_text()
     assert (table.startswith(bench.QUICK_NOTE + "\n\n" + bench.headline(rows) +
                              "\n\n| task | decoder | why |") and
             "Training step (transform" in table and
+            f"One cached forward pass of the transform ARM, k tokens after 32, "
+            f"{report['config']['dtype']} (ms): 1: " in table and
             "Batched decoding (transform, 2 prompts; tokens/s over all of them)" in table)
     check_headline(rows)
     assert "fastest" in table and (tmp_path / "bench-quick" / "bench.png").stat().st_size > 10_000

@@ -49,9 +49,9 @@ from configurator import explicit_keys, parse_args, require, run_cli, settings_i
 from model import ModelConfig, Transformer
 from sampler import INFILL_MODES, MDMSettings, RefusionSettings, make_decoder
 from support.benchmark import (NAMES, TimedModel, batch_throughput, best_mdm, check_batch_settings,
-                               fastest_close, first_quality, headline, hf_generate, machine,
-                               highlights_table, most_accurate, point_config, refusion_sweep,
-                               throughput_table, speed_figures, write_report)
+                               fastest_close, first_quality, free_tokens, headline, hf_generate,
+                               highlights_table, machine, most_accurate, pass_costs, point_config,
+                               refusion_sweep, speed_figures, throughput_table, write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.hardware import num_params, settle_dtype
@@ -377,6 +377,16 @@ def training_step_times(cfg, task, steps=20):
     return dict(times, ratio=times["refusion"] / times["ar"])
 
 
+def arm_pass_costs(cfg, task):
+    """What one forward pass of the task's ARM costs here against the tokens it is fed (as
+    tools.probe measures it, in the decodes' dtype): {k: ms} for k up to what its context holds
+    after 32 cached tokens."""
+    model = model_from_checkpoint(load_checkpoint(os.path.join(cfg["out_dir"], f"{task}-ar")),
+                                  cfg["device"]).to(getattr(torch, cfg["dtype"]))
+    fed = tuple(k for k in (1, 8, 16, 32, 64) if 32 + k <= model.config.block_size)
+    return pass_costs({cfg["dtype"]: model}, 32, fed, 3 if cfg["quick"] else 12)[cfg["dtype"]]
+
+
 def check_bench_config(cfg):
     """Check every setting (not the data: see validation_prompts) before any training starts.
     Raises ValueError with the fix."""
@@ -428,6 +438,7 @@ def main(argv):
     batched = {task: b for task, (_, _, b) in results.items() if b is not None}
     step_times = {task: training_step_times(cfg, task, QUICK["step_times"] if cfg["quick"] else 20)
                   for task in cfg["tasks"]}
+    pass_ms = {task: arm_pass_costs(cfg, task) for task in cfg["tasks"]}
     minutes = (time.perf_counter() - t0) / 60
     table = (QUICK_NOTE + "\n\n" if cfg["quick"] else "") + headline(rows) + "\n\n"
     table += highlights_table(highlights(rows)) + "\n\n" + "\n".join(
@@ -437,13 +448,19 @@ def main(argv):
     for task, b in batched.items():
         table += "\n\n" + throughput_table(b["rows"], task, b["n_prompts"])
     table += "\n\n" + "\n".join(
+        f"One cached forward pass of the {task} ARM, k tokens after 32, {cfg['dtype']} (ms): "
+        + ", ".join(f"{k}: {ms:.2f}" for k, ms in costs.items())
+        + f"; free tokens (<= 1.25x one): {free_tokens(costs)} (python -m tools.probe)"
+        for task, costs in pass_ms.items())
+    table += "\n\n" + "\n".join(
         f"{task}: training {m['train']:.1f} minutes (5 models; near 0 when reused), "
         f"decoding {m['decode']:.1f} minutes" for task, m in task_minutes.items())
     host = machine()
     table += (f"\n\nWhole run: {minutes:.1f} minutes on {host['processor']} "
               f"({host['cpu_capability']}, {host['cpu_threads']} threads)")
     report = {"config": cfg, "machine": host, "minutes": minutes, "task_minutes": task_minutes,
-              "rows": rows, "training_step_seconds": step_times, "batched": batched}
+              "rows": rows, "training_step_seconds": step_times, "batched": batched,
+              "forward_ms": pass_ms}
     write_report(cfg["out_dir"], report, table)
 
 
