@@ -342,7 +342,7 @@ def main(argv):
         if rank == 0:
             print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
                   f"{len(train_data):,} training samples, device {cfg['device']}, "
-                  f"{world} process(es), matmuls in {dtype}" + (f" ({why})" if why else ""))
+                  f"{world} process(es), " + (why or f"matmuls in {dtype}"))
         with runs.stop_requests() as requested:
             try:
                 for steps, best_val_loss, stopped in train(

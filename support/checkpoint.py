@@ -60,6 +60,10 @@ def load_checkpoint(path_or_dir, device="cpu", settings_only=False):
     out_dir = os.path.dirname(path) or "."
     sharded = sharded_info_path(out_dir)
     if not os.path.isfile(path):
+        if os.path.islink(path):
+            raise FileNotFoundError(f"{path} is a symlink to {os.path.realpath(path)}, which is "
+                                    "not there (an unmounted disk, or a moved file): mount or "
+                                    "restore it, or remove the link")
         if os.path.isfile(sharded):
             raise FileNotFoundError(f"no checkpoint at {path}: {out_dir} holds a sharded "
                                     "checkpoint (--fsdp=True); consolidate it first with "

@@ -7,20 +7,18 @@ What the machine's matrix units do, and the dtype that pays there.
                           --dtype=auto made concrete: bfloat16 where bf16 is native, else float32
 
 On a CPU without bf16 units every bf16 matmul is converted to float32 and back: a 32-token pass of
-SmolLM2 then costs 9.7x a 1-token pass in bf16 against 2.7x in float32 (AVX2), while with AVX-512
-BF16 it costs 1.6x (docs/benchmark.md, "What a forward pass costs"; `python -m tools.probe`).
+SmolLM2 then costs 13x a 1-token pass in bf16 against 2.4x in float32 (AVX2 code paths), while with
+AVX-512 BF16 it costs 1.7x (docs/benchmark.md, "What a forward pass costs"; `python -m
+tools.probe`).
 """
 
 
+import os
 import sys
 
 import torch
 
 from model import Transformer
-
-# /proc/cpuinfo's flags of the instructions that multiply bf16 matrices natively
-BF16_FLAGS = {"amx_bf16": "AMX", "avx512_bf16": "AVX512 BF16"}
-
 
 def cpu_flags():
     """The CPU's feature flags (Linux's /proc/cpuinfo); an empty set elsewhere."""
@@ -34,19 +32,35 @@ def cpu_flags():
     return set()
 
 
-def cpu_kind(capability=None, flags=None, onednn_bf16=None):
+# oneDNN's instruction sets in order; ONEDNN_MAX_CPU_ISA (DNNL_MAX_CPU_ISA, its older name) caps
+# the ones it uses: bf16 matmuls need AVX512_CORE_BF16 or above, AMX AVX512_CORE_AMX or above
+ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+               "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16",
+               "AVX10_1_512_AMX", "AVX512_CORE_AMX", "AVX10_1_512_AMX_FP16",
+               "AVX512_CORE_AMX_FP16")
+
+
+def onednn_allows(isa, cap=None):
+    """Whether oneDNN may use instruction set isa under the cap (default: the environment's
+    ONEDNN_MAX_CPU_ISA; unset, ALL or a name not in ONEDNN_ISAS: no cap)."""
+    if cap is None:
+        cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL"
+    cap = cap.upper()
+    return cap not in ONEDNN_ISAS or ONEDNN_ISAS.index(cap) >= ONEDNN_ISAS.index(isa)
+
+
+def cpu_kind(capability=None, flags=None, onednn_cap=None):
     """The code paths torch takes on this CPU: torch's capability (AVX2, AVX512, ...; lowered by
     ATEN_CPU_CAPABILITY), with " BF16" or "AMX" where the CPU multiplies bf16 natively and oneDNN
-    may use it (ONEDNN_MAX_CPU_ISA), e.g. "AVX2", "AVX512", "AVX512 BF16", "AMX". The arguments
-    stand in for the machine's own values (tests)."""
+    may use it (onednn_allows), e.g. "AVX2", "AVX512", "AVX512 BF16", "AMX". The arguments stand
+    in for the machine's own values (tests)."""
     capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     flags = cpu_flags() if flags is None else flags
-    onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported() if onednn_bf16 is None \
-        else onednn_bf16
-    if capability.startswith("AVX512") and onednn_bf16:
-        for flag, kind in BF16_FLAGS.items():
-            if flag in flags:
-                return kind if kind == "AMX" else f"{capability} BF16"
+    if capability.startswith("AVX512"):
+        if "amx_bf16" in flags and onednn_allows("AVX512_CORE_AMX", onednn_cap):
+            return "AMX"
+        if "avx512_bf16" in flags and onednn_allows("AVX512_CORE_BF16", onednn_cap):
+            return f"{capability} BF16"
     return capability
 
 
@@ -68,9 +82,9 @@ def native_bf16(device, kind=None):
 
 
 # Below this many parameters a CPU pass is bound by the cost of each operation, not by its
-# arithmetic, and float32 is as fast or faster even with bf16 units (tools.probe, AVX512 BF16:
-# the quick start's 0.9M-parameter model 2.9 ms a token in float32, 4.4 in bf16; 14M parameters
-# 12.0 and 11.7; SmolLM2's 135M 88 and 64).
+# arithmetic, and float32 is as fast or faster even with bf16 units (tools.probe, AVX512 BF16, a
+# 1-token pass: the quick start's 0.9M-parameter model 2.4 to 2.9 ms in float32, 3.3 to 4.4 in
+# bf16; 14M parameters 12.0 and 11.7; SmolLM2's 135M 64 and 49).
 SMALL_MODEL = 10_000_000
 
 
@@ -85,7 +99,7 @@ def pick_dtype(dtype, device, num_params=None, kind=None):
         raise ValueError(f"--dtype={dtype!r}: choose auto, float32 or bfloat16")
     native, why = native_bf16(device, kind)
     if native and device.startswith("cpu") and num_params is not None and num_params < SMALL_MODEL:
-        native, why = False, (f"{why}, but a model of {num_params / 1e6:.1f}M parameters (under "
+        native, why = False, (f"{why}, but a model of {num_params / 1e6:.2g}M parameters (under "
                               f"{SMALL_MODEL / 1e6:.0f}M) is faster in float32 on a CPU")
     chosen = "bfloat16" if native else "float32"
     return chosen, f"--dtype=auto: {chosen}, as {why}"

@@ -123,14 +123,22 @@ def reuse_freed_memory():
 
 
 def check_writable(out_dir):
-    """Create out_dir if needed, then write and remove a file in it, so that a directory that cannot
-    hold the checkpoint is refused before the data is prepared and the model trained.
-    Raises ValueError naming the directory and the fix."""
+    """Create out_dir if needed, then write and remove a file in it (and, when its ckpt.pt is a
+    symlink, in the directory the link points into: the checkpoint is written through it), so that
+    a place that cannot hold the checkpoint is refused before the data is prepared and the model
+    trained. Raises ValueError naming the directory and the fix."""
+    ckpt = checkpoint_path(out_dir)
+    target = os.path.dirname(os.path.realpath(ckpt))
+    if os.path.islink(ckpt) and not os.path.isdir(target):
+        raise ValueError(f"{ckpt} is a symlink to {os.path.realpath(ckpt)}, whose directory does "
+                         "not exist (an unmounted disk?): create it, or remove the link (nothing "
+                         "was trained)")
     try:
         os.makedirs(out_dir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out_dir) as probe:
-            probe.write(b"probe")
-            probe.flush()
+        for directory in {out_dir, target} if os.path.islink(ckpt) else {out_dir}:
+            with tempfile.TemporaryFile(dir=directory) as probe:
+                probe.write(b"probe")
+                probe.flush()
     except OSError as e:
         raise ValueError(f"--out_dir={out_dir}: cannot write a checkpoint there "
                          f"({e.strerror or e}); choose a directory you can write to") from None
@@ -247,8 +255,12 @@ def inherit_settings(cfg, explicit, source, keys, what, also=()):
     """Take `keys` from a checkpoint's config; flags set explicitly to other values are refused,
     every one of them (and the problems in also) in one message. Raises ValueError naming each flag
     and the fix."""
+    def meant(key):  # the values the checkpoint's setting stands for: n_kv_head 0 is n_head's
+        return {source[key]} | ({source["n_head"]} if key == "n_kv_head" and not source[key]
+                                else set())
     wrong = [f"--{key}={cfg[key]} differs from the checkpoint's {source[key]!r}"
-             for key in keys if key in explicit and source[key] != cfg[key]] + list(also)
+             + (f" (n_head's {source['n_head']})" if len(meant(key)) > 1 else "")
+             for key in keys if key in explicit and cfg[key] not in meant(key)] + list(also)
     if wrong:
         raise ValueError(f"{'; '.join(wrong)}; {what}: drop the flag{'s' * (len(wrong) > 1)}")
     cfg |= {key: source[key] for key in keys}

@@ -136,6 +136,20 @@ def test_a_symlinked_checkpoint_is_written_through_and_the_link_kept(tmp_path, q
     with pytest.raises(FileNotFoundError, match=r"dangling.pt is a symlink to \S+gone/ckpt.pt, "
                                                 "whose directory does not exist"):
         write_atomic(str(tmp_path / "dangling.pt"), lambda f: f.write(b"x"))
+    # a new run whose ckpt.pt links into a missing directory stops before it trains, and a resume
+    # through a link whose file is gone says so instead of offering to train anew
+    (tmp_path / "new").mkdir()
+    os.symlink(tmp_path / "unmounted" / "ckpt.pt", tmp_path / "new" / "ckpt.pt")
+    os.remove(tmp_path / "run" / "ckpt.pt")
+    os.symlink(store / "moved.pt", tmp_path / "run" / "ckpt.pt")
+    for out, init, message in [
+            ("new", [], r"new/ckpt.pt is a symlink to \S+unmounted/ckpt.pt, whose directory does "
+                        "not exist .*nothing was trained"),
+            ("run", ["--init_from=resume"], r"run/ckpt.pt is a symlink to \S+store/moved.pt, "
+                                            r"which is not there \(an unmounted disk")]:
+        flags = tiny_run_flags(tmp_path, qa_file, out) + ["--max_iters=6"] + init
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            train.main(flags)
 
 
 def _fail_mid_write(error):

@@ -18,17 +18,21 @@ from model import ModelConfig, Transformer
 from support.hardware import cpu_kind, num_params, pick_dtype
 
 
-@pytest.mark.parametrize("capability, flags, onednn_bf16, kind", [
-    ("AVX512", {"avx512f", "avx512_bf16"}, True, "AVX512 BF16"),
-    ("AVX512", {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, True, "AMX"),
-    ("AVX512", {"avx512f"}, True, "AVX512"),           # AVX-512 without bf16 units
-    ("AVX2", {"avx512f", "avx512_bf16"}, True, "AVX2"),  # ATEN_CPU_CAPABILITY=avx2
-    ("AVX512", {"avx512f", "avx512_bf16"}, False, "AVX512"),  # ONEDNN_MAX_CPU_ISA below it
-    ("AVX2", {"avx2"}, False, "AVX2"),
-    ("DEFAULT", set(), False, "DEFAULT"),
+@pytest.mark.parametrize("capability, flags, onednn_cap, kind", [
+    ("AVX512", {"avx512f", "avx512_bf16"}, "ALL", "AVX512 BF16"),
+    ("AVX512", {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "ALL", "AMX"),
+    ("AVX512", {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "AVX512_CORE_BF16",
+     "AVX512 BF16"),
+    ("AVX512", {"avx512f"}, "ALL", "AVX512"),                      # AVX-512 without bf16 units
+    ("AVX2", {"avx512f", "avx512_bf16"}, "ALL", "AVX2"),           # ATEN_CPU_CAPABILITY=avx2
+    ("AVX512", {"avx512f", "avx512_bf16"}, "AVX2", "AVX512"),      # ONEDNN_MAX_CPU_ISA below it
+    ("AVX512", {"avx512f", "avx512_bf16"}, "avx512_core", "AVX512"),
+    ("AVX512", {"avx512f", "avx512_bf16"}, "AVX512_CORE_VNNI", "AVX512"),
+    ("AVX2", {"avx2"}, "ALL", "AVX2"),
+    ("DEFAULT", set(), "ALL", "DEFAULT"),
 ])
-def test_the_cpu_kind_is_what_both_kernel_libraries_may_use(capability, flags, onednn_bf16, kind):
-    assert cpu_kind(capability, flags, onednn_bf16) == kind
+def test_the_cpu_kind_is_what_both_kernel_libraries_may_use(capability, flags, onednn_cap, kind):
+    assert cpu_kind(capability, flags, onednn_cap) == kind
 
 
 @pytest.mark.parametrize("kind, chosen", [("AVX512 BF16", "bfloat16"), ("AMX", "bfloat16"),
@@ -64,6 +68,11 @@ def test_the_avx2_code_paths_forced_on_any_cpu_give_float32():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, check=True).stdout
     assert out.split() == ["AVX2", "float32"]
+    # oneDNN capped below its bf16 instructions alone: no bf16 units, whatever torch's kernels use
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE")
+    kind, dtype = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                                 capture_output=True, check=True).stdout.rsplit(maxsplit=1)
+    assert "BF16" not in kind and "AMX" not in kind and dtype == "float32"
 
 
 @pytest.mark.parametrize("kind, chosen", [("AVX512 BF16", "bfloat16"), ("AVX2", "float32")])
@@ -77,7 +86,7 @@ def test_training_and_decoding_take_the_dtype_auto_picks(tmp_path, qa_file, caps
                         lambda device, dtype: used.append(dtype) or real_autocast(device, dtype))
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"])
     assert used == [chosen]
-    assert f"matmuls in {chosen} (--dtype=auto: {chosen}, as this CPU ({kind})" in \
+    assert f"process(es), --dtype=auto: {chosen}, as this CPU ({kind})" in \
         capsys.readouterr().out
     sampler.main([f"--out_dir={tmp_path / 'run'}", "--prompt=hi", "--max_new_tokens=8",
                   "--slot_size=4", "--json"])

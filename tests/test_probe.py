@@ -67,16 +67,21 @@ def test_the_probe_of_a_checkpoint(tmp_path, qa_file, capsys):
     costs = {d: {int(k): ms for k, ms in c.items()} for d, c in r["ms"].items()}
     assert r["free_tokens"] == {d: free_tokens(c) for d, c in costs.items()}
     assert r["refusion_speedup"] == pytest.approx(refusion_speedups(costs, 5.0, (8, 16)))
-    probe.main([f"--out_dir={out}", "--prompt_len=32", "--fed=1,8", "--repeats=1",
+    # a run's out_dir given as --init_from, as train.py takes it; one dtype: nothing to compare
+    probe.main([f"--init_from={out}", "--prompt_len=32", "--fed=1,8", "--repeats=1",
                 "--pass_mix=8", "--dtypes=float32"])
     text = capsys.readouterr().out
     assert "| float32 |" in text and "bfloat16 |" not in text and "--dtype=auto takes" in text
+    assert "the faster dtype" not in text
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--dtypes=float16"], "--dtypes=float16: name float32, bfloat16 or both"),
     (["--fed=4,8"], "1 among them"),
-    (["--fed=1,8", "--pass_mix=32"], "--pass_mix: 32 not among --fed"),
+    (["--fed=1,8", "--pass_mix=32"], "--pass_mix=32: 32 not among --fed; add them to --fed"),
+    (["--fed=1,2,8", "--pass_mix=2,8", "--tpf=5.5"],
+     r"--tpf=5.5: a pass commits at most the tokens it is fed, so TPF cannot pass the mean of "
+     r"--pass_mix \(5\)"),
     (["--tpf=0"], "--tpf=0.0: must be positive"),
     (["--plot=x.jpg"], "pictures are PNG files"),
 ])
@@ -87,7 +92,7 @@ def test_probe_settings_are_checked_before_the_model_is_read(tmp_path, flags, me
 
 def test_a_pass_mix_past_the_context_is_refused(tmp_path, qa_file):
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=1"])
-    with pytest.raises(ValueError, match=r"--pass_mix: \[64\] tokens after --prompt_len=32 pass "
+    with pytest.raises(ValueError, match=r"--pass_mix: 64 tokens after --prompt_len=32 pass "
                                          "the model's context of 64"):
         probe.main([f"--out_dir={tmp_path / 'run'}", "--prompt_len=32", "--fed=1,64",
                     "--pass_mix=64", "--repeats=1"])

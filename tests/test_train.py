@@ -327,6 +327,11 @@ def test_what_a_resumed_run_or_a_fine_tune_cannot_change_is_checked_first_and_na
             f"--init_from={tmp_path / 'run'}", "--n_layer=2", "--n_embd=32"])
     assert str(refused.value).startswith("--n_layer=2 differs from the checkpoint's 1; --n_embd=32 "
                                          "differs from the checkpoint's 16; a fine-tune keeps")
+    # the checkpoint's n_kv_head 0 means n_head's 2: --n_kv_head=2 repeats it, 1 would change it
+    with pytest.raises(ValueError, match=r"^--n_kv_head=1 differs from the checkpoint's 0 "
+                                         r"\(n_head's 2\); a resumed run keeps"):
+        train.main(flags + ["--init_from=resume", "--max_iters=4", "--n_kv_head=1"])
+    train.main(flags + ["--init_from=resume", "--max_iters=4", "--n_kv_head=2"])
 
 
 def test_resume_takes_the_checkpoints_settings_and_init_from_its_shape(tmp_path, qa_file):

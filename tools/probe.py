@@ -12,7 +12,7 @@ prompt_len cached ones, for every k in fed (the median of repeats, interleaved: 
 every dtype and k once, so that all see the same machine load), and prints:
 
     the ms of each pass, and the "free" tokens: the most a pass takes for at most 1.25x the cost
-    of one (a GPU's, or a CPU's with bf16 units in bf16: dozens; a CPU without them in bf16: 1)
+    of one (a GPU's: dozens; SmolLM2 on 2 cores with bf16 units, in bf16: 4 to 8; without: 1)
     the speed-up ReFusion can reach at --tpf with passes of --pass_mix tokens, against the fastest
     next-token decoding the machine offers (the cheapest 1-token pass of any dtype)
     which dtype --dtype=auto takes here and why (support.hardware), beside the faster one for
@@ -47,7 +47,7 @@ init_from = ""             # ... or a Hugging Face model folder (SmolLM2, Qwen3)
 device = "cpu"             # cpu, cuda, cuda:N or mps
 dtypes = ("float32", "bfloat16")  # the dtypes timed
 prompt_len = 64            # tokens cached before each timed pass
-fed = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens fed to the timed passes (k); those past the context
+fed = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens fed to the timed passes (k), within the context
 repeats = 12               # timed rounds (the median is kept), after one that warms up
 tpf = 5.0                  # ReFusion's tokens per forward pass, for the speed-up it can reach
 pass_mix = (32,)           # tokens fed to ReFusion's passes, each as often (each among fed)
@@ -68,17 +68,24 @@ def check_probe_config(cfg):
         raise ValueError(f"--fed={','.join(map(str, cfg['fed']))}: give positive numbers of "
                          "tokens, 1 among them (the next-token pass every speed-up is against)")
     if missing := [m for m in cfg["pass_mix"] if m not in cfg["fed"]]:
-        raise ValueError(f"--pass_mix: {', '.join(map(str, missing))} not among --fed; time the "
-                         "passes ReFusion is said to feed")
+        raise ValueError(f"--pass_mix={','.join(map(str, cfg['pass_mix']))}: "
+                         f"{', '.join(map(str, missing))} not among --fed; add them to --fed, or "
+                         "give --pass_mix the passes ReFusion feeds among them")
+    mean_pass = sum(cfg["pass_mix"]) / len(cfg["pass_mix"])
+    if cfg["tpf"] > mean_pass:
+        raise ValueError(f"--tpf={cfg['tpf']:g}: a pass commits at most the tokens it is fed, so "
+                         f"TPF cannot pass the mean of --pass_mix ({mean_pass:g})")
     if cfg["plot"]:
         cfg["plot"] = png_path(cfg["plot"], "--plot")
 
 
 def load(cfg):
-    """(float32 model in eval mode on cfg["device"], its name) from --init_from or --out_dir."""
-    if cfg["init_from"]:
-        return from_pretrained(cfg["init_from"]).to(cfg["device"]), cfg["init_from"]
-    return model_from_checkpoint(load_checkpoint(cfg["out_dir"]), cfg["device"]), cfg["out_dir"]
+    """(float32 model in eval mode on cfg["device"], its name) from --init_from (a Hugging Face
+    folder, or as train.py's --init_from a run's out_dir or ckpt.pt) or --out_dir."""
+    source = cfg["init_from"] or cfg["out_dir"]
+    if cfg["init_from"] and os.path.isfile(os.path.join(source, "config.json")):
+        return from_pretrained(source).to(cfg["device"]), source
+    return model_from_checkpoint(load_checkpoint(source), cfg["device"]), source
 
 
 def probe(cfg):
@@ -87,9 +94,9 @@ def probe(cfg):
     room = model.config.block_size - cfg["prompt_len"]
     fed = tuple(sorted(k for k in set(cfg["fed"]) if k <= room))
     if missing := [m for m in cfg["pass_mix"] if m > room]:
-        raise ValueError(f"--pass_mix: {missing} tokens after --prompt_len={cfg['prompt_len']} "
-                         f"pass the model's context of {model.config.block_size}; lower them or "
-                         "--prompt_len")
+        raise ValueError(f"--pass_mix: {', '.join(map(str, missing))} tokens after "
+                         f"--prompt_len={cfg['prompt_len']} pass the model's context of "
+                         f"{model.config.block_size}; lower them or --prompt_len")
     models = {d: copy.deepcopy(model).to(getattr(torch, d)) for d in cfg["dtypes"]}
     costs = pass_costs(models, cfg["prompt_len"], fed, cfg["repeats"])
     speedups = refusion_speedups(costs, cfg["tpf"], cfg["pass_mix"])
@@ -128,8 +135,9 @@ def report_text(r):
     for d, c in r["ms"].items():
         per_token = sum(c[k] for k in r["pass_mix"]) / len(r["pass_mix"]) / r["tpf"]
         lines.append(f"| {d} | {per_token:.2f} | {r['refusion_speedup'][d]:.2f}x |")
-    lines += ["", f"{r['auto_why'].replace('--dtype=auto: ', '--dtype=auto takes ')}; the faster "
-              f"dtype for ReFusion decoding by these costs: {r['refusion_dtype']}"]
+    lines += ["", r["auto_why"].replace("--dtype=auto: ", "--dtype=auto takes ")
+              + (f"; the faster dtype for ReFusion decoding by these costs: {r['refusion_dtype']}"
+                 if len(r["ms"]) > 1 else "")]
     return "\n".join(lines)
 
 
