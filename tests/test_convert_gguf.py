@@ -317,10 +317,12 @@ def test_smollm2_tokenizer_matches_the_reference(tmp_path):
     assert enc.decode([1, 9690, 198, 2]) == "<|im_start|>system\n<|im_end|>"
 
 
-def test_smollm2_converted_equals_transformers(tmp_path):
+def test_smollm2_converted_equals_transformers(tmp_path, request):
     """The real model: converted, loaded by us and by transformers; equal logits, and equal greedy
-    chat answers to a fixed question, token for token (about 20 s on one thread)."""
+    chat answers to a fixed question, token for token (about 20 s on one thread; the tests after it
+    get their threads back)."""
     transformers = pytest.importorskip("transformers")
+    request.addfinalizer(lambda threads=torch.get_num_threads(): torch.set_num_threads(threads))
     torch.set_num_threads(1)
     folder = convert_gguf(smollm2_path(), str(tmp_path / "smollm2"))
     ours = from_pretrained(folder)
