@@ -8,7 +8,7 @@ report it:
     headline, highlights_table           the tables (the README's, bench.md's)
     batch_throughput, throughput_table   tokens/s and latency at batch 1, 4, 16, 64
     plot, machine                        quality against speed; what the figures were measured on
-    pass_costs, free_tokens, refusion_speedups
+    pass_costs, model_pass_costs, free_tokens, refusion_speedups
                                          what one forward pass costs against the tokens it is fed,
                                          and what that allows ReFusion (python -m tools.probe)
 """
@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from support.batching import generate_batch
 from support.files import write_atomic
-from support.hardware import cpu_kind
+from support.hardware import cpu_kind, cpuinfo
 
 # -----------------------------------------------------------------------------
 # measuring
@@ -68,15 +68,16 @@ def pass_costs(models, prompt_len=64, fed=(1, 2, 4, 8, 16, 32, 64, 128), repeats
     repeats, interleaved (each round times every model and k once, in turn, after a first round
     that warms up) so that all see the same machine load. Returns {name: {k: ms}}."""
     caches, times = {}, {name: {k: [] for k in fed} for name in models}
+    devices = {name: next(model.parameters()).device for name, model in models.items()}
     with torch.inference_mode():
         for name, model in models.items():
-            device = next(model.parameters()).device
+            device = devices[name]
             caches[name] = model.new_kv_cache(prompt_len + max(fed))
             model(torch.zeros(1, prompt_len, dtype=torch.long, device=device),
                   torch.arange(prompt_len, device=device)[None], kv_cache=caches[name])
         for round_ in range(repeats + 1):
             for name, model in models.items():
-                device = next(model.parameters()).device
+                device = devices[name]
                 sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
                 for k in fed:
                     sync()
@@ -90,6 +91,13 @@ def pass_costs(models, prompt_len=64, fed=(1, 2, 4, 8, 16, 32, 64, 128), repeats
                     caches[name].crop(prompt_len)
     return {name: {k: 1e3 * statistics.median(t) for k, t in ks.items()}
             for name, ks in times.items()}
+
+
+def model_pass_costs(model, dtype, repeats, prompt_len=32, fed=(1, 8, 16, 32, 64)):
+    """pass_costs of one model in dtype ("float32" or "bfloat16"), for the k of fed its context
+    holds after prompt_len tokens: {k: ms} (the benchmarks' line of tools.probe's figures)."""
+    fed = tuple(k for k in fed if prompt_len + k <= model.config.block_size)
+    return pass_costs({dtype: model.to(getattr(torch, dtype))}, prompt_len, fed, repeats)[dtype]
 
 
 def free_tokens(costs, ratio=1.25):
@@ -451,11 +459,8 @@ def machine():
     """What the figures were measured on: Python, torch, transformers (None when not installed), CPU
     model, the vector instructions torch's CPU kernels use (AVX2, AVX512, ...; with bf16 units:
     support.hardware.cpu_kind) and threads, GPU if any."""
-    processor = platform.processor() or platform.machine()
-    if os.path.isfile("/proc/cpuinfo"):  # Linux names the CPU model here, platform does not
-        with open("/proc/cpuinfo") as f:
-            processor = next((line.split(":", 1)[1].strip() for line in f
-                              if line.startswith("model name")), processor)
+    # Linux names the CPU model in /proc/cpuinfo, platform does not
+    processor = cpuinfo("model name") or platform.processor() or platform.machine()
     return {"python": platform.python_version(), "torch": torch.__version__,
             "cpu_threads": torch.get_num_threads(), "processor": processor,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_kind": cpu_kind(),

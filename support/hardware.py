@@ -12,7 +12,6 @@ AVX-512 BF16 it costs 1.7x (docs/benchmark.md, "What a forward pass costs"; `pyt
 tools.probe`).
 """
 
-
 import os
 import sys
 
@@ -20,16 +19,21 @@ import torch
 
 from model import Transformer
 
-def cpu_flags():
-    """The CPU's feature flags (Linux's /proc/cpuinfo); an empty set elsewhere."""
+
+def cpuinfo(field):
+    """The first value of a field of Linux's /proc/cpuinfo ("model name", "flags"); None where
+    there is no such file or field."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.split(":", 1)[0].strip() == field), None)
     except OSError:
-        pass
-    return set()
+        return None
+
+
+def cpu_flags():
+    """The CPU's feature flags (Linux's /proc/cpuinfo); an empty set elsewhere."""
+    return set((cpuinfo("flags") or "").split())
 
 
 # oneDNN's instruction sets in order; ONEDNN_MAX_CPU_ISA (DNNL_MAX_CPU_ISA, its older name) caps

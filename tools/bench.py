@@ -50,8 +50,9 @@ from model import ModelConfig, Transformer
 from sampler import INFILL_MODES, MDMSettings, RefusionSettings, make_decoder
 from support.benchmark import (NAMES, TimedModel, batch_throughput, best_mdm, check_batch_settings,
                                fastest_close, first_quality, free_tokens, headline, hf_generate,
-                               highlights_table, machine, most_accurate, pass_costs, point_config,
-                               refusion_sweep, speed_figures, throughput_table, write_report)
+                               highlights_table, machine, model_pass_costs, most_accurate,
+                               point_config, refusion_sweep, speed_figures, throughput_table,
+                               write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.hardware import num_params, settle_dtype
@@ -382,20 +383,13 @@ def arm_pass_costs(cfg, task):
     tools.probe measures it, in the decodes' dtype): {k: ms} for k up to what its context holds
     after 32 cached tokens."""
     model = model_from_checkpoint(load_checkpoint(os.path.join(cfg["out_dir"], f"{task}-ar")),
-                                  cfg["device"]).to(getattr(torch, cfg["dtype"]))
-    fed = tuple(k for k in (1, 8, 16, 32, 64) if 32 + k <= model.config.block_size)
-    return pass_costs({cfg["dtype"]: model}, 32, fed, 3 if cfg["quick"] else 12)[cfg["dtype"]]
+                                  cfg["device"])
+    return model_pass_costs(model, cfg["dtype"], 3 if cfg["quick"] else 12)
 
 
 def check_bench_config(cfg):
     """Check every setting (not the data: see validation_prompts) before any training starts.
     Raises ValueError with the fix."""
-    # auto: bf16 where it pays, for the largest task's models
-    settle_dtype(cfg, max((ModelConfig(vocab_size=vocab_size(get_tokenizer("bytes")),
-                                       **{k: recipe(cfg, task)[k]
-                                          for k in ("block_size", "n_layer", "n_head", "n_embd")})
-                           for task in cfg["tasks"] if task in TASKS),
-                          key=num_params, default=ModelConfig()))
     for task in cfg["tasks"]:
         if task not in TASKS:
             raise ValueError(f"--tasks={task}: the benchmark knows {', '.join(TASKS)}")
@@ -413,6 +407,12 @@ def check_bench_config(cfg):
     require(cfg, OVERRIDES[1:-1], "0 or more (0: the task's recipe)", lambda v: v >= 0)
     require(cfg, ("learning_rate",), "0 or more and finite (0: the task's recipe)",
             lambda v: 0 <= v < math.inf)
+    # the settings are good: auto becomes the dtype that pays for the largest task's models
+    shapes = [ModelConfig(vocab_size=vocab_size(get_tokenizer("bytes")),
+                          **{k: recipe(cfg, task)[k] for k in ("block_size", "n_layer", "n_head",
+                                                               "n_embd")})
+              for task in cfg["tasks"]]
+    settle_dtype(cfg, max(shapes, key=num_params, default=ModelConfig()))
 
 
 def main(argv):

@@ -44,7 +44,7 @@ from configurator import explicit_keys, parse_args, require, run_cli, settings_i
 from sampler import INFILL_MODES, RefusionSettings, make_decoder
 from support.benchmark import (TimedModel, batch_throughput, check_batch_settings, counting,
                                fastest_close, first_quality, free_tokens, headline, hf_decode,
-                               hf_model, highlights_table, machine, most_accurate, pass_costs,
+                               hf_model, highlights_table, machine, model_pass_costs, most_accurate,
                                peak_above, point_config, refusion_sweep, speed_figures,
                                throughput_table, write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
@@ -311,8 +311,7 @@ def main(argv):
     batched = {task: b for task, (_, _, b) in results.items() if b is not None}
     base = model_from_checkpoint(load_checkpoint(os.path.join(cfg["out_dir"],
                                                               f"{cfg['tasks'][0]}-ar")))
-    costs = pass_costs({cfg["dtype"]: base.to(getattr(torch, cfg["dtype"]))}, prompt_len=32,
-                       fed=(1, 8, 16, 32, 64), repeats=5)[cfg["dtype"]]   # as tools.probe
+    costs = model_pass_costs(base, cfg["dtype"], repeats=5)   # as tools.probe
     minutes = (time.perf_counter() - t0) / 60
     host = machine()
     table = headline(rows) + "\n\n" + highlights_table([dict(r, why=r["series"]) for r in rows])
