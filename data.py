@@ -8,6 +8,7 @@ objective feeds the model and what it asks it to predict.
     autoregressive_batch  the ARM baseline's layout
     pad_with_eos          the MDM baseline's canvas (LLaDA's supervised fine-tuning: EOS padding)
     random_mask_batch     the MDM baseline's layout (each response token masked independently)
+    pack_rows             several samples of a causal layout in each row (--pack, beyond the paper)
 
 Token ids come in from support/prepare.py's TokenDataset; nothing here reads files or text.
 """
@@ -32,17 +33,26 @@ class Batch:
                   (autoregressive loss).
     key_mask:     (B, T) bool, False on padding: the bidirectional MDM's (a causal model's
                   padding comes last, where no query sees it), or None.
+    sample_id:    (B, T) int64, packed rows only (pack_rows): the sample of each token, -1 on
+                  padding; a token attends causally to its own sample's tokens. Else None.
+    n_samples:    the samples of the batch (hybrid_loss's divisor), when rows hold several.
     """
     idx: torch.Tensor
     position_ids: torch.Tensor
     labels: torch.Tensor
     mdm_weight: torch.Tensor
     key_mask: torch.Tensor | None = None
+    sample_id: torch.Tensor | None = None
+    n_samples: int | None = None
 
     @property
     def attn_mask(self):
-        """key_mask as the model's attn_mask, (B, 1, 1, T): every query sees every key that is not
-        padding; None without a key_mask."""
+        """The model's attn_mask: key_mask as (B, 1, 1, T) (every query sees every key that is not
+        padding), sample_id as (B, 1, T, T) (causal within a sample), or None."""
+        if self.sample_id is not None:
+            T = self.sample_id.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=self.sample_id.device).tril()
+            return ((self.sample_id[:, :, None] == self.sample_id[:, None, :]) & causal)[:, None]
         return None if self.key_mask is None else self.key_mask[:, None, None]
 
 
@@ -224,3 +234,39 @@ def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3):
     return Batch(torch.where(masked, mask_id, tokens), pos, labels, weight,
                  key_mask=pos < length[:, None])
 
+
+
+def pack_rows(batch, length):
+    """Several samples in each row (beyond the paper, opt-in: train.py's --pack): a causal batch's
+    samples laid one after another into as few rows of its width T as first fit (longest first)
+    finds, each token at its own position id and attending causally to its own sample only. The
+    model computes each sample as it would alone, and hybrid_loss divides by the samples, not the
+    rows: the loss and gradient are the unpacked batch's (up to rounding) for fewer padded tokens.
+
+    batch: (B, T) from reorganize_slots or autoregressive_batch, sample i in its first length[i]
+    tokens; length: (B,) int64. Returns a Batch of (R, T), R <= B, with sample_id and n_samples=B;
+    padding: token 0 at position 0, no label.
+    """
+    B, T = batch.idx.shape
+    rows, room = [], []                                   # the samples of each row, its room left
+    for i in sorted(range(B), key=lambda i: -int(length[i])):
+        r = next((r for r, left in enumerate(room) if left >= length[i]), len(rows))
+        if r == len(rows):
+            rows.append([])
+            room.append(T)
+        rows[r].append(i)
+        room[r] -= int(length[i])
+    src = torch.full((len(rows), T), -1)                  # (R, T) index b * T + t of each token
+    sample_id = torch.full((len(rows), T), -1)
+    for r, samples in enumerate(rows):
+        at = 0
+        for i in samples:
+            n = int(length[i])
+            src[r, at:at + n], sample_id[r, at:at + n] = i * T + torch.arange(n), i
+            at += n
+    src, sample_id = src.to(batch.idx.device), sample_id.to(batch.idx.device)
+
+    def take(x, fill):
+        return torch.where(src >= 0, x.reshape(-1)[src.clamp(min=0)], fill)
+    return Batch(take(batch.idx, 0), take(batch.position_ids, 0), take(batch.labels, IGNORE),
+                 take(batch.mdm_weight, 0.0), sample_id=sample_id, n_samples=B)

@@ -557,8 +557,7 @@ class Generation:
         return len(self.tokens) / max(self.seconds, 1e-9)
 
     def stats(self):
-        """The statistics as a dict of plain numbers (tokens, nfe, tpf, seconds, tokens_per_s,
-        cache_bytes), for --json."""
+        """The statistics (tokens, nfe, tpf, seconds, tokens_per_s, cache_bytes) as numbers."""
         return {"tokens": len(self.tokens), "nfe": self.nfe, "tpf": round(self.tpf, 3),
                 "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2),
                 "cache_bytes": self.cache_bytes}
@@ -702,6 +701,7 @@ steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
 temperature = 0.0          # 0: greedy; above 0: sample (Gumbel-max)
 batch_size = 1             # prompts decoded together (SPEC 4.2); each sample is its own
+compile = False            # the forward passes as compiled graphs (support/compiled.py)
 compare_next_token = True  # refusion: also decode them by --method=next_token, in the summary
 seed = 1337                # prompt i is sampled from a torch.Generator seeded with seed + i
 device = "cpu"             # cpu, cuda, cuda:N or mps
@@ -736,13 +736,13 @@ def main(argv):
     room = settings.gen_length if cfg["method"] == "mdm" else decoder_settings(
         dict(cfg, method="refusion")).gen_length
     prompts = sampling.load_prompts(cfg, enc, ckpt, room, model.config.block_size)
-    decode(model, prompts[0][:8])  # warm-up: the first forward passes pay one-time costs
+    model = sampling.warm_up(cfg, model, decode, prompts)  # one-time costs (compiling) apart
     next_token = None
     if sampling.compares_next_token(cfg, len(prompts), "compare_next_token" in explicit):
         sampling.note_mismatch("next_token", objective, ckpt)
         next_token, _ = make_decoder(dict(cfg, method="next_token"), ids,
                                      torch.Generator(cfg["device"]))
-        next_token(model, prompts[0][:8])  # warmed up the same way
+        sampling.warm_up(cfg, model, next_token, prompts)
     sampling.decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_token)
 
 

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from configurator import explicit_keys, parse_args, run_cli, settings_in
-from data import IGNORE, autoregressive_batch, pad_with_eos, random_mask_batch, reorganize_slots
+from data import (IGNORE, autoregressive_batch, pack_rows, pad_with_eos, random_mask_batch,
+                  reorganize_slots)
 from model import ModelConfig, Transformer
 
 # -----------------------------------------------------------------------------
@@ -54,6 +55,7 @@ qk_norm = True            # RMSNorm on each head's queries and keys, as in Qwen3
 rope_theta = 10000.0      # base of the rotary position angles (finite, > 0)
 # optimization
 batch_size = 16           # samples per micro-batch (per process under torchrun)
+pack = False              # several samples per row, each seeing itself: less padding (causal)
 gradient_accumulation_steps = 1  # micro-batches per step, over all processes (divided among them)
 max_iters = 1500          # optimizer steps of the whole run (a resumed run continues up to it)
 learning_rate = 2e-3      # peak learning rate, reached after warm-up
@@ -103,14 +105,15 @@ def hybrid_loss(logits, batch):
 
     logits: (B, T, V) float32. AR_loss: mean cross-entropy over next-token labels (0 if none).
     MDM_loss: sum over masked tokens of CE * mdm_weight (= CE / (p_mask * response length)),
-    divided by B. Returns (loss, ar_loss, mdm_loss), scalar tensors.
+    divided by the samples (B, or a packed batch's n_samples). Returns (loss, ar_loss, mdm_loss),
+    scalar tensors.
     """
     B, T, V = logits.shape
     ce = F.cross_entropy(logits.view(-1, V), batch.labels.view(-1), ignore_index=IGNORE,
                          reduction="none").view(B, T)
     is_ar = (batch.labels != IGNORE) & (batch.mdm_weight == 0)
     ar_loss = (ce * is_ar).sum() / is_ar.sum().clamp(min=1)
-    mdm_loss = (ce * batch.mdm_weight).sum() / B
+    mdm_loss = (ce * batch.mdm_weight).sum() / (batch.n_samples or B)
     return ar_loss + mdm_loss, ar_loss, mdm_loss
 
 
@@ -230,6 +233,8 @@ def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, auto
         rng, gen = micro_batch_rng(cfg, it, rank * micro_steps + micro)
         tokens, prompt_len, length = train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
         batch = make_batch(cfg, tokens, prompt_len, length, train_data.meta, gen)
+        if cfg["pack"]:
+            batch = pack_rows(batch, length)
         # DDP averages gradients across processes only after the last micro-batch. FSDP
         # reduce-scatters after every one: holding them back would keep each process's full
         # unsharded gradients.

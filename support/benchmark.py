@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from support.batching import generate_batch
+from support.compiled import CompiledModel
 from support.files import write_atomic
 from support.hardware import cpu_kind, cpuinfo
 
@@ -421,6 +422,44 @@ def batch_throughput(decoders, prompts, batch_sizes, rounds=1):
         row["vs_first"] = row["tokens_per_s"] / same[next(iter(decoders))]["tokens_per_s"]
     rows.sort(key=lambda r: (list(decoders).index(r["decoder"]), r["batch_size"]))
     return {"n_prompts": len(prompts), "rows": rows}
+
+
+def compiled_vs_eager(decoders, prompts):
+    """Each decoder eager and compiled (support.compiled.CompiledModel, a fresh one per decoder, so
+    that its graphs are its own), greedy, over the prompts: first an untimed decode of every prompt
+    through the CompiledModel (what compiling costs: its graphs and seconds), then each prompt
+    eager and compiled in turn. decoders: {label: (model, a one-prompt decoder)}. Returns
+    {"n_prompts", "rows"}, a row per decoder: tokens_per_s (eager), compiled_tokens_per_s,
+    vs_eager, identical (the share of prompts whose tokens equal the eager decode's), graphs,
+    compile_s."""
+    rows = []
+    for label, (model, decode) in decoders.items():
+        compiled = CompiledModel(model)
+        graphs, t0 = compiled.graphs, time.perf_counter()
+        for p in prompts:
+            decode(compiled, p)
+        row = {"decoder": label, "graphs": compiled.graphs - graphs,
+               "compile_s": time.perf_counter() - t0}
+        outs = [(decode(model, p), decode(compiled, p)) for p in prompts]
+        for name, i in (("tokens_per_s", 0), ("compiled_tokens_per_s", 1)):
+            row[name] = sum(len(o[i].tokens) for o in outs) / sum(o[i].seconds for o in outs)
+        row["vs_eager"] = row["compiled_tokens_per_s"] / row["tokens_per_s"]
+        row["identical"] = sum(a.tokens == b.tokens for a, b in outs) / len(outs)
+        rows.append(row)
+    return {"n_prompts": len(prompts), "rows": rows}
+
+
+def compiled_table(compiled, task):
+    """compiled_vs_eager's result as markdown."""
+    rows = compiled["rows"]
+    lines = [f"Compiled decoding (--compile; {task}, {compiled['n_prompts']} prompts, one at a "
+             "time):", "",
+             "| decoder | eager tokens/s | compiled tokens/s | vs eager | identical to eager | "
+             "graphs | compile (s) |", "| --- " * 7 + "|"]
+    lines += [f"| {r['decoder']} | {r['tokens_per_s']:.0f} | {r['compiled_tokens_per_s']:.0f} | "
+              f"{r['vs_eager']:.2f}x | {r['identical']:.0%} | {r['graphs']} | "
+              f"{r['compile_s']:.0f} |" for r in rows]
+    return "\n".join(lines)
 
 
 def check_batch_settings(cfg):

@@ -77,6 +77,9 @@ def check_train_config(cfg):
             lambda v: 0 < v < math.inf)
     require(cfg, ("n_kv_head", "lr_decay_iters", "warmup_iters", "gen_length"), "0 or more",
             lambda v: v >= 0)
+    if cfg["objective"] == "mdm" and cfg["pack"]:
+        raise ValueError("--pack lays samples side by side for causal attention; an MDM's "
+                         "bidirectional samples are not packed: drop --pack")
     if cfg["objective"] == "mdm" and cfg["gen_length"] >= cfg["block_size"]:
         raise ValueError(f"--gen_length={cfg['gen_length']}: an MDM's canvas must leave room for a "
                          f"prompt in its context of --block_size={cfg['block_size']}; lower "
@@ -93,12 +96,12 @@ def check_train_config(cfg):
 
 def check_compile(cfg):
     """--compile=True where torch.compile cannot run (an unsupported Python, or no C compiler for a
-    CPU run) becomes False, with a warning: training without it gives the same results, slower."""
+    CPU run) becomes False, with a warning: running without it gives the same results, slower."""
     cpu = not cfg["device"].startswith(("cuda", "mps"))
     if cfg["compile"] and (not torch._dynamo.is_dynamo_supported()
                            or (cpu and not (shutil.which("cc") or shutil.which("gcc")))):
         warnings.warn("--compile=True: torch.compile cannot run here (unsupported Python or no C "
-                      "compiler); training without it, which gives the same results more slowly")
+                      "compiler); running without it, which gives the same results more slowly")
         cfg["compile"] = False
 
 

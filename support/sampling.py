@@ -26,6 +26,7 @@ from configurator import check_device, check_seed
 from model import ModelConfig
 from support.batching import generate_batch
 from support.chat import chat_prompt
+from support.compiled import CompiledModel
 from support.checkpoint import checkpoint_path, decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import read_utf8, score
 from support.drawing import cell_text, plot_decode, png_path, pyplot
@@ -33,6 +34,7 @@ from support.hardware import settle_dtype
 from support.hf_folder import from_pretrained, hf_model_config
 from support.hf_tokenizer import hf_special_ids, undecodable_ids
 from support.prepare import TokenDataset, prepare
+from support.runs import check_compile
 from support.tokenizer import decode, encode_prompt, get_tokenizer
 
 
@@ -50,6 +52,26 @@ def check_sample_config(cfg):
         raise ValueError(f"--batch_size={cfg['batch_size']}: decode at least one prompt at a time")
     if cfg["batch_size"] > 1 and cfg["show"]:
         raise ValueError("--show redraws one decode at a time; use it with --batch_size=1")
+    if cfg["batch_size"] > 1 and cfg["compile"]:
+        raise ValueError("--compile decodes one prompt at a time; use it with --batch_size=1")
+    check_compile(cfg)
+
+
+def warm_up(cfg, model, decode, prompts):
+    """Pay the one-time costs of decoding before the timed decodes: the first forward passes (decode
+    a prompt's first 8 tokens) or, with --compile, the graphs (wrap the model in a CompiledModel,
+    decode every prompt once, and print how many graphs that compiled and in how long). Returns the
+    model to decode with: model itself, or its CompiledModel."""
+    if not cfg["compile"]:
+        decode(model, prompts[0][:8])
+        return model
+    model = model if isinstance(model, CompiledModel) else CompiledModel(model)
+    graphs, t0 = model.graphs, time.perf_counter()
+    for p in prompts:
+        decode(model, p)
+    print(f"--compile: {model.graphs - graphs} graphs compiled in {time.perf_counter() - t0:.1f} s "
+          f"(a first decode of the {len(prompts)} prompts, not timed)", file=sys.stderr)
+    return model
 
 
 def load_model(cfg):

@@ -164,6 +164,34 @@ def test_bf16_autocast_trains_every_objective_close_to_float32(objective):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("objective", ["refusion", "ar"])
+def test_packed_rows_give_the_unpacked_loss_and_gradients(objective):
+    """--pack: each sample of the batch lies whole in one row, at its own position ids, and the
+    loss and every gradient are the unpacked batch's, from fewer rows."""
+    model = tiny_model(seed=14).train()
+    tokens, prompt_len, length = random_samples(15, B=12, T=60, vocab=36)
+    tokens[tokens == 258] = 39                                        # the tiny model's pad id
+    cfg = dict(train.DEFAULTS, objective=objective, slot_sizes=(4, 8), ar_fraction=0.3)
+    batch = make_batch(cfg, tokens, prompt_len, length, {"mask_id": 38, "eos_id": 37,
+                                                         "pad_id": 39}, torch.Generator())
+    packed = data.pack_rows(batch, length)
+    assert packed.idx.shape[0] < 12 and packed.idx.shape[1] == batch.idx.shape[1]
+    for i in range(12):                                # sample i's tokens, in order, in one row
+        row, at = (packed.sample_id == i).nonzero().T
+        assert len(set(row.tolist())) == 1 and at.tolist() == list(range(at[0], at[0] + length[i]))
+        for name in ("idx", "position_ids", "labels", "mdm_weight"):
+            assert torch.equal(getattr(packed, name)[row, at], getattr(batch, name)[i, :length[i]])
+
+    def loss_and_grads(b):
+        model.zero_grad()
+        losses = hybrid_loss(model(b.idx, b.position_ids, attn_mask=b.attn_mask), b)
+        losses[0].backward()
+        return [x.detach() for x in losses] + [p.grad.clone() for p in model.parameters()]
+
+    for a, b in zip(loss_and_grads(packed), loss_and_grads(batch), strict=True):
+        torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+
+
 def test_compile_never_changes_the_loss_or_the_gradients():
     """--compile=True (torch.compile) on a ReFusion batch: the same hybrid loss and gradients as
     eager."""
@@ -367,6 +395,12 @@ def test_settings_that_are_not_finite_or_out_of_range_are_refused_before_any_wor
     (or a message from AdamW) after preparing and training."""
     with pytest.raises(ValueError, match=rf"{flag.split('=')[0]}=\S+: must be"):
         train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", flag])
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
+def test_packing_an_mdms_bidirectional_samples_is_refused_before_any_work(tmp_path, qa_file):
+    with pytest.raises(ValueError, match="--pack lays samples side by side for causal attention"):
+        train.main(tiny_run_flags(tmp_path, qa_file, "run", "mdm") + ["--pack=True"])
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
 

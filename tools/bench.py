@@ -52,7 +52,7 @@ from support.benchmark import (NAMES, TimedModel, batch_throughput, best_mdm, ch
                                fastest_close, first_quality, free_tokens, headline, hf_generate,
                                highlights_table, machine, model_pass_costs, most_accurate,
                                point_config, refusion_sweep, speed_figures, throughput_table,
-                               write_report)
+                               write_report, compiled_table, compiled_vs_eager)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.hardware import num_params, settle_dtype
@@ -80,7 +80,7 @@ batch_size = 0             # ... samples per training step
 learning_rate = 0.0        # ... peak learning rate (from scratch)
 device = "cpu"             # cpu, cuda or mps: training and decoding
 dtype = "auto"             # every decode's weights: auto (bf16 where native), float32 or bfloat16
-compile = False            # torch.compile the training forward pass (GPU runs)
+compile = False            # torch.compile training; and decode throughput_task's picks compiled too
 throughput_task = "transform"  # the task whose ARM, ReFusion and MDM are also decoded in batches
 batch_sizes = (1, 4, 16, 64)   # ... of these sizes (generate_batch), max(...) prompts
 seed = 1337                # training seed of every model (decodes are greedy)
@@ -303,7 +303,8 @@ def batched_points(cfg, rows, models, ids, prompts, max_new_tokens):
         knobs = point_config(row["method"], row["settings"], max_new_tokens=max_new_tokens)
         decoders[row["label"]] = models[row["model"]], make_decoder(knobs, ids, None)[0]
     sizes = QUICK["batch_sizes"] if cfg["quick"] else cfg["batch_sizes"]
-    return batch_throughput(decoders, prompts, sizes)
+    return dict(batch_throughput(decoders, prompts, sizes),
+                compiled=compiled_vs_eager(decoders, prompts) if cfg["compile"] else None)
 
 
 def highlights(rows):
@@ -447,6 +448,8 @@ def main(argv):
         for task, t in step_times.items())
     for task, b in batched.items():
         table += "\n\n" + throughput_table(b["rows"], task, b["n_prompts"])
+        if b["compiled"]:
+            table += "\n\n" + compiled_table(b["compiled"], task)
     table += "\n\n" + "\n".join(
         f"One cached forward pass of the {task} ARM, k tokens after 32, {cfg['dtype']} (ms): "
         + ", ".join(f"{k}: {ms:.2f}" for k, ms in costs.items())

@@ -46,7 +46,7 @@ from support.benchmark import (TimedModel, batch_throughput, check_batch_setting
                                fastest_close, first_quality, free_tokens, headline, hf_decode,
                                hf_model, highlights_table, machine, model_pass_costs, most_accurate,
                                peak_above, point_config, refusion_sweep, speed_figures,
-                               throughput_table, write_report)
+                               throughput_table, write_report, compiled_table, compiled_vs_eager)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.files import write_atomic
@@ -70,6 +70,7 @@ retrain = False            # fine-tune again even when out_dir holds the models
 quick = False              # a smoke run: QUICK's budget, prompts and sweep (tests: a tiny folder)
 throughput_task = "quotes"  # the task whose next-token and ReFusion decoders also run in batches
 batch_sizes = (1, 4, 16, 64)  # ... of these sizes (generate_batch), max(...) prompts
+compile = False            # also decode them compiled, each beside eager (support/compiled.py)
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
 
@@ -278,7 +279,8 @@ def smollm2_batched_points(cfg, rows, points, models, ids, prompts, max_new_toke
                            make_decoder(point_config(method, knobs, max_new_tokens=max_new_tokens),
                                         ids, None)[0])
     sizes = QUICK["batch_sizes"] if cfg["quick"] else cfg["batch_sizes"]
-    return batch_throughput(decoders, prompts, sizes)
+    return dict(batch_throughput(decoders, prompts, sizes),
+                compiled=compiled_vs_eager(decoders, prompts) if cfg["compile"] else None)
 
 
 def check_bench_pretrained_config(cfg):
@@ -323,6 +325,8 @@ def main(argv):
     for task, b in batched.items():
         table += "\n\n" + throughput_table(b["rows"], f"smollm2 {task}, {cfg['dtype']}",
                                            b["n_prompts"])
+        if b["compiled"]:
+            table += "\n\n" + compiled_table(b["compiled"], f"smollm2 {task}, {cfg['dtype']}")
     table += ("\n\nOne cached forward pass of k tokens after 32 cached ones, "
               f"{cfg['dtype']} (ms): " + ", ".join(f"{k}: {ms:.1f}" for k, ms in costs.items())
               + f"; free tokens (<= 1.25x one): {free_tokens(costs)}")

@@ -4,6 +4,7 @@ What a forward pass costs on this machine, and what that allows ReFusion here.
     python -m tools.probe                                 # the quick start's model (out-quotes)
     python -m tools.probe --init_from=smollm2 --plot=probe.png
     python -m tools.probe --init_from=smollm2 --tpf=5.0 --pass_mix=8,32
+    python -m tools.probe --compile=True      # each dtype's passes also compiled
 
 ReFusion's lever is a pass that takes many tokens for about the price of one: decoding at TPF t
 (tokens per forward pass) with passes of m tokens costs cost(m) / t per token, against cost(1) per
@@ -37,9 +38,11 @@ from json import dumps
 from configurator import check_device, parse_args, require, run_cli, settings_in
 from support.benchmark import free_tokens, machine, pass_costs, refusion_speedups
 from support.checkpoint import load_checkpoint, model_from_checkpoint
+from support.compiled import CompiledModel
 from support.drawing import png_path, pyplot
 from support.hardware import pick_dtype
 from support.hf_folder import from_pretrained
+from support.runs import check_compile
 
 # -----------------------------------------------------------------------------
 out_dir = "out-quotes"     # a run's out_dir (its ckpt.pt; the quick start's by default) ...
@@ -51,6 +54,7 @@ fed = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens fed to the timed passes (k), withi
 repeats = 12               # timed rounds (the median is kept), after one that warms up
 tpf = 5.0                  # ReFusion's tokens per forward pass, for the speed-up it can reach
 pass_mix = (32,)           # tokens fed to ReFusion's passes, each as often (each among fed)
+compile = False            # also time each dtype's passes compiled (support/compiled.py)
 plot = ""                  # draw ms against tokens fed into this PNG (matplotlib)
 json = False               # print the figures as one JSON object instead of tables
 # -----------------------------------------------------------------------------
@@ -98,6 +102,8 @@ def probe(cfg):
                          f"--prompt_len={cfg['prompt_len']} pass the model's context of "
                          f"{model.config.block_size}; lower them or --prompt_len")
     models = {d: copy.deepcopy(model).to(getattr(torch, d)) for d in cfg["dtypes"]}
+    if cfg["compile"]:   # the untimed first round compiles their graphs
+        models |= {f"{d} compiled": CompiledModel(m) for d, m in models.items()}
     costs = pass_costs(models, cfg["prompt_len"], fed, cfg["repeats"])
     speedups = refusion_speedups(costs, cfg["tpf"], cfg["pass_mix"])
     auto, why = pick_dtype("auto", cfg["device"], model.num_params())
@@ -171,6 +177,7 @@ def draw(r, path):
 def main(argv):
     cfg = parse_args(DEFAULTS, argv)
     check_probe_config(cfg)
+    check_compile(cfg)
     r = probe(cfg)
     print(dumps(r) if cfg["json"] else report_text(r))
     if cfg["plot"]:

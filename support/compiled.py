@@ -1,0 +1,129 @@
+"""
+Compiled decoding (SPEC section 4.3, beyond the paper, opt-in: --compile in sampler.py, tools.probe
+and the benchmarks): the model's forward pass under torch.compile, for every decoder of sampler.py,
+unchanged.
+
+    CompiledModel(model)            the model as the decoders call it, each pass run by a graph
+    bucket(T)                       the length a pass of T tokens is padded to
+    CompiledModel.graphs            the graphs compiled so far (one per bucket and kind of pass)
+
+A compiled graph is fast for the shapes it was compiled for and recompiles for others, and a decode
+feeds many: every pass of ReFusion has its own width (a plan's masks, a verify's drafts, an infill
+round's rows), its cache its own length. So, as gpt-fast does, the shapes are bounded:
+
+- A pass of T <= WIDE tokens is padded to bucket(T) (1, 8, 16, 32): the padding goes *before* the
+  real tokens, so that the last input token is the last real one (a prefill's logits); no real
+  query sees it, and its keys/values are dropped. A wider pass (a prefill, a plan over many
+  slots) is compute-bound, so it is not padded: one graph with a dynamic width takes them all.
+- The KV cache is read, not written, inside the graph: a pass attends to the whole cache tensor
+  and its own new keys, masked to the P cached tokens and causally among the new ones, and the
+  real tokens' keys/values are written after the pass. The cache's length and rows (one per
+  infilled slot) are dynamic dimensions, so a new prompt length compiles nothing new.
+- The output layer runs for the last token only (logits_from=-1) or for all, sliced after.
+
+So a decode setting compiles a few graphs: one per bucket it feeds, per kind of pass (with a KV
+cache or without, the last token's logits or all) and per rows (1, or more: ReFusion's infill).
+Greedy tokens equal eager decoding's up to rounding: a padded, compiled pass sums in another order,
+which can flip a near tie (SPEC section 4.2 says the same of batching).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+WIDE = 32  # a pass of more tokens is not padded: one graph takes every such width
+
+
+def bucket(T):
+    """The padded length of a pass of T tokens: 1 for 1, the next power of two from 8 up to WIDE,
+    T itself above."""
+    return 1 if T == 1 else T if T > WIDE else max(8, 1 << (T - 1).bit_length())
+
+
+class NewKeys:
+    """The KV cache as a compiled pass sees it: read-only. A layer's new keys/values are kept (to
+    be written to the cache after the pass, outside the graph) and attended after the whole cache
+    (the mask hides what a query may not see). kv: the KVCache's tensor, (n_layer, 2, rows,
+    n_kv_head, L, head_dim)."""
+
+    def __init__(self, kv):
+        self.kv, self.new = kv, []
+
+    def update(self, layer, k, v):
+        self.new.append(torch.stack([k, v]))
+        B = k.shape[0]
+        return (torch.cat([self.kv[layer, 0, :B], k], dim=2),
+                torch.cat([self.kv[layer, 1, :B], v], dim=2))
+
+    def advance(self, T):
+        pass  # the KVCache takes the real tokens' keys/values after the pass
+
+
+class CompiledModel:
+    """A Transformer whose forward passes run as compiled graphs on bucketed shapes (module doc).
+
+    Called as the Transformer is: (idx (B, T) int64, position_ids (B, T) int64, kv_cache=None,
+    attn_mask=None, logits_from=0) -> logits (B, T - logits_from, vocab_size) float32, and
+    new_kv_cache(max_len, max_batch) as the Transformer's. A pass with both a KV cache and
+    attn_mask (batched decoding, support/batching.py) is not taken: ValueError.
+    """
+
+    def __init__(self, model, mode=None):
+        """mode: torch.compile's; None takes "reduce-overhead" on CUDA (CUDA graphs: one launch a
+        pass, not yet run on a GPU here) and the default elsewhere."""
+        if mode is None and next(model.parameters()).is_cuda:
+            mode = "reduce-overhead"
+        self.model, self.config, self.parameters = model, model.config, model.parameters
+        self.new_kv_cache = model.new_kv_cache
+        torch._dynamo.config.recompile_limit = 64  # a graph per bucket and kind of pass
+        self.compiled = torch.compile(self._forward, mode=mode, dynamic=False)
+
+    @property
+    def graphs(self):
+        """Graphs compiled so far (torch._dynamo's count, of every CompiledModel of the process)."""
+        from torch._dynamo.utils import counters
+        return counters["stats"]["unique_graphs"]
+
+    def _forward(self, idx, position_ids, kv, mask, last_only):
+        cache = None if kv is None else NewKeys(kv)
+        logits = self.model(idx, position_ids, kv_cache=cache, attn_mask=mask,
+                            logits_from=-1 if last_only else 0)
+        return logits, None if kv is None else torch.stack(cache.new)
+
+    @torch.inference_mode()
+    def __call__(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0):
+        B, T = idx.shape
+        pad, device = bucket(T) - T, idx.device
+        idx, position_ids = F.pad(idx, (pad, 0)), F.pad(position_ids, (pad, 0))
+        if kv_cache is not None:
+            if attn_mask is not None:
+                raise ValueError("compiled decoding takes one prompt at a time: decode with "
+                                 "--batch_size=1, or without --compile")
+            kv_cache.check_room(B, T)
+            P, kv = kv_cache.pos, kv_cache.kv
+            k_idx = torch.arange(kv.shape[4] + T + pad, device=device)
+            q_idx = torch.arange(T + pad, device=device)[:, None] + kv.shape[4]
+            # the first P cached keys, then the new ones causally, the padding's seen by none
+            mask = (k_idx < P) | ((k_idx <= q_idx) & ((k_idx >= kv.shape[4] + pad) |
+                                                       (q_idx < kv.shape[4] + pad)))
+            mask = mask[None, None]                         # (1, 1, Tb, L + Tb)
+            torch._dynamo.maybe_mark_dynamic(kv, 2)
+            torch._dynamo.maybe_mark_dynamic(kv, 4)
+            torch._dynamo.maybe_mark_dynamic(mask, 3)
+        else:
+            kv = None                        # a padding query sees every key; no real query pads
+            inner = attn_mask if attn_mask is not None else torch.ones(
+                T, T, dtype=torch.bool, device=device).tril(0 if self.config.causal else T)
+            mask = torch.zeros(inner.shape[0] if inner.dim() == 4 else 1, 1, T + pad, T + pad,
+                               dtype=torch.bool, device=device)
+            mask[..., :pad, :] = True
+            mask[..., pad:, pad:] = inner
+        dynamic = [(idx, 1), (position_ids, 1), (mask, 2), (mask, 3)] * (T > WIDE) + [
+            (idx, 0), (position_ids, 0), (mask, 0)] * (B > 1)      # any width, any rows above 1
+        for x, dim in dynamic:
+            torch._dynamo.maybe_mark_dynamic(x, dim)
+        logits, new = self.compiled(idx, position_ids, kv, mask, logits_from == -1)
+        if kv_cache is not None:  # (n_layer, 2, B, n_kv_head, T, head_dim): the real tokens'
+            kv[:, :, :B, :, P:P + T] = new[..., pad:, :]
+            kv_cache.advance(T)
+        return logits if logits_from == -1 else logits[:, pad + logits_from:]
