@@ -1,16 +1,17 @@
 """
 Many prompts at once (SPEC section 4.2, beyond the paper, opt-in: --batch_size): the one-prompt
-decoders of sampler.py, unchanged, with the forward passes of a batch's prompts run as one.
+decoders of sampler.py, unchanged, with the forward passes of a batch's prompts run together.
 
     generate_batch(model, decode, prompts, batch_size)   the Generations, in prompt order
     decode_together                                      one batch: a thread per prompt
-    forward_batch                                        the passes they wait for, as one
+    forward_batch, padded_pass                           the passes they wait for, together
     BatchedCache                                         their KV caches side by side, padded
 
 Each prompt runs `decode` in its own thread, on a BatchedModel that posts its forward passes and
 waits. When every prompt still decoding waits (whatever its step: a plan, a verify, an infill
-round, a next token, a denoising step), forward_batch runs their passes as one padded pass and each
-prompt goes on with its own logits. So each prompt takes the steps and the NFE it takes alone.
+round, a next token, a denoising step), forward_batch runs their passes (on a GPU as one padded
+pass; on a CPU one pass per length, no padding computed) and each prompt goes on with its own
+logits. So each prompt takes the steps and the NFE it takes alone.
 """
 
 import queue
@@ -20,14 +21,15 @@ import torch
 import torch.nn.functional as F
 
 
-def generate_batch(model, decode, prompts, batch_size, generators=None, forwards=None):
-    """Decode prompts batch_size at a time with the one-prompt decoder `decode`, every forward
-    pass of a batch's prompts run as one (SPEC section 4.2).
+def generate_batch(model, decode, prompts, batch_size, generators=None, forwards=None, pad=None):
+    """Decode prompts batch_size at a time with the one-prompt decoder `decode`, the forward passes
+    a batch's prompts wait for run together (SPEC section 4.2): as one padded pass, or one pass per
+    length (forward_batch's pad; None: padded on a GPU, by length elsewhere).
 
     model: the Transformer. decode(model, prompt, generator=None) -> Generation: a one-prompt
     decoder as sampler.make_decoder returns it. prompts: list of token-id lists. generators: one
     torch.Generator per prompt (its draws at temperature > 0 are its own), or None for decode's.
-    forwards: optional list; each batched pass appends the indexes of the prompts it carried.
+    forwards: optional list; each pass run appends the indexes of the prompts it carried.
     A prompt that finishes leaves its batch; the next batch starts when all of it has finished. At
     temperature 0 the tokens are the one-prompt decoder's up to rounding: a pass of another shape
     sums float32 (or bfloat16) in another order, which can flip a near tie (SPEC section 4.2).
@@ -37,12 +39,14 @@ def generate_batch(model, decode, prompts, batch_size, generators=None, forwards
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: decode at least one prompt at a time")
     generators = generators or [None] * len(prompts)
+    if pad is None:
+        pad = next(model.parameters()).device.type == "cuda"
     out = []
     for b in range(0, len(prompts), batch_size):
         chunk = range(b, min(b + batch_size, len(prompts)))
         log = [] if forwards is not None else None
         out += decode_together(model, decode, [prompts[i] for i in chunk],
-                               [generators[i] for i in chunk], log)
+                               [generators[i] for i in chunk], log, pad)
         if log is not None:
             forwards += [[b + i for i in carried] for carried in log]
     return out
@@ -69,7 +73,7 @@ class BatchAborted(Exception):
     """Raised in a prompt's decode when another prompt of its batch failed."""
 
 
-def decode_together(model, decode, prompts, generators, forwards):
+def decode_together(model, decode, prompts, generators, forwards, pad):
     """One batch of generate_batch: a thread per prompt, and this loop running their forward
     passes. The threads take turns (one runs at a time, until its next forward pass or its end),
     so they never contend for the interpreter. Returns their Generations in order; raises the
@@ -78,6 +82,11 @@ def decode_together(model, decode, prompts, generators, forwards):
     proxies = [BatchedModel(model, inbox, i) for i in range(len(prompts))]
 
     def work(i):
+        # One intra-op thread for the decoder's own small operations: a thread that runs an
+        # OpenMP-parallel operation keeps its team spinning for a while after it, so every prompt's
+        # thread would spin on the cores the batched forward pass needs (on 2 cores, next-token
+        # decoding at batch 4 took 2.1x as long). The forward passes run here, with every thread.
+        torch.set_num_threads(1)
         try:
             gen = {} if generators[i] is None else {"generator": generators[i]}
             inbox.put((i, "done", decode(proxies[i], prompts[i], **gen)))
@@ -106,9 +115,11 @@ def decode_together(model, decode, prompts, generators, forwards):
         waiting, replies = sorted(requests), {}
         if error is None:
             try:
-                replies = dict(zip(waiting, forward_batch(model, [requests[j] for j in waiting])))
+                passes = []
+                replies = dict(zip(waiting, forward_batch(model, [requests[j] for j in waiting],
+                                                          pad, passes)))
                 if forwards is not None:
-                    forwards.append(waiting)
+                    forwards += [[waiting[k] for k in carried] for carried in passes]
             except Exception as e:
                 error = e
         requests = {}
@@ -123,8 +134,27 @@ def decode_together(model, decode, prompts, generators, forwards):
     return results
 
 
+def forward_batch(model, requests, pad=True, passes=None):
+    """The forward passes several prompts asked for, run together: with pad, as one pass
+    (padded_pass); without, one pass per kind and length (with a KV cache or not, T_i), so that no
+    row computes padding tokens. A wider pass costs about what it saves on a CPU, whose passes of a
+    few dozen tokens are bound by arithmetic, not by reading the weights: there padding would spend
+    what batching saves. requests: as padded_pass's. passes: optional list; each pass run appends
+    the indexes of the requests it carried. Returns the logits of each request, in order."""
+    groups = {}
+    for i, (idx, _, cache, _) in enumerate(requests):
+        groups.setdefault(True if pad else (cache is None, idx.shape[1]), []).append(i)
+    out = [None] * len(requests)
+    for members in groups.values():
+        for i, logits in zip(members, padded_pass(model, [requests[i] for i in members])):
+            out[i] = logits
+        if passes is not None:
+            passes.append(members)
+    return out
+
+
 @torch.inference_mode()
-def forward_batch(model, requests):
+def padded_pass(model, requests):
     """One forward pass for the forward passes several prompts asked for.
 
     requests: list of (idx (R_i, T_i) int64, position_ids (R_i, T_i) int64, KVCache or None,

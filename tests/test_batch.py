@@ -5,17 +5,18 @@ import pytest
 import torch
 
 from helpers import PROMPTS, SETTINGS, PathCounter, tiny_model
-from sampler import DEFAULTS, ContextTooLong, make_decoder
+from sampler import DEFAULTS, INFILL_MODES, ContextTooLong, make_decoder
 from support.batching import BatchedCache, forward_batch, generate_batch
 from test_refusion import EOS, MASK, V, BadDrafterOracle, OracleModel, oracle_target
 
-def assert_batched_equals_one_prompt(model, decode, prompts, batch_size, **kwargs):
-    """Decode prompts one by one and batched; every prompt's Generation must agree in tokens,
-    trace, NFE, forward passes per step and cache bytes, and the batch must have carried each
-    prompt in exactly its NFE forward passes. Returns the batched forward passes' prompt lists."""
+def assert_batched_equals_one_prompt(model, decode, prompts, batch_size, pad=True, **kwargs):
+    """Decode prompts one by one and batched (pad: every waiting pass as one padded pass, as on a
+    GPU; else a pass per length); every prompt's Generation must agree in tokens, trace, NFE,
+    forward passes per step and cache bytes, and the batch must have carried each prompt in exactly
+    its NFE forward passes. Returns the batched forward passes' prompt lists."""
     one = [decode(model, p) for p in prompts]
     forwards = []
-    many = generate_batch(model, decode, prompts, batch_size, forwards=forwards, **kwargs)
+    many = generate_batch(model, decode, prompts, batch_size, forwards=forwards, pad=pad, **kwargs)
     for i, (a, b) in enumerate(zip(one, many)):
         assert (b.tokens, b.trace, b.nfe, b.step_nfe, b.cache_bytes) == \
             (a.tokens, a.trace, a.nfe, a.step_nfe, a.cache_bytes), f"prompt {i}"
@@ -49,6 +50,23 @@ def test_any_batch_size_gives_the_same_generations(refusion_model, batch_size):
     decode, _ = make_decoder(cfg, ids, None)
     forwards = assert_batched_equals_one_prompt(model, decode, PROMPTS, batch_size)
     assert max(len(carried) for carried in forwards) == batch_size
+
+
+def test_passes_run_by_length_give_every_decoder_its_one_prompt_generations(refusion_model,
+                                                                            mdm_model):
+    """Without padding (a CPU's default), the waiting passes run one per length: ReFusion (both
+    infills), next-token and MDM decoding still give each prompt its own generation, and passes of
+    the same length do run together."""
+    model, ids = refusion_model
+    cfgs = [dict(method="refusion", slot_size=4, infill=i) for i in INFILL_MODES]
+    for cfg in cfgs + [dict(method="next_token")]:
+        decode, _ = make_decoder(dict(DEFAULTS, max_new_tokens=16, **cfg), ids, None)
+        forwards = assert_batched_equals_one_prompt(model, decode, PROMPTS, len(PROMPTS), pad=False)
+        assert max(len(carried) for carried in forwards) > 1, cfg
+    model, ids = mdm_model
+    decode, _ = make_decoder(dict(DEFAULTS, method="mdm", max_new_tokens=16, steps=8), ids, None)
+    forwards = assert_batched_equals_one_prompt(model, decode, PROMPTS[:3], 3, pad=False)
+    assert max(len(carried) for carried in forwards) > 1
 
 
 def test_batched_next_token_decoding_equals_one_prompt(refusion_model):
