@@ -235,13 +235,12 @@ def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3):
                  key_mask=pos < length[:, None])
 
 
-
 def pack_rows(batch, length):
-    """Several samples in each row (beyond the paper, opt-in: train.py's --pack): a causal batch's
-    samples laid one after another into as few rows of its width T as first fit (longest first)
-    finds, each token at its own position id and attending causally to its own sample only. The
-    model computes each sample as it would alone, and hybrid_loss divides by the samples, not the
-    rows: the loss and gradient are the unpacked batch's (up to rounding) for fewer padded tokens.
+    """Several samples in each row (SPEC section 3, beyond the paper, opt-in: train.py's --pack):
+    a causal batch's samples laid one after another into as few rows of its width T as first fit
+    (longest first) finds, each token at its own position id and attending causally to its own
+    sample only. The model computes each sample as it would alone, and hybrid_loss divides by the
+    samples, not the rows: the loss and gradient are the unpacked batch's (up to rounding).
 
     batch: (B, T) from reorganize_slots or autoregressive_batch, sample i in its first length[i]
     tokens; length: (B,) int64. Returns a Batch of (R, T), R <= B, with sample_id and n_samples=B;

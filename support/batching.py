@@ -83,10 +83,10 @@ def decode_together(model, decode, prompts, generators, forwards, pad):
 
     def work(i):
         # One intra-op thread for the decoder's own small operations: a thread that runs an
-        # OpenMP-parallel operation keeps its team spinning for a while after it, so every prompt's
-        # thread would spin on the cores the batched forward pass needs (on 2 cores, next-token
-        # decoding at batch 4 took 2.1x as long). The batched forward passes run in the calling
-        # thread, whose own thread count this leaves as it is.
+        # OpenMP-parallel operation keeps its team spinning for a while after it, so every
+        # prompt's thread would spin on the cores the batched forward pass needs (on 2 AVX512
+        # cores, next-token decoding at batch 4 took 2.1x as long). The batched forward passes run
+        # in the calling thread, whose own thread count this leaves as it is.
         torch.set_num_threads(1)
         try:
             gen = {} if generators[i] is None else {"generator": generators[i]}

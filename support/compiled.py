@@ -15,10 +15,10 @@ round's rows), its cache its own length. So, as gpt-fast does, the shapes are bo
   real tokens, so that the last input token is the last real one (a prefill's logits); no real
   query sees it, and its keys/values are dropped. A wider pass (a prefill, a plan over many
   slots) runs unpadded in one graph with a dynamic width: where a pass is bound by its
-  arithmetic, padding costs what it saves. (ReFusion-SmolLM2 in bf16, 8 prompts: 1.13x eager with
-  WIDE = 32, 0.94x with buckets up to 128. The quick start's model, float32: 1.08x with 32, 1.07x
-  to 1.36x in three runs up to 128, 1.01x with every pass of 2 tokens or more in the dynamic
-  graph.)
+  arithmetic, padding costs what it saves. (2 AVX512 cores; ReFusion-SmolLM2 in bf16, 8 prompts:
+  1.13x eager with WIDE = 32, 0.94x with buckets up to 128. The quick start's model, float32:
+  1.08x with 32, 1.07x to 1.36x in three runs up to 128, 1.01x with every pass of 2 tokens or
+  more in the dynamic graph.)
 - The KV cache is read, not written, inside the graph: a pass attends to the whole cache tensor
   and its own new keys, masked to the P cached tokens and causally among the new ones, and the
   real tokens' keys/values are written after the pass. The cache's length and rows (one per
@@ -30,6 +30,8 @@ cache or without, the last token's logits or all) and per rows (1, or more: ReFu
 Greedy tokens equal eager decoding's up to rounding: a padded, compiled pass sums in another order,
 which can flip a near tie (SPEC section 4.2 says the same of batching).
 """
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +84,14 @@ class CompiledModel:
         torch._dynamo.config.recompile_limit = 64  # a graph per bucket and kind of pass
         self.compiled = torch.compile(self._forward, mode=mode, dynamic=False)
 
+    def compile_for(self, decode, prompts):
+        """Decode every prompt once (untimed), compiling the graphs those decodes need.
+        decode(model, prompt) -> Generation. Returns (graphs compiled, seconds taken)."""
+        graphs, t0 = self.graphs, time.perf_counter()
+        for p in prompts:
+            decode(self, p)
+        return self.graphs - graphs, time.perf_counter() - t0
+
     @property
     def graphs(self):
         """Graphs compiled so far (torch._dynamo's count, of every CompiledModel of the process)."""
@@ -115,7 +125,7 @@ class CompiledModel:
             torch._dynamo.maybe_mark_dynamic(kv, 4)
             torch._dynamo.maybe_mark_dynamic(mask, 3)
         else:
-            kv = None                        # a padding query sees every key; no real query pads
+            kv = None          # a padding query sees every key; a real query sees no padding
             inner = attn_mask if attn_mask is not None else torch.ones(
                 T, T, dtype=torch.bool, device=device).tril(0 if self.config.causal else T)
             mask = torch.zeros(inner.shape[0] if inner.dim() == 4 else 1, 1, T + pad, T + pad,

@@ -66,11 +66,9 @@ def warm_up(cfg, model, decode, prompts):
         decode(model, prompts[0][:8])
         return model
     model = model if isinstance(model, CompiledModel) else CompiledModel(model)
-    graphs, t0 = model.graphs, time.perf_counter()
-    for p in prompts:
-        decode(model, p)
-    print(f"--compile: {model.graphs - graphs} graphs compiled in {time.perf_counter() - t0:.1f} s "
-          f"(a first decode of the {len(prompts)} prompts, not timed)", file=sys.stderr)
+    graphs, seconds = model.compile_for(decode, prompts)
+    print(f"--compile: {graphs} graphs compiled in {seconds:.1f} s (a first decode of the "
+          f"{len(prompts)} prompts, not timed)", file=sys.stderr)
     return model
 
 
