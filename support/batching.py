@@ -4,16 +4,17 @@ decoders of sampler.py, unchanged, with the forward passes of a batch's prompts 
 
     generate_batch(model, decode, prompts, batch_size)   the Generations, in prompt order
     decode_together                                      one batch: a thread per prompt
-    forward_batch, padded_pass                           the passes they wait for, together
+    forward_batch, pad_passes, padded_pass               the passes they wait for, together
     BatchedCache                                         their KV caches side by side, padded
 
 Each prompt runs `decode` in its own thread, on a BatchedModel that posts its forward passes and
 waits. When every prompt still decoding waits (whatever its step: a plan, a verify, an infill
 round, a next token, a denoising step), forward_batch runs their passes (on a GPU as one padded
-pass; on a CPU one pass per length, no padding computed) and each prompt goes on with its own
-logits. So each prompt takes the steps and the NFE it takes alone.
+pass per kind; on a CPU in passes of similar lengths, at most CPU_PAD of padding computed) and each
+prompt goes on with its own logits. So each prompt takes the steps and the NFE it takes alone.
 """
 
+import math
 import queue
 import threading
 
@@ -21,10 +22,14 @@ import torch
 import torch.nn.functional as F
 
 
+CPU_PAD = 0.125  # on a CPU a pass may compute this share of padding (generate_batch, pad_passes)
+
+
 def generate_batch(model, decode, prompts, batch_size, generators=None, forwards=None, pad=None):
     """Decode prompts batch_size at a time with the one-prompt decoder `decode`, the forward passes
-    a batch's prompts wait for run together (SPEC section 4.2): as one padded pass, or one pass per
-    length (forward_batch's pad; None: padded on a GPU, by length elsewhere).
+    a batch's prompts wait for run together (SPEC section 4.2), in passes that compute at most a
+    share pad of padding (forward_batch's pad; None: inf, one padded pass per kind, on a GPU, where
+    a wider pass is nearly free; CPU_PAD elsewhere, where a pass costs about its tokens).
 
     model: the Transformer. decode(model, prompt, generator=None) -> Generation: a one-prompt
     decoder as sampler.make_decoder returns it. prompts: list of token-id lists. generators: one
@@ -40,7 +45,7 @@ def generate_batch(model, decode, prompts, batch_size, generators=None, forwards
         raise ValueError(f"batch_size={batch_size}: decode at least one prompt at a time")
     generators = generators or [None] * len(prompts)
     if pad is None:
-        pad = next(model.parameters()).device.type == "cuda"
+        pad = math.inf if next(model.parameters()).device.type == "cuda" else CPU_PAD
     out = []
     for b in range(0, len(prompts), batch_size):
         chunk = range(b, min(b + batch_size, len(prompts)))
@@ -135,22 +140,42 @@ def decode_together(model, decode, prompts, generators, forwards, pad):
     return results
 
 
-def forward_batch(model, requests, pad=True, passes=None):
-    """The forward passes several prompts asked for, run together: with pad, as one pass
-    (padded_pass); without, one pass per kind and length (with a KV cache or not, T_i), so that no
-    row computes padding tokens. A wider pass costs about what it saves on a CPU, whose passes of a
-    few dozen tokens are bound by arithmetic, not by reading the weights: there padding would spend
-    what batching saves. requests: as padded_pass's. passes: optional list; each pass run appends
-    the indexes of the requests it carried. Returns the logits of each request, in order."""
-    groups = {}
-    for i, (idx, _, cache, _) in enumerate(requests):
-        groups.setdefault(True if pad else (cache is None, idx.shape[1]), []).append(i)
+def forward_batch(model, requests, pad=math.inf, passes=None):
+    """The forward passes several prompts asked for, run together: per kind (with a KV cache or
+    not), in order of new tokens T_i, a pass takes the next request while its padded tokens stay
+    within (1 + pad) x its real ones (pad_passes). pad=inf: one padded pass per kind; 0: one pass
+    per length, no padding computed. requests: as padded_pass's. passes: optional list; each pass
+    run appends the indexes of the requests it carried. Returns the logits of each request, in
+    order. A request alone in its pass runs on its own cache, not a copy."""
     out = [None] * len(requests)
-    for members in groups.values():
-        for i, logits in zip(members, padded_pass(model, [requests[i] for i in members])):
-            out[i] = logits
+    for members in pad_passes(requests, pad):
+        if len(members) == 1:
+            with torch.inference_mode():
+                idx, positions, cache, first = requests[members[0]]
+                out[members[0]] = model(idx, positions, kv_cache=cache, logits_from=first)
+        else:
+            for i, logits in zip(members, padded_pass(model, [requests[i] for i in members])):
+                out[i] = logits
         if passes is not None:
             passes.append(members)
+    return out
+
+
+def pad_passes(requests, pad):
+    """The indexes of the requests each pass runs (forward_batch): per kind, the requests in order
+    of new tokens, a pass closed when the next one would make rows x T exceed (1 + pad) x the sum
+    of rows_i x T_i."""
+    out = []
+    for cached in (True, False):
+        kind = [i for i, r in enumerate(requests) if (r[2] is not None) == cached]
+        members, rows, real = [], 0, 0
+        for i in sorted(kind, key=lambda i: requests[i][0].shape[1]):
+            R, T = requests[i][0].shape
+            if members and (rows + R) * T > (1 + pad) * (real + R * T):
+                out.append(members)
+                members, rows, real = [], 0, 0
+            members, rows, real = members + [i], rows + R, real + R * T
+        out += [members] if members else []
     return out
 
 

@@ -1,19 +1,22 @@
 """Batched decoding (support/batching.py: generate_batch, BatchedCache): every prompt of a batch
 gets the tokens, steps and NFE the one-prompt decoder gives it alone."""
 
+import math
+
 import pytest
 import torch
 
 from helpers import PROMPTS, SETTINGS, PathCounter, tiny_model
 from sampler import DEFAULTS, INFILL_MODES, ContextTooLong, make_decoder
-from support.batching import BatchedCache, forward_batch, generate_batch
+from support.batching import CPU_PAD, BatchedCache, forward_batch, generate_batch, pad_passes
 from test_refusion import EOS, MASK, V, BadDrafterOracle, OracleModel, oracle_target
 
-def assert_batched_equals_one_prompt(model, decode, prompts, batch_size, pad=True, **kwargs):
-    """Decode prompts one by one and batched (pad: every waiting pass as one padded pass, as on a
-    GPU; else a pass per length); every prompt's Generation must agree in tokens, trace, NFE,
-    forward passes per step and cache bytes, and the batch must have carried each prompt in exactly
-    its NFE forward passes. Returns the batched forward passes' prompt lists."""
+def assert_batched_equals_one_prompt(model, decode, prompts, batch_size, pad=math.inf, **kwargs):
+    """Decode prompts one by one and batched (pad: inf, every waiting pass of a kind as one padded
+    pass, as on a GPU; 0, a pass per length; else generate_batch's budget); every prompt's
+    Generation must agree in tokens, trace, NFE, forward passes per step and cache bytes, and the
+    batch must have carried each prompt in exactly its NFE forward passes. Returns the batched
+    forward passes' prompt lists."""
     one = [decode(model, p) for p in prompts]
     forwards = []
     many = generate_batch(model, decode, prompts, batch_size, forwards=forwards, pad=pad, **kwargs)
@@ -52,21 +55,37 @@ def test_any_batch_size_gives_the_same_generations(refusion_model, batch_size):
     assert max(len(carried) for carried in forwards) == batch_size
 
 
+@pytest.mark.parametrize("pad", [0, CPU_PAD])
 def test_passes_run_by_length_give_every_decoder_its_one_prompt_generations(refusion_model,
-                                                                            mdm_model):
-    """Without padding (a CPU's default), the waiting passes run one per length: ReFusion (both
-    infills), next-token and MDM decoding still give each prompt its own generation, and passes of
-    the same length do run together."""
+                                                                            mdm_model, pad):
+    """With no padding, or a CPU's budget of it, the waiting passes run one per length or a few
+    lengths: ReFusion (both infills), next-token and MDM decoding still give each prompt its own
+    generation, and some passes do carry several prompts."""
     model, ids = refusion_model
     cfgs = [dict(method="refusion", slot_size=4, infill=i) for i in INFILL_MODES]
     for cfg in cfgs + [dict(method="next_token")]:
         decode, _ = make_decoder(dict(DEFAULTS, max_new_tokens=16, **cfg), ids, None)
-        forwards = assert_batched_equals_one_prompt(model, decode, PROMPTS, len(PROMPTS), pad=False)
+        forwards = assert_batched_equals_one_prompt(model, decode, PROMPTS, len(PROMPTS), pad=pad)
         assert max(len(carried) for carried in forwards) > 1, cfg
     model, ids = mdm_model
     decode, _ = make_decoder(dict(DEFAULTS, method="mdm", max_new_tokens=16, steps=8), ids, None)
-    forwards = assert_batched_equals_one_prompt(model, decode, PROMPTS[:3], 3, pad=False)
+    forwards = assert_batched_equals_one_prompt(model, decode, PROMPTS[:3], 3, pad=pad)
     assert max(len(carried) for carried in forwards) > 1
+
+
+@pytest.mark.parametrize("pad, want", [
+    (0, [[4], [0, 2], [1], [3], [5], [6]]),
+    (0.125, [[4], [0, 2], [1], [3], [5, 6]]),       # 4 rows x 5 > 1.125 x 17, 2 x 12 <= 1.125 x 22
+    (0.25, [[4], [0, 2, 1], [3], [5, 6]]),          # 4 x 5 <= 1.25 x 17, 5 x 8 > 1.25 x 25
+    (math.inf, [[4, 0, 2, 1, 3], [5, 6]]),
+])
+def test_a_pass_takes_requests_while_its_padding_stays_within_the_budget(pad, want):
+    """pad_passes, worked by hand: cached requests of (rows, new tokens) (1, 4), (1, 5), (2, 4),
+    (1, 8), (1, 1) and uncached ones of (1, 10), (1, 12); a pass never mixes the two kinds."""
+    shapes = [(1, 4), (1, 5), (2, 4), (1, 8), (1, 1), (1, 10), (1, 12)]
+    requests = [(torch.zeros(s, dtype=torch.long), None, "cache" if i < 5 else None, 0)
+                for i, s in enumerate(shapes)]
+    assert pad_passes(requests, pad) == want
 
 
 def test_batched_next_token_decoding_equals_one_prompt(refusion_model):
