@@ -361,6 +361,7 @@ class MDMSettings(DecodeSettings):
     """
     steps: int | None = None
     block_length: int | None = None
+    mdm_shift: bool = False  # Dream's shifted prediction (SPEC section 3): the model's, not a knob
 
     def __post_init__(self):
         super().__post_init__()

@@ -217,12 +217,14 @@ def pad_with_eos(tokens, prompt_len, length, eos_id, pad_id, gen_length, max_len
     return torch.where((pos >= length[:, None]) & (pos < end[:, None]), eos_id, wide), end
 
 
-def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3):
-    """The LLaDA-style MDM baseline's batch: each response token masked independently with p_mask.
+def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3, shift=False):
+    """The MDM baseline's batch (SPEC section 3): each response token masked independently with
+    p_mask.
 
     tokens (B, T), prompt_len (B,), length (B,) int64. Labels: a masked token's own token, weighted
-    1 / (p_mask * response length). key_mask hides padding from bidirectional attention.
-    Returns a Batch.
+    1 / (p_mask * response length), at its own position (LLaDA) or, with shift, at the position
+    before it (Dream: the output at i predicts token i + 1, as the ARM it starts from did).
+    key_mask hides padding from bidirectional attention. Returns a Batch.
     """
     B, T = tokens.shape
     pos = torch.arange(T, device=tokens.device).expand(B, T)
@@ -231,6 +233,11 @@ def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3):
     masked = in_response & (torch.rand(B, T, generator=generator).to(tokens.device) < p[:, None])
     labels = torch.where(masked, tokens, IGNORE)
     weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)
+    if shift:  # the label of response token q moves to position q - 1: a prompt token or one
+        if (prompt_len < 1).any():  # of the response
+            raise ValueError("mdm_shift: a sample has no prompt, so its first token has no "
+                             "position before it to be predicted from; give every sample a prompt")
+        labels, weight = F.pad(labels[:, 1:], (0, 1), value=IGNORE), F.pad(weight[:, 1:], (0, 1))
     return Batch(torch.where(masked, mask_id, tokens), pos, labels, weight,
                  key_mask=pos < length[:, None])
 

@@ -36,8 +36,7 @@ from configurator import (INFILL_MODES, ContextTooLong, DecodeSettings,  # noqa:
 # ReFusion on one screen: the paper's decoding, plainly (SPEC section 4)
 
 
-# The decoders run under inference mode: no autograd records at all, which makes the many small
-# forward passes of decoding cheaper than under no_grad (about 10% per token on a small model).
+# Decoders run under inference mode: no autograd records (about 10% a token faster than no_grad).
 @torch.inference_mode()
 def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, generator=None):
     """ReFusion's decoding of one prompt (token ids), plainly (SPEC section 4, the paper's infill;
@@ -497,7 +496,8 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
     """LLaDA-style masked-diffusion decoding with low-confidence remasking: the MDM baseline.
     settings: MDMSettings. prompt + max_new_tokens masks, recomputed whole at every step (no
     cache; NFE = steps). Each step drafts every masked position of the current semi-autoregressive
-    block (as draft_tokens does; never the mask id or banned_ids) and commits the k most confident
+    block (as draft_tokens does; never the mask id or banned_ids; from the position's own logits,
+    or with settings.mdm_shift the previous position's, as Dream) and commits the k most confident
     (tokens_per_step); the blocks go left to right. Cut after the first EOS. Returns a Generation,
     each step's committed (position, token) pairs in its trace (and to on_step). Raises ValueError
     for a causal model or a prompt + generation longer than the context."""
@@ -514,7 +514,7 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
         in_block = (positions[0] - P) // settings.block_length == b
         steps = settings.steps // settings.n_semi_ar_blocks
         for k in tokens_per_step(settings.block_length, steps):
-            logits = model(x, positions, logits_from=P)[0]            # (L, V): the canvas's
+            logits = model(x, positions, logits_from=P - settings.mdm_shift)[0][:L]  # (L, V)
             nfe += 1
             where = (masked & in_block).nonzero()[:, 0]              # the block's masked positions
             drafts, confidence = draft_tokens(logits[where - P], settings.temperature, generator,
@@ -656,7 +656,7 @@ def decoder_settings(cfg):
         raise ValueError(f"--method={cfg['method']!r}: choose one of {', '.join(DECODERS)}" +
                          " (--method=ar is now called next_token)" * (cfg["method"] == "ar"))
     Settings = DECODERS[cfg["method"]][1]
-    knobs = {f.name: cfg[f.name] for f in fields(Settings)}
+    knobs = {f.name: cfg[f.name] for f in fields(Settings) if f.name in cfg}  # mdm_shift: ckpt
     if cfg["method"] == "mdm":  # 0: one token per step, one semi-autoregressive block
         knobs.update(steps=cfg["steps"] or None, block_length=cfg["block_length"] or None)
     return Settings(**knobs)
@@ -727,7 +727,7 @@ def main(argv):
     model, enc, ids, objective, ckpt = sampling.load_model(cfg)
     cfg["method"] = cfg["method"] or METHOD_OF[objective]
     if cfg["method"] == "mdm":
-        sampling.fit_mdm_canvas(cfg, ckpt, "max_new_tokens" in explicit)
+        sampling.fit_mdm_layout(cfg, ckpt, "max_new_tokens" in explicit)
     decode, settings = make_decoder(cfg, ids, torch.Generator(cfg["device"]))  # the warm-up's
     check_attention(model, cfg["method"])
     sampling.note_mismatch(cfg["method"], objective, ckpt)

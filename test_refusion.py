@@ -230,7 +230,7 @@ def test_mdm_trains_on_the_canvas_it_decodes():
     G, P = 12, 3
     tokens = torch.tensor([[5, 6, 7, 8, 9, 256, 258, 258], [5, 6, 7, 8, 9, 10, 11, 256]])
     prompt_len, length = torch.tensor([P, P]), torch.tensor([6, 8])
-    cfg = dict(objective="mdm", gen_length=G, block_size=64, mask_eps=1e-3)
+    cfg = dict(objective="mdm", gen_length=G, block_size=64, mask_eps=1e-3, mdm_shift=False)
     meta = {"mask_id": 257, "eos_id": 256, "pad_id": 258}
     batch = train.make_batch(cfg, tokens, prompt_len, length, meta,
                              torch.Generator().manual_seed(0))
@@ -247,6 +247,36 @@ def test_mdm_trains_on_the_canvas_it_decodes():
     # the padding counts in the response length
     expected = torch.where(masked, 1 / (p[:, None] * G), 0.0)
     torch.testing.assert_close(batch.mdm_weight, expected, atol=1e-7, rtol=1e-6)
+
+
+def test_the_shifted_mdm_moves_each_label_to_the_position_before_it():
+    """mdm_shift (Dream): the masking draws of LLaDA's layout, each masked token's label and weight
+    moved to the position before it; the MDM loss is, by hand, the sum over masked q of
+    CE(logits at q - 1, token q) / (p * response length), over the samples; no AR part."""
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 258, 258]])
+    prompt_len, length = torch.tensor([2, 1]), torch.tensor([6, 4])
+    llada = data.random_mask_batch(tokens, prompt_len, length, 257,
+                                   torch.Generator().manual_seed(0))
+    dream = data.random_mask_batch(tokens, prompt_len, length, 257,
+                                   torch.Generator().manual_seed(0), shift=True)
+    assert torch.equal(dream.idx, llada.idx) and torch.equal(dream.key_mask, llada.key_mask)
+    p = (1 - 1e-3) * torch.rand(2, generator=torch.Generator().manual_seed(0)) + 1e-3
+    logits = torch.randn(2, 6, 260, generator=torch.Generator().manual_seed(4))
+    want, n_masked = 0.0, 0
+    for r in range(2):
+        for q in range(int(prompt_len[r]), int(length[r])):
+            if llada.idx[r, q] == 257:
+                assert int(dream.labels[r, q - 1]) == int(tokens[r, q])
+                ce = -torch.log_softmax(logits[r, q - 1], -1)[tokens[r, q]]
+                want += ce / (p[r] * (length[r] - prompt_len[r]))
+                n_masked += 1
+    assert int((dream.labels != data.IGNORE).sum()) == n_masked == 5
+    _, ar_loss, mdm_loss = hybrid_loss(logits, dream)
+    assert ar_loss.item() == 0.0
+    torch.testing.assert_close(mdm_loss, want / 2, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="has no prompt.*give every sample a prompt"):
+        data.random_mask_batch(tokens, torch.tensor([2, 0]), length, 257,
+                               torch.Generator().manual_seed(0), shift=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -647,13 +677,16 @@ class RecordingModel(nn.Module):
         return logits[:, logits_from:]
 
 
+@pytest.mark.parametrize("shift", [False, True], ids=["llada", "dream"])
 @pytest.mark.parametrize("block_length", [None, 4])
-def test_mdm_commits_the_most_confident_token_each_step_and_never_changes_it(block_length):
+def test_mdm_commits_the_most_confident_token_each_step_and_never_changes_it(block_length, shift):
+    """Low-confidence remasking; a shifted MDM (Dream) reads position p's draft from the logits at
+    p - 1."""
     P, L, M = 5, 12, 38
     model = RecordingModel(tiny_model(seed=5, causal=False))
     prompt = torch.randint(0, 36, (P,), generator=torch.Generator().manual_seed(5)).tolist()
-    out = generate_mdm(model, prompt, MDMSettings(L, steps=L, block_length=block_length),
-                       mask_id=M, eos_ids=(-1,))
+    out = generate_mdm(model, prompt, MDMSettings(L, steps=L, block_length=block_length,
+                                                  mdm_shift=shift), mask_id=M, eos_ids=(-1,))
     assert out.nfe == len(model.calls) == L and len(out.tokens) == L
     block = block_length or L
     inputs = [idx for idx, _ in model.calls] + [torch.tensor(prompt + out.tokens)]
@@ -663,7 +696,7 @@ def test_mdm_commits_the_most_confident_token_each_step_and_never_changes_it(blo
         assert torch.equal(after[known], before[known])                        # committed: final
         new = ((after != M) & ~known).nonzero()[:, 0].tolist()
         # low-confidence remasking: the new token is the most probable masked one of the block
-        logits = model.calls[step][1].clone()
+        logits = model.calls[step][1].roll(int(shift), 0)   # row p: the logits read for p
         logits[:, M] = -math.inf
         confidence, token = torch.softmax(logits, -1).max(-1)
         start = P + step // block * block  # one token per step: block b owns steps b * block ...

@@ -35,7 +35,7 @@ from model import ModelConfig, Transformer
 # default config: a small ReFusion model on the Python standard library, 8 minutes on 2 CPU cores
 out_dir = "out"           # where ckpt.pt is written (checked writable before anything else)
 init_from = "scratch"     # 'scratch', 'resume' (continue out_dir), or a checkpoint path to start at
-objective = "refusion"    # 'refusion' (slots, hybrid loss), 'ar' (next token), 'mdm' (LLaDA-style)
+objective = "refusion"    # 'refusion' (slots, hybrid loss), 'ar' (next token), 'mdm' (masked diff.)
 dataset = "stdlib"        # a built-in corpus name, or a path to a .json / .jsonl / text file
 tokenizer = "bytes"       # 'bytes' (offline) or 'gpt2' (needs the BPE file, see docs/training.md)
 data_root = "data"        # prepared data goes to data_root/<name>-<tokenizer>-<block_size>
@@ -44,6 +44,7 @@ slot_sizes = (4, 8)       # S is drawn per sample from these (the paper uses 4, 
 slot_end_labels = False   # refusion: label each clean slot's last token, and the prompt's (SPEC 3)
 ar_fraction = 0.0         # refusion: this share of samples is laid out as the ARM's (SPEC 3)
 gen_length = 128          # mdm: responses padded with EOS to this many tokens (its canvas); 0: none
+mdm_shift = False         # mdm: Dream's shifted prediction (output i predicts token i + 1; SPEC 3)
 mask_eps = 1e-3           # p_mask = (1 - eps) t + eps
 # model
 n_layer = 4               # transformer layers
@@ -96,7 +97,7 @@ def make_batch(cfg, tokens, prompt_len, length, meta, generator):
             tokens, length = pad_with_eos(tokens, prompt_len, length, meta["eos_id"],
                                           meta["pad_id"], cfg["gen_length"], cfg["block_size"])
         return random_mask_batch(tokens, prompt_len, length, meta["mask_id"], generator,
-                                 cfg["mask_eps"])
+                                 cfg["mask_eps"], cfg["mdm_shift"])
     return autoregressive_batch(tokens, prompt_len, length)
 
 

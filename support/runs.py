@@ -80,6 +80,9 @@ def check_train_config(cfg):
     if cfg["objective"] == "mdm" and cfg["pack"]:
         raise ValueError("--pack lays samples side by side for causal attention; an MDM's "
                          "bidirectional samples are not packed: drop --pack")
+    if cfg["mdm_shift"] and cfg["objective"] != "mdm":
+        raise ValueError(f"--mdm_shift shifts an MDM's labels; --objective={cfg['objective']} "
+                         "is not an MDM: drop --mdm_shift or use --objective=mdm")
     if cfg["objective"] == "mdm" and cfg["gen_length"] >= cfg["block_size"]:
         raise ValueError(f"--gen_length={cfg['gen_length']}: an MDM's canvas must leave room for a "
                          f"prompt in its context of --block_size={cfg['block_size']}; lower "

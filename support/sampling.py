@@ -114,13 +114,16 @@ def load_model(cfg):
     return model, enc, ids, objective, ckpt
 
 
-def fit_mdm_canvas(cfg, ckpt, explicit):
-    """An MDM checkpoint trained on canvases of G tokens (train.py --gen_length: answers padded with
-    EOS to G, LLaDA's layout) is decoded on a canvas of G: cfg["max_new_tokens"] becomes G, with a
-    note, unless it was given explicitly as another value, which is refused (the model never saw
-    that layout). Raises ValueError."""
+def fit_mdm_layout(cfg, ckpt, explicit):
+    """An MDM checkpoint is decoded in the layout it was trained on: cfg["mdm_shift"] becomes its
+    train.py --mdm_shift (Dream's shifted prediction, SPEC section 3), and when it was trained on
+    canvases of G tokens (--gen_length: answers padded with EOS to G, LLaDA's layout),
+    cfg["max_new_tokens"] becomes G, with a note, unless it was given explicitly as another value,
+    which is refused (the model never saw that layout). Raises ValueError."""
     trained = (ckpt or {}).get("config", {})
-    G = trained.get("gen_length", 0) if trained.get("objective") == "mdm" else 0
+    is_mdm = trained.get("objective") == "mdm"
+    cfg["mdm_shift"] = bool(trained.get("mdm_shift", False)) and is_mdm
+    G = trained.get("gen_length", 0) if is_mdm else 0
     if not G or cfg["max_new_tokens"] == G:
         return
     if explicit:

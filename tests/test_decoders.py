@@ -159,11 +159,13 @@ def test_generation_length_rounds_up_to_whole_slots_and_returns_at_most_max_new_
 
 def test_the_command_lines_defaults_are_the_settings_defaults():
     """sampler.py's default for every decoder knob is the settings object's own (one default
-    each)."""
+    each); mdm_shift is no knob: the checkpoint's own (support.sampling.fit_mdm_layout)."""
     defaults = {f.name: f.default for _, Settings in DECODERS.values() for f in fields(Settings)
                 if f.default is not MISSING and f.default is not None}
     assert set(defaults) == {"temperature", "slot_size", "serial_num_blocks", "slot_threshold",
-                             "token_threshold", "infill"}
+                             "token_threshold", "infill", "mdm_shift"}
+    assert "mdm_shift" not in DEFAULTS
+    del defaults["mdm_shift"]
     assert {name: DEFAULTS[name] for name in defaults} == defaults
 
 

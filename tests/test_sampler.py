@@ -207,6 +207,28 @@ def test_an_mdm_is_decoded_on_the_canvas_it_was_trained_for(tmp_path, capsys):
     assert "canvas" not in capsys.readouterr().err
 
 
+def test_an_mdm_is_decoded_with_the_shift_it_was_trained_with(tmp_path, monkeypatch):
+    """train.py --mdm_shift (Dream's shifted prediction) is the checkpoint's: the sampler decodes a
+    shifted MDM shifted and an unshifted one not, and takes no --mdm_shift of its own."""
+    path = write(tmp_path, "sums.json", json.dumps(qa_rows()))
+    seen, decode = [], DECODERS["mdm"][0]
+
+    def spy(model, prompt, settings, **kwargs):
+        seen.append(settings.mdm_shift)
+        return decode(model, prompt, settings, **kwargs)
+
+    monkeypatch.setitem(DECODERS, "mdm", (spy, DECODERS["mdm"][1]))
+    for shift in (True, False):
+        out = f"mdm-{shift}"
+        train.main(tiny_run_flags(tmp_path, (path,), out, objective="mdm") +
+                   ["--max_iters=2", f"--mdm_shift={shift}"])
+        sampler.main([f"--out_dir={tmp_path / out}", "--num_samples=2", "--json"])
+        assert len(seen) >= 2 and set(seen) == {shift}
+        seen.clear()
+    with pytest.raises(ValueError, match="mdm_shift"):
+        sampler.main([f"--out_dir={tmp_path / out}", "--mdm_shift=True"])
+
+
 def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_counts_them(
         tmp_path, capsys):
     """On a built-in corpus whose answers code checks (here transform), every sample ends with its

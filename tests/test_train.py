@@ -404,6 +404,13 @@ def test_packing_an_mdms_bidirectional_samples_is_refused_before_any_work(tmp_pa
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
 
+def test_shifting_the_labels_of_a_model_that_is_not_an_mdm_is_refused(tmp_path, qa_file):
+    with pytest.raises(ValueError, match="--mdm_shift shifts an MDM's labels; --objective=refusion "
+                                         "is not an MDM"):
+        train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--mdm_shift=True"])
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
 def test_a_loss_that_becomes_nan_before_the_first_checkpoint_says_none_was_written(tmp_path,
                                                                                    qa_file):
     flags = tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=6", "--learning_rate=1e30",
