@@ -2,7 +2,9 @@
 What the benchmarks (python -m tools.bench, python -m tools.bench_pretrained) measure and how they
 report it:
 
+    train_or_reuse                       a benchmark's model: trained, reused or resumed
     TimedModel, counting, speed_figures  forward passes counted and timed; a point's figures
+    Point                                one decoder over the prompts, called prompt by prompt
     peak_above                           the peak resident memory of a decode above the weights
     hf_model, hf_decode                  Hugging Face transformers on the same weights, greedy
     headline, highlights_table           the tables (the README's, bench.md's)
@@ -18,16 +20,56 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import time
 
 import torch
 import torch.nn as nn
 
+from configurator import explicit_keys, parse_args
 from support.batching import generate_batch
+from support.checkpoint import load_checkpoint
 from support.compiled import CompiledModel
 from support.files import write_atomic
 from support.hardware import cpu_kind, cpuinfo
+from support.sampling import prompt_generator
+
+# -----------------------------------------------------------------------------
+# the models
+
+
+def train_or_reuse(train_main, train_defaults, flags, retrain=False):
+    """Train a benchmark's model with train.py's flags into their out_dir, unless it is there: a
+    finished model trained with the same settings (those flags give, but out_dir, data_root,
+    device and init_from) and after the checkpoint it starts from is reused, one interrupted
+    part-way is resumed, anything else is trained anew. train_main, train_defaults: train.main and
+    train.DEFAULTS (support/ does not import the scripts). Returns the training's wall-clock
+    minutes (a reused model's as recorded when it was trained, in out_dir/train_minutes.json)."""
+    wanted = parse_args(train_defaults, flags)
+    out, start = wanted["out_dir"], wanted["init_from"]
+    same_keys = explicit_keys(wanted, train_defaults, flags) - {"out_dir", "data_root", "device",
+                                                                "init_from"}
+    minutes_file, ckpt_file = (os.path.join(out, name) for name in ("train_minutes.json",
+                                                                    "ckpt.pt"))
+    if os.path.isfile(ckpt_file) and not retrain and not (
+            os.path.isfile(start) and os.path.getmtime(start) > os.path.getmtime(ckpt_file)):
+        ckpt = load_checkpoint(out, settings_only=True)
+        if all(ckpt["config"].get(k) == wanted[k] for k in same_keys):
+            if ckpt["iter_num"] == wanted["max_iters"] and os.path.isfile(minutes_file):
+                print(f"== reusing {out}: trained for {ckpt['iter_num']} iterations")
+                with open(minutes_file) as f:
+                    return json.load(f)["minutes"]
+            print(f"== resuming {out} at iteration {ckpt['iter_num']} of {wanted['max_iters']}")
+            flags = [f"--out_dir={out}", "--init_from=resume"]
+    if "--init_from=resume" not in flags:
+        shutil.rmtree(out, ignore_errors=True)
+    print(f"\n== training {out}: python train.py {' '.join(flags)}", flush=True)
+    t0 = time.perf_counter()
+    train_main(flags)
+    minutes = (time.perf_counter() - t0) / 60
+    write_atomic(minutes_file, lambda f: f.write(json.dumps({"minutes": minutes}).encode()))
+    return minutes
 
 # -----------------------------------------------------------------------------
 # measuring
@@ -61,6 +103,51 @@ def counting(forward, device):
         calls["seconds"] += time.perf_counter() - t0
         return out
     return wrapped, calls
+
+
+class Point:
+    """One decoder of a benchmark over its prompts, called prompt by prompt (the benchmarks call
+    every point in turn): its forward passes timed (TimedModel, or counting Hugging Face's
+    forward), its outputs, seconds, NFE and the peak memory of its decodes above the loaded models.
+    model: a Transformer, or with decode None a Hugging Face model (hf_model); decode: a one-prompt
+    decoder as sampler.make_decoder returns it."""
+
+    def __init__(self, model, ids, max_new_tokens, decode=None):
+        self.ids, self.max_new_tokens, self.decode = ids, max_new_tokens, decode
+        device = next(model.parameters()).device
+        if decode is None:
+            self.hf = model
+            self.hf.forward, self.calls = counting(model.forward, device)
+        else:
+            self.model = TimedModel(model)
+            self.calls = self.model.calls
+        self.device, self.outs, self.seconds, self.nfe, self.peak_mb = device, [], 0.0, 0, 0.0
+
+    def run(self, prompt, i):
+        """Decode prompt i (an id list): (its tokens, EOS included, seconds, forward passes)."""
+        if self.decode is None:
+            before = self.calls["n"]
+            tokens, seconds = hf_decode(self.hf, prompt, self.ids, self.max_new_tokens)
+            return tokens, seconds, self.calls["n"] - before
+        out = self.decode(self.model, prompt, generator=prompt_generator(self.device, 0, i))
+        return out.tokens, out.seconds, out.nfe
+
+    def __call__(self, prompt, i):
+        """Decode prompt i and add it to the point's figures."""
+        (tokens, seconds, nfe), peak = peak_above(lambda: self.run(prompt, i))
+        self.outs.append(tokens)
+        self.seconds, self.nfe = self.seconds + seconds, self.nfe + nfe
+        self.peak_mb = max(self.peak_mb, peak or 0.0)
+
+    def warm_up(self, prompt):
+        """One untimed decode (the first forward passes pay one-time costs), then the counts
+        reset."""
+        self.run(prompt, 0)
+        self.calls.update(n=0, seconds=0.0)
+
+    def figures(self):
+        """The point's speed figures so far (speed_figures)."""
+        return speed_figures(sum(len(o) for o in self.outs), self.nfe, self.seconds, self.calls)
 
 
 def pass_costs(models, prompt_len=64, fed=(1, 2, 4, 8, 16, 32, 64, 128), repeats=12):

@@ -313,13 +313,14 @@ TRANSFORMS = {
 }
 
 
-def transform_records(n: int = 20000, seed: int = 0) -> list[dict]:
+def transform_records(n: int = 20000, seed: int = 0, lengths: tuple = ()) -> list[dict]:
     """
     The built-in parallel-friendly corpus: n distinct string transformations, generated in code.
 
     query    "<transform>: <letters>\n", e.g. "shift: kqzm...\n": one of TRANSFORMS (copy 16 random
              lowercase letters, upper 32, shift 48: each letter to the next, z to a, mirror 63:
-             a to z, b to y, ...);
+             a to z, b to y, ...), or, with lengths, as many letters as one of lengths, drawn
+             uniformly (transform-long);
     response the transformed letters and "\n", e.g. "lran...\n".
     module "transform", name the record's index. Deterministic for a given seed
              (random.Random(seed)).
@@ -329,6 +330,7 @@ def transform_records(n: int = 20000, seed: int = 0) -> list[dict]:
     while len(records) < n:
         name = rng.choice(sorted(TRANSFORMS))
         n_letters, transform = TRANSFORMS[name]
+        n_letters = rng.choice(lengths) if lengths else n_letters
         letters = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(n_letters))
         query = f"{name}: {letters}\n"
         if query in seen:
@@ -506,6 +508,7 @@ def score(dataset: str, query: str, text: str, reference: str = "") -> dict[str,
     the data set's quality measure:
 
     quotes, transform: "exact", the response is the expected line exactly;
+    transform-long: "exact", and "letters", the share of the expected letters at their place;
     arith*: "accuracy", the final answer is right;
     stdlib: "parse_rate", the function parses with at least one statement after its docstring (the
     prompt alone already parses), and "first_line", its first line is the reference's.
@@ -514,6 +517,10 @@ def score(dataset: str, query: str, text: str, reference: str = "") -> dict[str,
         return {"exact": float(text == double_quoted(query.rstrip("\n")) + "\n")}
     if dataset == "transform":
         return {"exact": float(text == transform_expected(query) + "\n")}
+    if dataset == "transform-long":  # and the share of the expected letters written in place
+        want = transform_expected(query)
+        return {"exact": float(text == want + "\n"),
+                "letters": sum(a == b for a, b in zip(text, want)) / len(want)}
     if dataset.startswith("arith"):
         return {"accuracy": float(arithmetic_answer(text) == arithmetic_expected(query))}
     if dataset != "stdlib":
@@ -526,12 +533,16 @@ def score(dataset: str, query: str, text: str, reference: str = "") -> dict[str,
             "first_line": float(text.split("\n")[0] == reference.split("\n")[0])}
 
 
+# transform-long: the transformations with answers (letters, newline, EOS) of 32 to 512 byte
+# tokens, a fifth of the records each: the length sweep's task (tools/bench_length.py)
+LONG_LETTERS = (30, 62, 126, 254, 510)
 # built-in corpora; anything else is a path. "arith-1m" holds 1,000,000 problems (116M byte tokens
 # of training data) for GPU runs; its first 20,000 are "arith"'s, in the same splits. "arith-small"
 # has operands of 2 and 3 digits (responses of up to 63 bytes): the benchmark's serial task, which a
 # small ARM learns on a CPU.
 DATASETS = {"stdlib": stdlib_records, "quotes": quote_records, "arith": arithmetic_records,
             "transform": transform_records,
+            "transform-long": lambda: transform_records(20000, lengths=LONG_LETTERS),
             "arith-1m": lambda: arithmetic_records(1_000_000),
             "arith-small": lambda: arithmetic_records(20000, digits=(2, 3))}
 

@@ -1,5 +1,5 @@
 """The benchmark on a pretrained model (tools/bench_pretrained.py), on a tiny random Llama folder:
-the same path as SmolLM2's (both fine-tunes from the folder under bf16 autocast, every point decoded
+the same path as SmolLM2's (the fine-tunes from the folder under bf16 autocast, every point decoded
 in bf16 and float32, interleaved), not its figures."""
 
 import json
@@ -11,7 +11,10 @@ from support.benchmark import first_quality, headline
 from tools import bench_pretrained
 
 
-def test_quick_run_fine_tunes_both_models_and_decodes_every_point(tmp_path, monkeypatch, capsys):
+def test_quick_run_fine_tunes_the_three_models_and_decodes_every_point(tmp_path, monkeypatch,
+                                                                       capsys):
+    """Next token, ReFusion and (quotes has its config file) the MDM the Dream way: bidirectional,
+    from the folder's causal weights, shifted prediction; each decoded, the MDM shifted."""
     pytest.importorskip("transformers")
     save_tiny_hf_folder(tmp_path / "llama", family="llama", mask=False)
     monkeypatch.chdir(tmp_path)
@@ -25,24 +28,31 @@ def test_quick_run_fine_tunes_both_models_and_decodes_every_point(tmp_path, monk
     assert labels[:4] == ["SmolLM2-ft next token", "SmolLM2-ft next token, float32",
                           "Hugging Face generate (SmolLM2-ft weights)",
                           "ReFusion-SmolLM2 next token"]
-    assert {r["settings"].get("infill") for r in rows[4:]} == {"paper", "speculative"}
-    assert len(rows) == 6
+    assert {r["settings"].get("infill") for r in rows[4:6]} == {"paper", "speculative"}
+    assert labels[6:] == ["MDM-SmolLM2 4 token(s)/step, block 48"] and len(rows) == 7
+    mdm = rows[6]
+    assert mdm["method"] == "mdm" and mdm["settings"]["mdm_shift"] is True
+    assert mdm["train_options"]["mdm_shift"] is True and mdm["train_options"]["gen_length"] == 48
+    assert mdm["nfe"] == 2 * 12                                       # 48 tokens, 4 a step
     for r in rows:
         assert r["nfe"] == r["forward_calls"] > 0 and r["tokens"] > 0 and r["peak_mb"] >= 0
         assert r["train_options"]["dtype"] == "auto" and r["train_iters"] == 2
+        assert r["speedup_vs_mdm"] == pytest.approx(r["tokens_per_s"] / mdm["tokens_per_s"])
     assert rows[0]["same_tokens_as_first"] == 2                     # the first point against itself
-    assert [r["settings"]["dtype"] for r in rows] == ["bfloat16", "float32"] + ["bfloat16"] * 4
+    assert [r["settings"]["dtype"] for r in rows] == ["bfloat16", "float32"] + ["bfloat16"] * 5
     table = (tmp_path / "bench-pretrained-quick" / "bench.md").read_text()
     assert "smollm2 quotes" in table
-    # the throughput table: the next-token fine-tune and ReFusion's headline point, batches of 1, 2
+    # the throughput table: the next-token fine-tune, ReFusion's headline point and the MDM,
+    # batches of 1, 2
     batched = report["batched"]["quotes"]["rows"]
     assert [(r["decoder"], r["batch_size"]) for r in batched] == [
-        (label, B) for label in ("SmolLM2-ft next token", batched[2]["decoder"]) for B in (1, 2)]
+        (label, B) for label in ("SmolLM2-ft next token", batched[2]["decoder"], mdm["label"])
+        for B in (1, 2)]
     assert batched[2]["decoder"] in labels[4:] and "Batched decoding (smollm2 quotes, bfloat16, " \
         "2 prompts" in table
     capsys.readouterr()
     bench_pretrained.main(flags)                                     # the fine-tunes are reused
-    assert capsys.readouterr().out.count("== reusing") == 2
+    assert capsys.readouterr().out.count("== reusing") == 3
 
 
 def test_the_readmes_smollm2_table_is_the_recorded_runs_headline():

@@ -8,4 +8,5 @@ The commands beside training and sampling, run from the repository's root as mod
     python -m tools.figures          the pictures of docs/
     python -m tools.prepare          a data set tokenized once, ahead of training
     python -m tools.bench_pretrained the benchmark on a pretrained model (SmolLM2-135M)
+    python -m tools.bench_length     each decoder's cost against the length of the answer
 """

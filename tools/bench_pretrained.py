@@ -27,9 +27,7 @@ tools/bench.py's bench.json, the model named), bench.md and bench.png. docs/pret
 recorded run.
 """
 
-import json
 import os
-import shutil
 import sys
 import time
 
@@ -42,19 +40,17 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
 from sampler import INFILL_MODES, RefusionSettings, make_decoder
-from support.benchmark import (TimedModel, batch_throughput, check_batch_settings, counting,
-                               fastest_close, first_quality, free_tokens, headline, hf_decode,
-                               hf_model, highlights_table, machine, model_pass_costs, most_accurate,
-                               peak_above, point_config, refusion_sweep, speed_figures,
-                               throughput_table, write_report, compiled_table, compiled_vs_eager)
+from support.benchmark import (Point, batch_throughput, best_mdm, check_batch_settings,
+                               compiled_table, compiled_vs_eager, fastest_close, first_quality,
+                               free_tokens, headline, hf_model, highlights_table, machine,
+                               model_pass_costs, most_accurate, point_config, refusion_sweep,
+                               throughput_table, train_or_reuse, write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
-from support.files import write_atomic
 from support.hardware import settle_dtype
 from support.hf_folder import hf_model_config
 from support.prepare import TokenDataset, prepare
 from support.runs import check_writable, live_progress
-from support.sampling import prompt_generator
 from support.tokenizer import decode, get_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -87,49 +83,36 @@ QUICK = dict(out_dir="bench-pretrained-quick", num_prompts=2,
              train=["--max_iters=2", "--eval_interval=1", "--eval_iters=1", "--warmup_iters=1",
                     "--batch_size=2"],
              sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3),), serial_num_blocks=(1,)),
-             batch_sizes=(1, 2))
-NAMES = {"ar": "SmolLM2-ft", "refusion": "ReFusion-SmolLM2"}   # the two fine-tunes
+             mdm_sweep=dict(tokens_per_step=(4,), block_lengths=(0,)), batch_sizes=(1, 2))
+NAMES = {"ar": "SmolLM2-ft", "refusion": "ReFusion-SmolLM2", "mdm": "MDM-SmolLM2"}  # fine-tunes
+# the MDM's schedules, where a task has its fine-tune (config/finetune_smollm2_<task>_mdm.py):
+# tokens committed per step, each over the whole canvas and over semi-autoregressive blocks of 16
+MDM_SWEEP = dict(tokens_per_step=(1, 2, 4, 8), block_lengths=(0, 16))
 
 # -----------------------------------------------------------------------------
 # the fine-tunes
 
 
 def config_file(task, kind):
-    """The config file of a task's fine-tune: kind "refusion" or "ar" (next token)."""
-    name = f"finetune_smollm2_{task}{'_ar' if kind == 'ar' else ''}.py"
+    """The config file of a task's fine-tune: kind "refusion", "ar" (next token) or "mdm"."""
+    name = f"finetune_smollm2_{task}{'' if kind == 'refusion' else '_' + kind}.py"
     return os.path.join(ROOT, "config", name)
 
 
+def kinds(task):
+    """The fine-tunes of a task: next token and ReFusion, and the MDM where its config file is."""
+    return ("ar", "refusion") + (("mdm",) if os.path.isfile(config_file(task, "mdm")) else ())
+
+
 def fine_tune(cfg, task, kind):
-    """Fine-tune cfg["init_from"] with the task's config file into out_dir/<task>-<kind> and return
-    (the directory, its wall-clock minutes). A finished model trained with the same settings is
-    reused (its minutes as recorded when it was trained), one interrupted part-way is resumed,
-    anything else is trained anew."""
+    """Fine-tune cfg["init_from"] with the task's config file into out_dir/<task>-<kind>, or reuse
+    or resume it there (support.benchmark.train_or_reuse); returns (the directory, its wall-clock
+    minutes)."""
     out = os.path.join(cfg["out_dir"], f"{task}-{kind}")
     flags = [config_file(task, kind), f"--init_from={cfg['init_from']}", f"--out_dir={out}",
              f"--data_root={cfg['data_root']}", f"--device={cfg['device']}"]
     flags += QUICK["train"] if cfg["quick"] else []
-    wanted = parse_args(train.DEFAULTS, flags)
-    same_keys = explicit_keys(wanted, train.DEFAULTS, flags) - {"out_dir", "data_root", "device",
-                                                                "init_from"}
-    minutes_file = os.path.join(out, "train_minutes.json")
-    if os.path.isfile(os.path.join(out, "ckpt.pt")) and not cfg["retrain"]:
-        ckpt = load_checkpoint(out)
-        if all(ckpt["config"].get(k) == wanted[k] for k in same_keys):
-            if ckpt["iter_num"] == wanted["max_iters"] and os.path.isfile(minutes_file):
-                print(f"== reusing {out}: fine-tuned for {ckpt['iter_num']} iterations")
-                with open(minutes_file) as f:
-                    return out, json.load(f)["minutes"]
-            print(f"== resuming {out} at iteration {ckpt['iter_num']} of {wanted['max_iters']}")
-            flags = [f"--out_dir={out}", "--init_from=resume"]
-    if flags[0] != f"--out_dir={out}":
-        shutil.rmtree(out, ignore_errors=True)
-    print(f"\n== fine-tuning {task}-{kind}: python train.py {' '.join(flags)}")
-    t0 = time.perf_counter()
-    train.main(flags)
-    minutes = (time.perf_counter() - t0) / 60
-    write_atomic(minutes_file, lambda f: f.write(json.dumps({"minutes": minutes}).encode()))
-    return out, minutes
+    return out, train_or_reuse(train.main, train.DEFAULTS, flags, cfg["retrain"])
 
 # -----------------------------------------------------------------------------
 # the points and their decodes
@@ -149,6 +132,14 @@ def smollm2_points(cfg, task):
     for label, knobs in refusion_sweep(sweep, rf, INFILL_MODES):
         series = f"{rf}, {'paper infill' if knobs['infill'] == 'paper' else 'infill=speculative'}"
         points.append((label, series, "refusion", "refusion", dt, knobs))
+    if "mdm" in kinds(task):
+        L = TASKS[task]["max_new_tokens"]
+        mdm_sweep = QUICK["mdm_sweep"] if cfg["quick"] else MDM_SWEEP
+        for per_step in mdm_sweep["tokens_per_step"]:
+            for block in mdm_sweep["block_lengths"]:
+                label = f"{NAMES['mdm']} {per_step} token(s)/step, block {block or L}"
+                points.append((label, NAMES["mdm"], "mdm", "mdm", dt,
+                               dict(steps=L // per_step, block_length=block)))
     return points if dt != "float32" else [p for p in points if not p[0].endswith(", float32")]
 
 
@@ -167,67 +158,29 @@ def smollm2_prompts(cfg, task, enc_name, block_size):
     return [p for p, _ in fits], [q for _, q in fits]
 
 
-class Point:
-    """One point's decoder over the prompts, as bench_smollm2_task calls it prompt by prompt: its
-    forward passes timed (TimedModel, or counting Hugging Face's forward), its outputs, seconds,
-    NFE and the peak memory of its decodes above the loaded models."""
-
-    def __init__(self, method, model, ids, knobs, max_new_tokens):
-        self.method, self.ids, self.max_new_tokens = method, ids, max_new_tokens
-        device = next(model.parameters()).device
-        if method == "hf":
-            self.hf = model
-            self.hf.forward, self.calls = counting(model.forward, device)
-        else:
-            timed = TimedModel(model)
-            self.calls = timed.calls
-            cfg = point_config(method, knobs, max_new_tokens=max_new_tokens)
-            self.model = timed
-            self.decode, _ = make_decoder(cfg, ids, torch.Generator(device))
-        self.device, self.outs, self.seconds, self.nfe, self.peak_mb = device, [], 0.0, 0, 0.0
-
-    def run(self, prompt, i):
-        """Decode prompt i (an id list): (its tokens, EOS included, seconds, forward passes)."""
-        if self.method == "hf":
-            before = self.calls["n"]
-            tokens, seconds = hf_decode(self.hf, prompt, self.ids, self.max_new_tokens)
-            return tokens, seconds, self.calls["n"] - before
-        out = self.decode(self.model, prompt, generator=prompt_generator(self.device, 0, i))
-        return out.tokens, out.seconds, out.nfe
-
-    def __call__(self, prompt, i):
-        """Decode prompt i and add it to the point's figures."""
-        (tokens, seconds, nfe), peak = peak_above(lambda: self.run(prompt, i))
-        self.outs.append(tokens)
-        self.seconds, self.nfe = self.seconds + seconds, self.nfe + nfe
-        self.peak_mb = max(self.peak_mb, peak or 0.0)
-
-    def warm_up(self, prompt):
-        """One untimed decode (the first forward passes pay one-time costs), then the counts
-        reset."""
-        self.run(prompt, 0)
-        self.calls.update(n=0, seconds=0.0)
-
-
 def bench_smollm2_task(cfg, task):
     """Fine-tune or reuse the task's two models, decode its validation prompts with every point,
     interleaved, and return the rows (bench.json's format) and the minutes spent."""
     t0 = time.perf_counter()
-    tuned = {kind: fine_tune(cfg, task, kind) for kind in ("ar", "refusion")}
+    tuned = {kind: fine_tune(cfg, task, kind) for kind in kinds(task)}
     t1 = time.perf_counter()
     ckpts = {kind: load_checkpoint(d, cfg["device"]) for kind, (d, _) in tuned.items()}
     meta = ckpts["ar"]["meta"]
     ids, enc = decoder_ids(meta), get_tokenizer(meta["tokenizer"])
     block_size = ckpts["ar"]["model_args"]["block_size"]
     prompts, references = smollm2_prompts(cfg, task, meta["tokenizer"], block_size)
-    models, points = {}, smollm2_points(cfg, task)
+    models, points = {}, [(*p[:5], dict(p[5], mdm_shift=ckpts[p[3]]["config"]["mdm_shift"])
+                               if p[2] == "mdm" else p[5]) for p in smollm2_points(cfg, task)]
     for _, _, method, kind, dt, _ in points:
         key = (method == "hf", kind, dt)
         if key not in models:
             model = model_from_checkpoint(ckpts[kind], cfg["device"]).to(getattr(torch, dt))
             models[key] = hf_model(model) if method == "hf" else model
-    decoders = [Point(method, models[method == "hf", kind, dt], ids, knobs,
-                      TASKS[task]["max_new_tokens"]) for _, _, method, kind, dt, knobs in points]
+    L = TASKS[task]["max_new_tokens"]
+    decoders = [Point(models[method == "hf", kind, dt], ids, L, None if method == "hf" else
+                      make_decoder(point_config(method, knobs, max_new_tokens=L), ids,
+                                   torch.Generator(cfg["device"]))[0])
+                for _, _, method, kind, dt, knobs in points]
     for d in decoders:
         d.warm_up(prompts[0][:8])
     live = live_progress()
@@ -249,15 +202,17 @@ def bench_smollm2_task(cfg, task):
                      "model": f"smollm2-{kind}", "settings": dict(knobs, dtype=dt),
                      "train_iters": c["max_iters"], "train_minutes": tuned[kind][1],
                      "train_options": {k: c[k] for k in ("slot_sizes", "slot_end_labels",
-                                                         "ar_fraction", "learning_rate",
-                                                         "batch_size", "dtype")},
+                                                         "ar_fraction", "mdm_shift", "gen_length",
+                                                         "learning_rate", "batch_size", "dtype")},
                      "val_loss": ckpts[kind]["best_val_loss"],
                      "quality": {m: sum(s[m] for s in scores) / len(scores) for m in scores[0]},
                      "same_tokens_as_first": sum(a == b for a, b in zip(d.outs, first)),
                      "peak_mb": d.peak_mb,
-                     **speed_figures(sum(len(o) for o in d.outs), d.nfe, d.seconds, d.calls)})
+                     **d.figures()})
+    mdm = best_mdm(rows)
     for r in rows:
         r["speedup_vs_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+        r["speedup_vs_mdm"] = mdm and r["tokens_per_s"] / mdm["tokens_per_s"]
     batched = None
     if task == cfg["throughput_task"]:
         batched = smollm2_batched_points(cfg, rows, points, models, ids, prompts,
@@ -272,12 +227,12 @@ def smollm2_batched_points(cfg, rows, points, models, ids, prompts, max_new_toke
     size."""
     refusion = [r for r in rows if r["method"] == "refusion"]
     picks = [rows[0], fastest_close(refusion, first_quality(rows[0])) or most_accurate(refusion)]
+    picks += [r for r in [best_mdm(rows)] if r is not None]
     decoders = {}
     for row in picks:
-        label, _, method, kind, dt, knobs = next(p for p in points if p[0] == row["label"])
-        decoders[label] = (models[False, kind, dt],
-                           make_decoder(point_config(method, knobs, max_new_tokens=max_new_tokens),
-                                        ids, None)[0])
+        label, _, method, kind, dt, _ = next(p for p in points if p[0] == row["label"])
+        knobs = point_config(method, row["settings"], max_new_tokens=max_new_tokens)
+        decoders[label] = models[False, kind, dt], make_decoder(knobs, ids, None)[0]
     sizes = QUICK["batch_sizes"] if cfg["quick"] else cfg["batch_sizes"]
     return dict(batch_throughput(decoders, prompts, sizes),
                 compiled=compiled_vs_eager(decoders, prompts) if cfg["compile"] else None)
@@ -288,7 +243,7 @@ def check_bench_pretrained_config(cfg):
     for task in cfg["tasks"]:
         if task not in TASKS:
             raise ValueError(f"--tasks={task}: this benchmark knows {', '.join(TASKS)}")
-        for kind in ("refusion", "ar"):
+        for kind in ("refusion", "ar"):  # the MDM's is optional (kinds)
             if not os.path.isfile(config_file(task, kind)):
                 raise ValueError(f"{config_file(task, kind)} is missing: the task's fine-tune")
     if not os.path.isfile(os.path.join(cfg["init_from"], "config.json")):
@@ -321,7 +276,8 @@ def main(argv):
         f"smollm2 {task}: fine-tunes {', '.join(f'{r} {m:.1f}' for r, m in fine.items())} minutes; "
         f"decoding {spent['decode']:.1f} minutes"
         for task, (task_rows, spent, _) in results.items()
-        for fine in [{NAMES[k]: task_rows[0 if k == 'ar' else 3]['train_minutes'] for k in NAMES}])
+        for fine in [{NAMES[r["model"].split("-")[1]]: r["train_minutes"]
+                      for r in task_rows if r["method"] != "hf"}])
     for task, b in batched.items():
         table += "\n\n" + throughput_table(b["rows"], f"smollm2 {task}, {cfg['dtype']}",
                                            b["n_prompts"])
