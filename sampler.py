@@ -707,7 +707,7 @@ seed = 1337                # prompt i is sampled from a torch.Generator seeded w
 device = "cpu"             # cpu, cuda, cuda:N or mps
 json = False               # one JSON object per sample instead of text
 show = False               # redraw the response after every decoding step (masked tokens as ░)
-plot = ""                  # draw the first prompt's decode into this PNG (matplotlib), step by step
+plot = ""                  # draw the first prompt's decode: a PNG, or a GIF a frame per step
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
 

@@ -3,6 +3,7 @@ Pictures of what the code computes, drawn from its own output, never by hand (ne
 
     plot_decode   one decode: which step committed each response position, and each step's forward
                   passes (python sampler.py --plot=decode.png draws it)
+    animate_decode  the same decode as an animated GIF, a frame per step (--plot=decode.gif)
     plot_layout   ReFusion's training buffer (SPEC section 3): the prompt, the clean slots in a
                   random order, the masked slots in their own order, each token at its true
                   position, and the labels of each loss term (AR: the next token inside a clean
@@ -38,21 +39,24 @@ def pyplot():
     return plt
 
 
-def png_path(path, flag):
-    """The file a picture asked for as `flag`=path is written to: path itself when it ends in .png,
-    path + ".png" when it has no extension. Checked before any work (Raises ValueError for another
-    extension or a directory of that name, FileNotFoundError when its directory does not exist)."""
+def png_path(path, flag, extensions=(".png",)):
+    """The file a picture asked for as `flag`=path is written to: path itself when it ends in one of
+    extensions, path + extensions[0] when it has no extension. Checked before any work (Raises
+    ValueError for another extension or a directory of that name, FileNotFoundError when its
+    directory does not exist)."""
     if os.path.isdir(path):
-        raise ValueError(f"{flag}={path} is a directory; name a PNG file, e.g. {flag}="
-                         f"{os.path.join(path, 'decode.png')}")
+        raise ValueError(f"{flag}={path} is a directory; name a file, e.g. {flag}="
+                         f"{os.path.join(path, 'decode' + extensions[0])}")
     stem, extension = os.path.splitext(path)
-    if extension.lower() not in ("", ".png"):
-        raise ValueError(f"{flag}={path}: pictures are PNG files; name it {stem}.png")
+    if extension.lower() not in ("", *extensions):
+        names = " or ".join(stem + e for e in extensions)
+        kinds = " or ".join(e[1:].upper() for e in extensions)
+        raise ValueError(f"{flag}={path}: pictures are {kinds} files; name it {names}")
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"{flag}={path}: the directory {folder} does not exist; create it "
                                 "or pick another path")
-    return path if extension else path + ".png"
+    return path if extension else path + extensions[0]
 
 
 def save_png(fig, path):
@@ -85,13 +89,8 @@ def plot_decode(out, prompt_len, path, title="", texts=None, canvas=0):
     plt = pyplot()
     import numpy as np
     from matplotlib.ticker import MaxNLocator
-    width = max(canvas, max(p for step in out.trace for p, _ in step) - prompt_len + 1)
-    # (width,) the step that committed each position
-    step_of = np.zeros(width, dtype=int)
-    for s, step in enumerate(out.trace, 1):
-        for p, _ in step:
-            step_of[p - prompt_len] = s
-    n = len(out.trace)
+    step_of = committing_steps(out, prompt_len, canvas)    # (width,)
+    width, n = len(step_of), len(out.trace)
     steps = np.arange(1, n + 1)[:, None]                   # (n, 1) the step of each row
     by_step = np.broadcast_to(step_of, (n, width))         # (n, width)
     # committed by step s
@@ -120,6 +119,73 @@ def plot_decode(out, prompt_len, path, title="", texts=None, canvas=0):
     fig.tight_layout()
     save_png(fig, path)
     return fig
+
+
+def committing_steps(out, prompt_len, canvas=0):
+    """(width,) int64 numpy array: the step (1-based) that committed each response position of the
+    Generation out, 0 for a position never committed; width is canvas or the last committed
+    position + 1, whichever is larger."""
+    import numpy as np
+    width = max(canvas, max(p for step in out.trace for p, _ in step) - prompt_len + 1)
+    step_of = np.zeros(width, dtype=np.int64)
+    for s, step in enumerate(out.trace, 1):
+        for p, _ in step:
+            step_of[p - prompt_len] = s
+    return step_of
+
+
+def animate_decode(out, prompt_len, path, title="", texts=None, canvas=0, per_row=32,
+                   frame_ms=600):
+    """--plot=*.gif: one decode as an animated GIF at path, one frame per decoding step (so
+    len(out.trace) frames), each shown frame_ms milliseconds (the last three times as long).
+
+    Frame s draws the response positions in rows of per_row: those committed by step s coloured by
+    their committing step (viridis, as plot_decode), step s's own outlined in red, the rest grey
+    with ░; its title counts the forward passes so far (out.step_nfe) and the tokens committed.
+    texts, canvas: as plot_decode. Written atomically with Pillow (matplotlib's dependency).
+    Returns (the frames as RGB PIL images, each frame's caption). Raises ValueError without
+    matplotlib."""
+    plt = pyplot()
+    import numpy as np
+    from matplotlib.patches import Rectangle
+    from PIL import Image
+    step_of = committing_steps(out, prompt_len, canvas)
+    width, n = len(step_of), len(out.trace)
+    per_row = min(per_row, width)
+    rows = -(-width // per_row)
+    grid = np.zeros(rows * per_row, dtype=np.int64)
+    grid[:width] = step_of
+    fig, ax = plt.subplots(figsize=(1.0 + 0.32 * per_row, 1.3 + 0.42 * rows))
+    cmap = plt.get_cmap("viridis").with_extremes(bad="gainsboro")
+    frames, captions = [], []
+    for s in range(1, n + 1):
+        ax.clear()
+        shown = np.ma.masked_where((grid == 0) | (grid > s), grid).reshape(rows, per_row)
+        ax.imshow(shown, cmap=cmap, vmin=1, vmax=max(n, 2), aspect="auto",
+                  interpolation="nearest")
+        for i in range(width):
+            r, c, committed = i // per_row, i % per_row, 0 < step_of[i] <= s
+            light = committed and (step_of[i] - 1) / max(n - 1, 1) > 0.6
+            text = (texts or {}).get(prompt_len + i, "") if committed else "░"
+            ax.text(c, r, text, ha="center", va="center", fontsize=7, parse_math=False,
+                    color="black" if light or not committed else "white")
+            if step_of[i] == s:
+                ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red",
+                                       linewidth=1.5))
+        ax.set_xticks([])
+        ax.set_yticks(range(rows), [f"{r * per_row}" for r in range(rows)], fontsize=7)
+        done = int(((step_of > 0) & (step_of <= s)).sum())
+        captions.append(f"step {s} of {n}: {len(out.trace[s - 1])} committed (red), {done} of "
+                        f"{width} in all, {sum(out.step_nfe[:s])} forward passes so far")
+        ax.set_title(f"{title}\n{captions[-1]}", fontsize=8, loc="left")
+        fig.tight_layout()
+        fig.canvas.draw()
+        frames.append(Image.fromarray(np.asarray(fig.canvas.buffer_rgba())).convert("RGB"))
+    plt.close(fig)
+    durations = [frame_ms] * (n - 1) + [3 * frame_ms]
+    write_atomic(path, lambda f: frames[0].save(f, format="GIF", save_all=True, loop=0,
+                                                append_images=frames[1:], duration=durations))
+    return frames, captions
 
 
 def layout_codes(batch, prompt_len, length, mask_id):

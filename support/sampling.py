@@ -29,7 +29,7 @@ from support.chat import chat_prompt
 from support.compiled import CompiledModel
 from support.checkpoint import checkpoint_path, decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import read_utf8, score
-from support.drawing import cell_text, plot_decode, png_path, pyplot
+from support.drawing import animate_decode, cell_text, plot_decode, png_path, pyplot
 from support.hardware import settle_dtype
 from support.hf_folder import from_pretrained, hf_model_config
 from support.hf_tokenizer import hf_special_ids, undecodable_ids
@@ -311,10 +311,10 @@ class LiveTrace:
 
 def check_plot_path(cfg):
     """Check --plot before any weights are read: matplotlib is there (ValueError otherwise), and the
-    path names a PNG file that can be written (support.drawing.png_path); cfg["plot"] becomes the
-    file's name."""
+    path names a PNG picture or a GIF animation that can be written (support.drawing.png_path);
+    cfg["plot"] becomes the file's name."""
     pyplot()
-    cfg["plot"] = png_path(cfg["plot"], "--plot")
+    cfg["plot"] = png_path(cfg["plot"], "--plot", (".png", ".gif"))
 
 
 
@@ -351,13 +351,18 @@ def decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_t
 
 
 def plot_first_decode(cfg, enc, ids, settings, prompt, out):
-    """--plot: draw the decode `out` of the first prompt (support.drawing.plot_decode) into
-    cfg["plot"], titled with the decoder's settings and the prompt's end."""
+    """--plot: draw the decode `out` of the first prompt into cfg["plot"] (support.drawing:
+    plot_decode for a PNG, animate_decode for a GIF), titled with the decoder's settings and the
+    prompt's end."""
     knobs = ", ".join(f"{f.name}={getattr(settings, f.name)}" for f in fields(settings))
     title = (f"--method={cfg['method']} ({knobs})\n{len(out.tokens)} tokens in {out.nfe} forward "
              f"passes, TPF {out.tpf:.2f}; prompt: {decode(enc, prompt)[-60:]!r}")
     texts = {p: cell_text(enc, t, ids["eos_ids"]) for step in out.trace for p, t in step}
-    pyplot().close(plot_decode(out, len(prompt), cfg["plot"], title, texts, settings.gen_length))
+    if cfg["plot"].lower().endswith(".gif"):
+        animate_decode(out, len(prompt), cfg["plot"], title, texts, settings.gen_length)
+    else:
+        pyplot().close(plot_decode(out, len(prompt), cfg["plot"], title, texts,
+                                   settings.gen_length))
     print(f"note: drew the decode of the first prompt into {cfg['plot']}", file=sys.stderr)
 
 

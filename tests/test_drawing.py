@@ -50,6 +50,30 @@ def test_decode_picture_draws_each_step_of_the_trace(tmp_path, method):
     pyplot().close(fig)
 
 
+@pytest.mark.parametrize("method", ["refusion", "next_token", "mdm"])
+def test_decode_animation_has_a_frame_per_step_counting_the_trace(tmp_path, method):
+    """--plot=*.gif: the GIF holds one frame per decoding step, each captioned with that step's
+    committed tokens, all committed so far and the forward passes so far, as counted here from the
+    trace; consecutive frames differ (each step commits something)."""
+    from PIL import Image
+    generate, Settings = DECODERS[method]
+    knobs = (dict(slot_size=4, serial_num_blocks=2, slot_threshold=0.0, token_threshold=0.05)
+             if method == "refusion" else {})
+    kwargs = dict(eos_ids=(-1,)) | ({} if method == "next_token" else dict(mask_id=38))
+    out = generate(tiny_model(causal=method != "mdm"), [1, 2, 3], Settings(16, **knobs), **kwargs)
+    frames, captions = drawing.animate_decode(out, 3, tmp_path / "decode.gif", canvas=16,
+                                              per_row=8)
+    gif = Image.open(tmp_path / "decode.gif")
+    assert gif.format == "GIF" and gif.n_frames == len(out.trace) == len(frames)
+    n, done, passes = len(out.trace), 0, 0
+    for s, (step, k) in enumerate(zip(out.trace, out.step_nfe), 1):
+        done, passes = done + len(step), passes + k
+        assert captions[s - 1] == (f"step {s} of {n}: {len(step)} committed (red), {done} of 16 "
+                                   f"in all, {passes} forward passes so far")
+    assert all(np.asarray(a).tobytes() != np.asarray(b).tobytes()
+               for a, b in zip(frames, frames[1:]))
+
+
 def test_layout_picture_draws_the_reorganized_buffer(tmp_path):
     """Prompt [10, 11], response [1, 2, 3, 4, 5, EOS] in slots of 2 (slot 1 masked, clean slots in
     the order 2, 0), two pads: the points are (buffer place, position id), the input strip gives

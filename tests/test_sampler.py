@@ -127,6 +127,12 @@ def test_plot_draws_the_first_decode_and_refuses_a_missing_directory_before_read
                   "--serial_num_blocks=1", f"--plot={path}"])
     assert path.read_bytes().startswith(b"\x89PNG") and \
         "drew the decode of the first prompt" in capsys.readouterr().err
+    # a GIF: one frame per step; next-token decoding takes a step, and a forward pass, per token
+    from PIL import Image
+    sampler.main([f"--out_dir={trained}", "--num_samples=1", "--max_new_tokens=8", "--json",
+                  "--method=next_token", f"--plot={tmp_path / 'decode.gif'}"])
+    row = json.loads(capsys.readouterr().out)
+    assert Image.open(tmp_path / "decode.gif").n_frames == row["nfe"] == row["tokens"]
     with pytest.raises(FileNotFoundError, match=r"--plot=.*: the directory .*nope does not exist; "
                                                 r"create it"):
         sampler.main([f"--out_dir={tmp_path / 'no-model-here'}",

@@ -12,6 +12,11 @@ validation line, drawn by the sampler itself:
 
     python sampler.py config/sample_quotes.py --plot=docs/decode.png \
         --prompt="('urllib', 'urlcleanup'): ('urllib.request', 'urlcleanup'),"
+
+and docs/decode.gif, the README's animation, is the same line in slots of 8, two serial blocks:
+
+    python sampler.py config/sample_quotes.py --plot=docs/decode.gif --slot_size=8 \
+        --serial_num_blocks=2 --prompt="('urllib', 'urlcleanup'): ('urllib.request', 'urlcleanup'),"
 """
 
 import os
@@ -43,8 +48,6 @@ out_dir = ""  # a checkpoint (train.py's out_dir) to draw the decode figure with
 decode_png = "docs/decode.png" # where the decode figure goes
 sampler_flags = ""  # more sampler.py flags for decoding, e.g. "--slot_size=8 --serial_num_blocks=1"
 # -----------------------------------------------------------------------------
-DEFAULTS = settings_in(globals())
-
 DEFAULTS = settings_in(globals())
 
 
