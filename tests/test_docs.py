@@ -7,7 +7,8 @@ import re
 
 from helpers import ROOT
 
-PAGES = [ROOT / "README.md", ROOT / "SPEC.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "SPEC.md", *sorted((ROOT / "docs").glob("*.md")),
+         ROOT / "course" / "README.md"]
 
 
 def test_every_relative_link_of_the_readme_and_the_docs_resolves():
@@ -26,7 +27,7 @@ def test_every_relative_link_of_the_readme_and_the_docs_resolves():
 def test_the_readme_is_a_front_page_that_embeds_both_pictures():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 250
-    for picture in ("docs/layout.png", "docs/decode.png", "docs/bench.png"):
+    for picture in ("docs/layout.png", "docs/decode.png", "docs/bench.png", "docs/decode.gif"):
         assert f"]({picture})" in text and (ROOT / picture).stat().st_size > 10_000
 
 
