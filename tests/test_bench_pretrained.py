@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import train
 from helpers import ROOT, save_tiny_hf_folder
 from support.benchmark import first_quality, headline
 from tools import bench_pretrained
@@ -73,3 +74,12 @@ def test_the_readmes_smollm2_table_is_the_recorded_runs_headline():
                                                        task_rows[0]["tokens_per_s"])
     assert (ROOT / "docs" / "bench_smollm2.md").read_text(encoding="utf-8").startswith(
         headline(rows))
+
+
+def test_a_checkpoint_older_than_a_training_setting_is_recorded_with_its_default():
+    """A fine-tune saved before --mdm_shift existed has no such key: its row says False (train.py's
+    default then), and every setting the checkpoint has is its own."""
+    old = {k: v for k, v in train.DEFAULTS.items() if k != "mdm_shift"} | {"ar_fraction": 0.25}
+    options = bench_pretrained.train_options(old)
+    assert options["mdm_shift"] is False and options["ar_fraction"] == 0.25
+    assert options == {k: dict(old, mdm_shift=False)[k] for k in bench_pretrained.TRAIN_OPTIONS}

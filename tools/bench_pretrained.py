@@ -158,6 +158,16 @@ def smollm2_prompts(cfg, task, enc_name, block_size):
     return [p for p, _ in fits], [q for _, q in fits]
 
 
+TRAIN_OPTIONS = ("slot_sizes", "slot_end_labels", "ar_fraction", "mdm_shift", "gen_length",
+                 "learning_rate", "batch_size", "dtype")
+
+
+def train_options(config):
+    """The training settings a row records, from a checkpoint's config; a setting newer than the
+    checkpoint (absent from it) had train.py's default when it was trained."""
+    return {k: config.get(k, train.DEFAULTS[k]) for k in TRAIN_OPTIONS}
+
+
 def bench_smollm2_task(cfg, task):
     """Fine-tune or reuse the task's two models, decode its validation prompts with every point,
     interleaved, and return the rows (bench.json's format) and the minutes spent."""
@@ -201,9 +211,7 @@ def bench_smollm2_task(cfg, task):
                      "label": label, "series": series, "method": method,
                      "model": f"smollm2-{kind}", "settings": dict(knobs, dtype=dt),
                      "train_iters": c["max_iters"], "train_minutes": tuned[kind][1],
-                     "train_options": {k: c[k] for k in ("slot_sizes", "slot_end_labels",
-                                                         "ar_fraction", "mdm_shift", "gen_length",
-                                                         "learning_rate", "batch_size", "dtype")},
+                     "train_options": train_options(c),
                      "val_loss": ckpts[kind]["best_val_loss"],
                      "quality": {m: sum(s[m] for s in scores) / len(scores) for m in scores[0]},
                      "same_tokens_as_first": sum(a == b for a, b in zip(d.outs, first)),
