@@ -39,7 +39,7 @@ def pyplot():
     return plt
 
 
-def png_path(path, flag, extensions=(".png",)):
+def picture_path(path, flag, extensions=(".png",)):
     """The file a picture asked for as `flag`=path is written to: path itself when it ends in one of
     extensions, path + extensions[0] when it has no extension. Checked before any work (Raises
     ValueError for another extension or a directory of that name, FileNotFoundError when its

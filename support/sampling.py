@@ -29,7 +29,7 @@ from support.chat import chat_prompt
 from support.compiled import CompiledModel
 from support.checkpoint import checkpoint_path, decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import read_utf8, score
-from support.drawing import animate_decode, cell_text, plot_decode, png_path, pyplot
+from support.drawing import animate_decode, cell_text, plot_decode, picture_path, pyplot
 from support.hardware import settle_dtype
 from support.hf_folder import from_pretrained, hf_model_config
 from support.hf_tokenizer import hf_special_ids, undecodable_ids
@@ -311,10 +311,10 @@ class LiveTrace:
 
 def check_plot_path(cfg):
     """Check --plot before any weights are read: matplotlib is there (ValueError otherwise), and the
-    path names a PNG picture or a GIF animation that can be written (support.drawing.png_path);
+    path names a PNG picture or a GIF animation that can be written (support.drawing.picture_path);
     cfg["plot"] becomes the file's name."""
     pyplot()
-    cfg["plot"] = png_path(cfg["plot"], "--plot", (".png", ".gif"))
+    cfg["plot"] = picture_path(cfg["plot"], "--plot", (".png", ".gif"))
 
 
 

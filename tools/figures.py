@@ -30,7 +30,7 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 
 from configurator import parse_args, run_cli, settings_in
 from data import IGNORE, reorganize_slots
-from support.drawing import cell_text, plot_layout, png_path, pyplot
+from support.drawing import cell_text, plot_layout, picture_path, pyplot
 from support.prepare import TokenDataset, prepare
 from support.tokenizer import get_tokenizer
 
@@ -82,7 +82,7 @@ def main(argv):
         raise ValueError(f"--slot_size={cfg['slot_size']}: a slot holds at least one token")
     for key in ("layout_png", "decode_png"):   # both checked before any work
         if cfg[key]:
-            cfg[key] = png_path(cfg[key], f"--{key}")
+            cfg[key] = picture_path(cfg[key], f"--{key}")
     if cfg["layout_png"]:
         draw_layout(cfg)
     if cfg["out_dir"]:

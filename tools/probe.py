@@ -39,7 +39,7 @@ from configurator import check_device, parse_args, require, run_cli, settings_in
 from support.benchmark import free_tokens, machine, pass_costs, refusion_speedups
 from support.checkpoint import load_checkpoint, model_from_checkpoint
 from support.compiled import CompiledModel
-from support.drawing import png_path, pyplot
+from support.drawing import picture_path, pyplot
 from support.hardware import pick_dtype
 from support.hf_folder import from_pretrained
 from support.runs import check_compile
@@ -80,7 +80,7 @@ def check_probe_config(cfg):
         raise ValueError(f"--tpf={cfg['tpf']:g}: a pass commits at most the tokens it is fed, so "
                          f"TPF cannot pass the mean of --pass_mix ({mean_pass:g})")
     if cfg["plot"]:
-        cfg["plot"] = png_path(cfg["plot"], "--plot")
+        cfg["plot"] = picture_path(cfg["plot"], "--plot")
 
 
 def load(cfg):
