@@ -8,7 +8,8 @@ The built-in corpora and a user's own files, as records: {"query", "response", "
     arith    20,000 worked multi-digit arithmetic problems whose answers code can check
     arith-1m a million of them, for GPU runs; arith-small 20,000 with operands of 2 and 3 digits
     transform 20,000 letter strings to copy, upper-case, shift or mirror (the parallel-friendly
-              task)
+              task); transform-long the same, 30 to 510 letters
+    quotes-long runs of consecutive quotes lines, rewritten together, answers of 32 to 512 bytes
     a path   .json / .jsonl query-response records (the ReFusion release's format), or plain text
 
 support/prepare.py tokenizes them once; nothing here knows about tokens.
@@ -180,6 +181,81 @@ def quote_records(max_line: int = 72) -> list[dict]:
                 records.append({"query": line + "\n", "response": edited + "\n", "module": module,
                                 "name": str(number)})
     return records
+
+
+# quotes-long: runs of consecutive lines rewritten together, with answers (the rewrite, its newline
+# and EOS) of exactly these many byte tokens: the length sweep's task (tools/bench_length.py)
+BLOCK_TOKENS = (32, 64, 128, 256, 512)
+BLOCK_END = "=>\n"  # ends a quotes-long query: the rewrite follows
+
+
+def quote_block_records(n: int = 20000, seed: int = 0, lengths: tuple = BLOCK_TOKENS,
+                        max_line: int = 72) -> list[dict]:
+    """
+    The quotes task over runs of consecutive lines, answers of a chosen length: n records, n //
+    len(lengths) (and the rest in turn) of each length L, as {"query", "response", "module",
+    "name"}.
+
+    query    a run of a module's consecutive code lines (stripped, at most max_line ASCII
+             characters; blank and comment lines left out) starting at a line black would rewrite,
+             cut to L - 2 characters that hold a rewrite, then "\n" and BLOCK_END;
+    response the same L - 2 characters with double_quoted applied line by line, and "\n": with
+             EOS, L byte tokens. A run whose cut falls inside a string literal (its cut last line
+             does not rewrite to the prefix of its whole line's rewrite) is not used, so that the
+             query alone decides the response (score). name: the first line's number.
+    Deterministic for a given seed (random.Random(seed)).
+    """
+    modules = []
+    for path, module in _stdlib_files(sysconfig.get_paths()["stdlib"]):
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [line.strip() for line in f.read().splitlines()]
+        except UnicodeDecodeError:
+            continue
+        modules.append((module, [line for line in lines if line and not line.startswith("#")
+                                 and len(line) <= max_line and line.isascii()]))
+    rewrites = {}
+
+    def rewrite(line):  # double_quoted, None where the line is not Python on its own
+        if line not in rewrites:
+            try:
+                rewrites[line] = double_quoted(line)
+            except ValueError:
+                rewrites[line] = None
+        return rewrites[line]
+
+    starts = [(m, i) for m, (_, lines) in enumerate(modules) for i, line in enumerate(lines)
+              if rewrite(line) not in (None, line)]
+    rng = random.Random(seed)
+    records, seen = [], set()
+    while len(records) < n:
+        L = lengths[len(records) % len(lengths)]
+        m, i = rng.choice(starts)
+        module, lines = modules[m]
+        run = lines[i:]
+        size = next((k for k in range(1, len(run) + 1)
+                     if sum(len(line) + 1 for line in run[:k]) > L - 2), None)
+        if size is None or any(rewrite(line) is None for line in run[:size]):
+            continue
+        query = "\n".join(run[:size])[:L - 2]
+        response = "\n".join(rewrite(line) for line in run[:size])[:L - 2]
+        last = query.rsplit("\n", 1)[-1]
+        if (not last.strip() or rewrite(last) != response.rsplit("\n", 1)[-1] or query in seen
+                or query == response):   # the cut may leave out the first line's rewrite
+            continue
+        seen.add(query)
+        records.append({"query": query + "\n" + BLOCK_END, "response": response + "\n",
+                        "module": module, "name": str(i + 1)})
+    return records
+
+
+def quote_block_expected(query: str) -> str:
+    """The correct response (its final newline left out) to a quote_block_records query, computed
+    from its text. Raises ValueError if the query does not end with BLOCK_END or a line of it is not
+    Python on its own."""
+    if not query.endswith("\n" + BLOCK_END):
+        raise ValueError(f"not a quotes-long query (it must end with {BLOCK_END!r}): {query!r}")
+    return "\n".join(map(double_quoted, query[:-len(BLOCK_END) - 1].split("\n")))
 
 
 # -----------------------------------------------------------------------------
@@ -508,7 +584,8 @@ def score(dataset: str, query: str, text: str, reference: str = "") -> dict[str,
     the data set's quality measure:
 
     quotes, transform: "exact", the response is the expected line exactly;
-    transform-long: "exact", and "letters", the share of the expected letters at their place;
+    transform-long, quotes-long: "exact", and "letters", the share of the expected characters at
+    their place;
     arith*: "accuracy", the final answer is right;
     stdlib: "parse_rate", the function parses with at least one statement after its docstring (the
     prompt alone already parses), and "first_line", its first line is the reference's.
@@ -517,8 +594,8 @@ def score(dataset: str, query: str, text: str, reference: str = "") -> dict[str,
         return {"exact": float(text == double_quoted(query.rstrip("\n")) + "\n")}
     if dataset == "transform":
         return {"exact": float(text == transform_expected(query) + "\n")}
-    if dataset == "transform-long":  # and the share of the expected letters written in place
-        want = transform_expected(query)
+    if dataset in ("transform-long", "quotes-long"):  # and the share written in place
+        want = (transform_expected if dataset == "transform-long" else quote_block_expected)(query)
         return {"exact": float(text == want + "\n"),
                 "letters": sum(a == b for a, b in zip(text, want)) / len(want)}
     if dataset.startswith("arith"):
@@ -543,6 +620,7 @@ LONG_LETTERS = (30, 62, 126, 254, 510)
 DATASETS = {"stdlib": stdlib_records, "quotes": quote_records, "arith": arithmetic_records,
             "transform": transform_records,
             "transform-long": lambda: transform_records(20000, lengths=LONG_LETTERS),
+            "quotes-long": quote_block_records,
             "arith-1m": lambda: arithmetic_records(1_000_000),
             "arith-small": lambda: arithmetic_records(20000, digits=(2, 3))}
 

@@ -5,15 +5,17 @@ the same size on one task whose answers run from 32 to 512 tokens, decoded at ev
     python -m tools.bench_length           # the whole run, into bench-length/ (docs/benchmark.md)
     python -m tools.bench_length --quick   # a smoke run: tiny models, two short lengths
 
-The task is transform-long (support/corpora.py): the transform task's strings (copy, upper, shift,
-mirror), 30 to 510 letters long, so that an answer (its letters, a newline and EOS) is 32, 64, 128,
-256 or 512 byte tokens; the prompt holds the letters too. It trains (or reuses, from out_dir) the
+The task (--dataset, support/corpora.py) is quotes-long: runs of consecutive standard-library lines
+rewritten together with double quotes, cut so that an answer (the rewrite, a newline and EOS) is 32,
+64, 128, 256 or 512 byte tokens, or transform-long: the transform task's strings (copy, upper,
+shift, mirror) of 30 to 510 random letters, answers of the same lengths. The prompt holds the text
+too. It trains (or reuses, from out_dir) the
 ARM from scratch, then, from the ARM, ReFusion (the paper's objective) and an MDM (bidirectional,
 Dream's shifted prediction unless --mdm_shift=False), as tools.bench does. The MDM is trained
 without EOS padding, and decodes a canvas of exactly the answer's length: the case most favourable
 to it. For each length it decodes the first num_prompts validation prompts whose answer has that
 length with every decoder (DECODERS), each prompt by every decoder in turn, the order rotating.
-Each point records quality (exact answers, and the share of letters in place), tokens, NFE, TPF,
+Each point records quality (exact answers, and the share of characters in place), tokens, NFE, TPF,
 tokens/s and ms per token; per decoder the growth of ms per token with length, fitted as a power
 (ms per token ~ length^b); per length ReFusion's lead over the MDM. It writes out_dir/bench.json,
 bench.md, bench.png (quality against speed, a panel per length) and bench_length.png (ms per
@@ -40,7 +42,7 @@ from support.benchmark import (Point, best_mdm, fastest_close, first_quality, ma
                                most_accurate, point_config, quality_text, speedup_text,
                                train_or_reuse, write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
-from support.corpora import LONG_LETTERS, score
+from support.corpora import BLOCK_TOKENS, LONG_LETTERS, score
 from support.files import write_atomic
 from support.hardware import settle_dtype
 from support.prepare import TokenDataset, prepare
@@ -50,6 +52,7 @@ from support.tokenizer import decode, get_tokenizer
 # -----------------------------------------------------------------------------
 # default config
 out_dir = "bench-length"   # the models, bench.json, bench.md, bench.png and bench_length.png
+dataset = "quotes-long"    # the task: quotes-long or transform-long (LENGTHS)
 lengths = (32, 64, 128, 256, 512)  # the answer lengths decoded (byte tokens: letters, "\n", EOS)
 num_prompts = 8            # validation prompts decoded at each length
 block_size = 1040          # the models' context: the longest prompt (519 tokens) and answer (512)
@@ -57,9 +60,9 @@ n_layer = 4                # the three models' shape
 n_head = 4
 n_embd = 128
 batch_size = 16            # samples per training step
-max_iters = 1500           # the ARM's steps, from scratch, at learning_rate
+max_iters = 1000           # the ARM's steps, from scratch, at learning_rate
 learning_rate = 3e-3
-finetune_iters = 500       # ReFusion's and the MDM's steps from the ARM, at finetune_lr
+finetune_iters = 300       # ReFusion's and the MDM's steps from the ARM, at finetune_lr
 finetune_lr = 1e-3
 mdm_shift = True           # the MDM the Dream way (SPEC section 3); False: LLaDA's
 device = "cpu"             # cpu, cuda or mps: training and decoding
@@ -70,7 +73,8 @@ quick = False              # a smoke run: QUICK's models, budget, lengths and pr
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
 
-DATASET = "transform-long"
+# each task's answer lengths (byte tokens, EOS included)
+LENGTHS = {"quotes-long": BLOCK_TOKENS, "transform-long": tuple(n + 2 for n in LONG_LETTERS)}
 # a smoke run: the plumbing, not the method (its models train for a few steps)
 QUICK = dict(out_dir="bench-length-quick", lengths=(32, 64), num_prompts=2, block_size=160,
              n_layer=2, n_head=2, n_embd=64, batch_size=8, max_iters=20, finetune_iters=10)
@@ -79,10 +83,11 @@ NAMES = {"ar": "ARM", "refusion": "ReFusion", "mdm": "MDM"}
 
 def decoders(L):
     """(label, series, method, model, knobs) of every decoder at answer length L: the ARM; the MDM
-    at 1, 2 and 4 tokens per step (one block at 1; LLaDA's semi-autoregressive blocks of 32, or of
-    L when shorter, at 2 and 4); ReFusion with slots of 8, the paper's infill, at two thresholds."""
+    at 1 to 32 tokens per step (one block at 1; LLaDA's semi-autoregressive blocks of 32, or of L
+    when shorter, from 2 on: at 32 a step, one step a block); ReFusion with slots of 8, the paper's
+    infill, at two thresholds."""
     points = [("ARM next token", "ARM", "next_token", "ar", {})]
-    for per_step in (1, 2, 4):
+    for per_step in (1, 2, 4, 8, 16, 32):
         block = L if per_step == 1 else min(32, L)
         points.append((f"MDM {per_step} token(s)/step, " + ("one block" if per_step == 1 else
                                                             "blocks of 32"),
@@ -106,7 +111,7 @@ def train_models(cfg):
 
     def run(name, objective, iters, lr, *extra):
         out = os.path.join(cfg["out_dir"], name)
-        flags = [f"--out_dir={out}", f"--dataset={DATASET}", f"--objective={objective}",
+        flags = [f"--out_dir={out}", f"--dataset={cfg['dataset']}", f"--objective={objective}",
                  f"--max_iters={iters}", f"--learning_rate={lr}", f"--min_lr={lr / 10}",
                  f"--eval_interval={max(iters // 4, 1)}", f"--dtype={dtype}", *shape, *extra]
         return out, train_or_reuse(train.main, train.DEFAULTS, flags, cfg["retrain"])
@@ -127,7 +132,7 @@ def train_models(cfg):
 def prompts_of_length(cfg, L):
     """The first num_prompts validation samples whose answer is L tokens (EOS included) and fits
     the context: (prompts, answers), lists of token-id lists. Raises ValueError when none is."""
-    val = TokenDataset(prepare(DATASET, "bytes", cfg["block_size"]), "val")
+    val = TokenDataset(prepare(cfg["dataset"], "bytes", cfg["block_size"]), "val")
     found = []
     for i in range(len(val)):
         prompt, answer = val.sample(i)
@@ -136,7 +141,7 @@ def prompts_of_length(cfg, L):
             if len(found) == cfg["num_prompts"]:
                 break
     if not found:
-        raise ValueError(f"no {DATASET} validation answer of {L} tokens fits the context of "
+        raise ValueError(f"no {cfg['dataset']} validation answer of {L} tokens fits the context of "
                          f"{cfg['block_size']}; raise --block_size or drop {L} from --lengths")
     return [p for p, _ in found], [a for _, a in found]
 
@@ -161,9 +166,9 @@ def bench_length(cfg, L, models, ckpts, ids, enc):
     rows = []
     for (label, series, method, name, knobs), d in zip(points, timed):
         texts = [decode(enc, [t for t in o if t not in ids["eos_ids"]]) for o in d.outs]
-        scores = [score(DATASET, q, t) for q, t in zip(queries, texts)]
+        scores = [score(cfg["dataset"], q, t) for q, t in zip(queries, texts)]
         figures = d.figures()
-        rows.append({"task": f"length {L}", "length": L, "dataset": DATASET, "label": label,
+        rows.append({"task": f"length {L}", "length": L, "dataset": cfg['dataset'], "label": label,
                      "series": series, "method": method, "model": name, "settings": knobs,
                      "prompts": len(prompts), "answer_tokens": sum(map(len, answers)),
                      "quality": {m: sum(s[m] for s in scores) / len(scores) for m in scores[0]},
@@ -191,18 +196,33 @@ def growth(rows):
 
 def leads(rows):
     """Per length, ReFusion's point (its fastest within 1 point of the ARM's quality, else its most
-    accurate) against the MDM's (its best quality, the fastest of those): {L: {"refusion",
-    "mdm" (labels), "ratio" (tokens/s over the MDM's), "as_good" (quality >= the MDM's)}}."""
+    accurate) against the MDM's (its best quality, the fastest of those), and against the MDM at one
+    token a step (LLaDA's default schedule): {L: {"refusion", "mdm" (labels), "ratio" (tokens/s
+    over the MDM's), "as_good" (quality >= the MDM's), "ratio_one_per_step", "as_good_one"}}."""
     out = {}
     for L in dict.fromkeys(r["length"] for r in rows):
         at = [r for r in rows if r["length"] == L]
         refusion = [r for r in at if r["method"] == "refusion"]
         pick = fastest_close(refusion, first_quality(at[0])) or most_accurate(refusion)
         mdm = best_mdm(at)
+        one = next(r for r in at if r["method"] == "mdm" and r["settings"]["steps"] == L)
         out[L] = {"refusion": pick["label"], "mdm": mdm["label"],
                   "ratio": pick["tokens_per_s"] / mdm["tokens_per_s"],
-                  "as_good": first_quality(pick) >= first_quality(mdm)}
+                  "as_good": first_quality(pick) >= first_quality(mdm),
+                  "ratio_one_per_step": pick["tokens_per_s"] / one["tokens_per_s"],
+                  "as_good_one": first_quality(pick) >= first_quality(one)}
     return out
+
+
+def holds_from(lead, key, as_good, x=18):
+    """The lengths at which ReFusion's lead (lead[L][key]) passes x at equal or better quality
+    (lead[L][as_good]), in words: "from L on" where it holds at L and every longer length."""
+    past = [L for L, v in lead.items() if v[key] > x and v[as_good]]
+    if not past:
+        return "at no length measured"
+    if past == [L for L in lead if L >= past[0]]:
+        return f"from length {past[0]} on"
+    return "at length" + "s" * (len(past) > 1) + " " + ", ".join(map(str, past)) + " only"
 
 
 def length_table(rows, fits, lead):
@@ -216,14 +236,16 @@ def length_table(rows, fits, lead):
                      f"{speedup_text(r['speedup_vs_mdm'])} |")
     lines += ["", "Growth of ms per token with the answer's length (ms/token ~ length^b):", ""]
     lines += [f"- {label}: b = {'-' if b is None else f'{b:.2f}'}" for label, b in fits.items()]
-    lines += ["", "ReFusion against the MDM at each length (the points of the table's rule):", ""]
+    lines += ["", "ReFusion against the MDM at each length (the points of the table's rule; then "
+              "against the MDM at one token a step):", ""]
     lines += [f"- {L}: {v['refusion']} is {v['ratio']:.1f}x {v['mdm']}, "
-              f"{'at equal or better' if v['as_good'] else 'at lower'} quality"
+              f"{'at equal or better' if v['as_good'] else 'at lower'} quality; "
+              f"{v['ratio_one_per_step']:.1f}x the MDM at one token a step, "
+              f"{'at equal or better' if v['as_good_one'] else 'at lower'} quality"
               for L, v in lead.items()]
-    past = [L for L, v in lead.items() if v["ratio"] > 18 and v["as_good"]]
-    lines += ["", f"ReFusion's lead passes the paper's 18x at equal or better quality from length "
-              f"{past[0]} on." if past else "ReFusion's lead stays under the paper's 18x at equal "
-              "or better quality at every length measured."]
+    lines += ["", "ReFusion's lead passes the paper's 18x at equal or better quality over the "
+              f"MDM's best point {holds_from(lead, 'ratio', 'as_good')}, over the MDM at one "
+              f"token a step {holds_from(lead, 'ratio_one_per_step', 'as_good_one')}."]
     return "\n".join(lines)
 
 
@@ -239,12 +261,13 @@ def plot_lengths(rows, path):
         return False
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     colors = {"ARM": "tab:gray", "MDM": "tab:green", "ReFusion": "tab:red"}
-    seen = {}                                 # a series' second and third lines dashed, dotted
+    seen = {}                                 # a series' lines told apart by style and marker
     for label in dict.fromkeys(r["label"] for r in rows):
         pts = [r for r in rows if r["label"] == label]
         n = seen[pts[0]["series"]] = seen.get(pts[0]["series"], -1) + 1
-        ax.plot([r["length"] for r in pts], [r["ms_per_token"] for r in pts], ("-", "--", ":")[n],
-                marker="o", color=colors[pts[0]["series"]], label=label, alpha=0.8)
+        ax.plot([r["length"] for r in pts], [r["ms_per_token"] for r in pts],
+                ("-", "--", ":", "-.")[n % 4], marker="os^vDx"[n % 6],
+                color=colors[pts[0]["series"]], label=label, alpha=0.8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     lengths = sorted({r["length"] for r in rows})
@@ -262,11 +285,14 @@ def plot_lengths(rows, path):
 
 def check_length_config(cfg):
     """Check the settings before any work. Raises ValueError with the fix."""
-    known = [n + 2 for n in LONG_LETTERS]
+    if cfg["dataset"] not in LENGTHS:
+        raise ValueError(f"--dataset={cfg['dataset']!r}: the sweep's tasks are "
+                         f"{', '.join(LENGTHS)}")
+    known = LENGTHS[cfg["dataset"]]
     for L in cfg["lengths"]:
         if L not in known:
-            raise ValueError(f"--lengths: {L} is not an answer length of {DATASET}; choose from "
-                             f"{', '.join(map(str, known))}")
+            raise ValueError(f"--lengths: {L} is not an answer length of {cfg['dataset']}; "
+                             f"choose from {', '.join(map(str, known))}")
     require(cfg, ("num_prompts", "block_size", "n_layer", "n_head", "n_embd", "batch_size",
                   "max_iters", "finetune_iters"), "positive", lambda v: v > 0)
     require(cfg, ("learning_rate", "finetune_lr"), "positive and finite",
