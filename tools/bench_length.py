@@ -9,12 +9,12 @@ The task (--dataset, support/corpora.py) is quotes-long: runs of consecutive sta
 rewritten together with double quotes, cut so that an answer (the rewrite, a newline and EOS) is 32,
 64, 128, 256 or 512 byte tokens, or transform-long: the transform task's strings (copy, upper,
 shift, mirror) of 30 to 510 random letters, answers of the same lengths. The prompt holds the text
-too. It trains (or reuses, from out_dir) the
-ARM from scratch, then, from the ARM, ReFusion (the paper's objective) and an MDM (bidirectional,
-Dream's shifted prediction unless --mdm_shift=False), as tools.bench does. The MDM is trained
-without EOS padding, and decodes a canvas of exactly the answer's length: the case most favourable
-to it. For each length it decodes the first num_prompts validation prompts whose answer has that
-length with every decoder (DECODERS), each prompt by every decoder in turn, the order rotating.
+too. It trains (or reuses, from out_dir) the ARM from scratch, then, from the ARM, ReFusion (the
+paper's objective) and an MDM (bidirectional, Dream's shifted prediction unless --mdm_shift=False),
+as tools.bench does. The MDM is trained without EOS padding, and decodes a canvas of exactly the
+answer's length: the case most favourable to it. For each length it decodes the first num_prompts
+validation prompts whose answer has that length with every decoder (DECODERS), each prompt by
+every decoder in turn, the order rotating.
 Each point records quality (exact answers, and the share of characters in place), tokens, NFE, TPF,
 tokens/s and ms per token; per decoder the growth of ms per token with length, fitted as a power
 (ms per token ~ length^b); per length ReFusion's lead over the MDM. It writes out_dir/bench.json,
@@ -53,9 +53,9 @@ from support.tokenizer import decode, get_tokenizer
 # default config
 out_dir = "bench-length"   # the models, bench.json, bench.md, bench.png and bench_length.png
 dataset = "quotes-long"    # the task: quotes-long or transform-long (LENGTHS)
-lengths = (32, 64, 128, 256, 512)  # the answer lengths decoded (byte tokens: letters, "\n", EOS)
+lengths = (32, 64, 128, 256, 512)  # the answer lengths decoded (byte tokens: text, "\n", EOS)
 num_prompts = 8            # validation prompts decoded at each length
-block_size = 1040          # the models' context: the longest prompt (519 tokens) and answer (512)
+block_size = 1040          # the context: the longest prompt (519; quotes-long: 514) and answer
 n_layer = 4                # the three models' shape
 n_head = 4
 n_embd = 128
@@ -168,7 +168,7 @@ def bench_length(cfg, L, models, ckpts, ids, enc):
         texts = [decode(enc, [t for t in o if t not in ids["eos_ids"]]) for o in d.outs]
         scores = [score(cfg["dataset"], q, t) for q, t in zip(queries, texts)]
         figures = d.figures()
-        rows.append({"task": f"length {L}", "length": L, "dataset": cfg['dataset'], "label": label,
+        rows.append({"task": f"length {L}", "length": L, "dataset": cfg["dataset"], "label": label,
                      "series": series, "method": method, "model": name, "settings": knobs,
                      "prompts": len(prompts), "answer_tokens": sum(map(len, answers)),
                      "quality": {m: sum(s[m] for s in scores) / len(scores) for m in scores[0]},
