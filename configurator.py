@@ -351,6 +351,11 @@ class RefusionSettings(DecodeSettings):
                 "lower max_new_tokens, slot_size or serial_num_blocks")
 
 
+# what the MDM's low-confidence remasking ranks a step's drafts by (SPEC section 4): "prob", the
+# drafted token's probability (LLaDA); "margin" and "entropy", Dream's rules (opt-in)
+MDM_CONFIDENCES = ("prob", "margin", "entropy")
+
+
 @dataclass
 class MDMSettings(DecodeSettings):
     """LLaDA's schedule (SPEC section 4, "Baseline decoders"): `steps` denoising steps over
@@ -362,6 +367,7 @@ class MDMSettings(DecodeSettings):
     steps: int | None = None
     block_length: int | None = None
     mdm_shift: bool = False  # Dream's shifted prediction (SPEC section 3): the model's, not a knob
+    confidence: str = "prob"  # what a step ranks its drafts by: one of MDM_CONFIDENCES
 
     def __post_init__(self):
         super().__post_init__()
@@ -382,6 +388,9 @@ class MDMSettings(DecodeSettings):
         if self.steps > n:
             raise ValueError(f"steps={self.steps} > max_new_tokens={n}: some steps would commit no "
                              f"token; use at most {n} steps (one token per step)")
+        if self.confidence not in MDM_CONFIDENCES:
+            raise ValueError(f"confidence={self.confidence!r}: choose one of "
+                             f"{', '.join(MDM_CONFIDENCES)}")
 
     @property
     def n_semi_ar_blocks(self):
@@ -400,3 +409,26 @@ class ContextTooLong(ValueError):
                          f"tokens{how}) exceeds the model's context of {limit} positions; shorten "
                          f"the prompt or {fix}")
         self.prompt_len, self.settings, self.limit = prompt_len, settings, limit
+
+
+def check_context(model, prompt_len, settings):
+    """Refuse an empty prompt (ValueError) or a prompt + generation (settings.gen_length positions)
+    that does not fit the model's positions (ContextTooLong)."""
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty: give at least one token of context")
+    if prompt_len + settings.gen_length > model.config.block_size:
+        raise ContextTooLong(prompt_len, settings, model.config.block_size)
+
+
+def check_attention(model, method):
+    """Refuse a decoding method the model's attention was not trained for (model.config.causal):
+    refusion and next_token feed tokens after a KV cache, which needs causal attention; mdm
+    denoises a sequence of masks, which needs bidirectional attention. Raises ValueError."""
+    if method == "mdm" and model.config.causal:
+        raise ValueError("this model was trained with a causal objective (refusion or ar), so it "
+                         "cannot denoise a sequence of masks bidirectionally; use "
+                         "--method=refusion or --method=next_token")
+    if method != "mdm" and not model.config.causal:
+        raise ValueError(f"this model has bidirectional attention (trained with "
+                         f"--objective=mdm), but --method={method} decodes causally after a KV "
+                         "cache; use --method=mdm")

@@ -29,8 +29,8 @@ from functools import partial
 import torch
 
 from configurator import (INFILL_MODES, ContextTooLong, DecodeSettings,  # noqa: F401
-                          MDMSettings, RefusionSettings, explicit_keys, parse_args, run_cli,
-                          settings_in)
+                          MDMSettings, RefusionSettings, check_attention, check_context,
+                          explicit_keys, parse_args, run_cli, settings_in)
 
 # -----------------------------------------------------------------------------
 # ReFusion on one screen: the paper's decoding, plainly (SPEC section 4)
@@ -498,9 +498,10 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
     cache; NFE = steps). Each step drafts every masked position of the current semi-autoregressive
     block (as draft_tokens does; never the mask id or banned_ids; from the position's own logits,
     or with settings.mdm_shift the previous position's, as Dream) and commits the k most confident
-    (tokens_per_step); the blocks go left to right. Cut after the first EOS. Returns a Generation,
-    each step's committed (position, token) pairs in its trace (and to on_step). Raises ValueError
-    for a causal model or a prompt + generation longer than the context."""
+    (tokens_per_step; by settings.confidence, dream_confidence); the blocks go left to right.
+    Cut after the first EOS. Returns a Generation, each step's committed (position, token) pairs
+    in its trace (and to on_step). Raises ValueError for a causal model or a prompt + generation
+    longer than the context."""
     check_attention(model, "mdm")
     check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
@@ -519,6 +520,9 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
             where = (masked & in_block).nonzero()[:, 0]              # the block's masked positions
             drafts, confidence = draft_tokens(logits[where - P], settings.temperature, generator,
                                               [mask_id, *banned_ids])
+            if settings.confidence != "prob":  # Dream's rules (opt-in)
+                confidence = dream_confidence(logits[where - P], drafts, settings.confidence,
+                                              [mask_id, *banned_ids])
             best = confidence.topk(k).indices
             x[0, where[best]] = drafts[best]
             masked[where[best]] = False
@@ -529,7 +533,7 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
     return Generation(tokens, nfe, time.perf_counter() - t0, trace, [1] * nfe)
 
 # -----------------------------------------------------------------------------
-# results, settings (checked once, when built) and checks
+# results (the settings and their checks: configurator.py)
 
 
 @dataclass
@@ -563,28 +567,6 @@ class Generation:
                 "cache_bytes": self.cache_bytes}
 
 
-def check_context(model, prompt_len, settings):
-    """Refuse an empty prompt (ValueError) or a prompt + generation (settings.gen_length positions)
-    that does not fit the model's positions (ContextTooLong)."""
-    if prompt_len == 0:
-        raise ValueError("the prompt is empty: give at least one token of context")
-    if prompt_len + settings.gen_length > model.config.block_size:
-        raise ContextTooLong(prompt_len, settings, model.config.block_size)
-
-
-def check_attention(model, method):
-    """Refuse a decoding method the model's attention was not trained for (model.config.causal):
-    refusion and next_token feed tokens after a KV cache, which needs causal attention; mdm
-    denoises a sequence of masks, which needs bidirectional attention. Raises ValueError."""
-    if method == "mdm" and model.config.causal:
-        raise ValueError("this model was trained with a causal objective (refusion or ar), so it "
-                         "cannot denoise a sequence of masks bidirectionally; use "
-                         "--method=refusion or --method=next_token")
-    if method != "mdm" and not model.config.causal:
-        raise ValueError(f"this model has bidirectional attention (trained with "
-                         f"--objective=mdm), but --method={method} decodes causally after a KV "
-                         "cache; use --method=mdm")
-
 # -----------------------------------------------------------------------------
 # choosing tokens
 
@@ -612,6 +594,18 @@ def draft_tokens(logits, temperature, generator, banned=()):
         overflow = (torch.isfinite(logits) & ~torch.isfinite(scores)).any(dim=-1, keepdim=True)
         tokens = ban(torch.where(overflow, logits.double(), scores), banned).argmax(dim=-1)
     return tokens, probs.gather(-1, tokens[:, None])[:, 0]
+
+
+def dream_confidence(logits, tokens, rule, banned=()):
+    """Dream's confidence in each drafted token (SPEC section 4, "Baseline decoders"): logits
+    (N, V), tokens (N,) int64 drafted from them -> (N,) float32. rule "margin": the token's raw
+    softmax probability minus that of the most probable other token not `banned`; "entropy": minus
+    the entropy (nats) of the raw softmax."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    if rule == "entropy":
+        return (probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
+    others = ban(probs.scatter(-1, tokens[:, None], -math.inf), banned)
+    return probs.gather(-1, tokens[:, None])[:, 0] - others.max(dim=-1).values
 
 
 def next_token_probs(logits, tokens):
@@ -699,6 +693,7 @@ token_threshold = 0.3      # refusion: a draft token is accepted when its probab
 infill = "paper"           # refusion: 'paper' (force masked drafts), 'speculative' (SPEC 4.1)
 steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
+confidence = "prob"        # mdm: ranks a step's drafts: prob (LLaDA), margin or entropy (Dream)
 temperature = 0.0          # 0: greedy; above 0: sample (Gumbel-max)
 batch_size = 1             # prompts decoded together (SPEC 4.2); each sample is its own
 compile = False            # the forward passes as compiled graphs (support/compiled.py)

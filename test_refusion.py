@@ -677,16 +677,27 @@ class RecordingModel(nn.Module):
         return logits[:, logits_from:]
 
 
-@pytest.mark.parametrize("shift", [False, True], ids=["llada", "dream"])
-@pytest.mark.parametrize("block_length", [None, 4])
-def test_mdm_commits_the_most_confident_token_each_step_and_never_changes_it(block_length, shift):
-    """Low-confidence remasking; a shifted MDM (Dream) reads position p's draft from the logits at
-    p - 1."""
+def mdm_order(confidence, block_length=None, shift=False):
+    """A tiny bidirectional model's MDM decode, one token per step: (the recording model, prompt,
+    its Generation)."""
     P, L, M = 5, 12, 38
     model = RecordingModel(tiny_model(seed=5, causal=False))
     prompt = torch.randint(0, 36, (P,), generator=torch.Generator().manual_seed(5)).tolist()
     out = generate_mdm(model, prompt, MDMSettings(L, steps=L, block_length=block_length,
-                                                  mdm_shift=shift), mask_id=M, eos_ids=(-1,))
+                                                  mdm_shift=shift, confidence=confidence),
+                       mask_id=M, eos_ids=(-1,))
+    return model, prompt, out
+
+
+@pytest.mark.parametrize("confidence", ["prob", "margin", "entropy"])
+@pytest.mark.parametrize("shift", [False, True], ids=["llada", "dream"])
+@pytest.mark.parametrize("block_length", [None, 4])
+def test_mdm_commits_the_most_confident_token_each_step_and_never_changes_it(block_length, shift,
+                                                                            confidence):
+    """Low-confidence remasking, by LLaDA's rule (the drafted token's probability) or Dream's
+    (margin, entropy); a shifted MDM (Dream) reads position p's draft from the logits at p - 1."""
+    P, L, M = 5, 12, 38
+    model, prompt, out = mdm_order(confidence, block_length, shift)
     assert out.nfe == len(model.calls) == L and len(out.tokens) == L
     block = block_length or L
     inputs = [idx for idx, _ in model.calls] + [torch.tensor(prompt + out.tokens)]
@@ -697,13 +708,24 @@ def test_mdm_commits_the_most_confident_token_each_step_and_never_changes_it(blo
         new = ((after != M) & ~known).nonzero()[:, 0].tolist()
         # low-confidence remasking: the new token is the most probable masked one of the block
         logits = model.calls[step][1].roll(int(shift), 0)   # row p: the logits read for p
-        logits[:, M] = -math.inf
-        confidence, token = torch.softmax(logits, -1).max(-1)
+        probs = torch.softmax(logits.double(), -1)          # raw: the mask id's share included
+        top2, ids = probs.clone().index_fill(1, torch.tensor([M]), -1.0).topk(2, -1)
+        token = ids[:, 0]                                   # the draft: never the mask id
+        score = {"prob": top2[:, 0], "margin": top2[:, 0] - top2[:, 1],
+                 "entropy": (probs * probs.log()).sum(-1)}[confidence]
         start = P + step // block * block  # one token per step: block b owns steps b * block ...
         candidates = [p for p in range(start, start + block) if before[p] == M]
-        best = max(candidates, key=lambda p: float(confidence[p]))
+        best = max(candidates, key=lambda p: float(score[p]))
         assert new == [best] and int(after[best]) == int(token[best])
         assert out.trace[step] == [(best, int(token[best]))]
+
+
+def test_dreams_confidence_rules_change_the_order_the_mdm_commits_in():
+    """The model of the test above commits its masks in another order under each rule, so that
+    test tells the rules apart."""
+    orders = {rule: [s[0][0] for s in mdm_order(rule)[2].trace]
+              for rule in ("prob", "margin", "entropy")}
+    assert len({tuple(o) for o in orders.values()}) == 3
 
 
 def test_mdm_schedule_spreads_each_blocks_tokens_evenly_over_its_steps():

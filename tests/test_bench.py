@@ -45,8 +45,13 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
     assert len(refusion) == 2 * 2 * 2
     assert {r["settings"]["infill"] for r in refusion} == {"paper", "speculative"}
     mdm_rows = [r for r in rows if r["method"] == "mdm"]
-    # 1, 2 and 4 tokens per step each
-    assert [r["model"] for r in mdm_rows] == ["mdm"] * 3 + ["mdm-ft"] * 3
+    # 1, 2 and 4 tokens per step each; the MDM-ft at 2 and 4 also by Dream's two rules
+    assert [r["model"] for r in mdm_rows] == ["mdm"] * 3 + ["mdm-ft"] * 7
+    assert [r["settings"]["confidence"] for r in mdm_rows] == ["prob"] * 4 + [
+        "prob", "margin", "entropy"] * 2
+    for prob, *dream in (mdm_rows[4:7], mdm_rows[7:]):      # same schedule, same NFE
+        assert all(r["settings"]["steps"] == prob["settings"]["steps"] and
+                   r["nfe"] == prob["nfe"] for r in dream)
     # "vs MDM" compares with the MDM point of the best quality, the fastest of those
     mdm_row = max(mdm_rows, key=lambda r: (r["quality"]["exact"], r["tokens_per_s"]))
     ar_row = rows[0]

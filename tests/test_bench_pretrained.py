@@ -8,7 +8,7 @@ import pytest
 
 import train
 from helpers import ROOT, save_tiny_hf_folder
-from support.benchmark import first_quality, headline
+from support.benchmark import best_mdm, first_quality, headline
 from tools import bench_pretrained
 
 
@@ -30,17 +30,23 @@ def test_quick_run_fine_tunes_the_three_models_and_decodes_every_point(tmp_path,
                           "Hugging Face generate (SmolLM2-ft weights)",
                           "ReFusion-SmolLM2 next token"]
     assert {r["settings"].get("infill") for r in rows[4:6]} == {"paper", "speculative"}
-    assert labels[6:] == ["MDM-SmolLM2 4 token(s)/step, block 48"] and len(rows) == 7
-    mdm = rows[6]
-    assert mdm["method"] == "mdm" and mdm["settings"]["mdm_shift"] is True
-    assert mdm["train_options"]["mdm_shift"] is True and mdm["train_options"]["gen_length"] == 48
-    assert mdm["nfe"] == 2 * 12                                       # 48 tokens, 4 a step
+    # LLaDA's confidence, then Dream's rules on the same schedule
+    assert labels[6:] == ["MDM-SmolLM2 4 token(s)/step, block 48",
+                          "MDM-SmolLM2 4 token(s)/step, block 48, margin (Dream)",
+                          "MDM-SmolLM2 4 token(s)/step, block 48, entropy (Dream)"]
+    assert [r["settings"]["confidence"] for r in rows[6:]] == ["prob", "margin", "entropy"]
+    for mdm in rows[6:]:
+        assert mdm["method"] == "mdm" and mdm["settings"]["mdm_shift"] is True
+        assert mdm["train_options"]["mdm_shift"] is True
+        assert mdm["train_options"]["gen_length"] == 48
+        assert mdm["nfe"] == 2 * 12                                   # 48 tokens, 4 a step
+    mdm = best_mdm(rows)
     for r in rows:
         assert r["nfe"] == r["forward_calls"] > 0 and r["tokens"] > 0 and r["peak_mb"] >= 0
         assert r["train_options"]["dtype"] == "auto" and r["train_iters"] == 2
         assert r["speedup_vs_mdm"] == pytest.approx(r["tokens_per_s"] / mdm["tokens_per_s"])
     assert rows[0]["same_tokens_as_first"] == 2                     # the first point against itself
-    assert [r["settings"]["dtype"] for r in rows] == ["bfloat16", "float32"] + ["bfloat16"] * 5
+    assert [r["settings"]["dtype"] for r in rows] == ["bfloat16", "float32"] + ["bfloat16"] * 7
     table = (tmp_path / "bench-pretrained-quick" / "bench.md").read_text()
     assert "smollm2 quotes" in table
     # the throughput table: the next-token fine-tune, ReFusion's headline point and the MDM,

@@ -8,7 +8,8 @@ otherwise pick), on tasks whose answers code checks, decoded in one process in b
 
 For each task (TASKS) it fine-tunes, or reuses from out_dir, two models with the task's config
 files, the same data, steps and settings: ReFusion (config/finetune_smollm2_<task>.py) and next
-token (config/finetune_smollm2_<task>_ar.py). Then it decodes the same validation prompts with every
+token (config/finetune_smollm2_<task>_ar.py), and a third, an MDM, where the task has its config
+(below). Then it decodes the same validation prompts with every
 point, each prompt by every point in turn, the order rotating, so that all see the same machine:
 
     the next-token fine-tune   our generate_next_token in the dtype asked for, the same in float32
@@ -16,6 +17,9 @@ point, each prompt by every point in turn, the order rotating, so that all see t
     the ReFusion fine-tune     its own next-token decoding, and ReFusion decoding over a sweep of
                                slot sizes and thresholds, each with the paper's infill and
                                "speculative"
+    the MDM fine-tune          where the task has one (config/finetune_smollm2_<task>_mdm.py):
+                               generate_mdm over MDM_SWEEP's tokens per step and blocks, and at
+                               dream_at tokens per step also by Dream's confidence rules
 
 Each point records its quality, tokens, NFE, TPF, tokens/s, ms per forward pass, the share of decode
 time spent outside the model, the peak memory above the loaded models (MB) and, against the first
@@ -83,11 +87,14 @@ QUICK = dict(out_dir="bench-pretrained-quick", num_prompts=2,
              train=["--max_iters=2", "--eval_interval=1", "--eval_iters=1", "--warmup_iters=1",
                     "--batch_size=2"],
              sweep=dict(slot_sizes=(8,), thresholds=((0.9, 0.3),), serial_num_blocks=(1,)),
-             mdm_sweep=dict(tokens_per_step=(4,), block_lengths=(0,)), batch_sizes=(1, 2))
+             mdm_sweep=dict(tokens_per_step=(4,), block_lengths=(0,), dream_at=(4,)),
+             batch_sizes=(1, 2))
 NAMES = {"ar": "SmolLM2-ft", "refusion": "ReFusion-SmolLM2", "mdm": "MDM-SmolLM2"}  # fine-tunes
 # the MDM's schedules, where a task has its fine-tune (config/finetune_smollm2_<task>_mdm.py):
-# tokens committed per step, each over the whole canvas and over semi-autoregressive blocks of 16
-MDM_SWEEP = dict(tokens_per_step=(1, 2, 4, 8), block_lengths=(0, 16))
+# tokens committed per step, each over the whole canvas and over semi-autoregressive blocks of 16;
+# at dream_at tokens per step over the whole canvas, also by Dream's confidence rules (SPEC 4)
+MDM_SWEEP = dict(tokens_per_step=(1, 2, 4, 8), block_lengths=(0, 16), dream_at=(4, 8))
+DREAM_RULES = ("margin", "entropy")
 
 # -----------------------------------------------------------------------------
 # the fine-tunes
@@ -137,9 +144,12 @@ def smollm2_points(cfg, task):
         mdm_sweep = QUICK["mdm_sweep"] if cfg["quick"] else MDM_SWEEP
         for per_step in mdm_sweep["tokens_per_step"]:
             for block in mdm_sweep["block_lengths"]:
-                label = f"{NAMES['mdm']} {per_step} token(s)/step, block {block or L}"
-                points.append((label, NAMES["mdm"], "mdm", "mdm", dt,
-                               dict(steps=L // per_step, block_length=block)))
+                rules = DREAM_RULES if per_step in mdm_sweep["dream_at"] and not block else ()
+                for rule in ("prob",) + rules:  # LLaDA's confidence, then Dream's
+                    label = f"{NAMES['mdm']} {per_step} token(s)/step, block {block or L}"
+                    points.append((label + (f", {rule} (Dream)" if rule != "prob" else ""),
+                                   NAMES["mdm"], "mdm", "mdm", dt,
+                                   dict(steps=L // per_step, block_length=block, confidence=rule)))
     return points if dt != "float32" else [p for p in points if not p[0].endswith(", float32")]
 
 

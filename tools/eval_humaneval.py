@@ -80,6 +80,7 @@ token_threshold = 0.4      # refusion: a draft token is accepted when its probab
 infill = "paper"  # refusion: 'paper' (forces the masked draft), 'speculative' (SPEC 4.1)
 steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
+confidence = "prob"        # mdm: ranks a step's drafts: prob (LLaDA), margin or entropy (Dream)
 temperature = 0.0          # 0: greedy (pass@1 from one sample); above 0: sample (Gumbel-max)
 timeout = 3.0  # seconds each program may run before it counts as failed (its start included)
 max_memory_gb = 2.0  # GiB of address space each program may use (RLIMIT_AS); past it, MemoryError
