@@ -600,10 +600,12 @@ def dream_confidence(logits, tokens, rule, banned=()):
     """Dream's confidence in each drafted token (SPEC section 4, "Baseline decoders"): logits
     (N, V), tokens (N,) int64 drafted from them -> (N,) float32. rule "margin": the token's raw
     softmax probability minus that of the most probable other token not `banned`; "entropy": minus
-    the entropy (nats) of the raw softmax."""
+    the entropy (nats) of the raw softmax. Raises ValueError for another rule."""
     probs = torch.softmax(logits.float(), dim=-1)
     if rule == "entropy":
         return (probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
+    if rule != "margin":
+        raise ValueError(f"confidence rule {rule!r}: Dream's are margin and entropy")
     others = ban(probs.scatter(-1, tokens[:, None], -math.inf), banned)
     return probs.gather(-1, tokens[:, None])[:, 0] - others.max(dim=-1).values
 

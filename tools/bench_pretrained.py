@@ -145,8 +145,8 @@ def smollm2_points(cfg, task):
         for per_step in mdm_sweep["tokens_per_step"]:
             for block in mdm_sweep["block_lengths"]:
                 rules = DREAM_RULES if per_step in mdm_sweep["dream_at"] and not block else ()
+                label = f"{NAMES['mdm']} {per_step} token(s)/step, block {block or L}"
                 for rule in ("prob",) + rules:  # LLaDA's confidence, then Dream's
-                    label = f"{NAMES['mdm']} {per_step} token(s)/step, block {block or L}"
                     points.append((label + (f", {rule} (Dream)" if rule != "prob" else ""),
                                    NAMES["mdm"], "mdm", "mdm", dt,
                                    dict(steps=L // per_step, block_length=block, confidence=rule)))
