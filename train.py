@@ -73,7 +73,7 @@ log_interval = 50         # without a terminal (a log file, a pipe): a line ever
 seed = 1337               # seeds the initial weights and every micro-batch's samples and masks
 device = "cpu"            # under torchrun with CUDA each process takes cuda:LOCAL_RANK
 compile = False           # torch.compile the model (the same results, faster on a GPU)
-dtype = "auto"            # matmuls in 'bfloat16' (autocast) or 'float32'; 'auto': bf16 if native
+dtype = "auto"            # matmuls in 'bfloat16' (autocast) or 'float32'; 'auto': bf16 if it pays
 fsdp = False              # under torchrun: shard weights, gradients and AdamW state (support.shard)
 activation_checkpointing = False  # recompute activations in backward: less memory, 1/3 more compute
 peak_tflops = 312.0       # for the MFU estimate: bf16 peak of the GPU (A100: 312, H100 SXM: 989)
@@ -344,7 +344,11 @@ def main(argv):
                                                      start.best_val_loss, False)
         del start
         # auto: bf16 where it pays
-        dtype, why = hardware.pick_dtype(cfg["dtype"], cfg["device"], model.num_params())
+        dtype, why = hardware.pick_dtype(cfg["dtype"], cfg["device"], model.config, work="train")
+        if world > 1:  # every process takes rank 0's dtype, even where their timings differ
+            chosen = [dtype]
+            torch.distributed.broadcast_object_list(chosen, src=0)
+            dtype = chosen[0]
         if rank == 0:
             print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
                   f"{len(train_data):,} training samples, device {cfg['device']}, "

@@ -3,21 +3,30 @@ What the machine's matrix units do, and the dtype that pays there.
 
     cpu_kind()            AVX2, AVX512, AVX512 BF16 or AMX: the code paths torch's CPU kernels take
     native_bf16(device)   whether bf16 matmuls run on the device's own units, and why (or why not)
-    pick_dtype(dtype, device)
-                          --dtype=auto made concrete: bfloat16 where bf16 is native, else float32
+    pick_dtype(dtype, device, config)
+                          --dtype=auto made concrete: bfloat16 where bf16 is native and, on a
+                          CPU, measured to be faster for this model (measured_costs), else float32
 
 On a CPU without bf16 units every bf16 matmul is converted to float32 and back: a 32-token pass of
 SmolLM2 then costs 13x a 1-token pass in bf16 against 2.4x in float32 (AVX2 code paths), while with
 AVX-512 BF16 it costs 1.7x (docs/benchmark.md, "What a forward pass costs"; `python -m
-tools.probe`).
+tools.probe`). The flag alone does not settle it: on an Intel Xeon with AVX512_BF16 and no AMX,
+float32 is the faster dtype for SmolLM2's decoding and training, so --dtype=auto times one layer
+of the model in both dtypes once per machine and keeps the verdict.
 """
 
+import copy
+import dataclasses
+import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 
 from model import Transformer
+from support.files import write_atomic
 
 
 def cpuinfo(field):
@@ -91,20 +100,103 @@ def native_bf16(device, kind=None):
 # bf16; 14M parameters 12.0 and 11.7; SmolLM2's 135M 64 and 49).
 SMALL_MODEL = 10_000_000
 
+# What the measured choice times (time_dtypes): a decoding pass of 32 tokens, ReFusion's widest
+# usual pass, and a training step over 512 tokens. With the same bf16 flag, float32 is the faster
+# at both on an Intel Xeon without AMX and bf16 on an AMD EPYC (docs/benchmark.md).
+MEASURED_TOKENS = {"decode": 32, "train": 512}
 
-def pick_dtype(dtype, device, num_params=None, kind=None):
-    """(dtype name, note): "float32" and "bfloat16" as given (note None); "auto": bfloat16 where
-    bf16 matmuls are native on device (native_bf16) and, on a CPU, the model (num_params; None:
-    large) has at least SMALL_MODEL parameters, else float32, with the note saying which and why.
+
+def time_dtypes(config, work, repeats=7):
+    """{"float32": ms, "bfloat16": ms} on this CPU for one layer of a model of this ModelConfig
+    (random weights, a 1,024-token vocabulary), the median of repeats, the dtypes interleaved after
+    an untimed round. work "decode": a forward pass of MEASURED_TOKENS["decode"] tokens without
+    gradients, the weights in the dtype; "train": forward and backward over MEASURED_TOKENS["train"]
+    tokens, the weights float32 and the matmuls under bf16 autocast or not, as train.py."""
+    layer = dataclasses.replace(config, n_layer=1, vocab_size=1024)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Transformer(layer)
+    T = min(layer.block_size, MEASURED_TOKENS[work])
+    B = MEASURED_TOKENS[work] // T
+    idx, pos = torch.zeros(B, T, dtype=torch.long), torch.arange(T).expand(B, T)
+    models = {"float32": model, "bfloat16": model if work == "train" else
+              copy.deepcopy(model).to(torch.bfloat16)}
+
+    def step(dtype):
+        if work == "decode":
+            with torch.no_grad():
+                models[dtype](idx, pos)
+        else:
+            with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"):
+                logits = model(idx, pos)
+            logits.float().mean().backward()
+
+    ms = {d: [] for d in models}
+    for i in range(repeats + 1):
+        for d in ms:
+            t0 = time.perf_counter()
+            step(d)
+            if i:
+                ms[d].append((time.perf_counter() - t0) * 1e3)
+    return {d: statistics.median(v) for d, v in ms.items()}
+
+
+def verdicts_file():
+    """Where measured dtype verdicts are kept: $XDG_CACHE_HOME/refusion/dtype.json, ~/.cache by
+    default."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "refusion", "dtype.json")
+
+
+def measured_costs(config, work, kind):
+    """time_dtypes(config, work) on this machine, measured once and kept in verdicts_file() under
+    the processor, its kind, torch's version, the threads and the layer's shape; an unreadable
+    file is measured again and one that cannot be written is left as it is."""
+    c = config
+    key = " | ".join((str(cpuinfo("model name")), kind, f"torch {torch.__version__}",
+                      f"{torch.get_num_threads()} threads", work,
+                      f"layer {c.n_embd} x {c.intermediate_size}, {c.n_head} / {c.n_kv_head} "
+                      f"heads of {c.head_dim}"))
+    path = verdicts_file()
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+        if isinstance(kept.get(key), dict):
+            return kept[key]
+    except (OSError, ValueError, AttributeError):
+        kept = {}
+    costs = time_dtypes(config, work)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_atomic(path, lambda f: f.write(json.dumps(dict(kept, **{key: costs}),
+                                                        indent=1).encode()))
+    except OSError:
+        pass
+    return costs
+
+
+def pick_dtype(dtype, device, config=None, kind=None, work="decode"):
+    """(dtype name, note): "float32" and "bfloat16" as given (note None); "auto": float32 unless
+    bf16 matmuls are native on device (native_bf16) and, on a CPU, the model of this ModelConfig
+    (None: a large one, not timed) has at least SMALL_MODEL parameters and one of its layers runs
+    work ("decode" or "train") faster in bf16 (measured_costs), with the note saying which and why.
     Raises ValueError for another value."""
     if dtype in ("float32", "bfloat16"):
         return dtype, None
     if dtype != "auto":
         raise ValueError(f"--dtype={dtype!r}: choose auto, float32 or bfloat16")
     native, why = native_bf16(device, kind)
-    if native and device.startswith("cpu") and num_params is not None and num_params < SMALL_MODEL:
-        native, why = False, (f"{why}, but a model of {num_params / 1e6:.2g}M parameters (under "
+    n = num_params(config) if config is not None else None
+    if native and device.startswith("cpu") and n is not None and n < SMALL_MODEL:
+        native, why = False, (f"{why}, but a model of {n / 1e6:.2g}M parameters (under "
                               f"{SMALL_MODEL / 1e6:.0f}M) is faster in float32 on a CPU")
+    elif native and device.startswith("cpu") and n is not None:
+        ms = measured_costs(config, work, kind or cpu_kind())
+        native = ms["bfloat16"] < ms["float32"]
+        what = "training step" if work == "train" else "decoding pass"
+        why = (f"{why} {'and' if native else 'but'} a {what} of {MEASURED_TOKENS[work]} tokens "
+               f"through one of this model's layers took {ms['bfloat16']:.1f} ms in bf16 against "
+               f"{ms['float32']:.1f} in float32 here (measured once, kept in {verdicts_file()})")
     chosen = "bfloat16" if native else "float32"
     return chosen, f"--dtype=auto: {chosen}, as {why}"
 
@@ -120,6 +212,6 @@ def settle_dtype(cfg, config):
     """Make cfg["dtype"] concrete for a decoding command, for a model of this ModelConfig
     (pick_dtype on cfg["device"]); --dtype=auto says on stderr what it took and why. Raises
     ValueError for a dtype not among auto, float32 and bfloat16."""
-    cfg["dtype"], note = pick_dtype(cfg["dtype"], cfg["device"], num_params(config))
+    cfg["dtype"], note = pick_dtype(cfg["dtype"], cfg["device"], config)
     if note:
         print(f"note: {note}", file=sys.stderr)

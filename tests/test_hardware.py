@@ -1,14 +1,18 @@
 """The dtype that pays on the machine: --dtype=auto takes bfloat16 only where bf16 matmuls are
-native (support.hardware), with the machine's capability mocked, and emulated in a subprocess.
+native and, on a CPU, measured faster (support.hardware), with the machine's capability and
+timings mocked, and emulated in a subprocess.
 
 Run: python -m pytest -q tests/test_hardware.py
 """
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import sampler
 import train
@@ -35,21 +39,80 @@ def test_the_cpu_kind_is_what_both_kernel_libraries_may_use(capability, flags, o
     assert cpu_kind(capability, flags, onednn_cap) == kind
 
 
-@pytest.mark.parametrize("kind, chosen", [("AVX512 BF16", "bfloat16"), ("AMX", "bfloat16"),
-                                          ("AVX512", "float32"), ("AVX2", "float32")])
-def test_auto_takes_bf16_only_where_it_is_native_and_pays(kind, chosen):
-    dtype, note = pick_dtype("auto", "cpu", 135_000_000, kind)
+LARGE = ModelConfig(vocab_size=49153, n_layer=30, n_head=9, n_kv_head=3, n_embd=576,
+                    intermediate_size=1536)     # SmolLM2-135M's shape
+SMALL = ModelConfig(vocab_size=259, n_layer=4, n_head=4, n_embd=128)  # the quick start's
+
+
+def timed(monkeypatch, tmp_path, bf16_ms, f32_ms):
+    """Make time_dtypes return these timings, with a cache of their own (tmp_path), and list the
+    (n_embd, work) of each call."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(hardware, "time_dtypes", lambda config, work: calls.append(
+        (config.n_embd, work)) or {"float32": f32_ms, "bfloat16": bf16_ms})
+    return calls
+
+
+@pytest.mark.parametrize("kind, native", [("AVX512 BF16", True), ("AMX", True),
+                                          ("AVX512", False), ("AVX2", False)])
+@pytest.mark.parametrize("bf16_ms, f32_ms", [(2.0, 3.0), (3.6, 3.1)])
+def test_auto_takes_bf16_only_where_it_is_native_and_measured_faster(monkeypatch, tmp_path, kind,
+                                                                     native, bf16_ms, f32_ms):
+    calls = timed(monkeypatch, tmp_path, bf16_ms, f32_ms)
+    chosen = "bfloat16" if native and bf16_ms < f32_ms else "float32"
+    dtype, note = pick_dtype("auto", "cpu", LARGE, kind)
     assert dtype == chosen and note.startswith(f"--dtype=auto: {chosen}, as this CPU ({kind})")
-    # a model too small to gain from bf16 on a CPU (the quick start's) stays float32
-    assert pick_dtype("auto", "cpu", 900_000, kind) == ("float32", (
+    if native:    # timed once, then the verdict kept is read, for decoding and training apart
+        assert f"a decoding pass of 32 tokens through one of this model's layers took " \
+               f"{bf16_ms:.1f} ms in bf16 against {f32_ms:.1f} in float32 here" in note
+        assert ("and" if chosen == "bfloat16" else "but") in note.split("natively ")[1][:4]
+        assert pick_dtype("auto", "cpu", LARGE, kind, work="train")[0] == chosen
+        assert pick_dtype("auto", "cpu", LARGE, kind) == (dtype, note)
+        assert calls == [(576, "decode"), (576, "train")]
+    else:         # nothing to time where bf16 is emulated
+        assert "has no bf16 matrix units" in note and calls == []
+    # a model too small to gain from bf16 on a CPU (the quick start's) stays float32, untimed
+    assert pick_dtype("auto", "cpu", SMALL, kind) == ("float32", (
         f"--dtype=auto: float32, as this CPU ({kind}) multiplies bf16 natively, but a model of "
-        "0.9M parameters (under 10M) is faster in float32 on a CPU") if chosen == "bfloat16"
-        else note)
+        f"{num_params(SMALL) / 1e6:.2g}M parameters (under 10M) is faster in float32 on a CPU")
+        if native else note)
+    assert len(calls) == 2 * native
     # a dtype given is kept, whatever the machine and model
-    assert pick_dtype("float32", "cpu", 135_000_000, kind) == ("float32", None)
-    assert pick_dtype("bfloat16", "cpu", 900_000, kind) == ("bfloat16", None)
+    assert pick_dtype("float32", "cpu", LARGE, kind) == ("float32", None)
+    assert pick_dtype("bfloat16", "cpu", SMALL, kind) == ("bfloat16", None)
     with pytest.raises(ValueError, match="--dtype='fp16': choose auto, float32 or bfloat16"):
         pick_dtype("fp16", "cpu", kind=kind)
+
+
+def test_a_verdict_is_kept_per_machine_and_shape_and_an_unreadable_file_is_measured_again(
+        monkeypatch, tmp_path):
+    calls = timed(monkeypatch, tmp_path, 2.0, 3.0)
+    path = hardware.verdicts_file()
+    assert path == str(tmp_path / "refusion" / "dtype.json")
+    wide = dataclasses.replace(LARGE, n_embd=1152, n_head=18, n_kv_head=6)
+    for config in (LARGE, wide, LARGE, wide):
+        assert hardware.measured_costs(config, "decode", "AMX") == {"float32": 3.0,
+                                                                   "bfloat16": 2.0}
+    assert calls == [(576, "decode"), (1152, "decode")]
+    with open(path) as f:
+        kept = json.load(f)
+    assert len(kept) == 2 and all("AMX | torch " in key for key in kept)
+    with open(path, "w") as f:
+        f.write("{not json")
+    hardware.measured_costs(LARGE, "decode", "AMX")
+    assert calls[2:] == [(576, "decode")]
+    with open(path) as f:
+        assert len(json.load(f)) == 1
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # autocast's norms
+def test_the_timing_runs_both_dtypes_on_one_layer_and_leaves_the_random_state_as_it_was():
+    state = torch.random.get_rng_state()
+    for work in ("decode", "train"):
+        ms = hardware.time_dtypes(SMALL, work, repeats=2)
+        assert set(ms) == {"float32", "bfloat16"} and all(v > 0 for v in ms.values())
+    assert torch.equal(torch.random.get_rng_state(), state)
 
 
 def test_a_models_parameters_are_counted_without_allocating_them():
@@ -80,6 +143,7 @@ def test_training_and_decoding_take_the_dtype_auto_picks(tmp_path, qa_file, caps
                                                          kind, chosen):
     monkeypatch.setattr(hardware, "cpu_kind", lambda: kind)
     monkeypatch.setattr(hardware, "SMALL_MODEL", 0)  # the tiny model counts as large enough
+    calls = timed(monkeypatch, tmp_path, 1.0, 2.0)             # ... and runs faster in bf16
     used = []
     real_autocast = train.autocast_for
     monkeypatch.setattr(train, "autocast_for",
@@ -91,3 +155,4 @@ def test_training_and_decoding_take_the_dtype_auto_picks(tmp_path, qa_file, caps
     sampler.main([f"--out_dir={tmp_path / 'run'}", "--prompt=hi", "--max_new_tokens=8",
                   "--slot_size=4", "--json"])
     assert f"note: --dtype=auto: {chosen}, as this CPU ({kind})" in capsys.readouterr().err
+    assert [work for _, work in calls] == (["train", "decode"] if chosen == "bfloat16" else [])

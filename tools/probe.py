@@ -106,7 +106,7 @@ def probe(cfg):
         models |= {f"{d} compiled": CompiledModel(m) for d, m in models.items()}
     costs = pass_costs(models, cfg["prompt_len"], fed, cfg["repeats"])
     speedups = refusion_speedups(costs, cfg["tpf"], cfg["pass_mix"])
-    auto, why = pick_dtype("auto", cfg["device"], model.num_params())
+    auto, why = pick_dtype("auto", cfg["device"], model.config)
     return {"model": name, "params_m": model.num_params() / 1e6, "device": cfg["device"],
             "machine": machine(), "prompt_len": cfg["prompt_len"], "repeats": cfg["repeats"],
             "dropped": sorted(set(cfg["fed"]) - set(fed)), "ms": costs,
