@@ -323,6 +323,7 @@ def main(argv):
     SIGTERM), saving a checkpoint whenever it yields. support/ holds the plumbing, called here as
     plain functions: checks, out_dir's lock, processes, data, FSDP, signals, checkpoints."""
     from support import hardware, runs, shard
+    t0 = time.perf_counter()  # a checkpoint's train_minutes: its earlier runs' and this one's
     cfg = parse_args(DEFAULTS, argv)
     explicit = explicit_keys(cfg, DEFAULTS, argv)
     runs.take_resumed_settings(cfg, explicit)        # --init_from=resume: the checkpoint's
@@ -340,8 +341,8 @@ def main(argv):
         optimizer = make_optimizer(cfg, model)
         runs.restore_optimizer(start, model, optimizer)
         # the counters to go on from; the checkpoint's weights and optimizer state are let go
-        model_args, steps, best_val_loss, stopped = (start.model_args, start.iter_num,
-                                                     start.best_val_loss, False)
+        model_args, steps, best_val_loss, stopped, minutes = (
+            start.model_args, start.iter_num, start.best_val_loss, False, start.train_minutes)
         del start
         # auto: bf16 where it pays
         dtype, why = hardware.pick_dtype(cfg["dtype"], cfg["device"], model.config, work="train")
@@ -359,7 +360,8 @@ def main(argv):
                         dict(cfg, dtype=dtype), model, optimizer, train_data, val_data, steps,
                         best_val_loss, rank, world, requested):
                     runs.save(cfg, model, optimizer, model_args, train_data, steps,
-                              best_val_loss, rank)
+                              best_val_loss, rank, None if minutes is None else
+                              minutes + (time.perf_counter() - t0) / 60)
             except Diverged as e:
                 raise runs.diverged(cfg, e) from None
         runs.finish(cfg, rank, world, steps, best_val_loss, stopped)

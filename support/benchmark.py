@@ -45,7 +45,8 @@ def train_or_reuse(train_main, train_defaults, flags, retrain=False):
     device and init_from) and after the checkpoint it starts from is reused, one interrupted
     part-way is resumed, anything else is trained anew. train_main, train_defaults: train.main and
     train.DEFAULTS (support/ does not import the scripts). Returns the training's wall-clock
-    minutes (a reused model's as recorded when it was trained, in out_dir/train_minutes.json)."""
+    minutes, a resumed model's across its runs (the checkpoint's train_minutes), a reused model's
+    as recorded when it was trained (out_dir/train_minutes.json)."""
     wanted = parse_args(train_defaults, flags)
     out, start = wanted["out_dir"], wanted["init_from"]
     same_keys = explicit_keys(wanted, train_defaults, flags) - {"out_dir", "data_root", "device",
@@ -67,7 +68,9 @@ def train_or_reuse(train_main, train_defaults, flags, retrain=False):
     print(f"\n== training {out}: python train.py {' '.join(flags)}", flush=True)
     t0 = time.perf_counter()
     train_main(flags)
-    minutes = (time.perf_counter() - t0) / 60
+    minutes = load_checkpoint(out, settings_only=True).get("train_minutes")
+    if minutes is None:  # resumed from a checkpoint that did not record them: this run's only
+        minutes = (time.perf_counter() - t0) / 60
     write_atomic(minutes_file, lambda f: f.write(json.dumps({"minutes": minutes}).encode()))
     return minutes
 

@@ -247,7 +247,8 @@ class Start:
     and, when resuming, the optimizer state and counters to continue from (or, from a sharded
     checkpoint, the directory of its shards: support.shard.load_sharded) and the SHA-1 of the
     prepared data it was trained on (support/prepare.py's data_sha1; None in a checkpoint from
-    before it was recorded)."""
+    before it was recorded), and the wall-clock minutes of the runs that trained it so far
+    (train_minutes; None where a checkpoint from before they were recorded was resumed)."""
     model_args: dict
     weights: dict | None = None
     optimizer: dict | None = None
@@ -255,6 +256,7 @@ class Start:
     best_val_loss: float = math.inf
     shards: str | None = None
     data_sha1: str | None = None
+    train_minutes: float | None = 0.0
 
 
 def inherit_settings(cfg, explicit, source, keys, what, also=()):
@@ -322,10 +324,12 @@ def resume_from_checkpoint(cfg, explicit):
         info = load_sharded_info(cfg["out_dir"])
         return Start(info["model_args"], iter_num=info["iter_num"],
                      best_val_loss=info["best_val_loss"], shards=info["shards"],
-                     data_sha1=info["meta"].get("data_sha1"))
+                     data_sha1=info["meta"].get("data_sha1"),
+                     train_minutes=info.get("train_minutes"))
     ckpt = load_checkpoint(cfg["out_dir"], "cpu")
     return Start(ckpt["model_args"], ckpt, ckpt["optimizer"], ckpt["iter_num"],
-                 ckpt["best_val_loss"], data_sha1=ckpt["meta"].get("data_sha1"))
+                 ckpt["best_val_loss"], data_sha1=ckpt["meta"].get("data_sha1"),
+                 train_minutes=ckpt.get("train_minutes"))
 
 
 def start_from_pretrained(cfg, explicit):
@@ -455,12 +459,15 @@ def restore_optimizer(start, model, optimizer):
         load_sharded(start.shards, model, optimizer)
 
 
-def save(cfg, model, optimizer, model_args, train_data, iter_num, best_val_loss, rank):
+def save(cfg, model, optimizer, model_args, train_data, iter_num, best_val_loss, rank,
+         train_minutes=None):
     """Write the resumable checkpoint atomically: ckpt.pt by rank 0 (save_checkpoint), or under
     --fsdp each process its shards (support.shard.save_sharded). Call on every process.
-    iter_num: the steps completed."""
+    iter_num: the steps completed; train_minutes: the wall-clock minutes of the runs that trained
+    it, resumes included (None: not known)."""
     info = {"model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
-            "config": cfg, "meta": train_data.meta, "data_dir": train_data.data_dir}
+            "config": cfg, "meta": train_data.meta, "data_dir": train_data.data_dir,
+            "train_minutes": train_minutes}
     if cfg["fsdp"]:
         save_sharded(cfg["out_dir"], model, optimizer, info)
     elif rank == 0:

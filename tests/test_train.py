@@ -21,6 +21,7 @@ import data
 import train
 from helpers import ROOT, TOL, qa_rows, tiny_model, tiny_run_flags, write
 from support import checkpoint, runs
+from support.benchmark import train_or_reuse
 from support.checkpoint import load_checkpoint, save_checkpoint
 from test_refusion import random_samples
 from train import flops_per_token, hybrid_loss, load_weights, make_batch
@@ -87,6 +88,38 @@ def test_resumed_training_matches_an_uninterrupted_run(tmp_path, qa_file, object
     assert a["iter_num"] == b["iter_num"] == 6
     for name in a["model"]:
         torch.testing.assert_close(a["model"][name], b["model"][name], atol=0, rtol=0)
+
+
+def timed_main(flags):
+    """train.main(flags); the minutes it took, timed from outside."""
+    t0 = time.perf_counter()
+    train.main(flags)
+    return (time.perf_counter() - t0) / 60
+
+
+def test_a_checkpoint_records_the_minutes_of_every_run_that_trained_it(tmp_path, qa_file):
+    """train_minutes: the first run's, then its resume's added; a run from a checkpoint's weights
+    counts from nothing; a checkpoint from before the minutes were recorded resumes without them;
+    a benchmark's train_or_reuse returns (and keeps) the checkpoint's figure."""
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    first = timed_main(flags + ["--max_iters=3"])
+    m1 = load_checkpoint(str(tmp_path / "run"))["train_minutes"]
+    assert 0 < m1 <= first
+    second = timed_main(flags + ["--max_iters=6", "--init_from=resume"])
+    m2 = load_checkpoint(str(tmp_path / "run"))["train_minutes"]
+    assert m1 < m2 <= m1 + second
+    tuned = timed_main(tiny_run_flags(tmp_path, qa_file, "tuned") +
+                       ["--max_iters=2", f"--init_from={tmp_path / 'run'}"])
+    assert 0 < load_checkpoint(str(tmp_path / "tuned"))["train_minutes"] <= tuned
+    old = load_checkpoint(str(tmp_path / "run"))
+    del old["train_minutes"]
+    save_checkpoint(str(tmp_path / "run"), old)
+    train.main(flags + ["--max_iters=8", "--init_from=resume"])
+    assert load_checkpoint(str(tmp_path / "run"))["train_minutes"] is None
+    minutes = train_or_reuse(train.main, train.DEFAULTS,
+                             tiny_run_flags(tmp_path, qa_file, "bench") + ["--max_iters=2"])
+    assert minutes == load_checkpoint(str(tmp_path / "bench"))["train_minutes"] == json.loads(
+        (tmp_path / "bench" / "train_minutes.json").read_text())["minutes"]
 
 
 def test_training_never_overwrites_a_checkpoint_unless_resuming(tmp_path, qa_file):
