@@ -468,6 +468,18 @@ def refusion_sweep(sweep, name, infill_modes):
                                 slot_threshold=slot_thr, token_threshold=token_thr))
 
 
+# Dream's confidence rules (sampler.generate_mdm's confidence, opt-in; SPEC section 4)
+DREAM_RULES = ("margin", "entropy")
+
+
+def confidence_points(label, knobs, dream):
+    """(label, knobs) of an MDM schedule's points: LLaDA's confidence ("prob") under label, then,
+    where dream is true, each of DREAM_RULES with ", <rule> (Dream)" after label. knobs: the
+    schedule's settings (steps, block_length), to which each point adds its confidence."""
+    return [(label if rule == "prob" else f"{label}, {rule} (Dream)", dict(knobs, confidence=rule))
+            for rule in ("prob",) + (DREAM_RULES if dream else ())]
+
+
 def batch_throughput(decoders, prompts, batch_sizes, rounds=1):
     """Throughput and latency of each decoder decoding the first max(batch_sizes) prompts,
     batch_size prompts at a time (the sizes above the prompts there are left out).

@@ -49,10 +49,10 @@ from configurator import explicit_keys, parse_args, require, run_cli, settings_i
 from model import ModelConfig, Transformer
 from sampler import INFILL_MODES, MDMSettings, RefusionSettings, make_decoder
 from support.benchmark import (NAMES, TimedModel, batch_throughput, best_mdm, check_batch_settings,
-                               fastest_close, first_quality, free_tokens, headline, hf_generate,
-                               highlights_table, machine, model_pass_costs, most_accurate,
-                               point_config, refusion_sweep, speed_figures, throughput_table,
-                               write_report, compiled_table, compiled_vs_eager)
+                               compiled_table, compiled_vs_eager, confidence_points, fastest_close,
+                               first_quality, free_tokens, headline, hf_generate, highlights_table,
+                               machine, model_pass_costs, most_accurate, point_config,
+                               refusion_sweep, speed_figures, throughput_table, write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.hardware import num_params, settle_dtype
@@ -114,8 +114,6 @@ OVERRIDES = ("dataset", "block_size", "max_new_tokens", "max_iters", "finetune_i
 # the ReFusion sweep: every slot size x (slot_threshold, token_threshold) x serial blocks
 SWEEP = dict(slot_sizes=(4, 8, 16), thresholds=((0.9, 0.3), (0.7, 0.1), (0.5, 0.0)),
              serial_num_blocks=(1, 4))
-# Dream's confidence rules (sampler.generate_mdm's confidence, opt-in), beside LLaDA's ("prob")
-DREAM_RULES = ("margin", "entropy")
 QUICK_NOTE = ("A --quick run checks the plumbing only: its models train for a few steps, so its "
               "qualities (0% among them) and speeds say nothing about the method; "
               "python -m tools.bench measures it.")
@@ -220,8 +218,8 @@ def decoder_points(cfg, task):
     """(label, method, model name, decoder knobs) for every point of a task: the ARM, both MDMs at
     1, 2 and 4 tokens per step (one block at 1 token per step; LLaDA's semi-autoregressive blocks at
     2 and 4, of 32 tokens or the largest divisor of the length below that; the MDM-ft at 2 and 4
-    also by Dream's confidence rules, DREAM_RULES, SPEC section 4), then both ReFusion
-    models over the sweep, each point with the paper's infill and with infill="speculative"
+    also by Dream's confidence rules, support.benchmark.DREAM_RULES, SPEC section 4), then both
+    ReFusion models over the sweep, each point with the paper's infill and with infill="speculative"
     (SPEC section 4.1)."""
     L = recipe(cfg, task)["max_new_tokens"]
     sweep = QUICK["sweep"] if cfg["quick"] else SWEEP
@@ -232,11 +230,10 @@ def decoder_points(cfg, task):
             block = L if per_step == 1 else semi_ar
             if not (L // per_step and (L // per_step) % (L // block) == 0):
                 continue  # no schedule of this length
-            rules = DREAM_RULES if model == "mdm-ft" and per_step > 1 else ()
-            for rule in ("prob",) + rules:  # LLaDA's confidence, then Dream's
-                points.append((f"{NAMES[model]} {per_step} token(s)/step, block {block}"
-                               + (f", {rule} (Dream)" if rule != "prob" else ""), "mdm", model,
-                               dict(steps=L // per_step, block_length=block, confidence=rule)))
+            label = f"{NAMES[model]} {per_step} token(s)/step, block {block}"
+            dream = model == "mdm-ft" and per_step > 1     # also by Dream's confidence rules
+            points += [(lab, "mdm", model, knobs) for lab, knobs in confidence_points(
+                label, dict(steps=L // per_step, block_length=block), dream)]
     for model in ("refusion", "refusion-ft"):
         points += [(label, "refusion", model, knobs)
                    for label, knobs in refusion_sweep(sweep, NAMES[model], INFILL_MODES)]

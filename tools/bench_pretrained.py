@@ -45,10 +45,10 @@ import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
 from sampler import INFILL_MODES, RefusionSettings, make_decoder
 from support.benchmark import (Point, batch_throughput, best_mdm, check_batch_settings,
-                               compiled_table, compiled_vs_eager, fastest_close, first_quality,
-                               free_tokens, headline, hf_model, highlights_table, machine,
-                               model_pass_costs, most_accurate, point_config, refusion_sweep,
-                               throughput_table, train_or_reuse, write_report)
+                               compiled_table, compiled_vs_eager, confidence_points, fastest_close,
+                               first_quality, free_tokens, headline, hf_model, highlights_table,
+                               machine, model_pass_costs, most_accurate, point_config,
+                               refusion_sweep, throughput_table, train_or_reuse, write_report)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.hardware import settle_dtype
@@ -94,7 +94,6 @@ NAMES = {"ar": "SmolLM2-ft", "refusion": "ReFusion-SmolLM2", "mdm": "MDM-SmolLM2
 # tokens committed per step, each over the whole canvas and over semi-autoregressive blocks of 16;
 # at dream_at tokens per step over the whole canvas, also by Dream's confidence rules (SPEC 4)
 MDM_SWEEP = dict(tokens_per_step=(1, 2, 4, 8), block_lengths=(0, 16), dream_at=(4, 8))
-DREAM_RULES = ("margin", "entropy")
 
 # -----------------------------------------------------------------------------
 # the fine-tunes
@@ -144,12 +143,11 @@ def smollm2_points(cfg, task):
         mdm_sweep = QUICK["mdm_sweep"] if cfg["quick"] else MDM_SWEEP
         for per_step in mdm_sweep["tokens_per_step"]:
             for block in mdm_sweep["block_lengths"]:
-                rules = DREAM_RULES if per_step in mdm_sweep["dream_at"] and not block else ()
                 label = f"{NAMES['mdm']} {per_step} token(s)/step, block {block or L}"
-                for rule in ("prob",) + rules:  # LLaDA's confidence, then Dream's
-                    points.append((label + (f", {rule} (Dream)" if rule != "prob" else ""),
-                                   NAMES["mdm"], "mdm", "mdm", dt,
-                                   dict(steps=L // per_step, block_length=block, confidence=rule)))
+                dream = per_step in mdm_sweep["dream_at"] and not block
+                points += [(lab, NAMES["mdm"], "mdm", "mdm", dt, knobs) for lab, knobs in
+                           confidence_points(label, dict(steps=L // per_step, block_length=block),
+                                             dream)]
     return points if dt != "float32" else [p for p in points if not p[0].endswith(", float32")]
 
 
