@@ -7,15 +7,46 @@ holds the same number of tokens, `pos`; new keys/values are written at [pos, pos
 row 0 exist only while slots are infilled in parallel: each row is then one slot, sharing the
 committed prefix. They are allocated when an infill first needs that many (up to max_batch), not
 up front, so memory follows the rows a decode uses, not the slots it could use.
+
+Few attention shapes. A GPU's attention kernels (cuDNN's on Hopper) build a plan for every shape
+and stride they meet, which costs far more than a small model's pass. So a pass attends to a key
+length rounded up to a multiple of KEY_BUCKET, the keys past the cached and new tokens masked, and
+the decoders size a cache by cache_length, so that prompts of many lengths share one tensor shape
+(and so the same strides). A decode then feeds the attention a few shapes, not one per pass.
 """
 
 import torch
 
+KEY_BUCKET = 64     # a pass attends to a multiple of this many keys (the extra ones masked)
+CACHE_BUCKET = 256  # the decoders' caches hold a multiple of this many tokens (cache_length)
 
-def causal_mask(P, T, device):
-    """(1, 1, T, P + T) bool: query i of T new tokens, after P cached ones, sees keys 0..P + i."""
+
+WIDE = 32           # bucket(T): a pass of more tokens keeps its width
+
+
+def bucket(T):
+    """The width a pass of T new tokens is padded to where padding is free (a GPU's eager passes,
+    every compiled pass): 1 for 1, the next power of two from 8 up to WIDE, T itself above."""
+    return 1 if T == 1 else T if T > WIDE else max(8, 1 << (T - 1).bit_length())
+
+
+def round_up(n, multiple):
+    """The least multiple of `multiple` that is >= n (n, multiple: int >= 1)."""
+    return -(-n // multiple) * multiple
+
+
+def cache_length(n, context):
+    """The tokens a decoder's cache holds for n tokens: n rounded up to a multiple of
+    CACHE_BUCKET, but never past the model's context (nor below n): prompts of similar lengths
+    share a shape."""
+    return max(n, min(round_up(n, CACHE_BUCKET), context))
+
+
+def causal_mask(P, T, device, L=None):
+    """(1, 1, T, L) bool: query i of T new tokens, after P cached ones, sees keys 0..P + i; the
+    keys from P + T on (up to L, by default P + T) are seen by none."""
     q_idx = torch.arange(T, device=device)[:, None]
-    k_idx = torch.arange(P + T, device=device)[None, :]
+    k_idx = torch.arange(P + T if L is None else L, device=device)[None, :]
     return (k_idx <= P + q_idx)[None, None]
 
 
@@ -29,25 +60,42 @@ class KVCache:
     """
 
     def __init__(self, n_layer, n_kv_head, head_dim, max_len, max_batch=1, dtype=torch.float32,
-                 device="cpu"):
-        self.kv = torch.zeros(n_layer, 2, 1, n_kv_head, max_len, head_dim, dtype=dtype,
-                              device=device)
+                 device="cpu", kv=None):
+        """kv: optional, a tensor of that shape to hold the cache in, its rows allocated already
+        (support/compiled.py keeps one for every decode: a CUDA graph reads it where it was
+        recorded); else one row is allocated, zeroed."""
+        if kv is None:
+            kv = torch.zeros(n_layer, 2, 1, n_kv_head, max_len, head_dim, dtype=dtype,
+                             device=device)
+        self.kv = kv
         self.n_layer, self.max_batch, self.max_len = n_layer, max_batch, max_len
         self.batch, self.pos = 1, 0
         self.cache_bytes = self.kv.numel() * self.kv.element_size()
 
+    def key_length(self, T):
+        """The keys a pass of T new tokens attends to: pos + T rounded up to a multiple of
+        KEY_BUCKET (at most max_len). The keys past pos + T are masked (attention_mask)."""
+        return min(round_up(self.pos + T, KEY_BUCKET), self.max_len)
+
+    def attention_mask(self, T):
+        """(1, 1, T, key_length(T)) bool: the T new tokens see every cached key and each other
+        causally, and none of the keys past them."""
+        return causal_mask(self.pos, T, self.kv.device, self.key_length(T))
+
     def update(self, layer, k, v):
         """Write the new keys/values of one layer after the cached ones (called by the model).
 
-        k, v: (batch, n_kv_head, T, head_dim). Returns (k_all, v_all): (batch, n_kv_head, pos + T,
-        head_dim) views of cached + new. `pos` moves on only in `advance`, after the last layer.
+        k, v: (batch, n_kv_head, T, head_dim). Returns (k_all, v_all): (batch, n_kv_head,
+        key_length(T), head_dim) views of cached + new, then the unused keys up to the bucket's end
+        (attention_mask hides them). `pos` moves on only in `advance`, after the last layer.
         Raises ValueError when the batch differs from the active rows or max_len would be exceeded.
         """
         B, _, T, _ = k.shape
         self.check_room(B, T)
         self.kv[layer, 0, :B, :, self.pos:self.pos + T] = k
         self.kv[layer, 1, :B, :, self.pos:self.pos + T] = v
-        return self.kv[layer, 0, :B, :, :self.pos + T], self.kv[layer, 1, :B, :, :self.pos + T]
+        L = self.key_length(T)
+        return self.kv[layer, 0, :B, :, :L], self.kv[layer, 1, :B, :, :L]
 
     def check_room(self, B, T):
         """Raise ValueError unless B is the active rows and T more tokens fit in max_len."""
@@ -80,13 +128,11 @@ class KVCache:
         self.kv[:, :, 1:k, :, :self.pos] = self.kv[:, :, :1, :, :self.pos]
         self.batch = k
 
-    def keep_rows(self, rows):
-        """Keep only the given active rows (list of int, in that order) as rows 0..len(rows)-1."""
-        if not rows or max(rows) >= self.batch:
-            raise ValueError(f"rows {rows} are not a non-empty subset of the {self.batch} active "
-                             "rows")
-        self.kv[:, :, :len(rows)] = self.kv[:, :, rows]
-        self.batch = len(rows)
+    def keep_rows(self, n):
+        """Keep only the first n active rows (an infill's rows up to its EOS row): nothing moves."""
+        if not 1 <= n <= self.batch:
+            raise ValueError(f"cannot keep {n} of the {self.batch} active rows")
+        self.batch = n
 
     def commit_rows(self, segments, start):
         """Lay segments of several rows one after another into row 0, from token `start` on.

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kvcache import KVCache, causal_mask
+from kvcache import KVCache
 
 
 @dataclass
@@ -69,6 +69,13 @@ def rope_cos_sin(position_ids, head_dim, theta):
     angles = position_ids.float()[..., None] * inv_freq      # (B, T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)[:, None]     # (B, 1, T, hd), Qwen's half split
     return angles.cos(), angles.sin()
+
+
+def additive_mask(mask, dtype):
+    """A bool attention mask (True: may attend) as the float mask SDPA adds to the scores: 0 where
+    True, -inf where False, in dtype. SDPA converts a bool mask so in every layer; a decoding pass
+    converts it once."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
 
 
 def apply_rope(x, cos, sin):
@@ -144,6 +151,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._rope = {}  # device -> the rope_tables, float32 whatever the weights' dtype
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
             if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -158,6 +166,15 @@ class Transformer(nn.Module):
         """Number of parameters (a tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
 
+    def rope_tables(self, device):
+        """cos, sin: (block_size, head_dim) float32, the rotary angles of every position of the
+        context (rope_cos_sin's), built once per device: a pass gathers its tokens' rows."""
+        if device not in self._rope:
+            positions = torch.arange(self.config.block_size, device=device)[None]
+            cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+            self._rope[device] = (cos[0, 0], sin[0, 0])
+        return self._rope[device]
+
     def new_kv_cache(self, max_len, max_batch=1):
         """An empty KVCache sized for this model: up to max_batch rows of max_len tokens."""
         c, p = self.config, self.embed_tokens.weight
@@ -168,10 +185,11 @@ class Transformer(nn.Module):
         """Logits for the input tokens from position logits_from on (all by default).
 
         idx:          (B, T) int64 token ids, in buffer (physical) order.
-        position_ids: (B, T) int64 true positions, used only by RoPE.
+        position_ids: (B, T) int64 true positions, used only by RoPE; each < block_size.
         kv_cache:     optional KVCache holding P earlier tokens of every row (a causal model's);
-                      the new tokens attend to all of them and causally to each other, and their
-                      keys/values are appended to the cache.
+                      the new tokens attend to all of them and causally to each other (its
+                      attention_mask: a bucketed key length, kvcache.py), and their keys/values
+                      are appended to the cache.
         attn_mask:    optional (B, 1, T, P + T) bool (or broadcastable to it), True where a query
                       may attend to a key. Given, it is the whole rule: the MDM's padding, a
                       committed buffer whose tokens saw different things (sampler.py's plain
@@ -187,11 +205,14 @@ class Transformer(nn.Module):
             raise ValueError(f"idx {tuple(idx.shape)} and position_ids {tuple(position_ids.shape)} "
                              "must have the same (B, T) shape")
         T = idx.shape[1]
-        if attn_mask is None and kv_cache is not None and kv_cache.pos > 0:
-            attn_mask = causal_mask(kv_cache.pos, T, idx.device)   # every cached key, then causal
-        is_causal = attn_mask is None and self.config.causal       # SDPA's own causal mask
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         x = self.embed_tokens(idx)
+        if kv_cache is not None:
+            if attn_mask is None:  # every cached key, then causal; the bucket's unused keys unseen
+                attn_mask = kv_cache.attention_mask(T)
+            attn_mask = additive_mask(attn_mask, x.dtype)          # converted once, not per layer
+        is_causal = attn_mask is None and self.config.causal       # SDPA's own causal mask
+        cos, sin = self.rope_tables(idx.device)
+        cos, sin = cos[position_ids][:, None], sin[position_ids][:, None]  # (B, 1, T, hd)
         for layer in self.layers:
             x = layer(x, cos, sin, attn_mask, is_causal, kv_cache)
         if kv_cache is not None:

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field, fields
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
+from kvcache import bucket, cache_length
 from configurator import (INFILL_MODES, ContextTooLong, DecodeSettings,  # noqa: F401
                           MDMSettings, RefusionSettings, check_attention, check_context,
                           explicit_keys, parse_args, run_cli, settings_in)
@@ -140,28 +142,47 @@ def generate_refusion(model, prompt, settings, *, mask_id, eos_ids, generator=No
     S, n = settings.slot_size, settings.slots_per_serial_block
     for b in range(settings.serial_num_blocks):
         first = len(prompt) + b * n * S                 # the serial block's first position
-        if decode_serial_block(state, [first + i * S for i in range(n)], settings):
+        if decode_serial_block(state, first, n, settings):
             break                                       # EOS: no later serial block starts
     tokens = cut_after_eos([state.response[p] for p in sorted(state.response)], eos_ids)
     return Generation(tokens[:settings.max_new_tokens], state.nfe, time.perf_counter() - t0,
                       state.trace, state.step_nfe, state.cache.cache_bytes)
 
 
-def decode_serial_block(state, pool, settings):
-    """Decode one serial block until none of its slots is masked (SPEC section 4, steps 1-4).
-    pool: ascending start positions of its slots. Returns True when EOS ended it (the slots
-    before the EOS slot are still decoded; no later serial block starts)."""
+def decode_serial_block(state, first, n, settings):
+    """Decode one serial block, its n slots from true position `first` on, until none of them is
+    masked (SPEC section 4, steps 1-4). Returns True when EOS ended it (the slots before the EOS
+    slot are still decoded; no later serial block starts)."""
+    S = settings.slot_size
+    # The pool: its slots' true starts, ascending (a list, for the decisions), and the true
+    # positions of their tokens (n, S) on the device, for the passes.
+    pool = [first + i * S for i in range(n)]
+    at = torch.arange(first, first + n * S, device=state.device).view(n, S)
     eos = False
     while pool:
-        starts, drafts = plan_slots(state, pool, settings.slot_size, settings.slot_threshold)
-        commit, accepted = verify_drafts(state, starts, drafts, settings.token_threshold)
+        selected, starts, drafts = plan_slots(state, pool, at, settings.slot_threshold)
+        commit, accepted = verify_drafts(state, starts, at[selected], drafts,
+                                         settings.token_threshold)
         if not commit:  # not one whole slot passed verify: finish every selected slot in parallel
-            commit = infill_slots(state, starts, drafts, accepted, settings.token_threshold)
+            commit = infill_slots(state, starts, at[selected], drafts, accepted,
+                                  settings.token_threshold)
         commit_slots(state, commit)
         eos = eos or commit.eos
+        # The committed slots leave the pool; after an EOS, so does every slot past it.
+        stays = torch.ones(len(pool), dtype=torch.bool, device=state.device)
+        stays.index_fill_(0, selected[:len(commit)], False)
+        if commit.eos:
+            stays[pool.index(commit.starts[-1]):].fill_(False)
         pool = [p for p in pool
                 if p not in commit.starts and not (commit.eos and p > commit.starts[-1])]
+        # the rows of `at` that stay, found on the device (its size is known: no read from it)
+        at = at[torch.nonzero_static(stays, size=len(pool))[:, 0]]
     return eos
+
+
+# Where a wider pass costs no more (a GPU's small passes), ReFusion pads each pass to a bucketed
+# width (DecodeState.forward): the same tokens, in a few shapes. A CPU's pass costs its tokens.
+PAD_WIDTHS = {"cuda": True}
 
 
 class DecodeState:
@@ -172,63 +193,80 @@ class DecodeState:
 
     def __init__(self, model, prompt, settings, mask_id, eos_ids, generator, on_step, banned_ids):
         self.model, self.generator, self.on_step = model, generator, on_step
-        self.cache = model.new_kv_cache(max_len=len(prompt) + settings.gen_length,
-                                        max_batch=settings.slots_per_serial_block)
+        # a cache of a bucketed length: prompts of similar lengths share its shape (kvcache.py)
+        max_len = cache_length(len(prompt) + settings.gen_length, model.config.block_size)
+        self.cache = model.new_kv_cache(max_len, max_batch=settings.slots_per_serial_block)
         self.device = self.cache.kv.device
         self.mask_id, self.eos_ids = mask_id, tuple(eos_ids)
+        # Made once, on the device: no step builds a tensor from Python data.
         self.eos_tensor = torch.tensor(self.eos_ids, device=self.device)  # for end_rows_at_eos
-        self.banned = [mask_id, *banned_ids]  # never written into the response
+        self.banned = torch.tensor([mask_id, *banned_ids], device=self.device)  # never written
         self.temperature, self.prompt_len = settings.temperature, len(prompt)
-        self.pending, self.pending_pos = list(prompt), list(range(len(prompt)))
+        self.pending = torch.tensor([prompt], device=self.device)          # (1, P) until fed
+        self.pending_pos = torch.arange(len(prompt), device=self.device)[None]
         self.response, self.nfe, self.trace, self.step_nfe = {}, 0, [], []
         self.speculative = SpeculativeInfill.of(settings, len(prompt))  # SPEC 4.1, or None
+        self.pad_widths = PAD_WIDTHS.get(self.device.type, False)
 
     def forward(self, tokens, positions, keep=None, logits_from=0):
         """One counted pass of tokens (B, T) at true positions (B, T) after the cache -> logits
-        (B, T - logits_from, V); the cache keeps the keys/values of the first `keep` (None: all)."""
+        (B, T - logits_from, V); the cache keeps the keys/values of the first `keep` (None: all).
+        With pad_widths the pass is padded to kvcache.bucket(T) tokens, after the real ones (which
+        see none of it, causally), so that a decode feeds few shapes."""
         start = self.cache.pos
         self.nfe += 1
+        T = tokens.shape[1]
+        if self.pad_widths:
+            pad = min(bucket(T), self.cache.max_len - start) - T
+            tokens = F.pad(tokens, (0, pad), value=self.mask_id)
+            positions = F.pad(positions, (0, pad))
         logits = self.model(tokens, positions, kv_cache=self.cache, logits_from=logits_from)
-        if keep is not None:
-            self.cache.crop(start + keep)
-        return logits
+        self.cache.crop(start + (T if keep is None else keep))
+        return logits[:, :T - logits_from]
 
 
-def plan_slots(state, pool, slot_size, slot_threshold):
-    """Step 1, plan: one diffusion step over the masked slots starting at pool (ascending), after
-    the pending prompt on the first call; the masks' keys/values are not kept. Returns (starts of
-    the selected slots, ascending; their drafts (len(starts), S) int64)."""
-    n_pending = len(state.pending)
-    masks = [state.mask_id] * (slot_size * len(pool))
-    positions = [p + i for p in pool for i in range(slot_size)]
-    tokens = torch.tensor([state.pending + masks], device=state.device)
-    pos = torch.tensor([state.pending_pos + positions], device=state.device)
+def plan_slots(state, pool, at, slot_threshold):
+    """Step 1, plan: one diffusion step over the masked slots starting at pool (ascending; at:
+    (len(pool), S) int64, their true positions), after the pending prompt on the first call; the
+    masks' keys/values are not kept. Returns (selected: (k,) int64 the selected slots' indexes
+    into pool, ascending, on the device; their starts, a list; their drafts (k, S) int64)."""
+    n_pending = state.pending.shape[1]
+    masks = torch.full((1, at.numel()), state.mask_id, device=state.device)
+    tokens = torch.cat([state.pending, masks], dim=1)
+    pos = torch.cat([state.pending_pos, at.view(1, -1)], dim=1)
     lead = min(n_pending, 1)  # the prompt's last token, whose logits predict the first response's
     logits = state.forward(tokens, pos, keep=n_pending, logits_from=n_pending - lead)[0]
-    state.pending, state.pending_pos = [], []  # the prompt's KV stays cached; logits: lead + masks
+    # the prompt's keys/values stay cached; logits: lead + masks
+    state.pending, state.pending_pos = tokens[:, :0], pos[:, :0]
     drafts, probs = draft_tokens(logits[lead:], state.temperature, state.generator, state.banned)
-    drafts, probs = drafts.view(len(pool), slot_size), probs.view(len(pool), slot_size)
+    drafts, probs = drafts.view(at.shape), probs.view(at.shape)
     if state.speculative:  # SPEC 4.1
         state.speculative.plan(state, pool, logits, lead, drafts, probs)
     scores = probs[:, 0]  # a slot's score: its first token's probability
-    # the first of equal best scores (torch.argmax) when none passes the threshold (SPEC step 1)
-    selected = (scores > slot_threshold).nonzero()[:, 0].tolist() or [int(scores.argmax())]
-    return [pool[i] for i in selected], drafts[selected]
+    chosen = scores > slot_threshold
+    # none passes: the first of equal best scores (torch.argmax takes the first; SPEC step 1)
+    best = torch.arange(len(pool), device=state.device) == scores.argmax()
+    chosen = torch.where(chosen.any(), chosen, best)
+    starts = [p for p, c in zip(pool, chosen.tolist()) if c]  # the step's read: which slots
+    selected = torch.nonzero_static(chosen, size=len(starts))[:, 0]
+    return selected, starts, drafts[selected]
 
 
-def verify_drafts(state, starts, drafts, token_threshold):
-    """Step 2, verify: one causal pass over the drafts (k, S) int64, concatenated. Its longest
-    passing prefix commits the slots up to the first EOS, or the whole slots it covers (their
-    keys/values stay cached); if none, the Commit is empty and infill_slots follows. Returns
-    (commit, accepted: (k,) int64 each slot's own accepted prefix, for infill_slots)."""
+def verify_drafts(state, starts, at, drafts, token_threshold):
+    """Step 2, verify: one causal pass over the drafts (k, S) int64 of the slots at true starts
+    `starts` (at: (k, S) int64 their positions), concatenated. Its longest passing prefix commits
+    the slots up to the first EOS, or the whole slots it covers (their keys/values stay cached); if
+    none, the Commit is empty and infill_slots follows. Returns (commit, accepted: (k,) int64 each
+    slot's own accepted prefix, for infill_slots)."""
     k, S = drafts.shape
     ctx = state.cache.pos
     tokens = drafts.reshape(1, k * S)
-    pos = torch.tensor([[p + i for p in starts for i in range(S)]], device=state.device)
-    logits = state.forward(tokens, pos)                      # (1, k * S, V)
+    logits = state.forward(tokens, at.reshape(1, k * S))     # (1, k * S, V)
     passed = (next_token_probs(logits, tokens) > token_threshold).view(k, S)
-    passed[:, 0] = True                                      # a slot's first token: as drafted
-    prefix = drafts.view(-1)[:int(leading_true(passed.view(1, -1))[0])].tolist()
+    passed[:, 0].fill_(True)                                 # a slot's first token: as drafted
+    # the step's read: how many drafts passed, then the drafts
+    n_passed, *flat = torch.cat([leading_true(passed.view(1, -1)), drafts.view(-1)]).tolist()
+    prefix = flat[:n_passed]
     eos_at = first_eos(prefix, state.eos_ids)
     n = eos_at + 1 if eos_at is not None else len(prefix) // S * S  # tokens to commit
     state.cache.crop(ctx + n)  # the committed tokens' keys/values, already after the buffer, stay
@@ -269,59 +307,56 @@ class InfillRows:
     lengths: torch.Tensor      # (k,) int64
     eos: bool = False          # a row ended at EOS (step 3c): every slot after it is dropped
 
-    def done(self):
-        """True when every row has accepted all the tokens it commits."""
-        return bool((self.accepted >= self.lengths).all())
-
     def keep(self, n, cache):
         """Keep rows 0..n-1, here and in the cache."""
         if n < cache.batch:
-            cache.keep_rows(list(range(n)))
+            cache.keep_rows(n)
         self.starts, self.positions, self.tokens = self.starts[:n], self.positions[:n], \
             self.tokens[:n]
         self.accepted, self.lengths = self.accepted[:n], self.lengths[:n]
 
 
-def infill_slots(state, starts, drafts, accepted, token_threshold):
-    """Step 3, parallel autoregressive infill: each selected slot (k true starts, drafts (k, S),
-    accepted (k,) as verify judged them) in its own cache row after the committed buffer. At most
-    S rounds of (a) draft_rows, (b) verify_rows, (c) end_rows_at_eos, (d) kept_prefix. Returns a
-    Commit of the k' <= k finished slots, laid after the buffer in the cache's row 0."""
+def infill_slots(state, starts, at, drafts, accepted, token_threshold):
+    """Step 3, parallel autoregressive infill: each selected slot (k true starts, at (k, S) their
+    positions, drafts (k, S), accepted (k,) as verify judged them) in its own cache row after the
+    committed buffer. At most S rounds of (a) draft_rows, (b) verify_rows, (c) end_rows_at_eos,
+    (d) kept_prefix; each round reads from the device once (end_rows_at_eos).
+    Returns a Commit of the k' <= k finished slots, laid after the buffer in the cache's row 0."""
     k, S = drafts.shape
     ctx = state.cache.pos                          # the committed buffer, shared by every row
-    columns = torch.arange(S, device=state.device)
-    positions = torch.tensor(starts, device=state.device)[:, None] + columns
-    rows = InfillRows(list(starts), positions, drafts.clone(), accepted.clone(),
+    rows = InfillRows(list(starts), at, drafts.clone(), accepted.clone(),
                       torch.full_like(accepted, S))
     if state.speculative:  # SPEC 4.1
         state.speculative.restart_later_rows(rows)
     state.cache.repeat_prefix(k)
     # Verify committed only what the whole concatenation accepted, but a later slot's own accepted
     # prefix may already hold EOS: that slot ends there and the slots after it go before any pass.
-    end_rows_at_eos(state, rows)
+    done, least = end_rows_at_eos(state, rows)
     for _ in range(S):                   # each round accepts >= 1 token of every unfinished row
-        if rows.done():
+        if done:
             break
         shared = state.cache.pos - ctx             # slot tokens [0, shared) of every row are cached
         draft_rows(state, rows, shared)                             # (a)
         verify_rows(state, rows, shared, token_threshold)           # (b)
-        end_rows_at_eos(state, rows)                                # (c)
-        state.cache.crop(ctx + kept_prefix(state, rows))            # (d)
-    lengths = rows.lengths.tolist()
-    state.cache.commit_rows(list(enumerate(lengths)), ctx)  # row i's slot after the buffer, row 0
-    tokens = [row[:n] for row, n in zip(rows.tokens.tolist(), lengths)]
+        done, least = end_rows_at_eos(state, rows)                  # (c)
+        state.cache.crop(ctx + kept_prefix(state, rows, done, least))   # (d)
+    # one read: each row's length, then its tokens
+    finished = torch.cat([rows.lengths[:, None], rows.tokens], dim=1).tolist()
+    state.cache.commit_rows([(i, row[0]) for i, row in enumerate(finished)], ctx)  # after the
+    tokens = [row[1:1 + row[0]] for row in finished]           # buffer, in row 0, in slot order
     return Commit(rows.starts, tokens, rows.eos)
 
 
 def draft_rows(state, rows, shared):
     """Step 3a, draft: feed every row's tokens from column `shared` on, its unaccepted ones as mask
     ids; each masked position's prediction (argmax) fills it. Its keys/values are not kept."""
-    window = rows.tokens[:, shared:].clone()
+    window = rows.tokens[:, shared:]
     columns = torch.arange(shared, shared + window.shape[1], device=state.device)
     masked = columns >= rows.accepted[:, None]
-    window[masked] = state.mask_id
-    logits = state.forward(window, rows.positions[:, shared:], keep=0)
-    rows.tokens[:, shared:][masked] = ban(logits[masked], state.banned).argmax(dim=-1)
+    fed = torch.where(masked, state.mask_id, window)
+    logits = state.forward(fed, rows.positions[:, shared:], keep=0)
+    guess = ban(logits, state.banned).argmax(dim=-1)                   # (k, T)
+    rows.tokens[:, shared:] = torch.where(masked, guess, window)
     if state.speculative:  # SPEC 4.1
         state.speculative.force_next_tokens(state, rows, logits, shared)
 
@@ -342,27 +377,35 @@ def verify_rows(state, rows, shared, token_threshold):
 
 def end_rows_at_eos(state, rows):
     """Step 3c: the first row whose accepted tokens hold EOS ends after it; the rows after it are
-    dropped, from rows (an InfillRows) and from the cache, and rows.eos is set."""
-    S = rows.tokens.shape[1]
+    dropped, from rows (an InfillRows) and from the cache, and rows.eos is set. Worked out on the
+    device with what step 3d needs, so that a round reads once: returns (every row is done, the
+    fewest tokens a row has accepted)."""
+    k, S = rows.tokens.shape
     is_eos = torch.isin(rows.tokens, state.eos_tensor)
     is_eos &= torch.arange(S, device=state.device) < rows.accepted[:, None]   # accepted EOS only
-    found = is_eos.any(dim=1).nonzero()[:, 0]
-    if len(found) == 0:
-        return
-    r = int(found[0])
-    rows.keep(r + 1, state.cache)
-    rows.lengths = rows.lengths.clone()
-    rows.lengths[r] = int(is_eos[r].long().argmax()) + 1
-    rows.accepted = torch.minimum(rows.accepted, rows.lengths)
-    rows.eos = True
+    found = is_eos.any(dim=1)                                       # (k,) rows holding one
+    eos = found.any()
+    r = found.long().argmax()                                       # the first such row
+    row = torch.arange(k, device=state.device)
+    kept = ~eos | (row <= r)                                        # the rows that stay
+    up_to_eos = is_eos.index_select(0, r[None])[0].long().argmax() + 1   # row r's length
+    lengths = torch.where(eos & (row == r), up_to_eos, rows.lengths)
+    accepted = torch.minimum(rows.accepted, lengths)
+    done = ((accepted >= lengths) | ~kept).all()
+    least = torch.where(kept, accepted, S).min()
+    eos, r, done, least = torch.stack([eos.long(), r, done.long(), least]).tolist()  # the read
+    if eos:
+        rows.keep(r + 1, state.cache)
+        rows.lengths, rows.accepted, rows.eos = lengths[:r + 1], accepted[:r + 1], True
+    return bool(done), least
 
 
-def kept_prefix(state, rows):
+def kept_prefix(state, rows, done, shared):
     """Step 3d: how many slot tokens every cache row keeps after the buffer: all of them once every
-    row is done, else the prefix every row has accepted (its keys/values are never recomputed)."""
-    if rows.done():
+    row is done, else `shared`, the prefix every row has accepted (its keys/values are never
+    recomputed)."""
+    if done:
         return rows.tokens.shape[1]
-    shared = int(rows.accepted.min())
     if state.speculative:  # SPEC 4.1
         shared = state.speculative.kept_prefix(shared)
     return shared
@@ -406,8 +449,8 @@ class SpeculativeInfill:
     def plan(self, state, pool, logits, lead, drafts, probs):
         """Step 1: a leftmost slot at the frontier takes its first draft and score from the kept
         prediction (first logits[0]: the prompt's last). drafts, probs (len(pool), S): in place."""
-        if lead:
-            self.next_logits = (self.frontier, logits[0])
+        if lead:  # kept past later passes: a copy (a compiled pass may reuse its output's memory)
+            self.next_logits = (self.frontier, logits[0].clone())
         if self.next_logits is not None and self.next_logits[0] == pool[0]:
             drafts[0, :1], probs[0, :1] = draft_tokens(self.next_logits[1][None],
                                                        state.temperature, state.generator,
@@ -415,23 +458,27 @@ class SpeculativeInfill:
 
     def verified(self, slots, logits, S):
         """Step 2: each slot verify commits (logits (1, k * S, V)) saw every slot before it."""
-        self.ends = [logits[0, i * S + len(slot) - 1] for i, slot in enumerate(slots)]
+        self.ends = [logits[0, i * S + len(slot) - 1].clone() for i, slot in enumerate(slots)]
 
     def restart_later_rows(self, rows):
         """Step 3: every row but the first restarts from its first token: verify judged the rest
         after the drafts of the slots before it, which its row does not see."""
-        rows.accepted[1:] = 1
+        rows.accepted[1:].fill_(1)
 
     def force_next_tokens(self, state, rows, logits, shared):
         """Step 3a: the first unaccepted token of every unfinished row becomes what its accepted
         left neighbour, fed in this draft pass (logits (k, T, V) from column `shared`), predicts."""
-        r = (rows.accepted < rows.lengths).nonzero()[:, 0]
-        j = rows.accepted[r]
-        rows.tokens[r, j] = ban(logits[r, j - 1 - shared], state.banned).argmax(dim=-1)
+        k, S = rows.tokens.shape
+        j = rows.accepted.clamp(max=S - 1)[:, None]         # (k, 1); a finished row keeps its own
+        left = (j - 1 - shared).clamp(min=0)[:, :, None].expand(-1, -1, logits.shape[-1])
+        predicted = ban(logits.gather(1, left)[:, 0], state.banned).argmax(dim=-1)   # (k,)
+        unfinished = rows.accepted < rows.lengths
+        own = rows.tokens.gather(1, j)[:, 0]
+        rows.tokens.scatter_(1, j, torch.where(unfinished, predicted, own)[:, None])
 
     def rows_verified(self, logits):
         """Step 3b: only row 0 saw the slots committed before it: its last token's logits."""
-        self.ends = [logits[0, -1]]
+        self.ends = [logits[0, -1].clone()]
 
     def kept_prefix(self, shared):
         """Step 3d: one token less than the paper's: the last is fed again, to predict the next."""
@@ -454,34 +501,54 @@ class SpeculativeInfill:
 # baseline decoders (SPEC section 4, "Baseline decoders"): next-token decoding, LLaDA-style MDM
 
 
+# Next-token decoding reads its tokens from the device every EOS_EVERY tokens on a GPU, where a
+# read stalls the queue of passes (the passes past an EOS are wasted: NFE counts them), and after
+# every token on a CPU, which waits for no one.
+EOS_EVERY = {"cpu": 1}
+GPU_EOS_EVERY = 16
+
+
 @torch.inference_mode()
 def generate_next_token(model, prompt, settings, *, eos_ids, generator=None, on_step=None,
-                        banned_ids=()):
+                        banned_ids=(), eos_every=None):
     """Next-token decoding with the KV cache: the ARM baseline. settings: DecodeSettings. The
-    prompt's prefill predicts the first token, then one forward per further token (NFE = tokens);
-    tokens drawn as draft_tokens does, never banned_ids, until EOS or max_new_tokens. Returns a
+    prompt's prefill predicts the first token, then one forward per further token; tokens drawn as
+    draft_tokens does, never banned_ids, until EOS or max_new_tokens. eos_every: tokens between
+    two looks for EOS (None: EOS_EVERY of the device, else GPU_EOS_EVERY; an on_step looks at
+    every token), the passes after the EOS counted in NFE and the last step's step_nfe. Returns a
     Generation, one (position, token) pair per step in its trace (and to on_step). Raises
     ValueError for a bidirectional model or a prompt + generation longer than the context."""
     check_attention(model, "next_token")
     check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
-    cache = model.new_kv_cache(max_len=len(prompt) + settings.max_new_tokens)
+    max_len = cache_length(len(prompt) + settings.max_new_tokens, model.config.block_size)
+    cache = model.new_kv_cache(max_len)
     device = cache.kv.device
+    if eos_every is None:
+        eos_every = 1 if on_step else EOS_EVERY.get(device.type, GPU_EOS_EVERY)
+    banned = torch.tensor(banned_ids, dtype=torch.long, device=device)
     tokens = torch.tensor([prompt], device=device)                     # (1, P), the prefill
     positions = torch.arange(len(prompt), device=device)[None]
-    out, trace = [], []
-    while True:
+    out = torch.zeros(settings.max_new_tokens, dtype=torch.long, device=device)
+    n, response = 0, []                      # tokens drawn; those read from the device so far
+    while n < settings.max_new_tokens:
         logits = model(tokens, positions, kv_cache=cache, logits_from=-1)[0]  # (1, V): the next
-        token, _ = draft_tokens(logits, settings.temperature, generator, banned_ids)
-        out.append(int(token))
-        trace.append([(len(prompt) + len(out) - 1, out[-1])])
+        token, _ = draft_tokens(logits, settings.temperature, generator, banned)
+        out[n:n + 1] = token
+        n += 1
         if on_step:
-            on_step(trace[-1])
-        if out[-1] in eos_ids or len(out) == settings.max_new_tokens:
-            break
+            on_step([(len(prompt) + n - 1, int(token))])
+        # every eos_every tokens, and at the end, one read of the tokens drawn since the last one
+        if n % eos_every == 0 or n == settings.max_new_tokens:
+            response += out[len(response):n].tolist()
+            if first_eos(response, eos_ids) is not None:
+                break
         tokens, positions = token[None], positions[:, -1:] + 1         # (1, 1) each
-    return Generation(out, len(out), time.perf_counter() - t0, trace, [1] * len(out),
-                      cache.cache_bytes)
+    response = cut_after_eos(response, eos_ids)
+    trace = [[(len(prompt) + i, t)] for i, t in enumerate(response)]
+    step_nfe = [1] * len(response)
+    step_nfe[-1] += n - len(response)                # the passes run past the EOS
+    return Generation(response, n, time.perf_counter() - t0, trace, step_nfe, cache.cache_bytes)
 
 
 def tokens_per_step(n_masked, steps):
@@ -510,27 +577,34 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
     x = torch.tensor([prompt + [mask_id] * L], device=device)          # (1, P + L)
     positions = torch.arange(P + L, device=device)[None]
     masked = positions[0] >= P                                          # (P + L,) still masked
-    trace, nfe = [], 0
+    banned = torch.tensor([mask_id, *banned_ids], device=device)
+    steps = []                                       # per step, (positions, tokens) on the device
     for b in range(settings.n_semi_ar_blocks):
         in_block = (positions[0] - P) // settings.block_length == b
-        steps = settings.steps // settings.n_semi_ar_blocks
-        for k in tokens_per_step(settings.block_length, steps):
+        left = settings.block_length                 # the block's masked positions, counted here
+        for k in tokens_per_step(left, settings.steps // settings.n_semi_ar_blocks):
             logits = model(x, positions, logits_from=P - settings.mdm_shift)[0][:L]  # (L, V)
-            nfe += 1
-            where = (masked & in_block).nonzero()[:, 0]              # the block's masked positions
+            # the block's masked positions: their number is known, so no read from the device
+            where = torch.nonzero_static(masked & in_block, size=left)[:, 0]
             drafts, confidence = draft_tokens(logits[where - P], settings.temperature, generator,
-                                              [mask_id, *banned_ids])
+                                              banned)
             if settings.confidence != "prob":  # Dream's rules (opt-in)
                 confidence = dream_confidence(logits[where - P], drafts, settings.confidence,
-                                              [mask_id, *banned_ids])
+                                              banned)
             best = confidence.topk(k).indices
             x[0, where[best]] = drafts[best]
-            masked[where[best]] = False
-            trace.append(list(zip(where[best].tolist(), drafts[best].tolist())))
+            masked.index_fill_(0, where[best], False)
+            left -= k
+            steps.append((where[best], drafts[best]))
             if on_step:
-                on_step(trace[-1])
+                on_step(list(zip(where[best].tolist(), drafts[best].tolist())))
+    committed = torch.cat([torch.stack(step) for step in steps], dim=1).tolist()  # one read
+    trace, i = [], 0
+    for where, _ in steps:
+        trace.append(list(zip(committed[0][i:i + len(where)], committed[1][i:i + len(where)])))
+        i += len(where)
     tokens = cut_after_eos(x[0, P:].tolist(), eos_ids)
-    return Generation(tokens, nfe, time.perf_counter() - t0, trace, [1] * nfe)
+    return Generation(tokens, len(steps), time.perf_counter() - t0, trace, [1] * len(steps))
 
 # -----------------------------------------------------------------------------
 # results (the settings and their checks: configurator.py)
@@ -574,9 +648,11 @@ class Generation:
 def ban(scores, token_ids):
     """Set scores[..., id] = -inf for each id, in place, and return scores (..., V) about to be
     maximized, so no banned token is chosen; confidences stay the raw softmax probabilities (SPEC
-    section 4). ReFusion and the MDM ban the mask id; the command line also bans the pad id."""
-    scores[..., list(token_ids)] = -math.inf
-    return scores
+    section 4). ReFusion and the MDM ban the mask id; the command line also bans the pad id.
+    token_ids: (n,) int64 on the scores' device (the decoders make it once), or a list."""
+    if not torch.is_tensor(token_ids):
+        token_ids = torch.tensor(list(token_ids), dtype=torch.long, device=scores.device)
+    return scores.index_fill_(-1, token_ids, -math.inf)
 
 
 def draft_tokens(logits, temperature, generator, banned=()):

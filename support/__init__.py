@@ -13,6 +13,8 @@ command lines' main functions.
     runs           train.py's plumbing: checks, out_dir lock, start modes, data, signals, saving
     sampling       sampler.py's plumbing: checks, models, prompts, the live trace, what is printed
     batching       many prompts at once (SPEC 4.2): the one-prompt decoders' passes run together
+    compiled       compiled decoding (SPEC 4.3): torch.compile graphs, CUDA graphs on a GPU
+    device_reads   what a decode makes a GPU wait for, counted on any device
     shard          FSDP: sharded training and sharded checkpoints
     hf_folder      Hugging Face model folders -> Transformer
     hf_tokenizer   tokenizer.json -> tiktoken, and a folder's special ids

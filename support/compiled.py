@@ -25,6 +25,19 @@ round's rows), its cache its own length. So, as gpt-fast does, the shapes are bo
   infilled slot) are dynamic dimensions, so a new prompt length compiles nothing new.
 - The output layer runs for the last token only (logits_from=-1) or for all, sliced after.
 
+On CUDA the graphs run as CUDA graphs (torch.compile's "reduce-overhead": a pass is one launch,
+not hundreds). A CUDA graph reads and writes fixed addresses, which asks three things of the
+decoding around it:
+
+- each pass starts with torch.compiler.cudagraph_mark_step_begin(), and the next pass writes its
+  outputs where the last one's were: a decoder copies what it keeps past a pass (sampler.py's
+  SpeculativeInfill clones the logits it keeps; tests/test_compiled.py poisons every output at the
+  next pass to prove that no decoder reads a stale one);
+- the KV cache is a static tensor, every row allocated, one per (max_len, max_batch) kept for
+  every decode (new_kv_cache), written in place between passes, never copied into the graph;
+- the shapes are few: bucketed widths (above, kvcache.bucket), and decoders' caches of bucketed
+  lengths (kvcache.cache_length), so that a graph is recorded once per shape and replayed after.
+
 So a decode setting compiles a few graphs: one per bucket it feeds, per kind of pass (with a KV
 cache or without, the last token's logits or all) and per rows (1, or more: ReFusion's infill).
 Greedy tokens equal eager decoding's up to rounding: a padded, compiled pass sums in another order,
@@ -36,14 +49,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-
-WIDE = 32  # a pass of more tokens is not padded: one graph takes every such width
-
-
-def bucket(T):
-    """The padded length of a pass of T tokens: 1 for 1, the next power of two from 8 up to WIDE,
-    T itself above."""
-    return 1 if T == 1 else T if T > WIDE else max(8, 1 << (T - 1).bit_length())
+from kvcache import WIDE, KVCache, bucket
 
 
 class NewKeys:
@@ -76,13 +82,31 @@ class CompiledModel:
 
     def __init__(self, model, mode=None):
         """mode: torch.compile's; None takes "reduce-overhead" on CUDA (CUDA graphs: one launch a
-        pass, not yet run on a GPU here) and the default elsewhere."""
-        if mode is None and next(model.parameters()).is_cuda:
+        pass) and the default elsewhere."""
+        device = next(model.parameters()).device
+        if mode is None and device.type == "cuda":
             mode = "reduce-overhead"
+        self.cuda_graphs = mode == "reduce-overhead" and device.type == "cuda"
         self.model, self.config, self.parameters = model, model.config, model.parameters
-        self.new_kv_cache = model.new_kv_cache
+        self.static = {}  # (max_len, max_batch) -> the KV tensor every decode's cache reuses
+        model.rope_tables(device)  # built here, not inside a graph
         torch._dynamo.config.recompile_limit = 64  # a graph per bucket and kind of pass
         self.compiled = torch.compile(self._forward, mode=mode, dynamic=False)
+
+    def new_kv_cache(self, max_len, max_batch=1):
+        """An empty KVCache as the model's. With CUDA graphs, over one tensor per (max_len,
+        max_batch), every row allocated, kept for every decode (decodes run one at a time: a
+        compiled model takes no batch), whose address the graphs read (module doc)."""
+        if not self.cuda_graphs:
+            return self.model.new_kv_cache(max_len, max_batch)
+        if (max_len, max_batch) not in self.static:
+            cache = self.model.new_kv_cache(max_len, max_batch)
+            cache.repeat_prefix(max_batch)                   # every row, allocated now
+            torch._dynamo.mark_static_address(cache.kv)
+            self.static[max_len, max_batch] = cache.kv
+        kv = self.static[max_len, max_batch]
+        n_layer, _, _, n_kv_head, _, head_dim = kv.shape
+        return KVCache(n_layer, n_kv_head, head_dim, max_len, max_batch, kv=kv)
 
     def compile_for(self, decode, prompts):
         """Decode every prompt once (untimed), compiling the graphs those decodes need.
@@ -121,9 +145,10 @@ class CompiledModel:
             mask = (k_idx < P) | ((k_idx <= q_idx) & ((k_idx >= kv.shape[4] + pad) |
                                                        (q_idx < kv.shape[4] + pad)))
             mask = mask[None, None]                         # (1, 1, Tb, L + Tb)
-            torch._dynamo.maybe_mark_dynamic(kv, 2)
-            torch._dynamo.maybe_mark_dynamic(kv, 4)
-            torch._dynamo.maybe_mark_dynamic(mask, 3)
+            if not self.cuda_graphs:  # a CUDA graph is recorded per shape: a static cache
+                torch._dynamo.maybe_mark_dynamic(kv, 2)
+                torch._dynamo.maybe_mark_dynamic(kv, 4)
+                torch._dynamo.maybe_mark_dynamic(mask, 3)
         else:
             kv = None          # a padding query sees every key; a real query sees no padding
             inner = attn_mask if attn_mask is not None else torch.ones(
@@ -136,6 +161,7 @@ class CompiledModel:
             (idx, 0), (position_ids, 0), (mask, 0)] * (B > 1)      # any width, any rows above 1
         for x, dim in dynamic:
             torch._dynamo.maybe_mark_dynamic(x, dim)
+        torch.compiler.cudagraph_mark_step_begin()  # a new pass: the last one's outputs are done
         logits, new = self.compiled(idx, position_ids, kv, mask, logits_from == -1)
         if kv_cache is not None:  # (n_layer, 2, B, n_kv_head, T, head_dim): the real tokens'
             kv[:, :, :B, :, P:P + T] = new[..., pad:, :]

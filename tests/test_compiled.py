@@ -1,6 +1,8 @@
 """Compiled decoding (support/compiled.py): padded passes on bucketed shapes give every decoder the
 tokens, steps and NFE of the model itself, in a few graphs."""
 
+import math
+
 import pytest
 import torch
 
@@ -8,7 +10,8 @@ from helpers import PROMPTS, SETTINGS, tiny_model
 from sampler import DEFAULTS, make_decoder
 from support import sampling
 from support.benchmark import compiled_vs_eager
-from support.compiled import WIDE, CompiledModel, bucket
+from kvcache import WIDE, bucket
+from support.compiled import CompiledModel
 
 
 def uncompiled(model):
@@ -41,7 +44,7 @@ def test_a_pass_is_padded_to_its_bucket():
 
 
 def test_padded_passes_give_the_models_logits_and_cache():
-    model = tiny_model()
+    model = tiny_model(block_size=512)                    # positions up to 390 below
     padded = uncompiled(model)
     a, b = model.new_kv_cache(200, max_batch=3), padded.new_kv_cache(200, max_batch=3)
     with torch.inference_mode():
@@ -92,3 +95,32 @@ def test_compiled_decoding_gives_eager_tokens_in_a_few_graphs(refusion_model):
 def test_compile_takes_one_prompt_at_a_time():
     with pytest.raises(ValueError, match="--compile decodes one prompt at a time"):
         sampling.check_sample_config(dict(DEFAULTS, compile=True, batch_size=2))
+
+
+class Poisoned:
+    """The model as a CUDA graph runs it: each pass writes its output where the last pass's was,
+    so that every output handed out before is overwritten (here: NaN) when the next pass starts.
+    A decoder that reads an output after a later pass then reads NaN."""
+
+    def __init__(self, model):
+        self.model, self.config, self.parameters = model, model.config, model.parameters
+        self.new_kv_cache = model.new_kv_cache
+        self.outputs = []
+
+    def __call__(self, *args, **kwargs):
+        for old in self.outputs:
+            old.fill_(math.nan)
+        self.outputs = [self.model(*args, **kwargs)]
+        return self.outputs[0]
+
+
+def test_no_decoder_reads_an_output_after_the_next_pass(refusion_model, mdm_model):
+    """Every decoder gives through Poisoned the tokens, trace and NFE of the plain model: none
+    keeps a pass's output past the next pass without copying it (support/compiled.py)."""
+    model, ids = refusion_model
+    for decode in decoders(ids):
+        same_generations(decode, model, Poisoned(model))
+    model, ids = mdm_model
+    decode, _ = make_decoder(dict(DEFAULTS, method="mdm", max_new_tokens=16, steps=8,
+                                  block_length=4), ids, None)
+    same_generations(decode, model, Poisoned(model))

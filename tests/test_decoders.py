@@ -173,13 +173,14 @@ def test_the_command_lines_defaults_are_the_settings_defaults():
 def test_the_kv_cache_holds_the_rows_a_decode_uses_not_a_row_per_slot(slot_size):
     """A model too unsure to plan two slots at once infills one slot at a time, so its cache holds
     one row of the whole context, whatever the slot size: memory linear in the context. (Rows were
-    preallocated for every slot of a serial block: 400 slots of 1 token were 400 rows.)"""
+    preallocated for every slot of a serial block: 400 slots of 1 token were 400 rows.) The row
+    holds the 410 tokens rounded up to the cache bucket of 256 tokens: 512."""
     model = tiny_model(block_size=512)
     P, N = 10, 400
     out = generate_refusion(model, list(range(P)), RefusionSettings(N, slot_size=slot_size),
                             mask_id=38, eos_ids=(-1,))
     c = model.config
-    one_row = c.n_layer * 2 * c.n_kv_head * (P + N) * c.head_dim * 4       # float32 keys and values
+    one_row = c.n_layer * 2 * c.n_kv_head * 512 * c.head_dim * 4       # float32 keys and values
     assert len(out.tokens) == N and out.cache_bytes == one_row
     ar = generate_next_token(model, list(range(P)), DecodeSettings(N), eos_ids=(-1,))
     assert ar.cache_bytes == one_row
