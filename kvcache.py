@@ -70,6 +70,9 @@ class KVCache:
         self.kv = kv
         self.n_layer, self.max_batch, self.max_len = n_layer, max_batch, max_len
         self.batch, self.pos = 1, 0
+        # the first token whose keys/values a copy of this cache made before may lack (tokens
+        # [0, changed_from) are unchanged since): support/batching.py keeps such a copy
+        self.changed_from = 0
         self.cache_bytes = self.kv.numel() * self.kv.element_size()
 
     def key_length(self, T):
@@ -92,6 +95,7 @@ class KVCache:
         """
         B, _, T, _ = k.shape
         self.check_room(B, T)
+        self.changed_from = min(self.changed_from, self.pos)
         self.kv[layer, 0, :B, :, self.pos:self.pos + T] = k
         self.kv[layer, 1, :B, :, self.pos:self.pos + T] = v
         L = self.key_length(T)
@@ -127,6 +131,7 @@ class KVCache:
             self.cache_bytes = max(self.cache_bytes, self.kv.numel() * self.kv.element_size())
         self.kv[:, :, 1:k, :, :self.pos] = self.kv[:, :, :1, :, :self.pos]
         self.batch = k
+        self.changed_from = 0
 
     def keep_rows(self, n):
         """Keep only the first n active rows (an infill's rows up to its EOS row): nothing moves."""
@@ -151,3 +156,4 @@ class KVCache:
         end = start + gathered.shape[-2]
         self.kv[:, :, 0, :, start:end] = gathered
         self.batch, self.pos = 1, end
+        self.changed_from = min(self.changed_from, start)

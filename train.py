@@ -73,6 +73,7 @@ log_interval = 50         # without a terminal (a log file, a pipe): a line ever
 seed = 1337               # seeds the initial weights and every micro-batch's samples and masks
 device = "cpu"            # under torchrun with CUDA each process takes cuda:LOCAL_RANK
 compile = False           # torch.compile the model (the same results, faster on a GPU)
+deterministic = False     # the same bits every run on a GPU too: deterministic kernels, slower
 dtype = "auto"            # matmuls in 'bfloat16' (autocast) or 'float32'; 'auto': bf16 if it pays
 fsdp = False              # under torchrun: shard weights, gradients and AdamW state (support.shard)
 activation_checkpointing = False  # recompute activations in backward: less memory, 1/3 more compute
@@ -257,11 +258,66 @@ def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, auto
     return losses, n_tokens, flops
 
 
+# seconds between two redraws of the progress bar, and the least training its speed is taken over
+BAR_SECONDS = 1.0
+
+
+class Rates:
+    """Tokens/s and FLOP/s over the last interval of training: the steps counted since the last
+    take(), over the seconds they took on clock (a function returning seconds: time.perf_counter, or
+    a test's). What skip() leaves out is in neither: an evaluation and its checkpoint, a step that
+    compiled. Tokens and FLOPs are those of every process."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.mark = clock()  # the end of what was last counted or skipped
+        self.tokens = 0
+        self.flops = 0
+        self.seconds = 0.0   # counted since the last take()
+
+    def _lap(self):
+        """The seconds since the mark; the mark moves to now."""
+        now = self.clock()
+        seconds = now - self.mark
+        self.mark = now
+        return seconds
+
+    def count(self, tokens, flops):
+        """A step that ended now: its tokens and FLOPs, over the seconds since the mark."""
+        self.seconds += self._lap()
+        self.tokens += tokens
+        self.flops += flops
+
+    def skip(self):
+        """Leave the seconds since the mark out of every rate; returns them."""
+        return self._lap()
+
+    def take(self):
+        """(tokens/s, FLOP/s) of the interval, which then starts again; None when it counted no
+        time (its steps all compiled)."""
+        rates = None
+        if self.seconds > 0:
+            rates = (self.tokens / self.seconds, self.flops / self.seconds)
+        self.tokens = 0
+        self.flops = 0
+        self.seconds = 0.0
+        return rates
+
+
+def compiled_frames(cfg):
+    """How many frames torch.compile has compiled in this process so far (0 without --compile): a
+    step during which the count grew spent time compiling (the first one, a new sequence length)."""
+    if not cfg["compile"]:
+        return 0
+    return torch._dynamo.utils.counters["frames"]["total"]
+
+
 def train(cfg, model, optimizer, train_data, val_data, iter_num, best_val_loss=math.inf, rank=0,
           world=1, stop_requested=()):
     """The training loop, from iteration iter_num to max_iters: evaluate every eval_interval steps,
-    then one train_step; a progress bar (loss, tokens/s, TFLOP/s, MFU on CUDA) or, off a terminal,
-    a line every log_interval steps. A generator: it yields (steps completed, best validation loss,
+    then one train_step; a progress bar (loss, tokens/s, TFLOP/s, MFU on CUDA: Rates, over the last
+    interval, never over time spent compiling or evaluating) or, off a terminal, a line every
+    log_interval steps. A generator: it yields (steps completed, best validation loss,
     stopped) whenever a checkpoint is due, after each evaluation past the first step and at the
     end, and the caller saves it. Once stop_requested (a list) is non-empty on any process, every
     process stops after that step: the last yield, stopped True. Raises Diverged."""
@@ -273,8 +329,9 @@ def train(cfg, model, optimizer, train_data, val_data, iter_num, best_val_loss=m
     model.train()
     live = sys.stdout.isatty() and sys.stderr.isatty()  # where tqdm redraws its bar in place
     bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"],
-               desc="train", mininterval=1.0, disable=rank != 0 or not live)
-    t0, n_tokens, flops, start, stop = time.perf_counter(), 0, 0, iter_num, False
+               desc="train", mininterval=BAR_SECONDS, disable=rank != 0 or not live)
+    rates = Rates(time.perf_counter)
+    start, stop = iter_num, False
     for it in bar:
         if it % cfg["eval_interval"] == 0 or it == cfg["max_iters"] - 1:
             val_loss = estimate_loss(forward, cfg, val_data, autocast)
@@ -285,11 +342,19 @@ def train(cfg, model, optimizer, train_data, val_data, iter_num, best_val_loss=m
                 tqdm.write(f"iter {it}: val loss {val_loss:.4f}")
             if it > start:  # nothing new to save at the first step of a run
                 yield it, best_val_loss, False
+            rates.skip()    # evaluating and saving are not training: left out of tokens/s
+        frames = compiled_frames(cfg)
         losses, step_tokens, step_flops = train_step(cfg, model, forward, optimizer, train_data,
                                                      it, rank, world, autocast)
-        n_tokens, flops = n_tokens + step_tokens, flops + step_flops
-        log_step(cfg, bar, it, losses, n_tokens * world, flops * world,
-                 time.perf_counter() - t0, world, lines=not live and rank == 0)
+        # reading the losses waits for the device to end the step, so the clock reads its end
+        losses = [x.item() for x in losses]
+        if compiled_frames(cfg) > frames:  # torch.compile compiled: not training time either
+            seconds = rates.skip()
+            if it == start and rank == 0:
+                tqdm.write(f"compile: first step took {seconds:.1f} s (not counted in tokens/s)")
+        else:
+            rates.count(step_tokens * world, step_flops * world)
+        log_step(cfg, bar, it, losses, rates, world, lines=not live and rank == 0)
         stop = bool(stop_requested)
         if world > 1:  # every process stops after the same step, even if only one saw the Ctrl-C
             flag = torch.tensor(float(stop), device=cfg["device"])
@@ -301,20 +366,29 @@ def train(cfg, model, optimizer, train_data, val_data, iter_num, best_val_loss=m
     yield it + 1, best_val_loss, stop
 
 
-def log_step(cfg, bar, it, losses, tokens, flops, seconds, world, lines):
-    """Show a step's losses and the speed so far (tokens and FLOPs of every process over seconds)
-    on the progress bar; with lines (off a terminal, where no bar is drawn), print a line every
-    log_interval steps instead."""
-    loss, ar_loss, mdm_loss = (x.item() for x in losses)
-    tflops = flops / seconds / 1e12
-    mfu = {"mfu": f"{tflops / (cfg['peak_tflops'] * world):.1%}"} if "cuda" in cfg["device"] \
-        else {}
-    bar.set_postfix(loss=f"{loss:.3f}", ar=f"{ar_loss:.3f}", mdm=f"{mdm_loss:.3f}",
-                    tok_s=f"{tokens / seconds:.0f}", tflops=f"{tflops:.3f}", **mfu)
-    if lines and it % cfg["log_interval"] == 0:
-        print(f"iter {it}: loss {loss:.4f} (ar {ar_loss:.4f}, mdm {mdm_loss:.4f}), "
-              f"{tokens / seconds:.0f} tok/s, {tflops:.3f} TFLOP/s"
-              + (f", MFU {mfu['mfu']}" if mfu else ""), flush=True)
+def log_step(cfg, bar, it, losses, rates, world, lines):
+    """Show a step's losses (floats: loss, ar_loss, mdm_loss) and the speed of the last interval
+    (Rates) on the progress bar, once BAR_SECONDS of training were counted; with lines (off a
+    terminal, where no bar is drawn), print a line every log_interval steps instead (without the
+    speed when none was counted: the steps since the last line all compiled)."""
+    loss, ar_loss, mdm_loss = losses
+    due = it % cfg["log_interval"] == 0 if lines else rates.seconds >= BAR_SECONDS
+    if not due:
+        return
+    shown = {"loss": f"{loss:.3f}", "ar": f"{ar_loss:.3f}", "mdm": f"{mdm_loss:.3f}"}
+    line = f"iter {it}: loss {loss:.4f} (ar {ar_loss:.4f}, mdm {mdm_loss:.4f})"
+    speed = rates.take()
+    if speed is not None:
+        tokens_per_s, flops_per_s = speed
+        tflops = flops_per_s / 1e12
+        shown |= {"tok_s": f"{tokens_per_s:.0f}", "tflops": f"{tflops:.3f}"}
+        line += f", {tokens_per_s:.0f} tok/s, {tflops:.3f} TFLOP/s"
+        if "cuda" in cfg["device"]:  # the share of the GPUs' bf16 peak
+            shown["mfu"] = f"{tflops / (cfg['peak_tflops'] * world):.1%}"
+            line += f", MFU {shown['mfu']}"
+    bar.set_postfix(shown)
+    if lines:
+        print(line, flush=True)
 
 
 def main(argv):
@@ -330,10 +404,14 @@ def main(argv):
     runs.check_train_config(cfg)
     shard.check_sharding(cfg, launched="RANK" in os.environ)
     # the process that writes checkpoints (RANK 0 under torchrun) holds out_dir from here to the end
-    with runs.hold_out_dir(cfg["out_dir"]) if os.environ.get("RANK", "0") == "0" else nullcontext():
+    held = nullcontext()
+    if os.environ.get("RANK", "0") == "0":
+        held = runs.hold_out_dir(cfg["out_dir"])
+    # and every process its place under torchrun and its kernels, however the run ends
+    with held, runs.process(cfg) as (rank, world):
         start = runs.where_to_start(cfg, explicit)   # scratch, resume, a checkpoint, a HF folder
-        rank, world = runs.setup_process(cfg)
         train_data, val_data = runs.load_data(cfg, start, rank)
+        torch.manual_seed(cfg["seed"])               # the initial weights
         model = Transformer(ModelConfig(**start.model_args))
         if start.weights is not None:                # the paper's start: a pretrained model
             load_weights(model, start.weights)

@@ -21,6 +21,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from kvcache import KEY_BUCKET, round_up
+
 
 CPU_PAD = 0.125  # on a CPU a pass may compute this share of padding (generate_batch, pad_passes)
 
@@ -100,6 +102,7 @@ def decode_together(model, decode, prompts, generators, forwards, pad):
             inbox.put((i, "error", e))
 
     requests, results, error = {}, [None] * len(prompts), None
+    kept = {}  # the batch's caches side by side, from pass to pass (padded_pass)
 
     def hear_from(i):
         """Wait for prompt i's next forward pass, or its end."""
@@ -123,7 +126,7 @@ def decode_together(model, decode, prompts, generators, forwards, pad):
             try:
                 passes = []
                 replies = dict(zip(waiting, forward_batch(model, [requests[j] for j in waiting],
-                                                          pad, passes)))
+                                                          pad, passes, kept)))
                 if forwards is not None:
                     forwards += [[waiting[k] for k in carried] for carried in passes]
             except Exception as e:
@@ -140,21 +143,24 @@ def decode_together(model, decode, prompts, generators, forwards, pad):
     return results
 
 
-def forward_batch(model, requests, pad=math.inf, passes=None):
+def forward_batch(model, requests, pad=math.inf, passes=None, kept=None):
     """The forward passes several prompts asked for, run together: per kind (with a KV cache or
     not), in order of new tokens T_i, a pass takes the next request while its padded tokens stay
     within (1 + pad) x its real ones (pad_passes). pad=inf: one padded pass per kind; 0: one pass
     per length, no padding computed. requests: as padded_pass's. passes: optional list; each pass
-    run appends the indexes of the requests it carried. Returns the logits of each request, in
-    order. A request alone in its pass runs on its own cache, not a copy."""
+    run appends the indexes of the requests it carried. kept: padded_pass's, or None. Returns the
+    logits of each request, in order. A request alone in its pass runs on its own cache, not a
+    copy."""
     out = [None] * len(requests)
     for members in pad_passes(requests, pad):
+        members = sorted(members)  # in the requests' order: a kept BatchedCache's rows stay put
         if len(members) == 1:
             with torch.inference_mode():
                 idx, positions, cache, first = requests[members[0]]
                 out[members[0]] = model(idx, positions, kv_cache=cache, logits_from=first)
         else:
-            for i, logits in zip(members, padded_pass(model, [requests[i] for i in members])):
+            group = [requests[i] for i in members]
+            for i, logits in zip(members, padded_pass(model, group, kept)):
                 out[i] = logits
         if passes is not None:
             passes.append(members)
@@ -179,14 +185,33 @@ def pad_passes(requests, pad):
     return out
 
 
+def kept_cache(caches, lengths, T, kept):
+    """The BatchedCache for a pass of these caches (padded_pass), laid out for it: the one kept
+    for them since an earlier pass where it fits, else a new one, kept in place of any other that
+    holds one of them (a cache is kept side by side with others once at most, so that its
+    changed_from speaks of that copy). kept: dict, BatchedCache.key -> BatchedCache, or None."""
+    key = BatchedCache.key(caches)
+    cache = (kept or {}).get(key)
+    if cache is None or not cache.start_pass(lengths, T):
+        cache = BatchedCache(caches, max(c.max_len for c in caches) + T)
+        cache.start_pass(lengths, T)
+        if kept is not None:
+            ids = {id(c) for c in caches}
+            for other in [k for k in kept if ids & {i for i, _ in k}]:
+                del kept[other]
+            kept[key] = cache
+    return cache
+
+
 @torch.inference_mode()
-def padded_pass(model, requests):
+def padded_pass(model, requests, kept=None):
     """One forward pass for the forward passes several prompts asked for.
 
     requests: list of (idx (R_i, T_i) int64, position_ids (R_i, T_i) int64, KVCache or None,
     logits_from f_i), all with a cache (ReFusion, next-token decoding) or none (the MDM). Rows are
-    padded to the longest T_i (token 0 at position 0); cached rows attend through a BatchedCache,
-    uncached ones to every key but the padding. The output layer runs from the smallest f_i on.
+    padded to the longest T_i (token 0 at position 0); cached rows attend through a BatchedCache
+    (kept: the ones kept from pass to pass, kept_cache), uncached ones to every key but the
+    padding. The output layer runs from the smallest f_i on.
     Returns the logits of each request: (R_i, T_i - f_i, V) float32 (views of one tensor).
     Raises ValueError when some requests have a cache and others do not.
     """
@@ -198,7 +223,7 @@ def padded_pass(model, requests):
     lengths = [r[0].shape[1] for r in requests]
     caches = [r[2] for r in requests]
     if all(c is not None for c in caches):
-        cache = BatchedCache(caches, lengths, T)
+        cache = kept_cache(caches, lengths, T, kept)
         logits = model(idx, positions, kv_cache=cache, attn_mask=cache.attention_mask(T),
                        logits_from=first)
     elif all(c is None for c in caches):  # the MDM's bidirectional passes
@@ -218,51 +243,84 @@ def padded_pass(model, requests):
 
 
 class BatchedCache:
-    """Several prompts' KVCaches as one padded batch, for one forward pass.
+    """Several prompts' KVCaches side by side, for the passes they run together, kept from pass to
+    pass while the same caches (with the same rows) run together: each pass copies into it only
+    what a cache changed since (KVCache.changed_from) and its new tokens, not the whole caches.
 
-    caches: the prompts' KVCaches, cache i with R_i active rows of P_i tokens; lengths: the T_i new
-    tokens each gets; T: the batch's new tokens per row (max T_i). Rows are laid side by side, in
-    order: row r of cache i holds its P_i cached tokens at [0, P_i), then (masked) padding up to
-    pos = max P_i, then the T new tokens at [pos, pos + T), of which the last T - T_i are padding
-    too. kv: (n_layer, 2, sum R_i, n_kv_head, pos + T, head_dim), a copy of the cached keys/values
-    (transient, for this pass). After the last layer, advance hands each cache its T_i new keys/
-    values, computed once as if it had been decoded alone.
+    caches: the prompts' KVCaches, cache i with R_i active rows; length: the tokens a row holds.
+    kv: (n_layer, 2, sum R_i, n_kv_head, length, head_dim): row r of cache i holds the cache's
+    tokens at [0, P_i), as the cache does. A pass (start_pass) writes its T new tokens of every
+    row at [pos, pos + T), pos = max P_i (a row's keys between P_i and pos are masked, and so are
+    the last T - T_i new ones); after it (advance) each cache's own T_i new keys/values move to
+    [P_i, P_i + T_i), in the cache and here, as if it had been decoded alone.
     """
 
-    def __init__(self, caches, lengths, T):
-        self.caches, self.lengths = caches, lengths
-        self.pos, self.batch = max(c.pos for c in caches), sum(c.batch for c in caches)
-        n_layer, _, _, n_kv_head, _, head_dim = caches[0].kv.shape
-        self.kv = caches[0].kv.new_zeros(n_layer, 2, self.batch, n_kv_head, self.pos + T, head_dim)
+    def __init__(self, caches, length):
+        self.caches, self.length = caches, length
         self.first_row = [0]
         for c in caches:
-            r = self.first_row[-1]
-            self.kv[:, :, r:r + c.batch, :, :c.pos] = c.kv[:, :, :c.batch, :, :c.pos]
-            self.first_row.append(r + c.batch)
+            self.first_row.append(self.first_row[-1] + c.batch)
+        self.batch = self.first_row[-1]
+        n_layer, _, _, n_kv_head, _, head_dim = caches[0].kv.shape
+        self.kv = caches[0].kv.new_zeros(n_layer, 2, self.batch, n_kv_head, length, head_dim)
+        for c in caches:
+            c.changed_from = 0                 # nothing of it is here yet
+
+    @staticmethod
+    def key(caches):
+        """What a kept BatchedCache serves: the same caches, in order, each with the same rows."""
+        return tuple((id(c), c.batch) for c in caches)
+
+    def start_pass(self, lengths, T):
+        """Lay out a pass of T new tokens per row, cache i's first lengths[i] of them real: copy
+        in what each cache changed since the last pass. Returns False when the pass does not fit
+        in length tokens (a new BatchedCache is then needed)."""
+        self.pos = max(c.pos for c in self.caches)
+        if self.pos + T > self.length:
+            return False
+        for c, r0, r1 in zip(self.caches, self.first_row, self.first_row[1:]):
+            if c.changed_from < c.pos:
+                changed = slice(c.changed_from, c.pos)
+                self.kv[:, :, r0:r1, :, changed] = c.kv[:, :, :c.batch, :, changed]
+            c.changed_from = c.pos
+        self.lengths = lengths
         device = self.kv.device
-        self.cached = torch.cat([torch.full((c.batch,), c.pos, device=device) for c in caches])
+        self.cached = torch.cat([torch.full((c.batch,), c.pos, device=device)
+                                 for c in self.caches])
+        return True
+
+    def key_length(self, T):
+        """The keys a pass attends to: pos + T rounded up to a multiple of KEY_BUCKET (at most
+        length), as KVCache.key_length."""
+        return min(round_up(self.pos + T, KEY_BUCKET), self.length)
 
     def attention_mask(self, T):
-        """(batch, 1, T, pos + T) bool: query t of a row sees the row's own cached keys and new
-        keys pos..pos + t. (A padded query sees keys too, so its ignored output stays finite.)"""
-        k_idx = torch.arange(self.pos + T, device=self.kv.device)[None, None, :]
+        """(batch, 1, T, key_length(T)) bool: query t of a row sees the row's own cached keys and
+        new keys pos..pos + t. (A padded query sees keys too, so its ignored output stays
+        finite.)"""
+        k_idx = torch.arange(self.key_length(T), device=self.kv.device)[None, None, :]
         q_idx = torch.arange(T, device=self.kv.device)[None, :, None]
         own = k_idx < self.cached[:, None, None]
         new = (k_idx >= self.pos) & (k_idx <= self.pos + q_idx)
         return (own | new)[:, None]
 
     def update(self, layer, k, v):
-        """As KVCache.update: k, v (batch, n_kv_head, T, head_dim) -> (batch, n_kv_head, pos + T,
-        head_dim) views of cached + new."""
+        """As KVCache.update: k, v (batch, n_kv_head, T, head_dim) -> (batch, n_kv_head,
+        key_length(T), head_dim) views of cached + new."""
         T = k.shape[2]
         self.kv[layer, 0, :, :, self.pos:self.pos + T] = k
         self.kv[layer, 1, :, :, self.pos:self.pos + T] = v
-        return self.kv[layer, 0], self.kv[layer, 1]
+        L = self.key_length(T)
+        return self.kv[layer, 0, :, :, :L], self.kv[layer, 1, :, :, :L]
 
     def advance(self, T):
-        """Append each cache's own new tokens (its first T_i of the T) to it."""
+        """Append each cache's own new tokens (its first T_i of the T) to it, and move them here
+        to where the cache holds them."""
         for c, n, r0, r1 in zip(self.caches, self.lengths, self.first_row, self.first_row[1:]):
             c.check_room(r1 - r0, n)
             new = self.kv[:, :, r0:r1, :, self.pos:self.pos + n]
             c.kv[:, :, :r1 - r0, :, c.pos:c.pos + n] = new
+            if c.pos < self.pos:              # a copy first: the two places may overlap
+                self.kv[:, :, r0:r1, :, c.pos:c.pos + n] = new.clone()
             c.advance(n)
+            c.changed_from = c.pos            # here as in the cache

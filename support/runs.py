@@ -6,15 +6,15 @@ folder), processes under torchrun, FSDP, signals, and the checkpoint it saves.
     take_resumed_settings(...) --init_from=resume: the checkpoint's settings, before the checks
     check_train_config(cfg)    refuse settings that cannot work, before any data is prepared
     hold_out_dir(out_dir)      one training run per out_dir at a time (a lock, and who holds it)
+    process(cfg)               for the run: torchrun's process group, --deterministic's kernels
     where_to_start(cfg, ...)   scratch, resume or a pretrained model: the Start of a run
-    setup_process(cfg)         torchrun's processes, the seed: (rank, world size)
     load_data(cfg, ...)        the prepared splits
     place_model(cfg, model)    activation checkpointing, FSDP's shards, the device
     restore_optimizer(...)     a resumed run's optimizer state
     stop_requests()            Ctrl-C and SIGTERM end the run after its step, saved
     save(cfg, ...)             the resumable checkpoint
     diverged(cfg, error)       what a loss that stopped being finite says
-    finish(cfg, ...)           the last words of a run (and the end of the process group)
+    finish(cfg, ...)           the last words of a run
 """
 
 import ctypes
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -206,11 +206,64 @@ def setup_distributed(cfg):
     if cfg["gradient_accumulation_steps"] % world:
         raise ValueError(f"--gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must "
                          f"be a multiple of the {world} processes; each takes an equal share")
-    if cfg["device"].startswith("cuda"):
-        cfg["device"] = f"cuda:{os.environ['LOCAL_RANK']}"
-        torch.cuda.set_device(cfg["device"])
-    torch.distributed.init_process_group("nccl" if cfg["device"].startswith("cuda") else "gloo")
+    if not cfg["device"].startswith("cuda"):
+        torch.distributed.init_process_group("gloo")
+        return rank, world
+    cfg["device"] = f"cuda:{os.environ['LOCAL_RANK']}"
+    torch.cuda.set_device(cfg["device"])
+    # NCCL is told this process's GPU instead of guessing it from the rank
+    torch.distributed.init_process_group("nccl", device_id=torch.device(cfg["device"]))
     return rank, world
+
+
+@contextmanager
+def deterministic_algorithms(compiled):
+    """While the block runs, kernels that give the same bits on every run of the same settings on a
+    GPU too (--deterministic=True), as PyTorch's reproducibility notes ask; compiled: also
+    torch.compile's. The cost is speed: cuBLAS keeps to a fixed workspace, index and scatter
+    gradients are summed in a fixed order instead of by atomic adds, and no kernel is picked by
+    timing; how much slower is not measured here (this project's machines have no GPU). An
+    operation with no deterministic kernel raises RuntimeError naming it rather than differing
+    silently. The previous settings are back after the block, however it ends."""
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_benchmark = torch.backends.cudnn.benchmark
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    # cuBLAS reads it at its first call: split sums over a fixed workspace add in one order
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    # cuDNN's kernels are not chosen by timing them on each run
+    torch.backends.cudnn.benchmark = False
+    inductor = nullcontext()
+    if compiled:  # nor are Inductor's, where that changes the numbers
+        from torch._inductor import config as inductor_config
+        inductor = inductor_config.patch(deterministic=True)
+    try:
+        with inductor:
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        torch.backends.cudnn.benchmark = was_benchmark
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG")
+
+
+@contextmanager
+def process(cfg):
+    """This process's part in the run while the block runs: --deterministic's kernels
+    (deterministic_algorithms, before any CUDA work), on a CPU memory kept between steps
+    (reuse_freed_memory), and under torchrun its place in the process group (setup_distributed),
+    left however the block ends (its end, an error, Ctrl-C), so that NCCL frees its communicators
+    instead of warning at exit. Yields (rank, world_size)."""
+    if cfg["device"] == "cpu":
+        reuse_freed_memory()
+    with deterministic_algorithms(cfg["compile"]) if cfg["deterministic"] else nullcontext():
+        rank, world = setup_distributed(cfg)
+        try:
+            yield rank, world
+        finally:
+            # only a group this run joined (setup_distributed joins under torchrun alone)
+            if "RANK" in os.environ and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
 
 # the signals whose default action ends a process and that a run may get: Ctrl-C, SIGTERM (Slurm,
@@ -409,17 +462,6 @@ def saved_path(cfg):
     return sharded_info_path(cfg["out_dir"]) if cfg["fsdp"] else checkpoint_path(cfg["out_dir"])
 
 
-def setup_process(cfg):
-    """This process's part in the run: its place under torchrun (setup_distributed), the seed of
-    the initial weights, and, on a CPU, memory kept between steps (reuse_freed_memory). Returns
-    (rank, world_size)."""
-    if cfg["device"] == "cpu":
-        reuse_freed_memory()
-    rank, world = setup_distributed(cfg)
-    torch.manual_seed(cfg["seed"])
-    return rank, world
-
-
 def load_data(cfg, start, rank):
     """The training and validation splits (support.prepare: prepared once, then memmapped), checked
     against the data a resumed run was trained on. Returns (train_data, val_data) TokenDatasets.
@@ -490,12 +532,11 @@ def diverged(cfg, error):
 
 
 def finish(cfg, rank, world, iter_num, best_val_loss, interrupted):
-    """The end of a run, after its last save: every process waits for rank 0's save and leaves the
-    process group; rank 0 says where the checkpoint is. Raises SystemExit when the run was
-    interrupted (Ctrl-C, SIGTERM), with the command that continues it."""
+    """The end of a run, after its last save: every process waits for rank 0's save (process()
+    then leaves the process group); rank 0 says where the checkpoint is. Raises SystemExit when the
+    run was interrupted (Ctrl-C, SIGTERM), with the command that continues it."""
     if world > 1:
         torch.distributed.barrier()  # no process exits (ending the others) before rank 0 has saved
-        torch.distributed.destroy_process_group()
     if interrupted:
         launcher = "torchrun ... train.py" if world > 1 else "python train.py"
         raise SystemExit(f"interrupted after {iter_num} iterations; saved {saved_path(cfg)}. "

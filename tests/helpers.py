@@ -2,6 +2,7 @@
 
 import collections
 import json
+import socket
 from pathlib import Path
 
 import torch
@@ -56,6 +57,13 @@ def write(tmp_path, name, content):
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
     return str(path)
+
+
+def free_port():
+    """A TCP port of 127.0.0.1 that nothing listens on now, for a process group to meet at."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tiny_run_flags(tmp_path, qa_file, out, objective="refusion"):

@@ -200,7 +200,38 @@ def test_batched_cache_pass_equals_each_cache_alone():
         assert (a.pos, a.batch) == (b.pos, b.batch)
         assert torch.allclose(a.kv[:, :, :a.batch, :, :a.pos], b.kv[:, :, :b.batch, :, :b.pos],
                               atol=1e-6)
-    mask = BatchedCache(batched, [1, 1], 1).attention_mask(1)     # now 13 and 5 tokens cached
-    assert mask.shape == (3, 1, 1, 14)
-    assert mask[0, 0, 0].tolist() == [True] * 14
-    assert mask[1, 0, 0].tolist() == [True] * 5 + [False] * 8 + [True]
+    side_by_side = BatchedCache(batched, 21)
+    side_by_side.start_pass([1, 1], 1)
+    mask = side_by_side.attention_mask(1)                  # now 13 and 5 tokens cached
+    assert mask.shape == (3, 1, 1, 21)                     # keys: 14, rounded up (at most 21)
+    assert mask[0, 0, 0].tolist() == [True] * 14 + [False] * 7
+    assert mask[1, 0, 0].tolist() == [True] * 5 + [False] * 8 + [True] + [False] * 7
+
+
+def test_a_batch_keeps_its_caches_side_by_side_from_pass_to_pass(refusion_model, monkeypatch):
+    """While the same prompts pass together, their caches stay side by side: one BatchedCache
+    serves every pass of a next-token batch (each pass then copies in its new tokens, not the
+    caches), and a ReFusion batch builds one only when its prompts or rows change."""
+    model, ids = refusion_model
+    built = []
+    real_init = BatchedCache.__init__
+
+    def counted(self, caches, length):
+        built.append(len(caches))
+        real_init(self, caches, length)
+
+    monkeypatch.setattr(BatchedCache, "__init__", counted)
+    prompts = PROMPTS[:4]
+    decode, _ = make_decoder(dict(DEFAULTS, method="next_token", max_new_tokens=12), 
+                             dict(ids, eos_ids=(-1,)), None)
+    forwards = []
+    out = generate_batch(model, decode, prompts, 4, forwards=forwards, pad=math.inf)
+    assert [len(g.tokens) for g in out] == [12] * 4 and len(forwards) == 12
+    assert built == [4]                                   # one, for all 12 passes
+    built.clear()
+    decode = make_decoder(dict(DEFAULTS, method="refusion", max_new_tokens=16, slot_size=4,
+                               slot_threshold=0.9, token_threshold=0.3), ids, None)[0]
+    forwards = []
+    batched = generate_batch(model, decode, prompts, 4, forwards=forwards, pad=math.inf)
+    assert [g.tokens for g in batched] == [decode(model, p).tokens for p in prompts]
+    assert 0 < len(built) < len([f for f in forwards if len(f) > 1])

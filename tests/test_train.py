@@ -1,6 +1,8 @@
 """Training runs: start modes, schedule, resume, distributed, precision (train.py,
 support/runs.py)."""
 
+import contextlib
+import functools
 import json
 import math
 import os
@@ -19,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import data
 import train
-from helpers import ROOT, TOL, qa_rows, tiny_model, tiny_run_flags, write
+from helpers import ROOT, TOL, free_port, qa_rows, tiny_model, tiny_run_flags, write
 from support import checkpoint, runs
 from support.benchmark import train_or_reuse
 from support.checkpoint import load_checkpoint, save_checkpoint
@@ -150,16 +152,65 @@ def test_two_processes_match_one_with_gradient_accumulation(tmp_path, qa_file):
     batch."""
     steps = ["--max_iters=3", "--gradient_accumulation_steps=2"]
     train.main(tiny_run_flags(tmp_path, qa_file, "one") + steps)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     torch.multiprocessing.spawn(_ddp_worker,
-                                args=(tiny_run_flags(tmp_path, qa_file, "two") + steps, port),
+                                args=(tiny_run_flags(tmp_path, qa_file, "two") + steps,
+                                       free_port()),
                                 nprocs=2)
     a, b = load_checkpoint(str(tmp_path / "one")), load_checkpoint(str(tmp_path / "two"))
     assert a["iter_num"] == b["iter_num"] == 3
     for name in a["model"]:
         torch.testing.assert_close(b["model"][name], a["model"][name], atol=1e-5, rtol=0)
+
+
+def test_under_torchrun_nccl_is_told_the_gpu_of_each_process(monkeypatch):
+    """On CUDA each process takes cuda:LOCAL_RANK and hands it to init_process_group as device_id,
+    so NCCL does not guess it from the rank; gloo on a CPU gets none. No GPU needed: both calls are
+    recorded, not made."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cuda = {"device": "cuda", "gradient_accumulation_steps": 4}
+    cpu = {"device": "cpu", "gradient_accumulation_steps": 4}
+    assert runs.setup_distributed(cuda) == runs.setup_distributed(cpu) == (3, 4)
+    assert cuda["device"] == "cuda:1"
+    assert calls == [(("nccl",), {"device_id": torch.device("cuda:1")}), (("gloo",), {})]
+
+
+@pytest.mark.parametrize("ending", ["end", "error", "ctrl_c", "sigterm"])
+def test_every_end_of_a_run_under_torchrun_leaves_the_process_group(tmp_path, qa_file, monkeypatch,
+                                                                    ending):
+    """A run under torchrun (here 1 process, gloo) leaves its process group however it ends: at
+    max_iters, an error inside the loop, Ctrl-C raised there, or a SIGTERM it saves and stops on
+    (support.runs.process)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    real_step = train.train_step
+    joined = []
+
+    def ending_step(cfg, model, forward, optimizer, train_data, it, *rest):
+        joined.append(torch.distributed.is_initialized())
+        if it == 1 and ending == "error":
+            raise RuntimeError("a step failed")
+        if it == 1 and ending == "ctrl_c":
+            raise KeyboardInterrupt
+        if it == 1 and ending == "sigterm":
+            signal.raise_signal(signal.SIGTERM)
+        return real_step(cfg, model, forward, optimizer, train_data, it, *rest)
+
+    monkeypatch.setattr(train, "train_step", ending_step)
+    raised = {"end": None, "error": RuntimeError, "ctrl_c": KeyboardInterrupt,
+              "sigterm": SystemExit}[ending]
+    with pytest.raises(raised) if raised else contextlib.nullcontext():
+        train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=3"])
+    assert joined and all(joined)
+    assert not torch.distributed.is_initialized()
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -180,7 +231,8 @@ def test_flops_per_token_is_what_torch_counts_for_a_training_step(tie):
 def test_bf16_autocast_trains_every_objective_close_to_float32(objective):
     """On CUDA training runs under bf16 autocast; the same code under CPU autocast (a stand-in for
     a GPU here) gives float32 logits, a loss within 1% and gradients for every weight."""
-    model = tiny_model(seed=12, causal=objective != "mdm").train()
+    # the MDM's canvas: prompt + gen_length positions, within the context
+    model = tiny_model(seed=12, causal=objective != "mdm", block_size=512).train()
     tokens, prompt_len, length = random_samples(13, B=4, T=40, vocab=36)
     tokens[tokens == 258] = 39                                        # the tiny model's pad id
     cfg = dict(train.DEFAULTS, objective=objective)
@@ -252,6 +304,57 @@ def test_compile_never_changes_the_loss_or_the_gradients():
     compiled = torch.compile(model)
     for a, b in zip(loss_and_grads(compiled), eager, strict=True):
         torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+
+
+def test_deterministic_training_turns_deterministic_kernels_on_and_repeats_to_the_bit(
+        tmp_path, qa_file, monkeypatch, capsys):
+    """--deterministic=True: while the run trains, torch's deterministic algorithms are on, cuBLAS
+    gets its fixed workspace and cuDNN picks no kernel by timing; two runs of the same seed end on
+    the same bits and print the same losses (a CPU is deterministic anyway: the GPU's part is what
+    the flags are); the checkpoint records the setting, and the process's settings are back after
+    the run."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    real_step = train.train_step
+    seen = set()
+
+    def watched_step(*args):
+        seen.add((torch.are_deterministic_algorithms_enabled(),
+                  os.environ.get("CUBLAS_WORKSPACE_CONFIG"), torch.backends.cudnn.benchmark))
+        return real_step(*args)
+
+    monkeypatch.setattr(train, "train_step", watched_step)
+    printed = {}
+    for name in ("a", "b"):
+        train.main(tiny_run_flags(tmp_path, qa_file, name) + ["--max_iters=4",
+                                                              "--deterministic=True"])
+        printed[name] = re.findall(r"^iter \d+: (?:val )?loss \d+\.\d{4}", capsys.readouterr().out,
+                                   re.MULTILINE)
+    assert seen == {(True, ":4096:8", False)}
+    assert printed["a"] == printed["b"] and len(printed["a"]) >= 4
+    a, b = load_checkpoint(str(tmp_path / "a")), load_checkpoint(str(tmp_path / "b"))
+    assert a["config"]["deterministic"] is True
+    for name in a["model"]:
+        torch.testing.assert_close(b["model"][name], a["model"][name], atol=0, rtol=0)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    # without the flag, nothing is changed
+    seen.clear()
+    train.main(tiny_run_flags(tmp_path, qa_file, "c") + ["--max_iters=2"])
+    assert seen == {(False, None, torch.backends.cudnn.benchmark)}
+
+
+def test_deterministic_kernels_reach_torch_compile_and_every_setting_comes_back(monkeypatch):
+    """With compile, Inductor chooses no kernel by timing either; a CUBLAS_WORKSPACE_CONFIG already
+    set is kept; after the block, even one that raised, every setting is as it was."""
+    from torch._inductor import config as inductor_config
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    with pytest.raises(RuntimeError, match="inside"):
+        with runs.deterministic_algorithms(compiled=True):
+            assert torch.are_deterministic_algorithms_enabled() and inductor_config.deterministic
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+            raise RuntimeError("inside")
+    assert not torch.are_deterministic_algorithms_enabled() and not inductor_config.deterministic
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 def test_training_input_errors_lose_nothing(tmp_path, qa_file):
@@ -482,6 +585,59 @@ def test_without_a_terminal_training_prints_one_plain_line_every_log_interval(tm
                        r"\d+ tok/s, \d+\.\d{3} TFLOP/s$", printed.out, re.MULTILINE)
     evals = re.findall(r"^iter (\d+): val loss \d+\.\d{4}$", printed.out, re.MULTILINE)
     assert (steps, evals) == (["0", "2", "4"], ["0", "4"])
+
+
+def test_the_speed_is_over_the_last_interval_without_compiling_or_evaluating():
+    """Rates on a clock that reads what the test says: a step that compiled and an evaluation are
+    left out, each interval starts where the last one was taken, and one that counted no time has
+    no rate."""
+    readings = iter([0.0, 61.2, 63.2, 73.2, 75.2, 77.2, 80.2, 81.0])
+    rates = train.Rates(lambda: next(readings))
+    assert rates.skip() == pytest.approx(61.2)        # step 0 compiled: 61.2 s
+    rates.count(tokens=100, flops=1e6)                # step 1: 2 s
+    rates.skip()                                      # an evaluation and its checkpoint: 10 s
+    rates.count(tokens=100, flops=1e6)                # step 2: 2 s
+    assert rates.take() == pytest.approx((200 / 4, 2e6 / 4))
+    rates.count(tokens=50, flops=1e6)                 # step 3: 2 s
+    rates.count(tokens=250, flops=2e6)                # step 4: 3 s
+    assert rates.take() == pytest.approx((300 / 5, 3e6 / 5))
+    rates.skip()                                      # step 5 recompiled: 0.8 s
+    assert rates.take() is None
+
+
+def test_a_compiled_run_prints_its_compile_time_once_and_speeds_without_it(tmp_path, qa_file,
+                                                                          monkeypatch, capsys):
+    """A real run (torch.compile with its eager backend: dynamo's tracing, fast on a CPU) on a clock
+    that advances 1 ms a reading, whose evaluations take 1000 s on it: the compile time is said
+    once, the first step's line has no speed (it only compiled), and every speed printed is of
+    training alone (with an evaluation in it, a step's ~80 tokens would make under 1 tok/s)."""
+    clock = {"seconds": 0.0}
+
+    def reading():
+        clock["seconds"] += 0.001
+        return clock["seconds"]
+
+    monkeypatch.setattr(time, "perf_counter", reading)
+    real_estimate = train.estimate_loss
+
+    def slow_estimate(*args):
+        clock["seconds"] += 1000
+        return real_estimate(*args)
+
+    monkeypatch.setattr(train, "estimate_loss", slow_estimate)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    train.main(tiny_run_flags(tmp_path, qa_file, "run") +
+               ["--max_iters=6", "--log_interval=1", "--compile=True"])
+    torch._dynamo.reset()
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^compile: first step took \d+\.\d s \(not counted in tokens/s\)$",
+                          out, re.MULTILINE)) == 1
+    steps = dict(re.findall(r"^iter (\d+): loss \d+\.\d{4} \(ar \d+\.\d{4}, mdm \d+\.\d{4}\)(.*)$",
+                            out, re.MULTILINE))
+    assert list(steps) == [str(it) for it in range(6)] and steps["0"] == ""
+    speeds = [re.fullmatch(r", (\d+) tok/s, \d+\.\d{3} TFLOP/s", rest) for rest in steps.values()
+              if rest]
+    assert speeds and all(speed and int(speed[1]) >= 1000 for speed in speeds), steps
 
 
 def test_a_second_run_into_the_same_out_dir_is_refused_naming_the_first(tmp_path, qa_file):
