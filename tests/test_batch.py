@@ -222,7 +222,7 @@ def test_a_batch_keeps_its_caches_side_by_side_from_pass_to_pass(refusion_model,
 
     monkeypatch.setattr(BatchedCache, "__init__", counted)
     prompts = PROMPTS[:4]
-    decode, _ = make_decoder(dict(DEFAULTS, method="next_token", max_new_tokens=12), 
+    decode, _ = make_decoder(dict(DEFAULTS, method="next_token", max_new_tokens=12),
                              dict(ids, eos_ids=(-1,)), None)
     forwards = []
     out = generate_batch(model, decode, prompts, 4, forwards=forwards, pad=math.inf)

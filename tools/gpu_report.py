@@ -1,0 +1,714 @@
+"""
+The acceptance check on one GPU: from a bare checkout (it prepares its own data, from the Python
+standard library and code), within about 8 minutes on one H100-class GPU, it measures and writes
+docs/bench_gpu.md and docs/bench_gpu.json:
+
+    machine      the GPU, its driver, torch and CUDA
+    quick_start  the quick start trained on the GPU (train.py config/train_quotes.py), and an MDM
+                 (--objective=mdm) on the same data for the same budget: wall time, best
+                 validation loss
+    decoding     ReFusion, next-token and MDM decoding of the quick start's validation lines, at
+                 batch 1 and 64, eager and compiled: quality, NFE, TPF, tokens/s, and the ms of a
+                 pass split into the model's and the decoder's
+    attention    which attention kernel decoding should take here: next-token and ReFusion decoding,
+                 eager at batch 1, under each of SDPA's backends (cuDNN, flash, efficient, math),
+                 and next-token decoding reading its tokens every token beside every 16th
+    recipe_85m   the 85M recipe (config/train_arith_gpu.py) for a few iterations, compiled: its
+                 steady step time and MFU, the compile apart
+    pass_costs   what one cached forward pass costs against the tokens it is fed (tools.probe's
+                 figures), bf16, eager and compiled: the quick start's model, and SmolLM2-135M's
+                 shape with random weights
+
+    python -m tools.gpu_report                 # on the GPU, into docs/
+    python -m tools.gpu_report --device=cpu --quick=True --out=/tmp/gpu_report_try   # plumbing
+
+Each section runs guarded: an error is recorded in the report (its text) and the next section
+still runs. Once budget_s seconds are spent, the sections (and decoding's runs) not yet started
+are skipped, with a note. Both files are rewritten after every section, so a run cut short leaves
+what it measured. Every figure comes from the run.
+"""
+
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+
+if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+import sampler
+import train
+from configurator import check_device, explicit_keys, parse_args, require, run_cli, settings_in
+from model import ModelConfig, Transformer
+from support import sampling
+from support.batching import generate_batch
+from support.benchmark import counting, free_tokens, machine, pass_costs, train_or_reuse
+from support.checkpoint import load_checkpoint, model_from_checkpoint
+from support.compiled import CompiledModel
+from support.files import write_atomic
+from support.hardware import num_params
+from support.prepare import prepare
+from support.runs import check_compile
+
+# -----------------------------------------------------------------------------
+# default config
+out = "docs"               # the directory of bench_gpu.md and bench_gpu.json
+work_dir = "out-gpu-report"  # the checkpoints of the models it trains
+data_root = "data"         # the prepared data (train.py's --data_root)
+device = "cuda"            # cuda, cuda:N, or cpu (with --quick: a check of the plumbing)
+quick = False              # every section shrunk (QUICK): fewer lines, iterations, widths
+budget_s = 480.0           # once this many seconds are spent, what is not started is skipped
+sections = ("machine", "quick_start", "decoding", "attention", "recipe_85m", "pass_costs")
+num_lines = 50             # the quick start's validation lines decoded by every decoder
+batch_sizes = (1, 64)      # decoded at these batch sizes (support.batching.generate_batch)
+compile = True             # also compiled (support.compiled); --quick on a CPU: off unless given
+dtype = "auto"             # decoding's weights, as sampler.py's --dtype (auto: bf16 on a GPU)
+train_iters = 0            # the quick start's and its MDM's iterations; 0: train_quotes.py's
+recipe_iters = 30          # iterations of the 85M recipe
+steady_iters = 10          # its last iterations, whose median step is the steady one
+peak_tflops = 989.0        # the GPU's dense bf16 peak, for the MFU (H100 and H200 SXM: 989)
+repeats = 12               # pass_costs: timed rounds, the median kept
+# -----------------------------------------------------------------------------
+DEFAULTS = settings_in(globals())
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+SECTION_TITLES = {"machine": "Machine", "quick_start": "The quick start, trained on the device",
+                  "decoding": "Decoding the quick start's validation lines",
+                  "attention": "Which attention kernel decoding takes, and how often it reads",
+                  "recipe_85m": "The 85M recipe (config/train_arith_gpu.py)",
+                  "pass_costs": "What one forward pass costs (tools.probe's figures), bf16"}
+# --quick: the settings it shrinks, and the flags that shrink each training run
+QUICK = dict(num_lines=8, batch_sizes=(1, 4), train_iters=20, recipe_iters=6, steady_iters=3,
+             repeats=2)
+QUICK_TRAIN = ["--n_layer=2", "--n_embd=64", "--batch_size=8", "--eval_iters=2"]
+QUICK_RECIPE = ["--dataset=arith", "--n_layer=2", "--n_head=2", "--n_embd=64", "--batch_size=8"]
+# SmolLM2-135M's shape, from its config.json (support/hf_folder.py reads it so): random weights
+# here, as its GGUF file (support/gguf_file.py) is not carried to the GPU
+SMOLLM2_SHAPE = dict(vocab_size=49152, block_size=8192, n_layer=30, n_head=9, n_kv_head=3,
+                     n_embd=576, head_dim=64, intermediate_size=1536, tie_embeddings=True,
+                     qk_norm=False, rope_theta=100000.0, norm_eps=1e-5)
+SMOLLM2 = "SmolLM2-135M's shape, random weights"
+PROMPT_LEN = 64            # pass_costs: tokens cached before each timed pass, as tools.probe's
+FED = (1, 2, 4, 8, 16, 32, 64, 128)  # pass_costs: tokens fed (--quick: 1, 8, 32)
+SPLIT_NOTE = ("ms per pass: the timed run's wall time over its forward passes (a batched pass "
+              "counted once). Model and decoder: a second run over the same lines, untimed "
+              "otherwise, whose model is wrapped in a proxy that waits for the device before and "
+              "after each forward call (torch.cuda.synchronize; support.benchmark.counting): the "
+              "model's share is those calls' wall time, the decoder's the rest of that run, each "
+              "per pass. The timed run has no such waits.")
+
+# -----------------------------------------------------------------------------
+# running the sections: guarded, within the budget
+
+
+class Clock:
+    """The run's seconds since it started, against its budget (budget_s)."""
+
+    def __init__(self, budget):
+        self.t0, self.budget = time.perf_counter(), budget
+
+    def spent(self):
+        return time.perf_counter() - self.t0
+
+    def over(self):
+        """The note that the budget is spent, or None while it is not."""
+        if self.spent() <= self.budget:
+            return None
+        return f"skipped: the budget of {self.budget:g} s was spent ({self.spent():.1f} s)"
+
+
+def guarded(fn):
+    """fn() -> {"result": ..., "seconds"}, or, when it raised, {"error": its type and message,
+    "traceback": its last lines, "seconds"}: a failure is recorded, not raised (train.py's
+    SystemExit too: a diverged loss)."""
+    t0 = time.perf_counter()
+    try:
+        return {"result": fn(), "seconds": time.perf_counter() - t0}
+    except (Exception, SystemExit) as e:
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:],
+                "seconds": time.perf_counter() - t0}
+
+
+def free_device_memory():
+    """Drop what earlier sections left: compiled graphs (and their CUDA graphs' memory pools) and
+    cached blocks, so that each section starts from an empty device."""
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_report(cfg):
+    """Run cfg["sections"] in turn (SECTIONS), each guarded, skipped once the budget is spent, and
+    write both files after each. Returns the report (a dict)."""
+    clock = Clock(cfg["budget_s"])
+    report = {"config": cfg, "notes": cfg.pop("notes"), "sections": {}}
+    for name in cfg["sections"]:
+        note = clock.over()
+        if note:
+            report["sections"][name] = {"skipped": note}
+        else:
+            print(f"\n== {name} ({clock.spent():.0f} s spent)", flush=True)
+            report["sections"][name] = guarded(lambda: SECTIONS[name](cfg, clock))
+            free_device_memory()
+        report["seconds"] = clock.spent()
+        write_files(cfg["out"], report)
+    return report
+
+# -----------------------------------------------------------------------------
+# the sections: each fn(cfg, clock) -> a dict of JSON figures
+
+
+def machine_section(cfg, clock):
+    """The machine (support.benchmark.machine) and, on a GPU, its name, memory, compute capability,
+    the NVIDIA driver (nvidia-smi, where there is one) and the CUDA torch was built with."""
+    info = dict(machine(), device=cfg["device"], cuda=torch.version.cuda)
+    if cfg["device"].startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(cfg["device"]))
+        info.update(gpu=props.name, gpu_memory_gb=props.total_memory / 1e9,
+                    compute_capability=f"{props.major}.{props.minor}",
+                    multiprocessors=props.multi_processor_count, driver=nvidia_driver(),
+                    gpus_visible=torch.cuda.device_count())
+    return info
+
+
+def nvidia_driver():
+    """The NVIDIA driver's version as nvidia-smi says it, or None without nvidia-smi."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30)
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
+
+
+def quick_start_section(cfg, clock):
+    """Prepare the quotes corpus, then train the quick start (config/train_quotes.py) and its MDM
+    (--objective=mdm on the canvas sample_quotes.py decodes, as many iterations) on the device:
+    each run's wall time (support.benchmark.train_or_reuse, trained anew) and best validation
+    loss."""
+    flags = quick_start_flags(cfg)
+    settings = parse_args(train.DEFAULTS, flags)
+    t0 = time.perf_counter()
+    prepare(settings["dataset"], settings["tokenizer"], settings["block_size"], cfg["data_root"])
+    result = {"prepare_s": time.perf_counter() - t0, "command": train_command(flags)}
+    gen_length = sample_settings(cfg)["max_new_tokens"]
+    runs = {"refusion": flags, "mdm": mdm_flags(cfg, gen_length)}
+    for name, run_flags in runs.items():
+        minutes = train_or_reuse(train.main, train.DEFAULTS, run_flags, retrain=True)
+        ckpt = load_checkpoint(parse_args(train.DEFAULTS, run_flags)["out_dir"],
+                               settings_only=True)
+        result[name] = {"wall_s": 60 * minutes, "iters": ckpt["iter_num"],
+                        "best_val_loss": ckpt["best_val_loss"],
+                        "params_m": num_params(ModelConfig(**ckpt["model_args"])) / 1e6}
+    return result
+
+
+def train_command(flags):
+    """The command that runs train.py with flags, a config file named from the repository."""
+    return "python train.py " + " ".join(os.path.relpath(f, ROOT) if f.endswith(".py") else f
+                                         for f in flags)
+
+
+def quick_start_flags(cfg):
+    """train.py's flags for the quick start on the device: config/train_quotes.py, into work_dir
+    (--quick: shrunk)."""
+    flags = [os.path.join(ROOT, "config", "train_quotes.py"), f"--device={cfg['device']}",
+             f"--out_dir={os.path.join(cfg['work_dir'], 'quotes')}",
+             f"--data_root={cfg['data_root']}"]
+    if cfg["train_iters"]:
+        flags += [f"--max_iters={cfg['train_iters']}",
+                  f"--eval_interval={max(cfg['train_iters'] // 2, 1)}"]
+    return flags + (QUICK_TRAIN if cfg["quick"] else [])
+
+
+def mdm_flags(cfg, gen_length):
+    """train.py's flags for the quick start's MDM: the same data, shape and budget, bidirectional,
+    trained on canvases of gen_length tokens (LLaDA's EOS padding, SPEC section 3)."""
+    return quick_start_flags(cfg) + [f"--out_dir={os.path.join(cfg['work_dir'], 'quotes-mdm')}",
+                                     "--objective=mdm", f"--gen_length={gen_length}",
+                                     "--slot_end_labels=False", "--ar_fraction=0.0"]
+
+
+def sample_settings(cfg):
+    """sampler.py's settings of the quick start (config/sample_quotes.py) on the device."""
+    return parse_args(sampler.DEFAULTS, [os.path.join(ROOT, "config", "sample_quotes.py"),
+                                         f"--device={cfg['device']}", f"--dtype={cfg['dtype']}",
+                                         f"--num_samples={cfg['num_lines']}"])
+
+
+def decoding_section(cfg, clock):
+    """The quick start's model (ReFusion as sample_quotes.py decodes it, and next-token decoding)
+    and its MDM (one token per step, on its canvas) over the first num_lines validation lines that
+    leave room for ReFusion's generation (the sampler's prompts), at each batch size, eager, then
+    compiled (decode_run). Returns {"lines", "dtype", "runs": [...], "split": how the ms per pass
+    were split}."""
+    sample, model, ids, prompts, judge = quick_start_model(cfg)
+    mdm = dict(sample, method="mdm", out_dir=os.path.join(cfg["work_dir"], "quotes-mdm"))
+    mdm_model, _, mdm_ids, _, mdm_ckpt = sampling.load_model(mdm)
+    sampling.fit_mdm_layout(mdm, mdm_ckpt, explicit=False)   # its canvas and shift
+    decoders = {"ReFusion": (model, sampler.make_decoder(dict(sample, method="refusion"), ids,
+                                                         None)[0]),
+                "next-token": (model, sampler.make_decoder(dict(sample, method="next_token"), ids,
+                                                           None)[0]),
+                "MDM": (mdm_model, sampler.make_decoder(mdm, mdm_ids, None)[0])}
+    compiled = {}                                      # model -> its CompiledModel, shared
+    runs, alone = [], {}                               # alone: eager batch-1 tokens per decoder
+    # every eager run before the compiled ones, so that the budget cuts the compiled ones first
+    for mode in ("eager", "compiled") if cfg["compile"] else ("eager",):
+        for label, (net, decode) in decoders.items():
+            for B in cfg["batch_sizes"]:
+                row = {"decoder": label, "batch_size": B, "mode": mode}
+                note = clock.over()
+                if note:
+                    runs.append(dict(row, skipped=note))
+                    continue
+                if mode == "compiled" and id(net) not in compiled:
+                    compiled[id(net)] = CompiledModel(net)
+                used = compiled[id(net)] if mode == "compiled" else net
+                outcome = guarded(lambda: decode_run(used, decode, prompts, B, judge,
+                                                     warm=mode == "compiled"))
+                if "error" in outcome:
+                    runs.append(dict(row, error=outcome["error"]))
+                    continue
+                # the share of lines whose tokens are those of the eager decode at batch 1
+                outs, figures = outcome["result"]
+                alone.setdefault(label, [o.tokens for o in outs])
+                figures["identical"] = sum(o.tokens == a for o, a in
+                                           zip(outs, alone[label])) / len(outs)
+                runs.append(dict(row, **figures))
+                print(f"{label}, batch {B}, {mode}: {figures['right']} of {len(outs)} right, "
+                      f"TPF {figures['tpf']:.2f}, {figures['tokens_per_s']:.0f} tokens/s",
+                      flush=True)
+    return {"lines": len(prompts), "dtype": sample["dtype"], "max_new_tokens":
+            sample["max_new_tokens"], "mdm_max_new_tokens": mdm["max_new_tokens"],
+            "refusion_settings": {k: sample[k] for k in ("slot_size", "serial_num_blocks",
+                                                         "slot_threshold", "token_threshold",
+                                                         "infill")},
+            "runs": runs, "split": SPLIT_NOTE}
+
+
+def quick_start_model(cfg):
+    """The quick start's model (trained by quick_start) and its validation lines, as sampler.py
+    loads them (dtype auto: bf16 on a GPU). Returns (the sampler's settings, model, ids, prompts,
+    judge(prompt, Generation) -> (text, verdict): the sampler's verdict)."""
+    sample = sample_settings(cfg)
+    sample["out_dir"] = os.path.join(cfg["work_dir"], "quotes")
+    model, enc, ids, _, ckpt = sampling.load_model(sample)
+    room = sampler.decoder_settings(dict(sample, method="refusion")).gen_length
+    prompts = sampling.load_prompts(sample, enc, ckpt, room, model.config.block_size)
+    return sample, model, ids, prompts, sampling.Report(sample, enc, ids, ckpt).judge
+
+
+def attention_section(cfg, clock):
+    """Which of SDPA's attention kernels decoding should take on this device, by measurement:
+    next-token and ReFusion decoding of the quick start's lines, eager at batch 1, under each
+    backend (torch.nn.attention.sdpa_kernel; one that cannot take the decoders' masks is recorded
+    with its error), then next-token decoding reading its tokens after every token
+    (sampler.EOS_EVERY) beside every GPU_EOS_EVERY-th, the default off a CPU: fewer reads against
+    the passes run past an EOS."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sample, model, ids, prompts, judge = quick_start_model(cfg)
+    runs = []
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    for method in ("next_token", "refusion"):
+        decode = sampler.make_decoder(dict(sample, method=method), ids, None)[0]
+        for name, backend in backends.items():
+            row = {"decoder": method, "backend": name}
+            note = clock.over()
+            if note:
+                runs.append(dict(row, skipped=note))
+                continue
+            with sdpa_kernel(backend):
+                outcome = guarded(lambda: decode_run(model, decode, prompts, 1, judge, False))
+            runs.append(dict(row, **({"error": outcome["error"]} if "error" in outcome
+                                     else outcome["result"][1])))
+    # next-token decoding reading every token, beside the device's default (the runs above)
+    decode = sampler.make_decoder(dict(sample, method="next_token"), ids, None)[0]
+    every = dict(sampler.EOS_EVERY)
+    sampler.EOS_EVERY[model.embed_tokens.weight.device.type] = 1
+    try:
+        outcome = guarded(lambda: decode_run(model, decode, prompts, 1, judge, False))
+    finally:
+        sampler.EOS_EVERY.clear()
+        sampler.EOS_EVERY.update(every)
+    runs.append(dict({"decoder": "next_token, a read every token", "backend": "default"},
+                     **({"error": outcome["error"]} if "error" in outcome
+                        else outcome["result"][1])))
+    return {"lines": len(prompts), "runs": runs}
+
+
+class Timed:
+    """A model as the decoders call it (a Transformer or a CompiledModel: support.benchmark's
+    TimedModel needs a forward method, which a CompiledModel has not), its forward calls counted
+    and timed, waiting for the device around each (support.benchmark.counting): calls {"n",
+    "seconds"}."""
+
+    def __init__(self, model):
+        self.config, self.parameters = model.config, model.parameters
+        self.new_kv_cache = model.new_kv_cache
+        self.forward, self.calls = counting(model, next(model.parameters()).device)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+def decode_lines(model, decode, prompts, batch_size):
+    """Every prompt decoded (greedy), batch_size at a time. Returns (Generations, the forward
+    passes run: a batched pass once, a prompt alone's NFE)."""
+    if batch_size == 1:
+        outs = [decode(model, p) for p in prompts]
+        return outs, sum(o.nfe for o in outs)
+    passes = []
+    outs = generate_batch(model, decode, prompts, batch_size, forwards=passes)
+    return outs, len(passes)
+
+
+def decode_run(model, decode, prompts, batch_size, judge, warm):
+    """One decoder over the prompts at one batch size: an untimed first run (warm: every prompt,
+    what compiling costs; else one prompt), the timed run, then the timing run that splits a pass
+    into model and decoder (SPLIT_NOTE). judge(prompt, Generation) -> (text, verdict).
+    Returns (the timed run's Generations, its figures)."""
+    graphs = model.graphs if warm else 0            # the process's count so far
+    # untimed: the first passes' one-time costs (with warm, compiling every graph the lines need)
+    t0 = time.perf_counter()
+    decode_lines(model, decode, prompts if warm else prompts[:1], batch_size)
+    warm_s = time.perf_counter() - t0
+    # the timed run
+    t0 = time.perf_counter()
+    outs, passes = decode_lines(model, decode, prompts, batch_size)
+    seconds = time.perf_counter() - t0
+    # the timing run: the model's forward calls timed apart, waiting for the device around each
+    timed = Timed(model)
+    t0 = time.perf_counter()
+    decode_lines(timed, decode, prompts, batch_size)
+    split_s = time.perf_counter() - t0
+    model_s, calls = timed.calls["seconds"], timed.calls["n"]
+    # the timed run's figures, its quality by the sampler's verdicts
+    tokens = sum(len(o.tokens) for o in outs)
+    nfe = sum(o.nfe for o in outs)
+    verdicts = [judge(p, o)[1] for p, o in zip(prompts, outs)]   # (metric, 1.0 or 0.0) or None
+    right = sum(v is not None and v[1] == 1.0 for v in verdicts)
+    figures = {"right": right, "lines": len(outs), "tokens": tokens, "nfe": nfe,
+               "tpf": tokens / nfe, "seconds": seconds, "tokens_per_s": tokens / seconds,
+               "passes": passes, "ms_per_pass": 1e3 * seconds / passes,
+               "model_ms_per_pass": 1e3 * model_s / calls,
+               "decoder_ms_per_pass": 1e3 * (split_s - model_s) / calls}
+    if warm:  # the first run compiled the graphs: their count and its seconds
+        figures.update(compile_s=warm_s, graphs=model.graphs - graphs)
+    return outs, figures
+
+
+def recipe_85m_section(cfg, clock):
+    """The 85M recipe (config/train_arith_gpu.py: compiled, bf16 autocast, batch 512) on its data,
+    prepared here, for recipe_iters iterations, evaluated at the first and the last only: the
+    steady step (the median of the last steady_iters), its MFU against peak_tflops and tokens/s;
+    the first step (compiling the training graph) and the evaluations (the first compiling theirs)
+    apart."""
+    out_dir = os.path.join(cfg["work_dir"], "arith-gpu")
+    flags = [os.path.join(ROOT, "config", "train_arith_gpu.py"), f"--device={cfg['device']}",
+             f"--out_dir={out_dir}", f"--data_root={cfg['data_root']}",
+             f"--max_iters={cfg['recipe_iters']}", f"--eval_interval={cfg['recipe_iters']}",
+             "--eval_iters=1", f"--peak_tflops={cfg['peak_tflops']}", f"--compile={cfg['compile']}"]
+    flags += QUICK_RECIPE if cfg["quick"] else []
+    settings = parse_args(train.DEFAULTS, flags)
+    # the data first, timed apart (train.py then finds it prepared)
+    t0 = time.perf_counter()
+    prepare(settings["dataset"], settings["tokenizer"], settings["block_size"], cfg["data_root"])
+    prepare_s = time.perf_counter() - t0
+    # a run from scratch, each step and each evaluation timed as train.py calls them
+    shutil.rmtree(out_dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    with calls_timed(train, "train_step", cfg["device"]) as steps:
+        with calls_timed(train, "estimate_loss", cfg["device"]) as evaluations:
+            train.main(flags)
+    wall_s = time.perf_counter() - t0
+    ckpt = load_checkpoint(out_dir, settings_only=True)
+    # the steady state: the medians over the last steps, each (seconds, (losses, tokens, FLOPs))
+    steady = steps[-cfg["steady_iters"]:]
+    step_s = statistics.median(s for s, _ in steady)
+    flops_s = statistics.median(out[2] / s for s, out in steady)
+    tokens_s = statistics.median(out[1] / s for s, out in steady)
+    return {"dataset": settings["dataset"], "prepare_s": prepare_s, "wall_s": wall_s,
+            "params_m": num_params(ModelConfig(**ckpt["model_args"])) / 1e6,
+            "batch_size": settings["batch_size"],
+            "compile": settings["compile"], "iters": len(steps), "steady_iters": len(steady),
+            "first_step_s": steps[0][0], "steady_step_ms": 1e3 * step_s,
+            "compile_s": steps[0][0] - step_s, "evaluation_s": [s for s, _ in evaluations],
+            "tflops": flops_s / 1e12, "mfu": flops_s / 1e12 / cfg["peak_tflops"],
+            "peak_tflops": cfg["peak_tflops"], "tokens_per_s": tokens_s,
+            "loss_first": steps[0][1][0][0].item(), "loss_last": steps[-1][1][0][0].item(),
+            "command": train_command(flags)}
+
+
+@contextmanager
+def calls_timed(module, name, device):
+    """While the block runs, module.name (a function the module calls by its name, e.g.
+    train.train_step) records each call as (wall-clock seconds, waiting for the device before and
+    after; its result), in the list the block gets."""
+    original, calls = getattr(module, name), []
+    wrapped, _ = counting(original, torch.device(device))
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        result = wrapped(*args, **kwargs)
+        calls.append((time.perf_counter() - t0, result))
+        return result
+
+    setattr(module, name, timed)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, original)
+
+
+def pass_costs_section(cfg, clock):
+    """support.benchmark.pass_costs of each model in bf16, eager and (compile) compiled, for the
+    tokens fed its context holds after PROMPT_LEN, and each one's free tokens: the quick start's
+    model (work_dir's checkpoint) and SmolLM2-135M's shape with random weights, each guarded, the
+    second skipped once the budget is spent."""
+    fed = (1, 8, 32) if cfg["quick"] else FED
+
+    def costs(model):
+        model = model.to(torch.bfloat16).eval()
+        variants = {"eager": model}
+        if cfg["compile"]:   # the untimed first round compiles the graphs
+            variants["compiled"] = CompiledModel(model)
+        ks = tuple(k for k in fed if PROMPT_LEN + k <= model.config.block_size)
+        ms = pass_costs(variants, PROMPT_LEN, ks, cfg["repeats"])
+        return {"params_m": model.num_params() / 1e6, "ms": ms,
+                "free_tokens": {name: free_tokens(c) for name, c in ms.items()}}
+
+    def smollm2():
+        torch.manual_seed(0)
+        with torch.device(cfg["device"]):
+            return Transformer(ModelConfig(**SMOLLM2_SHAPE))
+
+    quotes = os.path.join(cfg["work_dir"], "quotes")
+    result = {"prompt_len": PROMPT_LEN, "repeats": cfg["repeats"],
+              "quick start": guarded(lambda: costs(model_from_checkpoint(
+                  load_checkpoint(quotes, cfg["device"]), cfg["device"])))}
+    note = clock.over()
+    result[SMOLLM2] = {"skipped": note} if note else guarded(lambda: costs(smollm2()))
+    return result
+
+
+SECTIONS = {"machine": machine_section, "quick_start": quick_start_section,
+            "decoding": decoding_section, "attention": attention_section,
+            "recipe_85m": recipe_85m_section,
+            "pass_costs": pass_costs_section}
+
+# -----------------------------------------------------------------------------
+# the report: markdown, then both files
+
+
+def table(header, rows):
+    """A markdown table: header (column names), rows (lists of cells, shown with str)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_md(r):
+    """The machine section as markdown."""
+    gpu = r.get("gpu") or "none"
+    rows = [["device", r["device"]], ["GPU", gpu], ["GPU memory (GB)", fmt(r.get("gpu_memory_gb"))],
+            ["compute capability", r.get("compute_capability", "-")],
+            ["NVIDIA driver", r.get("driver") or "- (no nvidia-smi)"],
+            ["torch", r["torch"]], ["CUDA (torch's build)", r["cuda"] or "-"],
+            ["GPUs visible", r.get("gpus_visible", 0)], ["Python", r["python"]],
+            ["CPU", f"{r['processor']} ({r['cpu_kind']}), {r['cpu_threads']} threads"]]
+    return table(["", ""], rows)
+
+
+def quick_start_md(r):
+    """The quick start section as markdown."""
+    names = {"refusion": "ReFusion (the quick start)", "mdm": "MDM, same data and budget"}
+    rows = [[names[key], r[key]["iters"], f"{r[key]['params_m']:.2f}", f"{r[key]['wall_s']:.1f}",
+             f"{r[key]['best_val_loss']:.4f}"] for key in names]
+    return (f"`{r['command']}` (the MDM: the same with `--objective=mdm`, its canvas as the "
+            f"decoders'); the data prepared first (or found ready) in {r['prepare_s']:.1f} s."
+            "\n\n" +
+            table(["model", "iterations", "parameters (M)", "wall time (s)", "best val loss"],
+                  rows))
+
+
+def decoding_md(r):
+    """The decoding section as markdown: a row per run, then its notes."""
+    header = ["decoder", "batch", "mode", "right (exact)", "tokens", "NFE", "TPF", "tokens/s",
+              "passes", "ms/pass", "model ms/pass", "decoder ms/pass", "same as eager batch 1",
+              "compile (s)"]
+    rows = []
+    for run in r["runs"]:
+        head = [run["decoder"], run["batch_size"], run["mode"]]
+        if "right" not in run:
+            rows.append(head + [run.get("error") or run["skipped"]] + [""] * 10)
+            continue
+        rows.append(head + [f"{run['right']} of {run['lines']}", run["tokens"], run["nfe"],
+                            f"{run['tpf']:.2f}", f"{run['tokens_per_s']:.0f}", run["passes"],
+                            f"{run['ms_per_pass']:.2f}", f"{run['model_ms_per_pass']:.2f}",
+                            f"{run['decoder_ms_per_pass']:.2f}", f"{run['identical']:.0%}",
+                            fmt(run.get("compile_s"), ".1f") +
+                            (f" ({run['graphs']} graphs)" if "graphs" in run else "")])
+    knobs = ", ".join(f"{k}={v}" for k, v in r["refusion_settings"].items())
+    failed = [run for run in r["runs"] if "error" in run]
+    notes = "\n\n" + r["split"]
+    if failed:
+        notes += (f"\n\n{len(failed)} runs failed, with the error in their row (a compiled model "
+                  "with a KV cache takes one prompt at a time: support.compiled).")
+    return (f"{r['lines']} validation lines, weights in {r['dtype']}, greedy. ReFusion as "
+            f"config/sample_quotes.py decodes ({knobs}, max_new_tokens={r['max_new_tokens']}); "
+            "next-token decoding of the same model; the MDM one token per step on its canvas of "
+            f"{r['mdm_max_new_tokens']}. Compiled: support.compiled.CompiledModel (CUDA graphs on "
+            "a GPU), its first run over the lines untimed (compile).\n\n" + table(header, rows) +
+            notes)
+
+
+def attention_md(r):
+    """The attention section as markdown: a row per decoder and backend."""
+    header = ["decoder", "SDPA backend", "right (exact)", "NFE", "tokens/s", "ms/pass",
+              "model ms/pass", "decoder ms/pass"]
+    rows = []
+    for run in r["runs"]:
+        head = [run["decoder"], run["backend"]]
+        if "right" not in run:
+            rows.append(head + [run.get("error") or run["skipped"]] + [""] * 5)
+            continue
+        rows.append(head + [f"{run['right']} of {run['lines']}", run["nfe"],
+                            f"{run['tokens_per_s']:.0f}", f"{run['ms_per_pass']:.2f}",
+                            f"{run['model_ms_per_pass']:.2f}", f"{run['decoder_ms_per_pass']:.2f}"])
+    return (f"{r['lines']} validation lines, eager, batch 1, each decode under one backend "
+            "(torch.nn.attention.sdpa_kernel); the last row reads next-token decoding's tokens "
+            "after every token instead of every 16th.\n\n" + table(header, rows))
+
+
+def recipe_85m_md(r):
+    """The 85M recipe section as markdown."""
+    evals = ", ".join(f"{s:.1f}" for s in r["evaluation_s"])
+    rows = [["data", f"{r['dataset']}, prepared in {r['prepare_s']:.1f} s"],
+            ["model", f"{r['params_m']:.1f}M parameters, batch {r['batch_size']}, "
+                      f"compile={r['compile']}"],
+            ["iterations", f"{r['iters']} in {r['wall_s']:.1f} s (train.py's whole run)"],
+            ["steady step", f"{r['steady_step_ms']:.1f} ms (median of the last "
+                            f"{r['steady_iters']})"],
+            ["MFU", f"{r['mfu']:.1%} ({r['tflops']:.1f} TFLOP/s of a {r['peak_tflops']:.0f} "
+                    "peak)"],
+            ["tokens/s", f"{r['tokens_per_s']:.0f}"],
+            ["first step", f"{r['first_step_s']:.1f} s" + (
+                f": compiling the training graph took ~{r['compile_s']:.1f} s beyond a steady step"
+                if r["compile"] else "")],
+            ["evaluations (each compiling its graph where the shape is new)", f"{evals} s"],
+            ["loss", f"{r['loss_first']:.3f} at the first step, {r['loss_last']:.3f} at the "
+                     "last"]]
+    return f"`{r['command']}`\n\n" + table(["", ""], rows)
+
+
+def pass_costs_md(r):
+    """The pass costs section as markdown: a table per model."""
+    parts = [f"One cached forward pass of k tokens after {r['prompt_len']} cached ones, bf16 (ms, "
+             f"median of {r['repeats']}, interleaved; support.benchmark.pass_costs, as tools.probe "
+             "times it). Free tokens: the most a pass takes for at most 1.25x the cost of one."]
+    for name in ("quick start", SMOLLM2):
+        part = r[name]
+        if "result" not in part:
+            parts.append(f"**{name}**: " + (part.get("skipped") or f"failed: `{part['error']}`"))
+            continue
+        ms = part["result"]["ms"]
+        ks = list(next(iter(ms.values())))
+        rows = [[variant] + [f"{c[k]:.2f}" for k in ks] + [part["result"]["free_tokens"][variant]]
+                for variant, c in ms.items()]
+        parts.append(f"**{name}** ({part['result']['params_m']:.1f}M parameters):\n\n" +
+                     table(["", *(f"k={k}" for k in ks), "free tokens"], rows))
+    return "\n\n".join(parts)
+
+
+SECTION_MD = {"machine": machine_md, "quick_start": quick_start_md, "decoding": decoding_md,
+              "attention": attention_md, "recipe_85m": recipe_85m_md,
+              "pass_costs": pass_costs_md}
+
+
+def fmt(value, spec=".1f"):
+    """value formatted by spec, or "-" for None."""
+    return "-" if value is None else format(value, spec)
+
+
+def report_md(report):
+    """The whole report as markdown: per section its figures, error or note, and its seconds."""
+    cfg = report["config"]
+    lines = ["# ReFusion on one GPU", "",
+             f"`python -m tools.gpu_report` on {cfg['device']}"
+             + (" with --quick (shrunk: a check of the plumbing, not a measurement)"
+                if cfg["quick"] else "")
+             + f"; the whole run {report['seconds']:.0f} s of a budget of {cfg['budget_s']:.0f} s."]
+    lines += [f"Note: {note}" for note in report["notes"]]
+    for name, section in report["sections"].items():
+        lines += ["", f"## {SECTION_TITLES[name]}", ""]
+        if "skipped" in section:
+            lines.append(section["skipped"][0].upper() + section["skipped"][1:] + ".")
+            continue
+        if "error" in section:
+            lines.append(f"Failed after {section['seconds']:.1f} s: `{section['error']}`")
+            continue
+        rendered = guarded(lambda: SECTION_MD[name](section["result"]))
+        lines.append(rendered.get("result") or f"(not shown: `{rendered.get('error')}`)")
+        lines += ["", f"({section['seconds']:.1f} s)"]
+    return "\n".join(lines) + "\n"
+
+
+def write_files(directory, report):
+    """bench_gpu.json and bench_gpu.md in directory, each written atomically."""
+    os.makedirs(directory, exist_ok=True)
+    write_atomic(os.path.join(directory, "bench_gpu.json"),
+                 lambda f: f.write(json.dumps(report, indent=2, default=str).encode()))
+    write_atomic(os.path.join(directory, "bench_gpu.md"),
+                 lambda f: f.write(report_md(report).encode()))
+
+# -----------------------------------------------------------------------------
+# the command line
+
+
+def settle_config(cfg, explicit):
+    """Check the settings and apply --quick (QUICK, for each setting not given). Returns the notes
+    the report states. Raises ValueError with the fix."""
+    check_device(cfg["device"])
+    if unknown := [s for s in cfg["sections"] if s not in SECTIONS]:
+        raise ValueError(f"--sections: {', '.join(unknown)} unknown; choose among "
+                         f"{', '.join(SECTIONS)}")
+    require(cfg, ("budget_s",), "positive", lambda v: v > 0)
+    if not cfg["batch_sizes"] or cfg["batch_sizes"][0] != 1:
+        raise ValueError(f"--batch_sizes={','.join(map(str, cfg['batch_sizes']))}: start from 1, "
+                         "the one-prompt decode the others are compared with")
+    notes = []
+    if cfg["quick"]:
+        cfg.update({k: v for k, v in QUICK.items() if k not in explicit})
+        if not cfg["device"].startswith("cuda") and "compile" not in explicit:
+            cfg["compile"] = False
+            notes.append("--quick on a CPU skips the compiled variants (slow to compile there); "
+                         "--compile=True runs them")
+    require(cfg, ("num_lines", "recipe_iters", "steady_iters", "repeats"), "positive",
+            lambda v: v > 0)
+    if cfg["steady_iters"] >= cfg["recipe_iters"]:
+        raise ValueError(f"--steady_iters={cfg['steady_iters']}: keep it below --recipe_iters="
+                         f"{cfg['recipe_iters']}, whose first step compiles")
+    check_compile(cfg)
+    return notes
+
+
+def main(argv):
+    cfg = parse_args(DEFAULTS, argv)
+    cfg["notes"] = settle_config(cfg, explicit_keys(cfg, DEFAULTS, argv))
+    report = run_report(cfg)
+    print("\n" + report_md(report))
+    print(f"wrote {cfg['out']}/bench_gpu.md and {cfg['out']}/bench_gpu.json")
+
+
+if __name__ == "__main__":
+    run_cli(main, sys.argv[1:])
