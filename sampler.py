@@ -29,10 +29,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kvcache import bucket, cache_length
 from configurator import (INFILL_MODES, ContextTooLong, DecodeSettings,  # noqa: F401
                           MDMSettings, RefusionSettings, check_attention, check_context,
                           explicit_keys, parse_args, run_cli, settings_in)
+from kvcache import bucket, cache_length
 
 # -----------------------------------------------------------------------------
 # ReFusion on one screen: the paper's decoding, plainly (SPEC section 4)
