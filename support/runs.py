@@ -48,8 +48,10 @@ OBJECTIVES = ("refusion", "ar", "mdm")
 # the model's shape, which --init_from=PATH takes from its checkpoint
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "qk_norm", "rope_theta")
 # settings a resumed run cannot change (a flag that contradicts one is refused); data_root may move
+# what a resumed run keeps: the model, its data, and every setting that changes what a label or an
+# output means (the objective and its layouts; mdm_shift: the output at i predicts token i + 1)
 RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "slot_sizes", "slot_end_labels",
-                            "ar_fraction", "gen_length")
+                            "ar_fraction", "gen_length", "mdm_shift")
 
 # -----------------------------------------------------------------------------
 # settings, checked once, where they enter

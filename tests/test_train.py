@@ -498,6 +498,21 @@ def test_what_a_resumed_run_or_a_fine_tune_cannot_change_is_checked_first_and_na
     train.main(flags + ["--init_from=resume", "--max_iters=4", "--n_kv_head=2"])
 
 
+def test_a_resume_refuses_to_flip_the_mdms_shift(tmp_path, qa_file):
+    """--mdm_shift changes what every output means (position i predicts token i + 1): a resumed
+    run that asks for the other layout is refused, naming it, and one that repeats it goes on."""
+    flags = tiny_run_flags(tmp_path, qa_file, "mdm", objective="mdm") + ["--mdm_shift=True"]
+    train.main(flags + ["--max_iters=2"])
+    resume = [f"--out_dir={tmp_path / 'mdm'}", f"--data_root={tmp_path / 'data'}",
+              "--init_from=resume", "--max_iters=4"]
+    with pytest.raises(ValueError, match=r"^--mdm_shift=False differs from the checkpoint's True; "
+                                         r"a resumed run keeps"):
+        train.main(resume + ["--mdm_shift=False"])
+    train.main(resume + ["--mdm_shift=True"])
+    ckpt = checkpoint.load_checkpoint(str(tmp_path / "mdm"), settings_only=True)
+    assert ckpt["config"]["mdm_shift"] and ckpt["iter_num"] == 4
+
+
 def test_resume_takes_the_checkpoints_settings_and_init_from_its_shape(tmp_path, qa_file):
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2", "--batch_size=3"])
     out = f"--out_dir={tmp_path / 'run'}"
