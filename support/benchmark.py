@@ -33,6 +33,7 @@ from support.checkpoint import load_checkpoint
 from support.compiled import CompiledModel
 from support.files import write_atomic
 from support.hardware import cpu_kind, cpuinfo
+from support.runs import hold_out_dir
 from support.sampling import prompt_generator
 
 # -----------------------------------------------------------------------------
@@ -63,8 +64,16 @@ def train_or_reuse(train_main, train_defaults, flags, retrain=False):
                     return json.load(f)["minutes"]
             print(f"== resuming {out} at iteration {ckpt['iter_num']} of {wanted['max_iters']}")
             flags = [f"--out_dir={out}", "--init_from=resume"]
-    if "--init_from=resume" not in flags:
-        shutil.rmtree(out, ignore_errors=True)
+    if "--init_from=resume" not in flags and os.path.isdir(out):
+        # trained anew: what is there goes, but only under the run's lock, so that a live run
+        # there is refused (ValueError, naming it) instead of losing its files
+        with hold_out_dir(out):
+            for name in set(os.listdir(out)) - {".lock", ".lock.holder"}:
+                path = os.path.join(out, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
     print(f"\n== training {out}: python train.py {' '.join(flags)}", flush=True)
     t0 = time.perf_counter()
     train_main(flags)

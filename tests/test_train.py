@@ -498,6 +498,30 @@ def test_what_a_resumed_run_or_a_fine_tune_cannot_change_is_checked_first_and_na
     train.main(flags + ["--init_from=resume", "--max_iters=4", "--n_kv_head=2"])
 
 
+def test_a_benchmark_never_removes_a_directory_a_live_run_holds(tmp_path, qa_file):
+    """train_or_reuse trains anew into a directory only under its lock: while another process
+    holds it (a live training run), it is refused naming that run, and nothing there is lost."""
+    flags = tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"]
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "ckpt.pt").write_bytes(b"a live run's checkpoint")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from support.runs import hold_out_dir\n"
+         f"with hold_out_dir({str(out)!r}):\n    print('held', flush=True); time.sleep(60)"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match=r"is in use by another training run \(pid "
+                                             f"{holder.pid} on "):
+            train_or_reuse(train.main, train.DEFAULTS, flags, retrain=True)
+        assert (out / "ckpt.pt").read_bytes() == b"a live run's checkpoint"
+    finally:
+        holder.kill()
+        holder.wait()
+    train_or_reuse(train.main, train.DEFAULTS, flags, retrain=True)   # released: trained anew
+    assert checkpoint.load_checkpoint(str(out), settings_only=True)["iter_num"] == 2
+
+
 def test_a_resume_refuses_to_flip_the_mdms_shift(tmp_path, qa_file):
     """--mdm_shift changes what every output means (position i predicts token i + 1): a resumed
     run that asks for the other layout is refused, naming it, and one that repeats it goes on."""
