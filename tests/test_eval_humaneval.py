@@ -91,6 +91,30 @@ def test_report_of_an_untrained_checkpoint(tmp_path, qa_file, capsys):
                              "--slot_size=0", "--allow_code_eval"])
 
 
+def test_an_mdm_is_scored_in_the_layout_it_was_trained_on(tmp_path, qa_file, monkeypatch,
+                                                           capsys):
+    """A Dream-way MDM (--mdm_shift, canvases of --gen_length tokens) is decoded shifted and on its
+    canvas, as sampler.py decodes it (support.sampling.fit_mdm_layout); another canvas asked for
+    explicitly is refused."""
+    train.main(tiny_run_flags(tmp_path, qa_file, "mdm", objective="mdm") + [
+        "--max_iters=2", "--block_size=600", "--mdm_shift=True"])        # --gen_length=16
+    seen = []
+    decode = sampler.DECODERS["mdm"][0]
+
+    def spy(model, prompt, settings, **kwargs):
+        seen.append((settings.mdm_shift, settings.max_new_tokens))
+        return decode(model, prompt, settings, **kwargs)
+
+    monkeypatch.setitem(sampler.DECODERS, "mdm", (spy, sampler.DECODERS["mdm"][1]))
+    flags = [f"--out_dir={tmp_path / 'mdm'}", "--allow_code_eval", "--limit=1", "--steps=4"]
+    eval_humaneval.main(flags)
+    assert "decoding on the canvas of 16 tokens" in capsys.readouterr().err
+    assert seen and set(seen) == {(True, 16)}
+    with pytest.raises(ValueError, match=r"--max_new_tokens=32: this MDM was trained to fill "
+                                         r"canvases of 16 tokens"):
+        eval_humaneval.main(flags + ["--max_new_tokens=32"])
+
+
 def test_a_folder_is_asked_in_the_release_instruct_format_by_default(tmp_path, capsys):
     # byte tokens, chat markers, <|mask|>; a context of 256
     save_tiny_hf_folder(tmp_path / "refusion")

