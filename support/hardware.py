@@ -150,8 +150,10 @@ def verdicts_file():
 
 def measured_costs(config, work, kind):
     """time_dtypes(config, work) on this machine, measured once and kept in verdicts_file() under
-    the processor, its kind, torch's version, the threads and the layer's shape; an unreadable
-    file is measured again and one that cannot be written is left as it is."""
+    the processor, its kind, torch's version, the threads and the layer's shape. An unreadable file,
+    or a verdict of another shape than {"float32": ms, "bfloat16": ms} (positive, finite), is
+    measured again; a file that cannot be written is left as it is. Returns (costs, where they are
+    kept: the file, or None when it could not be written)."""
     c = config
     key = " | ".join((str(cpuinfo("model name")), kind, f"torch {torch.__version__}",
                       f"{torch.get_num_threads()} threads", work,
@@ -161,8 +163,8 @@ def measured_costs(config, work, kind):
     try:
         with open(path) as f:
             kept = json.load(f)
-        if isinstance(kept.get(key), dict):
-            return kept[key]
+        if is_verdict(kept.get(key)):
+            return kept[key], path
     except (OSError, ValueError, AttributeError):
         kept = {}
     costs = time_dtypes(config, work)
@@ -171,8 +173,16 @@ def measured_costs(config, work, kind):
         write_atomic(path, lambda f: f.write(json.dumps(dict(kept, **{key: costs}),
                                                         indent=1).encode()))
     except OSError:
-        pass
-    return costs
+        return costs, None
+    return costs, path
+
+
+def is_verdict(entry):
+    """True for a kept verdict of the right shape: {"float32": ms, "bfloat16": ms}, each a positive,
+    finite number (measured_costs measures anything else again)."""
+    return isinstance(entry, dict) and all(
+        type(entry.get(d)) in (int, float) and 0 < entry[d] < float("inf")
+        for d in ("float32", "bfloat16"))
 
 
 def pick_dtype(dtype, device, config=None, kind=None, work="decode"):
@@ -191,12 +201,14 @@ def pick_dtype(dtype, device, config=None, kind=None, work="decode"):
         native, why = False, (f"{why}, but a model of {n / 1e6:.2g}M parameters (under "
                               f"{SMALL_MODEL / 1e6:.0f}M) is faster in float32 on a CPU")
     elif native and device.startswith("cpu") and n is not None:
-        ms = measured_costs(config, work, kind or cpu_kind())
+        ms, kept = measured_costs(config, work, kind or cpu_kind())
         native = ms["bfloat16"] < ms["float32"]
         what = "training step" if work == "train" else "decoding pass"
+        where = f"measured once, kept in {kept}" if kept else \
+            f"measured now: {verdicts_file()} could not be written, so it is measured each time"
         why = (f"{why} {'and' if native else 'but'} a {what} of {MEASURED_TOKENS[work]} tokens "
                f"through one of this model's layers took {ms['bfloat16']:.1f} ms in bf16 against "
-               f"{ms['float32']:.1f} in float32 here (measured once, kept in {verdicts_file()})")
+               f"{ms['float32']:.1f} in float32 here ({where})")
     chosen = "bfloat16" if native else "float32"
     return chosen, f"--dtype=auto: {chosen}, as {why}"
 

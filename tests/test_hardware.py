@@ -92,8 +92,8 @@ def test_a_verdict_is_kept_per_machine_and_shape_and_an_unreadable_file_is_measu
     assert path == str(tmp_path / "refusion" / "dtype.json")
     wide = dataclasses.replace(LARGE, n_embd=1152, n_head=18, n_kv_head=6)
     for config in (LARGE, wide, LARGE, wide):
-        assert hardware.measured_costs(config, "decode", "AMX") == {"float32": 3.0,
-                                                                   "bfloat16": 2.0}
+        assert hardware.measured_costs(config, "decode", "AMX")[0] == {"float32": 3.0,
+                                                                      "bfloat16": 2.0}
     assert calls == [(576, "decode"), (1152, "decode")]
     with open(path) as f:
         kept = json.load(f)
@@ -104,6 +104,33 @@ def test_a_verdict_is_kept_per_machine_and_shape_and_an_unreadable_file_is_measu
     assert calls[2:] == [(576, "decode")]
     with open(path) as f:
         assert len(json.load(f)) == 1
+
+
+@pytest.mark.parametrize("entry", [{}, {"float32": 1.0}, {"float32": "1", "bfloat16": "2"},
+                                   {"float32": None, "bfloat16": None}, "fast", None, [1, 2],
+                                   {"float32": True, "bfloat16": 1.0},
+                                   {"float32": -1.0, "bfloat16": 1.0}])
+def test_a_kept_verdict_of_the_wrong_shape_is_measured_again(monkeypatch, tmp_path, entry):
+    calls = timed(monkeypatch, tmp_path, 2.0, 3.0)
+    hardware.measured_costs(LARGE, "decode", "AMX")
+    path = hardware.verdicts_file()
+    with open(path) as f:
+        key = next(iter(json.load(f)))
+    with open(path, "w") as f:
+        json.dump({key: entry}, f)
+    assert hardware.measured_costs(LARGE, "decode", "AMX") == ({"float32": 3.0, "bfloat16": 2.0},
+                                                               path)
+    assert len(calls) == 2
+    with open(path) as f:
+        assert json.load(f) == {key: {"float32": 3.0, "bfloat16": 2.0}}
+
+
+def test_a_verdict_that_cannot_be_kept_is_not_said_to_be(monkeypatch, tmp_path):
+    timed(monkeypatch, tmp_path, 2.0, 3.0)
+    (tmp_path / "refusion").write_text("a file where the cache's folder would be")
+    monkeypatch.setattr(hardware, "native_bf16", lambda device, kind: (True, "AMX"))
+    _, note = pick_dtype("auto", "cpu", LARGE, "AMX")
+    assert "kept in" not in note and "could not be written, so it is measured each time" in note
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # autocast's norms
