@@ -571,8 +571,10 @@ def compiled_table(compiled, task):
 
 
 def check_batch_settings(cfg):
-    """Raise ValueError unless --throughput_task is one of --tasks (or empty: no batches) and
-    --batch_sizes ascend from 1, the one-prompt reference."""
+    """Raise ValueError unless --tasks names a task, --throughput_task is one of them (or empty: no
+    batches) and --batch_sizes ascend from 1, the one-prompt reference."""
+    if not cfg["tasks"]:
+        raise ValueError("--tasks=(): name at least one task to benchmark, e.g. --tasks=quotes")
     if cfg["throughput_task"] and cfg["throughput_task"] not in cfg["tasks"]:
         raise ValueError(f"--throughput_task={cfg['throughput_task']}: not among --tasks "
                          f"({', '.join(cfg['tasks'])}); name one of them, or '' for no batches")

@@ -192,7 +192,8 @@ def test_bench_settings_are_checked_before_any_work(flag):
     (["--batch_sizes=4,16"], "--batch_sizes=4,16: give ascending batch sizes from 1"),
     (["--batch_sizes=1,16,4"], "--batch_sizes=1,16,4: give ascending"),
     (["--tasks=arith", "--throughput_task=transform"],
-     "--throughput_task=transform: not among --tasks \\(arith\\)")])
+     "--throughput_task=transform: not among --tasks \\(arith\\)"),
+    (["--tasks=()", "--throughput_task="], "--tasks=\\(\\): name at least one task")])
 def test_batch_settings_are_checked_before_any_work(flags, message):
     with pytest.raises(ValueError, match=message):
         bench.check_bench_config(parse_args(bench.DEFAULTS, flags))

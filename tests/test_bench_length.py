@@ -96,7 +96,8 @@ def test_quotes_long_is_scored_line_by_line_and_by_character():
     (["--dataset=transform-long", "--lengths=(32,100)"], "--lengths: 100 is not an answer length "
      "of transform-long; choose from 32, 64, 128, 256, 512"),
     (["--dataset=quotes"], "--dataset='quotes': the sweep's tasks are quotes-long, "
-                           "transform-long")])
+                           "transform-long"),
+    (["--lengths=()"], r"--lengths=\(\): name at least one answer length to sweep, from 32, 64")])
 def test_a_length_or_task_the_sweep_does_not_have_is_refused_before_any_work(tmp_path, flags,
                                                                             message):
     with pytest.raises(ValueError, match=message):

@@ -100,3 +100,9 @@ def test_a_checkpoint_older_than_a_training_setting_is_recorded_with_its_default
     options = bench_pretrained.train_options(old)
     assert options["mdm_shift"] is False and options["ar_fraction"] == 0.25
     assert options == {k: dict(old, mdm_shift=False)[k] for k in bench_pretrained.TRAIN_OPTIONS}
+
+
+def test_an_empty_list_of_tasks_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match=r"--tasks=\(\): name at least one task"):
+        bench_pretrained.main(["--tasks=()", "--throughput_task=", f"--out_dir={tmp_path / 'b'}"])
+    assert not (tmp_path / "b").exists()

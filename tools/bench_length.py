@@ -289,6 +289,9 @@ def check_length_config(cfg):
         raise ValueError(f"--dataset={cfg['dataset']!r}: the sweep's tasks are "
                          f"{', '.join(LENGTHS)}")
     known = LENGTHS[cfg["dataset"]]
+    if not cfg["lengths"]:
+        raise ValueError(f"--lengths=(): name at least one answer length to sweep, from "
+                         f"{', '.join(map(str, known))}")
     for L in cfg["lengths"]:
         if L not in known:
             raise ValueError(f"--lengths: {L} is not an answer length of {cfg['dataset']}; "

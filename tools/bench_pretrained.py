@@ -256,6 +256,7 @@ def smollm2_batched_points(cfg, rows, points, models, ids, prompts, max_new_toke
 
 def check_bench_pretrained_config(cfg):
     """Check the settings before any work. Raises ValueError with the fix."""
+    check_batch_settings(cfg)
     for task in cfg["tasks"]:
         if task not in TASKS:
             raise ValueError(f"--tasks={task}: this benchmark knows {', '.join(TASKS)}")
@@ -267,7 +268,6 @@ def check_bench_pretrained_config(cfg):
                          "SmolLM2 first with python -m tools.convert_gguf smollm2")
     settle_dtype(cfg, hf_model_config(cfg["init_from"]))  # auto: bf16 where it pays
     require(cfg, ("num_prompts",), "positive", lambda v: v > 0)
-    check_batch_settings(cfg)
 
 
 def main(argv):
