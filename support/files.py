@@ -10,6 +10,7 @@ never a mix, and no temp file keeps the disk full.
 
 import errno
 import os
+import stat
 import tempfile
 
 
@@ -49,6 +50,17 @@ def raise_if_disk_full(error, path, what=None):
                        f"to write {path}; {kept}: free some space there and run again") from None
 
 
+def file_mode(path):
+    """The permission bits path should have once replaced: those of the file it replaces, or for a
+    new file what open() gives one under the process's umask (0666 less the umask)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)   # read by setting it; set back at once
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def write_atomic(path, write, what=None):
     """Replace the file at path with what write(f) writes into a binary file f, atomically.
 
@@ -77,7 +89,7 @@ def write_atomic(path, write, what=None):
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes files private; these are ordinary files
+        os.chmod(tmp, file_mode(path))  # mkstemp makes files private (0600)
         os.replace(tmp, path)
     except BaseException as e:
         if tmp is not None:

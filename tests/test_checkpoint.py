@@ -220,3 +220,23 @@ def test_a_nan_weight_is_refused_at_load_naming_the_file_for_every_source(tmp_pa
     with pytest.raises(ValueError, match=r"model.safetensors: the weight layers.1.mlp.down_proj"
                                          r".weight holds 1 NaN or infinite"):
         sampler.main([f"--init_from={tmp_path / 'folder'}", "--prompt=hi", "--method=next_token"])
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_a_replaced_file_keeps_its_mode_and_a_new_one_follows_the_umask(tmp_path, umask):
+    """write_atomic gives a file it replaces that file's permission bits (a private ckpt.pt stays
+    private), and a new file what open() would under the umask."""
+    old = os.umask(umask)
+    try:
+        new = tmp_path / "new.pt"
+        write_atomic(str(new), lambda f: f.write(b"new"))
+        assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~umask
+        for mode in (0o600, 0o640, 0o444):
+            private = tmp_path / f"kept-{mode:o}.pt"
+            private.write_bytes(b"old")
+            private.chmod(mode)
+            write_atomic(str(private), lambda f: f.write(b"replaced"))
+            assert stat.S_IMODE(private.stat().st_mode) == mode
+            assert private.read_bytes() == b"replaced"
+    finally:
+        os.umask(old)
