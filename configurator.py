@@ -356,6 +356,14 @@ class RefusionSettings(DecodeSettings):
 MDM_CONFIDENCES = ("prob", "margin", "entropy")
 
 
+def check_confidence(cfg):
+    """Refuse a --confidence that is not one of MDM_CONFIDENCES, whichever the method, so that a
+    misspelt rule is never silently ignored. Raises ValueError."""
+    if cfg["confidence"] not in MDM_CONFIDENCES:
+        raise ValueError(f"--confidence={cfg['confidence']!r}: choose one of "
+                         f"{', '.join(MDM_CONFIDENCES)} (it ranks the MDM's drafts)")
+
+
 @dataclass
 class MDMSettings(DecodeSettings):
     """LLaDA's schedule (SPEC section 4, "Baseline decoders"): `steps` denoising steps over

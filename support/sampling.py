@@ -22,7 +22,7 @@ from json import dumps
 
 import torch
 
-from configurator import check_device, check_seed
+from configurator import check_confidence, check_device, check_seed
 from model import ModelConfig
 from support.batching import generate_batch
 from support.chat import chat_prompt
@@ -54,6 +54,7 @@ def check_sample_config(cfg):
         raise ValueError("--show redraws one decode at a time; use it with --batch_size=1")
     if cfg["batch_size"] > 1 and cfg["compile"]:
         raise ValueError("--compile decodes one prompt at a time; use it with --batch_size=1")
+    check_confidence(cfg)
     check_compile(cfg)
 
 

@@ -206,6 +206,8 @@ def test_flags_out_of_range_are_refused_before_any_work(tmp_path, monkeypatch, f
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         eval_humaneval.main([f"--out_dir={tmp_path / 'none'}", f"--out_json={out_json}"])
     assert os.listdir(tmp_path) == []                                 # no empty report.json
+    with pytest.raises(ValueError, match=r"--confidence='bogus': choose one of prob, margin"):
+        eval_humaneval.main([f"--out_dir={tmp_path / 'none'}", "--confidence=bogus"])
     with pytest.raises(ValueError, match=rf"--out_json={re.escape(str(tmp_path))}: "
                                          "cannot write there"):
         eval_humaneval.main([f"--out_dir={tmp_path / 'none'}", f"--out_json={tmp_path}"])

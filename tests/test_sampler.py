@@ -49,7 +49,10 @@ def test_cli_builds_each_decoder_and_refuses_an_unknown_method():
     ("--method=beam", "choose one of refusion, next_token, mdm"),
     ("--slot_threshold=nan", "thresholds are finite probabilities"),
     ("--method=mdm --steps=7 --max_new_tokens=64 --block_length=32", "steps"),
-    ("--method=mdm --confidence=top", "confidence='top': choose one of prob, margin, entropy")])
+    ("--method=mdm --confidence=top", "confidence='top': choose one of prob, margin, entropy"),
+    ("--method=refusion --confidence=bogus", "--confidence='bogus': choose one of prob, margin, "
+                                             "entropy"),
+    ("--confidence=bogus", "--confidence='bogus': choose one of prob, margin, entropy")])
 def test_bad_decoder_settings_fail_before_any_weights_are_read(tmp_path, flag, message):
     # out_dir holds no checkpoint: reading weights first would fail with a different error
     with pytest.raises(ValueError, match=message):

@@ -56,8 +56,8 @@ from tqdm import tqdm
 if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configurator import (check_device, check_seed, explicit_keys, parse_args, require, run_cli,
-                          settings_in)
+from configurator import (check_confidence, check_device, check_seed, explicit_keys, parse_args,
+                          require, run_cli, settings_in)
 from sampler import METHOD_OF, check_attention, decoder_settings, make_decoder
 from support.batching import generate_batch
 from support.chat import chat_prompt
@@ -132,6 +132,7 @@ def check_settings(cfg):
     check_seed(cfg)
     if cfg["batch_size"] < 1:
         raise ValueError(f"--batch_size={cfg['batch_size']}: decode at least one problem at a time")
+    check_confidence(cfg)
     if cfg["method"]:
         decoder_settings(cfg)  # bad decoder settings fail before the weights are read
     if cfg["out_json"]:  # refused now, not after hours of decoding; nothing is left behind
