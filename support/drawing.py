@@ -14,6 +14,7 @@ python -m tools.figures draws the pictures of docs/ with them.
 
 
 import os
+import tempfile
 
 import torch
 
@@ -47,6 +48,10 @@ def picture_path(path, flag, extensions=(".png",)):
     if os.path.isdir(path):
         raise ValueError(f"{flag}={path} is a directory; name a file, e.g. {flag}="
                          f"{os.path.join(path, 'decode' + extensions[0])}")
+    folder, name = os.path.split(path)
+    if name.lower() in extensions:                     # ".gif": an extension, no name
+        raise ValueError(f"{flag}={path}: name the file, e.g. {flag}="
+                         f"{os.path.join(folder, 'decode' + name)}")
     stem, extension = os.path.splitext(path)
     if extension.lower() not in ("", *extensions):
         names = " or ".join(stem + e for e in extensions)
@@ -56,6 +61,12 @@ def picture_path(path, flag, extensions=(".png",)):
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"{flag}={path}: the directory {folder} does not exist; create it "
                                 "or pick another path")
+    try:  # a file can be made there (the picture is written atomically beside where it goes)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag}={path}: cannot write in {folder} ({e.strerror or e}); pick "
+                         "another path") from None
     return path if extension else path + extensions[0]
 
 

@@ -2,6 +2,7 @@
 decoder's or the layout's own output."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from data import layout_slots
 from helpers import qa_rows, tiny_model, tiny_run_flags, write
 from sampler import DECODERS
 from support import drawing
-from support.drawing import plot_decode, pyplot
+from support.drawing import picture_path, plot_decode, pyplot
 from tools import figures
 
 pytest.importorskip("matplotlib")
@@ -117,10 +118,19 @@ def test_figures_script_draws_both_pictures_from_a_real_sample_and_checkpoint(tm
 def test_plot_names_the_png_it_writes_and_refuses_a_bad_path_before_any_work(tmp_path, capsys,
                                                                             name, written):
     (tmp_path / "d.png").mkdir()
-    for bad, message in [(tmp_path / "d.png", "is a directory"), (tmp_path / "d.jpg", "name it"),
-                         (tmp_path / "none" / "d.png", "does not exist")]:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    bad_paths = [(tmp_path / "d.png", "is a directory"), (tmp_path / "d.jpg", "name it"),
+                 (tmp_path / "none" / "d.png", "does not exist"),
+                 (tmp_path / ".gif", r"name the file, e\.g\. --plot=.*decode\.gif")]
+    if not os.access(locked, os.W_OK):  # root writes anywhere: no such directory for it
+        bad_paths.append((locked / "d.gif", "cannot write in"))
+    for bad, message in bad_paths:
         with pytest.raises((ValueError, FileNotFoundError), match=message):  # no checkpoint read
             sampler.main([f"--out_dir={tmp_path / 'no-model-here'}", f"--plot={bad}"])
+    if os.path.isdir("/proc"):                             # a directory nobody can write in
+        with pytest.raises(ValueError, match="cannot write in /proc"):
+            picture_path("/proc/d.png", "--plot")
     data = write(tmp_path, "qa.json", json.dumps(qa_rows()))
     train.main(tiny_run_flags(tmp_path, (data,), "m") + ["--max_iters=2"])
     capsys.readouterr()
