@@ -14,6 +14,7 @@ python -m tools.figures draws the pictures of docs/ with them.
 
 
 import os
+import sys
 import tempfile
 
 import torch
@@ -145,23 +146,35 @@ def committing_steps(out, prompt_len, canvas=0):
     return step_of
 
 
+MAX_FRAMES = 64  # a longer decode's GIF shows several steps a frame (animate_decode)
+
+
 def animate_decode(out, prompt_len, path, title="", texts=None, canvas=0, per_row=32,
                    frame_ms=600):
     """--plot=*.gif: one decode as an animated GIF at path, one frame per decoding step (so
-    len(out.trace) frames), each shown frame_ms milliseconds (the last three times as long).
+    len(out.trace) frames, at most MAX_FRAMES: a longer decode shows several steps a frame, spread
+    evenly, the last frame its end, with a note on stderr), each shown frame_ms milliseconds (the
+    last three times as long). A frame draws every position once, so a GIF costs its frames times
+    the positions, never the steps squared.
 
-    Frame s draws the response positions in rows of per_row: those committed by step s coloured by
-    their committing step (viridis, as plot_decode), step s's own outlined in red, the rest grey
-    with ░; its title counts the forward passes so far (out.step_nfe) and the tokens committed.
-    texts, canvas: as plot_decode. Written atomically with Pillow (matplotlib's dependency).
-    Returns (the frames as RGB PIL images, each frame's caption). Raises ValueError without
-    matplotlib."""
+    Frame k draws the response positions in rows of per_row: those committed by its last step
+    coloured by their committing step (viridis, as plot_decode), those committed since the frame
+    before outlined in red, the rest grey with ░; its title counts the forward passes so far
+    (out.step_nfe) and the tokens committed. texts, canvas: as plot_decode. Written atomically
+    with Pillow (matplotlib's dependency). Returns (the frames as RGB PIL images, each frame's
+    caption). Raises ValueError without matplotlib."""
     plt = pyplot()
     import numpy as np
     from matplotlib.patches import Rectangle
     from PIL import Image
     step_of = committing_steps(out, prompt_len, canvas)
     width, n = len(step_of), len(out.trace)
+    # the step each frame ends at: every step, or MAX_FRAMES of them spread evenly
+    ends = list(range(1, n + 1)) if n <= MAX_FRAMES else \
+        [round(k * n / MAX_FRAMES) for k in range(1, MAX_FRAMES + 1)]
+    if n > MAX_FRAMES:
+        print(f"note: {n} decoding steps drawn as {MAX_FRAMES} frames of about "
+              f"{n / MAX_FRAMES:.1f} steps each", file=sys.stderr)
     per_row = min(per_row, width)
     rows = -(-width // per_row)
     grid = np.zeros(rows * per_row, dtype=np.int64)
@@ -169,7 +182,7 @@ def animate_decode(out, prompt_len, path, title="", texts=None, canvas=0, per_ro
     fig, ax = plt.subplots(figsize=(1.0 + 0.32 * per_row, 1.3 + 0.42 * rows))
     cmap = plt.get_cmap("viridis").with_extremes(bad="gainsboro")
     frames, captions = [], []
-    for s in range(1, n + 1):
+    for first, s in zip([1] + [e + 1 for e in ends[:-1]], ends):
         ax.clear()
         shown = np.ma.masked_where((grid == 0) | (grid > s), grid).reshape(rows, per_row)
         ax.imshow(shown, cmap=cmap, vmin=1, vmax=max(n, 2), aspect="auto",
@@ -180,20 +193,22 @@ def animate_decode(out, prompt_len, path, title="", texts=None, canvas=0, per_ro
             text = (texts or {}).get(prompt_len + i, "") if committed else "░"
             ax.text(c, r, text, ha="center", va="center", fontsize=7, parse_math=False,
                     color="black" if light or not committed else "white")
-            if step_of[i] == s:
+            if first <= step_of[i] <= s:
                 ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red",
                                        linewidth=1.5))
         ax.set_xticks([])
         ax.set_yticks(range(rows), [f"{r * per_row}" for r in range(rows)], fontsize=7)
         done = int(((step_of > 0) & (step_of <= s)).sum())
-        captions.append(f"step {s} of {n}: {len(out.trace[s - 1])} committed (red), {done} of "
+        steps = f"step {s}" if first == s else f"steps {first} to {s}"
+        new = sum(len(step) for step in out.trace[first - 1:s])
+        captions.append(f"{steps} of {n}: {new} committed (red), {done} of "
                         f"{width} in all, {sum(out.step_nfe[:s])} forward passes so far")
         ax.set_title(f"{title}\n{captions[-1]}", fontsize=8, loc="left")
         fig.tight_layout()
         fig.canvas.draw()
         frames.append(Image.fromarray(np.asarray(fig.canvas.buffer_rgba())).convert("RGB"))
     plt.close(fig)
-    durations = [frame_ms] * (n - 1) + [3 * frame_ms]
+    durations = [frame_ms] * (len(frames) - 1) + [3 * frame_ms]
     write_atomic(path, lambda f: frames[0].save(f, format="GIF", save_all=True, loop=0,
                                                 append_images=frames[1:], duration=durations))
     return frames, captions

@@ -75,6 +75,23 @@ def test_decode_animation_has_a_frame_per_step_counting_the_trace(tmp_path, meth
                for a, b in zip(frames, frames[1:]))
 
 
+def test_a_long_decodes_animation_is_capped_with_a_note(tmp_path, capsys, monkeypatch):
+    """A decode of more steps than MAX_FRAMES is drawn in MAX_FRAMES frames (here 4 for 16
+    steps), each covering its steps, the last one the decode's end, and a note says so: a GIF
+    costs its frames times the positions, not the steps squared."""
+    from PIL import Image
+    monkeypatch.setattr(drawing, "MAX_FRAMES", 4)
+    out = DECODERS["next_token"][0](tiny_model(), [1, 2, 3], DECODERS["next_token"][1](16),
+                                    eos_ids=(-1,))
+    assert len(out.trace) == 16
+    frames, captions = drawing.animate_decode(out, 3, tmp_path / "long.gif", per_row=8)
+    assert Image.open(tmp_path / "long.gif").n_frames == len(frames) == 4
+    assert captions == [f"steps {a} to {b} of 16: 4 committed (red), {b} of 16 in all, {b} "
+                        "forward passes so far" for a, b in ((1, 4), (5, 8), (9, 12), (13, 16))]
+    assert "note: 16 decoding steps drawn as 4 frames of about 4.0 steps each" in \
+        capsys.readouterr().err
+
+
 def test_layout_picture_draws_the_reorganized_buffer(tmp_path):
     """Prompt [10, 11], response [1, 2, 3, 4, 5, EOS] in slots of 2 (slot 1 masked, clean slots in
     the order 2, 0), two pads: the points are (buffer place, position id), the input strip gives
