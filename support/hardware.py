@@ -143,8 +143,15 @@ def time_dtypes(config, work, repeats=7):
 
 def verdicts_file():
     """Where measured dtype verdicts are kept: $XDG_CACHE_HOME/refusion/dtype.json, ~/.cache by
-    default."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    default. A relative XDG_CACHE_HOME is ignored, as the XDG spec says; with no home directory
+    known either (HOME unset, no passwd entry), None: nothing is kept, never a folder named ~ in
+    the current directory."""
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):
+        home = os.path.expanduser("~")
+        if not os.path.isabs(home):
+            return None
+        cache = os.path.join(home, ".cache")
     return os.path.join(cache, "refusion", "dtype.json")
 
 
@@ -160,6 +167,8 @@ def measured_costs(config, work, kind):
                       f"layer {c.n_embd} x {c.intermediate_size}, {c.n_head} / {c.n_kv_head} "
                       f"heads of {c.head_dim}"))
     path = verdicts_file()
+    if path is None:
+        return time_dtypes(config, work), None
     try:
         with open(path) as f:
             kept = json.load(f)
@@ -205,7 +214,8 @@ def pick_dtype(dtype, device, config=None, kind=None, work="decode"):
         native = ms["bfloat16"] < ms["float32"]
         what = "training step" if work == "train" else "decoding pass"
         where = f"measured once, kept in {kept}" if kept else \
-            f"measured now: {verdicts_file()} could not be written, so it is measured each time"
+            f"measured now: {verdicts_file() or 'no cache folder'} could not be written, so it " \
+            "is measured each time"
         why = (f"{why} {'and' if native else 'but'} a {what} of {MEASURED_TOKENS[work]} tokens "
                f"through one of this model's layers took {ms['bfloat16']:.1f} ms in bf16 against "
                f"{ms['float32']:.1f} in float32 here ({where})")

@@ -125,6 +125,25 @@ def test_a_kept_verdict_of_the_wrong_shape_is_measured_again(monkeypatch, tmp_pa
         assert json.load(f) == {key: {"float32": 3.0, "bfloat16": 2.0}}
 
 
+def test_the_cache_folder_is_absolute_or_none(monkeypatch, tmp_path):
+    """A relative XDG_CACHE_HOME is ignored (the XDG spec); without a home directory either, no
+    verdict is kept (never a folder named ~ in the current directory)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert hardware.verdicts_file() == str(tmp_path / ".cache" / "refusion" / "dtype.json")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.delenv("HOME")
+    monkeypatch.setattr(hardware.os.path, "expanduser", lambda p: p)   # no passwd entry either
+    assert hardware.verdicts_file() is None
+    calls = []
+    monkeypatch.setattr(hardware, "time_dtypes", lambda config, work: calls.append(work) or
+                        {"float32": 3.0, "bfloat16": 2.0})
+    monkeypatch.chdir(tmp_path)
+    assert hardware.measured_costs(LARGE, "decode", "AMX") == ({"float32": 3.0,
+                                                                "bfloat16": 2.0}, None)
+    assert calls == ["decode"] and not (tmp_path / "~").exists()
+
+
 def test_a_verdict_that_cannot_be_kept_is_not_said_to_be(monkeypatch, tmp_path):
     timed(monkeypatch, tmp_path, 2.0, 3.0)
     (tmp_path / "refusion").write_text("a file where the cache's folder would be")
