@@ -24,6 +24,7 @@ import sys
 import time
 
 import torch
+from filelock import FileLock, Timeout
 
 from model import Transformer
 from support.files import write_atomic
@@ -169,21 +170,30 @@ def measured_costs(config, work, kind):
     path = verdicts_file()
     if path is None:
         return time_dtypes(config, work), None
-    try:
-        with open(path) as f:
-            kept = json.load(f)
-        if is_verdict(kept.get(key)):
-            return kept[key], path
-    except (OSError, ValueError, AttributeError):
-        kept = {}
+    kept = read_verdicts(path)
+    if is_verdict(kept.get(key)):
+        return kept[key], path
     costs = time_dtypes(config, work)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_atomic(path, lambda f: f.write(json.dumps(dict(kept, **{key: costs}),
-                                                        indent=1).encode()))
-    except OSError:
+        # read again under a lock: another process may have kept a verdict while this one timed
+        with FileLock(path + ".lock", timeout=30):
+            kept = read_verdicts(path)
+            write_atomic(path, lambda f: f.write(json.dumps(dict(kept, **{key: costs}),
+                                                            indent=1).encode()))
+    except (OSError, Timeout):
         return costs, None
     return costs, path
+
+
+def read_verdicts(path):
+    """The verdicts kept in path (a dict), or {} when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return kept if isinstance(kept, dict) else {}
 
 
 def is_verdict(entry):

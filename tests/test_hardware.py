@@ -125,6 +125,25 @@ def test_a_kept_verdict_of_the_wrong_shape_is_measured_again(monkeypatch, tmp_pa
         assert json.load(f) == {key: {"float32": 3.0, "bfloat16": 2.0}}
 
 
+def test_a_verdict_kept_meanwhile_by_another_process_is_not_lost(monkeypatch, tmp_path):
+    """Two processes measuring at once: the one that ends second keeps the first's verdict beside
+    its own (it reads the file again, under a lock, before writing)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = hardware.verdicts_file()
+
+    def timed_while_another_keeps_one(config, work):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:                    # the other process, done meanwhile
+            json.dump({"another machine's key": {"float32": 1.0, "bfloat16": 4.0}}, f)
+        return {"float32": 3.0, "bfloat16": 2.0}
+
+    monkeypatch.setattr(hardware, "time_dtypes", timed_while_another_keeps_one)
+    hardware.measured_costs(LARGE, "decode", "AMX")
+    with open(path) as f:
+        kept = json.load(f)
+    assert len(kept) == 2 and kept["another machine's key"] == {"float32": 1.0, "bfloat16": 4.0}
+
+
 def test_the_cache_folder_is_absolute_or_none(monkeypatch, tmp_path):
     """A relative XDG_CACHE_HOME is ignored (the XDG spec); without a home directory either, no
     verdict is kept (never a folder named ~ in the current directory)."""
