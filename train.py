@@ -396,7 +396,7 @@ def main(argv):
     data, the model and its optimizer, then the loop until max_iters or a stop request (Ctrl-C,
     SIGTERM), saving a checkpoint whenever it yields. support/ holds the plumbing, called here as
     plain functions: checks, out_dir's lock, processes, data, FSDP, signals, checkpoints."""
-    from support import hardware, runs, shard
+    from support import runs, shard
     t0 = time.perf_counter()  # a checkpoint's train_minutes: its earlier runs' and this one's
     cfg = parse_args(DEFAULTS, argv)
     explicit = explicit_keys(cfg, DEFAULTS, argv)
@@ -423,11 +423,7 @@ def main(argv):
             start.model_args, start.iter_num, start.best_val_loss, False, start.train_minutes)
         del start
         # auto: bf16 where it pays
-        dtype, why = hardware.pick_dtype(cfg["dtype"], cfg["device"], model.config, work="train")
-        if world > 1:  # every process takes rank 0's dtype, even where their timings differ
-            chosen = [dtype]
-            torch.distributed.broadcast_object_list(chosen, src=0)
-            dtype = chosen[0]
+        dtype, why = runs.train_dtype(cfg, model.config, rank, world)
         if rank == 0:
             print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
                   f"{len(train_data):,} training samples, device {cfg['device']}, "
