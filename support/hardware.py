@@ -64,24 +64,29 @@ def onednn_allows(isa, cap=None):
 
 
 def cpu_kind(capability=None, flags=None, onednn_cap=None):
-    """The code paths torch takes on this CPU: torch's capability (AVX2, AVX512, ...; lowered by
-    ATEN_CPU_CAPABILITY), with " BF16" or "AMX" where the CPU multiplies bf16 natively and oneDNN
-    may use it (onednn_allows), e.g. "AVX2", "AVX512", "AVX512 BF16", "AMX". The arguments stand
-    in for the machine's own values (tests)."""
+    """The code paths torch takes on this CPU, each library for what it runs: torch's own kernels
+    at its capability (AVX2, AVX512, ...; lowered by ATEN_CPU_CAPABILITY), the matmuls through
+    oneDNN, natively in bf16 where the CPU has bf16 units and ONEDNN_MAX_CPU_ISA lets oneDNN use
+    them (onednn_allows). "AVX2", "AVX512", "AVX512 BF16", "AMX", or, with torch's kernels lowered
+    below AVX-512 while oneDNN still multiplies bf16, "AVX2, oneDNN BF16" (or "AVX2, oneDNN AMX").
+    The arguments stand in for the machine's own values (tests)."""
     capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     flags = cpu_flags() if flags is None else flags
-    if capability.startswith("AVX512"):
-        if "amx_bf16" in flags and onednn_allows("AVX512_CORE_AMX", onednn_cap):
-            return "AMX"
-        if "avx512_bf16" in flags and onednn_allows("AVX512_CORE_BF16", onednn_cap):
-            return f"{capability} BF16"
-    return capability
+    if "amx_bf16" in flags and onednn_allows("AVX512_CORE_AMX", onednn_cap):
+        units = "AMX"
+    elif "avx512_bf16" in flags and onednn_allows("AVX512_CORE_BF16", onednn_cap):
+        units = "BF16"
+    else:
+        return capability
+    if not capability.startswith("AVX512"):
+        return f"{capability}, oneDNN {units}"
+    return "AMX" if units == "AMX" else f"{capability} BF16"
 
 
 def native_bf16(device, kind=None):
     """(True or False, why) for bf16 matmuls on device ("cpu", "cuda", "cuda:N", "mps"): native on
-    a CUDA GPU that supports bf16 and a CPU of kind AVX512 BF16 or AMX (cpu_kind); on MPS, float32
-    is kept."""
+    a CUDA GPU that supports bf16 and a CPU whose oneDNN multiplies bf16 on its own units (cpu_kind
+    "AVX512 BF16", "AMX", "AVX2, oneDNN BF16", ...); on MPS, float32 is kept."""
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(torch.device(device))
         if torch.cuda.is_bf16_supported(including_emulation=False):
@@ -90,7 +95,7 @@ def native_bf16(device, kind=None):
     if device.startswith("mps"):
         return False, "bf16 on MPS is not measured here"
     kind = cpu_kind() if kind is None else kind
-    if kind == "AMX" or kind.endswith("BF16"):
+    if kind.endswith(("AMX", "BF16")):
         return True, f"this CPU ({kind}) multiplies bf16 natively"
     return False, f"this CPU ({kind}) has no bf16 matrix units: bf16 would be converted to float32"
 

@@ -28,7 +28,11 @@ from support.hardware import cpu_kind, num_params, pick_dtype
     ("AVX512", {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "AVX512_CORE_BF16",
      "AVX512 BF16"),
     ("AVX512", {"avx512f"}, "ALL", "AVX512"),                      # AVX-512 without bf16 units
-    ("AVX2", {"avx512f", "avx512_bf16"}, "ALL", "AVX2"),           # ATEN_CPU_CAPABILITY=avx2
+    # ATEN_CPU_CAPABILITY=avx2 alone: torch's own kernels AVX2, oneDNN's matmuls still bf16
+    ("AVX2", {"avx512f", "avx512_bf16"}, "ALL", "AVX2, oneDNN BF16"),
+    ("AVX2", {"avx512f", "avx512_bf16", "amx_bf16"}, "ALL", "AVX2, oneDNN AMX"),
+    ("AVX2", {"avx512f", "avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", "AVX2, oneDNN BF16"),
+    ("AVX2", {"avx512f", "avx512_bf16"}, "AVX2", "AVX2"),          # ... and ONEDNN_MAX_CPU_ISA
     ("AVX512", {"avx512f", "avx512_bf16"}, "AVX2", "AVX512"),      # ONEDNN_MAX_CPU_ISA below it
     ("AVX512", {"avx512f", "avx512_bf16"}, "avx512_core", "AVX512"),
     ("AVX512", {"avx512f", "avx512_bf16"}, "AVX512_CORE_VNNI", "AVX512"),
@@ -55,6 +59,7 @@ def timed(monkeypatch, tmp_path, bf16_ms, f32_ms):
 
 
 @pytest.mark.parametrize("kind, native", [("AVX512 BF16", True), ("AMX", True),
+                                          ("AVX2, oneDNN BF16", True), ("AVX2, oneDNN AMX", True),
                                           ("AVX512", False), ("AVX2", False)])
 @pytest.mark.parametrize("bf16_ms, f32_ms", [(2.0, 3.0), (3.6, 3.1)])
 def test_auto_takes_bf16_only_where_it_is_native_and_measured_faster(monkeypatch, tmp_path, kind,
@@ -189,7 +194,7 @@ def test_a_models_parameters_are_counted_without_allocating_them():
 
 def test_the_avx2_code_paths_forced_on_any_cpu_give_float32():
     """The environment that makes an AVX-512 machine run the AVX2 code paths (docs/benchmark.md)
-    is seen as an AVX2 machine."""
+    is seen as an AVX2 machine; ATEN_CPU_CAPABILITY alone leaves oneDNN's bf16 matmuls native."""
     code = ("from support.hardware import cpu_kind, pick_dtype\n"
             "print(cpu_kind(), pick_dtype('auto', 'cpu')[0])")
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
@@ -201,6 +206,16 @@ def test_the_avx2_code_paths_forced_on_any_cpu_give_float32():
     kind, dtype = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
                                  capture_output=True, check=True).stdout.rsplit(maxsplit=1)
     assert "BF16" not in kind and "AMX" not in kind and dtype == "float32"
+    # torch's own kernels lowered alone: oneDNN still multiplies bf16 where the CPU has the units
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    env.pop("DNNL_MAX_CPU_ISA", None)
+    kind, dtype = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                                 capture_output=True, check=True).stdout.rsplit(maxsplit=1)
+    flags = hardware.cpu_flags()
+    units = "AMX" if "amx_bf16" in flags else "BF16" if "avx512_bf16" in flags else None
+    expected = (f"AVX2, oneDNN {units}", "bfloat16") if units else ("AVX2", "float32")
+    assert (kind, dtype) == expected
 
 
 @pytest.mark.parametrize("kind, chosen", [("AVX512 BF16", "bfloat16"), ("AVX2", "float32")])
