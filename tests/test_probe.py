@@ -96,3 +96,12 @@ def test_a_pass_mix_past_the_context_is_refused(tmp_path, qa_file):
                                          "the model's context of 64"):
         probe.main([f"--out_dir={tmp_path / 'run'}", "--prompt_len=32", "--fed=1,64",
                     "--pass_mix=64", "--repeats=1"])
+
+
+def test_an_mdm_checkpoint_is_refused_naming_what_the_probe_prices(tmp_path, qa_file):
+    """An MDM runs neither ReFusion nor next-token decoding: no speed-ups of them are printed for
+    it, before any timing."""
+    train.main(tiny_run_flags(tmp_path, qa_file, "mdm", objective="mdm") + ["--max_iters=1"])
+    with pytest.raises(ValueError, match=r"holds a masked diffusion model \(--objective=mdm\).*"
+                                         r"runs neither ReFusion nor next-token decoding"):
+        probe.main([f"--out_dir={tmp_path / 'mdm'}", "--repeats=1"])

@@ -85,11 +85,20 @@ def check_probe_config(cfg):
 
 def load(cfg):
     """(float32 model in eval mode on cfg["device"], its name) from --init_from (a Hugging Face
-    folder, or as train.py's --init_from a run's out_dir or ckpt.pt) or --out_dir."""
+    folder, or as train.py's --init_from a run's out_dir or ckpt.pt) or --out_dir.
+    Raises ValueError for a masked diffusion model's checkpoint: it runs neither decoding the probe
+    prices (a cached pass serves ReFusion and next-token decoding alone)."""
     source = cfg["init_from"] or cfg["out_dir"]
     if cfg["init_from"] and os.path.isfile(os.path.join(source, "config.json")):
         return from_pretrained(source).to(cfg["device"]), source
-    return model_from_checkpoint(load_checkpoint(source), cfg["device"]), source
+    ckpt = load_checkpoint(source)
+    if ckpt["config"]["objective"] == "mdm":
+        raise ValueError(f"{source} holds a masked diffusion model (--objective=mdm): it decodes "
+                         "by passes over its whole canvas without a KV cache, so it runs neither "
+                         "ReFusion nor next-token decoding, whose cached passes the probe times. "
+                         "Probe a ReFusion or next-token run's checkpoint; an MDM's decoding "
+                         "speed is measured by sampling it (sampler.py) or by tools.bench")
+    return model_from_checkpoint(ckpt, cfg["device"]), source
 
 
 def probe(cfg):
