@@ -3,6 +3,8 @@ Files written whole or not at all: checkpoints, prepared data and reports go thr
 
     write_atomic(path, write)   a new temp file beside path, fsync, rename over path, fsync the
                                 directory (a symlink at path is written through)
+    writable_folder(path)       path, or a temporary folder where path cannot be written (a
+                                read-only checkout's data/, from a notebook)
 
 A crash, a power cut or a full disk at any moment leaves either the previous file or the new one,
 never a mix, and no temp file keeps the disk full.
@@ -11,6 +13,7 @@ never a mix, and no temp file keeps the disk full.
 import errno
 import os
 import stat
+import sys
 import tempfile
 
 
@@ -103,3 +106,22 @@ if __name__ == "__main__":  # python support/files.py
     raise SystemExit("error: support/files.py is a module of support/, not a command; the "
                      "commands are train.py, sampler.py and python -m tools.<name> "
                      "(tools/__init__.py lists them)")
+
+
+_TEMPORARY = []  # the folders writable_folder made, each removed when the process ends
+
+
+def writable_folder(path, prefix="refusion-"):
+    """path (made if missing) where a file can be created in it; else a new temporary folder whose
+    name starts with prefix, removed when this process ends, with a note on stderr naming both.
+    For code that has no flag to choose a folder (the course's notebooks)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return path
+    except OSError as e:
+        folder = tempfile.TemporaryDirectory(prefix=prefix)
+        _TEMPORARY.append(folder)
+        print(f"note: {path} cannot be written ({e.strerror}); using {folder.name} instead, "
+              "removed when this process ends", file=sys.stderr)
+        return folder.name
