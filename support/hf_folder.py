@@ -115,12 +115,13 @@ def abridged(names):
 # the classes. Anything else in config.json that the Transformer does not implement is refused by
 # name (see hf_model_config).
 FAMILIES = {
-    "qwen3": dict(qk_norm=True, derived=("num_key_value_heads",), defaults=dict(
+    "qwen3": dict(qk_norm=True, derived=("num_key_value_heads",), layer_types=True, defaults=dict(
         vocab_size=151936, max_position_embeddings=32768, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, hidden_size=4096, intermediate_size=22016,
         head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=False)),
     # Llama 2/3, SmolLM2
-    "llama": dict(qk_norm=False, derived=("num_key_value_heads", "head_dim"), defaults=dict(
+    "llama": dict(qk_norm=False, derived=("num_key_value_heads", "head_dim"), layer_types=False,
+                  defaults=dict(
         vocab_size=32000, max_position_embeddings=2048, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=None, hidden_size=4096,
         intermediate_size=11008, head_dim=None, rms_norm_eps=1e-6, tie_word_embeddings=False)),
@@ -138,6 +139,28 @@ FIELD_KINDS = {"rope_theta": POSITIVE, "rms_norm_eps": POSITIVE,
                "tie_word_embeddings": ("true or false", lambda v: isinstance(v, bool))}
 # safetensors' names of the weight dtypes from_pretrained loads
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def sliding_layers(hf, family, path):
+    """The layers a config.json's model attends with through a sliding window, as transformers
+    reads it: a Qwen3's layer_types names them ("sliding_attention"), and without layer_types they
+    are those from max_window_layers (default 28) on when use_sliding_window is true
+    (Qwen3Config.__post_init__); a Llama has none but takes use_sliding_window true as all of them.
+    Raises ValueError naming the file for a layer_types that is not one known name per layer."""
+    layers = hf.get("num_hidden_layers", 32)
+    if not is_int(layers):
+        return []                                    # refused with the other sizes
+    if not family["layer_types"]:
+        return list(range(layers)) if hf.get("use_sliding_window") else []
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        start = hf.get("max_window_layers", 28)
+        expect(is_int(start), path, f"max_window_layers={start!r} (expected a whole number)")
+        return list(range(start, layers)) if hf.get("use_sliding_window") else []
+    expect(isinstance(layer_types, list) and len(layer_types) == layers
+           and all(kind in ("full_attention", "sliding_attention") for kind in layer_types),
+           path, 'layer_types is not "full_attention" or "sliding_attention" for each layer')
+    return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
 
 
 def hf_model_config(folder):
@@ -173,8 +196,13 @@ def hf_model_config(folder):
         (rope_key, rope.get("rope_type", rope.get("type", "default")) == "default"),
         ("attention_bias", not hf.get("attention_bias")),
         ("mlp_bias", not hf.get("mlp_bias")),
-        ("use_sliding_window", not hf.get("use_sliding_window")),
         ("hidden_act", hf.get("hidden_act", "silu") in SILU)] if not ok]
+    sliding = sliding_layers(hf, family, path) if family is not None else []
+    if sliding:
+        unsupported.append(f"a sliding window in layers {abridged([str(i) for i in sliding])}"
+                           + ("" if hf.get("use_sliding_window") else
+                              " (layer_types names them while use_sliding_window is false, "
+                              "which transformers cannot run either)"))
     if unsupported:
         raise ValueError(f"{path}: {', '.join(unsupported)} is not implemented here; this model "
                          f"loads Qwen3 and Llama-family checkpoints ({', '.join(FAMILIES)}: "

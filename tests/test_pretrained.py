@@ -27,7 +27,7 @@ from model import ModelConfig, Transformer
 from sampler import DecodeSettings, RefusionSettings, generate_next_token, generate_refusion
 from support import tokenizer
 from support.chat import CHATML, chat_prompt
-from support.hf_folder import from_pretrained, hf_model_config
+from support.hf_folder import FAMILIES, from_pretrained, hf_model_config, sliding_layers
 from support.hf_tokenizer import (PRE_TOKENIZERS, QWEN2_PAT, byte_of_char, hf_special_ids,
                                   hf_tokenizer, undecodable_ids)
 from support.sampling import load_model
@@ -348,6 +348,35 @@ def edit_tensors(keep=lambda name: True, add=()):
     return edit
 
 
+@pytest.mark.parametrize("fields", [
+    {}, {"use_sliding_window": True}, {"use_sliding_window": True, "max_window_layers": 1},
+    {"use_sliding_window": True, "max_window_layers": 3},
+    {"layer_types": ["sliding_attention", "full_attention"] * 2},
+    {"layer_types": ["full_attention"] * 4, "use_sliding_window": True},
+    {"layer_types": ["full_attention", "sliding_attention"] * 2, "use_sliding_window": True}])
+def test_the_sliding_layers_are_those_of_transformers_qwen3(fields):
+    """sliding_layers against Qwen3Config: the layers whose layer type is sliding attention."""
+    transformers = pytest.importorskip("transformers")
+    config = {"num_hidden_layers": 4, "sliding_window": 8, **fields}
+    reference = transformers.Qwen3Config(**config).layer_types
+    assert sliding_layers(config, FAMILIES["qwen3"], "config.json") == \
+        [i for i, kind in enumerate(reference) if kind == "sliding_attention"]
+
+
+@pytest.mark.parametrize("edit", [
+    edit_config(layer_types=["full_attention"] * 2, use_sliding_window=True, sliding_window=4),
+    edit_config(use_sliding_window=True, sliding_window=4),          # max_window_layers 28 > 2
+], ids=["every-layer-full", "window-from-layer-28"])
+def test_a_sliding_window_no_layer_uses_loads_as_full_attention(tmp_path, edit):
+    """use_sliding_window true where transformers slides no layer (layer_types all full, or fewer
+    layers than max_window_layers) is full attention there, and here."""
+    saved = save_released_layout(tmp_path)
+    edit(tmp_path)
+    idx, pos = torch.randint(0, VOCAB, (1, 10)), torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.equal(from_pretrained(str(tmp_path))(idx, pos), saved(idx, pos))
+
+
 @pytest.mark.parametrize("edit, error, message", [
     (lambda f: shutil.rmtree(f), FileNotFoundError, "config.json not found"),
     (lambda f: (f / "config.json").unlink(), FileNotFoundError, "config.json not found"),
@@ -362,6 +391,17 @@ def edit_tensors(keep=lambda name: True, add=()):
     (edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ValueError,
      "rope_scaling=.*yarn"),
     (edit_config(attention_bias=True), ValueError, "attention_bias=True is not implemented"),
+    # a sliding window as transformers reads one: layer_types first, else use_sliding_window from
+    # max_window_layers on; named layers without use_sliding_window, which transformers cannot run
+    (edit_config(layer_types=["sliding_attention", "full_attention"]), ValueError,
+     r"a sliding window in layers 0 \(layer_types names them while use_sliding_window is false, "
+     r"which transformers cannot run either\) is not implemented"),
+    (edit_config(layer_types=["full_attention", "sliding_attention"], use_sliding_window=True,
+                 sliding_window=4), ValueError, r"a sliding window in layers 1 is not implemented"),
+    (edit_config(use_sliding_window=True, sliding_window=4, max_window_layers=1), ValueError,
+     r"a sliding window in layers 1 is not implemented"),
+    (edit_config(layer_types=["full_attention"]), ValueError,
+     r'layer_types is not "full_attention" or "sliding_attention" for each layer'),
     # a Qwen3 config.json without head_dim means transformers' default, 128
     (edit_config(head_dim="DELETE"), ValueError,
      r"wrongly shaped tensors: model\.layers\.0\.self_attn\.k_norm\.weight \[16\] "
@@ -377,7 +417,8 @@ def edit_tensors(keep=lambda name: True, add=()):
     (edit_tensors(keep=lambda n: "layers" not in n), ValueError,
      r"missing tensors: (model\.layers\.[^,]*, ){4}model\.layers\.[^,]* and 17 more\."),
 ], ids=["no-folder", "no-config", "no-weights", "model-type", "llama-with-qk-norm", "mlp-bias",
-        "rope-scaling", "attention-bias", "no-head-dim",
+        "rope-scaling", "attention-bias", "sliding-layer-types", "sliding-named-and-used",
+        "sliding-from-max-window-layers", "layer-types-too-short", "no-head-dim",
         "wrong-shape", "missing-tensor", "unexpected-tensor", "many-missing"])
 def test_from_pretrained_errors_name_the_problem(tmp_path, edit, error, message):
     folder = tmp_path / "model"
