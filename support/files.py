@@ -5,6 +5,8 @@ Files written whole or not at all: checkpoints, prepared data and reports go thr
                                 directory (a symlink at path is written through)
     writable_folder(path)       path, or a temporary folder where path cannot be written (a
                                 read-only checkout's data/, from a notebook)
+    signals_unwind()            a block that SIGTERM or SIGHUP ends as Ctrl-C does: its cleanup
+                                runs (a half-written folder removed), then the signal ends it
 
 A crash, a power cut or a full disk at any moment leaves either the previous file or the new one,
 never a mix, and no temp file keeps the disk full.
@@ -12,9 +14,12 @@ never a mix, and no temp file keeps the disk full.
 
 import errno
 import os
+import signal
 import stat
 import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 
 
 class DiskFull(ValueError):
@@ -125,3 +130,46 @@ def writable_folder(path, prefix="refusion-"):
         print(f"note: {path} cannot be written ({e.strerror}); using {folder.name} instead, "
               "removed when this process ends", file=sys.stderr)
         return folder.name
+
+
+# the signals whose default action ends a process and that a run may get: Ctrl-C, SIGTERM (Slurm,
+# `docker stop`, torchrun), SIGHUP (the terminal closed), SIGUSR1/2 (schedulers' warnings), SIGXCPU
+# (a CPU-time limit), SIGALRM; SIGPIPE is Python's BrokenPipeError, SIGKILL cannot be caught
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1",
+                                                        "SIGUSR2", "SIGXCPU", "SIGALRM")
+                     if hasattr(signal, name))
+
+
+class Stopped(BaseException):
+    """A stop signal (STOP_SIGNALS) arrived inside signals_unwind's block."""
+
+    def __init__(self, signum):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
+@contextmanager
+def signals_unwind():
+    """While the block runs, each of STOP_SIGNALS but Ctrl-C's (which raises KeyboardInterrupt as
+    ever) raises Stopped where the main thread is, so the block's except and finally clauses run
+    (what it half wrote is removed); then the signal, with its default action, ends the process as
+    it would have (exit status 128 + its number). Off the main thread, where Python cannot catch
+    signals, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS if sig != signal.SIGINT}
+    try:
+        yield
+    except Stopped as e:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        signal.signal(e.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), e.signum)
+        raise SystemExit(128 + e.signum) from None   # a signal whose default ends nothing here
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
+from support.files import signals_unwind
 from support.hf_folder import abridged, from_pretrained
 from support.hf_tokenizer import PRE_TOKENIZERS, hf_special_ids
 
@@ -280,27 +281,30 @@ def convert_gguf(path, out_dir):
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     # written beside out_dir, loaded as the readers load a folder, then renamed into place: a folder
-    # that would not load is never left behind
-    partial = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.", dir=parent)
-    try:
-        save_file(tensors, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
-        for name, content in [("config.json", config), ("tokenizer.json", tokenizer),
-                              ("tokenizer_config.json", tokenizer_config)]:
-            with open(os.path.join(partial, name), "w", encoding="utf-8") as f:
-                json.dump(content, f, ensure_ascii=False, indent=1)
-        for name in os.listdir(partial):  # ordinary files and folder, as a download's
-            os.chmod(os.path.join(partial, name), 0o644)
-        os.chmod(partial, 0o755)
+    # that would not load is never left behind, nor one half written when SIGTERM or SIGHUP come
+    hidden = f".{os.path.basename(os.path.abspath(out_dir))}."
+    with signals_unwind():
+        partial = tempfile.mkdtemp(prefix=hidden, dir=parent)
         try:
-            from_pretrained(partial, dtype=torch.bfloat16)
-            hf_special_ids(partial)
-        except (ValueError, FileNotFoundError) as e:
-            raise ValueError(f"{path} converts into a folder that does not load ({e}); nothing "
-                             "was written") from None
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if os.path.isdir(out_dir):
-        os.rmdir(out_dir)  # empty, as checked above
-    os.replace(partial, out_dir)
+            save_file(tensors, os.path.join(partial, "model.safetensors"),
+                      metadata={"format": "pt"})
+            for name, content in [("config.json", config), ("tokenizer.json", tokenizer),
+                                  ("tokenizer_config.json", tokenizer_config)]:
+                with open(os.path.join(partial, name), "w", encoding="utf-8") as f:
+                    json.dump(content, f, ensure_ascii=False, indent=1)
+            for name in os.listdir(partial):  # ordinary files and folder, as a download's
+                os.chmod(os.path.join(partial, name), 0o644)
+            os.chmod(partial, 0o755)
+            try:
+                from_pretrained(partial, dtype=torch.bfloat16)
+                hf_special_ids(partial)
+            except (ValueError, FileNotFoundError) as e:
+                raise ValueError(f"{path} converts into a folder that does not load ({e}); "
+                                 "nothing was written") from None
+            if os.path.isdir(out_dir):
+                os.rmdir(out_dir)  # empty, as checked above
+            os.replace(partial, out_dir)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
     return out_dir

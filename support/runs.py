@@ -37,7 +37,7 @@ from filelock import FileLock, Timeout
 from configurator import check_device, check_seed, require
 from model import ModelConfig
 from support.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, sharded_info_path
-from support.files import write_atomic
+from support.files import STOP_SIGNALS, write_atomic
 from support.hardware import pick_dtype
 from support.hf_folder import from_pretrained
 from support.prepare import TokenDataset, prepare
@@ -281,14 +281,6 @@ def process(cfg):
             # only a group this run joined (setup_distributed joins under torchrun alone)
             if "RANK" in os.environ and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
-
-
-# the signals whose default action ends a process and that a run may get: Ctrl-C, SIGTERM (Slurm,
-# `docker stop`, torchrun), SIGHUP (the terminal closed), SIGUSR1/2 (schedulers' warnings), SIGXCPU
-# (a CPU-time limit), SIGALRM; SIGPIPE is Python's BrokenPipeError, SIGKILL cannot be caught
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1",
-                                                        "SIGUSR2", "SIGXCPU", "SIGALRM")
-                     if hasattr(signal, name))
 
 
 @contextmanager

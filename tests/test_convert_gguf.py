@@ -14,6 +14,9 @@ Run: python -m pytest -q tests/test_convert_gguf.py
 import importlib.util
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -21,7 +24,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from helpers import TEXTS
+from helpers import ROOT, TEXTS
 from sampler import DecodeSettings, generate_next_token
 from support import gguf_file
 from support.chat import chat_parts, chat_prompt
@@ -403,3 +406,26 @@ def test_a_gguf_that_adds_bos_converts_into_a_folder_whose_prompts_begin_with_it
     for text in ("the 12", "hi there"):
         ids = encode_prompt(hf_tokenizer(folder), text)
         assert ids == reference(text).input_ids and ids[0] == 1          # <|im_start|>: id 1
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("when", ["save_file", "from_pretrained"])
+def test_a_conversion_ended_by_a_signal_leaves_no_partial_folder(tmp_path, signame, when):
+    """The signal arrives while the folder is written (after its weights) or while it is loaded
+    for the check: the process ends by that signal, and nothing is left beside OUT_DIR."""
+    path = write_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "models" / "hf"
+    code = ("import os, signal, sys, time\n"
+            "import support.gguf_file as g\n"
+            f"real = g.{when}\n"
+            "def then_signal(*args, **kwargs):\n"
+            "    real(*args, **kwargs)\n"
+            f"    os.kill(os.getpid(), signal.{signame})\n"
+            "    time.sleep(30)\n"
+            f"g.{when} = then_signal\n"
+            "from tools import convert_gguf\n"
+            "convert_gguf.main(sys.argv[1:])\n")
+    done = subprocess.run([sys.executable, "-c", code, str(path), str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=25)
+    assert done.returncode == -getattr(signal, signame), done.stderr[-2000:]
+    assert list((tmp_path / "models").iterdir()) == []
