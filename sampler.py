@@ -48,26 +48,37 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
     token seeing what it saw (infilled slots not each other). Returns a Generation."""
     check_attention(model, "refusion")
     check_context(model, len(prompt), settings)
-    t0, S, device = time.perf_counter(), settings.slot_size, next(model.parameters()).device
-    cols, eos_t = torch.arange(S, device=device), torch.tensor(eos_ids, device=device)
-    buf, pos = list(prompt), list(range(len(prompt)))  # the committed buffer, in commit order
-    unseen, trace, nfe, eos = [(0, 0)] * len(prompt), [], 0, False  # buf[i] never saw buf[lo:hi]
+    t0 = time.perf_counter()
+    S = settings.slot_size
+    device = next(model.parameters()).device
+    cols = torch.arange(S, device=device)                   # each token's place in its slot
+    eos_tensor = torch.tensor(eos_ids, device=device)
+    # The committed buffer in commit order: its tokens, their true positions, and for each token
+    # the span of the buffer it never saw, (lo, hi): the slots infilled beside its own.
+    buf = list(prompt)
+    pos = list(range(len(prompt)))
+    unseen = [(0, 0)] * len(prompt)
+    trace = []
+    nfe = 0
+    eos = False
 
-    def forward(tokens, at):  # (R, T) tokens at true positions `at` -> (R, T, V), after buf
+    def forward(tokens, at):
+        """One pass: the buffer, then tokens (R, T) at true positions at (R, T) in every row.
+        Returns the new tokens' logits (R, T, V)."""
         nonlocal nfe
         nfe += 1
-        n_buf, (R, T) = len(buf), tokens.shape
-        j = torch.arange(n_buf + T, device=device)
-        lo, hi = torch.tensor(unseen + [(0, 0)] * T, device=device).T
-        sees = (j <= j[:, None]) & ((j < lo[:, None]) | (j >= hi[:, None]))  # causal, less unseen
-        idx = torch.cat([torch.tensor(buf, device=device).expand(R, n_buf), tokens], dim=1)
-        where = torch.cat([torch.tensor(pos, device=device).expand(R, n_buf), at], dim=1)
-        return model(idx, where, attn_mask=sees, logits_from=n_buf)
+        idx = torch.cat([torch.tensor(buf, device=device).expand(len(tokens), -1), tokens], 1)
+        where = torch.cat([torch.tensor(pos, device=device).expand(len(tokens), -1), at], 1)
+        mask = sees(unseen + [(0, 0)] * tokens.shape[1], device)
+        return model(idx, where, attn_mask=mask, logits_from=len(buf))
 
-    def commit(starts, slots, apart):  # 4. after buf; apart (infilled): unseen by each other
-        base = len(buf)
+    def commit(starts, slots, infilled):
+        """Step 4: append the slots (token lists) from true positions starts to the buffer;
+        infilled slots never saw each other. Returns the starts of the committed slots."""
+        first = len(buf)
         for start, slot in zip(starts, slots):
-            unseen.extend([(base, len(buf)) if apart else (0, 0)] * len(slot))
+            # an infilled slot never saw the slots infilled before it in this step
+            unseen.extend([(first, len(buf)) if infilled else (0, 0)] * len(slot))
             buf.extend(slot)
             pos.extend(range(start, start + len(slot)))
         trace.append([(s + i, t) for s, slot in zip(starts, slots) for i, t in enumerate(slot)])
@@ -75,51 +86,89 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
 
     for b in range(settings.serial_num_blocks):
         n = settings.slots_per_serial_block
-        pool = [len(prompt) + (b * n + k) * S for k in range(n)]  # the serial block's slots
-        while pool:  # 1. plan: draft every masked slot; select those whose first token passes
-            at = torch.tensor(pool, device=device)[:, None] + cols              # (slots, S)
+        # The pool: the true starts of the serial block's masked slots.
+        pool = [len(prompt) + (b * n + k) * S for k in range(n)]
+        while pool:
+            # 1. Plan: one pass drafts every masked slot; the slots whose first token passes
+            # slot_threshold are selected (if none passes, the one whose first token is best).
+            at = torch.tensor(pool, device=device)[:, None] + cols          # (slots, S)
             logits = forward(torch.full_like(at, mask_id).view(1, -1), at.view(1, -1))[0]
             drafts, probs = draft_tokens(logits, settings.temperature, generator, [mask_id])
-            scores = probs.view(-1, S)[:, 0]  # if none passes, the first of the best
-            selected = (scores > settings.slot_threshold).nonzero()[:, 0].tolist() or [
-                int(scores.argmax())]
-            starts, drafts, at = [pool[k] for k in selected], drafts.view(-1, S)[selected], \
-                at[selected]
-            # 2. verify: one causal pass over the drafts, concatenated; its longest passing prefix
+            scores = probs.view(-1, S)[:, 0]
+            selected = (scores > settings.slot_threshold).nonzero()[:, 0].tolist()
+            if not selected:
+                selected = [int(scores.argmax())]
+            starts = [pool[k] for k in selected]
+            drafts = drafts.view(-1, S)[selected]
+            at = at[selected]
+
+            # 2. Verify: one causal pass over the selected drafts, concatenated. A token passes
+            # when it is a slot's first or its probability passes token_threshold.
             flat = drafts.view(1, -1)
             probs = next_token_probs(forward(flat, at.view(1, -1)), flat).view(-1, S)
-            passed = (probs > settings.token_threshold) | (cols == 0)  # a first token: as drafted
-            prefix = flat[0, :int(leading_true(passed.view(1, -1))[0])].tolist()
+            passed = (probs > settings.token_threshold) | (cols == 0)
+            n_passed = int(leading_true(passed.view(1, -1))[0])
+            prefix = flat[0, :n_passed].tolist()
             stop = first_eos(prefix, eos_ids)
-            if stop is not None or len(prefix) >= S:  # commit its whole slots, or up to EOS
-                n_commit = stop + 1 if stop is not None else len(prefix) // S * S
+            ended = stop is not None                  # an EOS ends the decode after this step
+
+            if ended or len(prefix) >= S:
+                # 4. Commit the passing prefix's whole slots, or its tokens up to its EOS.
+                n_commit = stop + 1 if ended else len(prefix) // S * S
                 slots = [prefix[i:min(i + S, n_commit)] for i in range(0, n_commit, S)]
-                done, ended = commit(starts, slots, apart=False), stop is not None
-            else:  # 3. infill: each selected slot in its own row, from what verify accepted of it
-                accepted, ends, ended = leading_true(passed), torch.full_like(at[:, 0], S), False
-                while True:  # c. (first: verify's prefix may hold EOS) a row ends at its EOS
-                    is_eos = torch.isin(drafts, eos_t) & (cols < accepted[:, None])
-                    if is_eos.any():  # the first such row; the rows after it go
+                done = commit(starts, slots, infilled=False)
+            else:
+                # 3. Infill: each selected slot in a row of its own, from what verify accepted.
+                accepted = leading_true(passed)                 # (rows,) accepted tokens
+                ends = torch.full_like(at[:, 0], S)             # (rows,) each row's length
+                while True:
+                    # c. A row ends at its first accepted EOS (verify's prefix may hold one);
+                    # the rows after it go.
+                    is_eos = torch.isin(drafts, eos_tensor) & (cols < accepted[:, None])
+                    if is_eos.any():
                         r = int(is_eos.any(dim=1).nonzero()[0])
-                        drafts, at, ends = drafts[:r + 1], at[:r + 1], ends[:r + 1]
-                        ends[r], ended = int(is_eos[r].long().argmax()) + 1, True
+                        drafts = drafts[:r + 1]
+                        at = at[:r + 1]
+                        ends = ends[:r + 1]
+                        ends[r] = int(is_eos[r].long().argmax()) + 1
                         accepted = torch.minimum(accepted[:r + 1], ends)
+                        ended = True
                     if (accepted >= ends).all():
                         break
-                    masked = cols >= accepted[:, None]  # a. draft: a mask's own prediction
-                    guess = ban(forward(torch.where(masked, mask_id, drafts), at), [mask_id])
-                    drafts = torch.where(masked, guess.argmax(dim=-1), drafts)
-                    probs = next_token_probs(forward(drafts, at), drafts)  # b. verify
+                    # a. Draft: one pass predicts every masked token of every row.
+                    masked = cols >= accepted[:, None]
+                    logits = forward(torch.where(masked, mask_id, drafts), at)
+                    guess = ban(logits, [mask_id]).argmax(dim=-1)
+                    drafts = torch.where(masked, guess, drafts)
+                    # b. Verify: one causal pass; each row keeps its longest passing prefix.
+                    probs = next_token_probs(forward(drafts, at), drafts)
                     passed = (probs > settings.token_threshold) | (cols <= accepted[:, None])
                     accepted = torch.minimum(leading_true(passed), ends)
-                slots = [d[:e] for d, e in zip(drafts.tolist(), ends.tolist())]
-                done = commit(starts, slots, apart=True)
+                # 4. Commit every row up to its end; the rows never saw each other.
+                slots = [row[:end] for row, end in zip(drafts.tolist(), ends.tolist())]
+                done = commit(starts, slots, infilled=True)
+
+            # The committed slots leave the pool; after an EOS, so does every slot past it.
             eos = eos or ended
             pool = [p for p in pool if p not in done and not (ended and p > done[-1])]
         if eos:
             break
-    tokens = cut_after_eos([t for _, t in sorted(zip(pos, buf))][len(prompt):], eos_ids)
+
+    # The response, read by true position, as the cached decoder reads it.
+    response = {p: t for p, t in zip(pos, buf) if p >= len(prompt)}
+    tokens = cut_after_eos([response[p] for p in sorted(response)], eos_ids)
     return Generation(tokens[:settings.max_new_tokens], nfe, time.perf_counter() - t0, trace)
+
+
+def sees(unseen, device):
+    """The plain decoder's attention mask, (N, N) bool over N tokens in buffer order, each with
+    the span [lo, hi) of earlier tokens it never saw: causal, except slots infilled side by side,
+    which never saw each other (SPEC section 4, step 3)."""
+    j = torch.arange(len(unseen), device=device)
+    lo, hi = torch.tensor(unseen, device=device).T
+    causal = j[None, :] <= j[:, None]
+    infilled_beside = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
+    return causal & ~infilled_beside
 
 # -----------------------------------------------------------------------------
 # ReFusion with the KV cache: plan, verify, infill, commit as named steps (SPEC section 4)
@@ -176,7 +225,8 @@ def decode_serial_block(state, first, n, settings):
         pool = [p for p in pool
                 if p not in commit.starts and not (commit.eos and p > commit.starts[-1])]
         # the rows of `at` that stay, found on the device (its size is known: no read from it)
-        at = at[torch.nonzero_static(stays, size=len(pool))[:, 0]]
+        rows = torch.nonzero_static(stays, size=len(pool))[:, 0]
+        at = at[rows]
     return eos
 
 
@@ -311,9 +361,11 @@ class InfillRows:
         """Keep rows 0..n-1, here and in the cache."""
         if n < cache.batch:
             cache.keep_rows(n)
-        self.starts, self.positions, self.tokens = self.starts[:n], self.positions[:n], \
-            self.tokens[:n]
-        self.accepted, self.lengths = self.accepted[:n], self.lengths[:n]
+        self.starts = self.starts[:n]
+        self.positions = self.positions[:n]
+        self.tokens = self.tokens[:n]
+        self.accepted = self.accepted[:n]
+        self.lengths = self.lengths[:n]
 
 
 def infill_slots(state, starts, at, drafts, accepted, token_threshold):
@@ -368,8 +420,8 @@ def verify_rows(state, rows, shared, token_threshold):
     window = rows.tokens[:, shared:]
     logits = state.forward(window, rows.positions[:, shared:])
     columns = torch.arange(shared, shared + window.shape[1], device=state.device)
-    passed = (next_token_probs(logits, window) > token_threshold) | \
-        (columns <= rows.accepted[:, None])
+    probs = next_token_probs(logits, window)
+    passed = (probs > token_threshold) | (columns <= rows.accepted[:, None])
     rows.accepted = torch.minimum(shared + leading_true(passed), rows.lengths)
     if state.speculative:  # SPEC 4.1
         state.speculative.rows_verified(logits)
