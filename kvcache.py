@@ -3,9 +3,10 @@ The KV cache: preallocated keys and values of every layer, plus the few operatio
 decoder performs on it (SPEC section 4).
 
 One tensor holds everything: (n_layer, 2, rows, n_kv_head, max_len, head_dim). Every active row
-holds the same number of tokens, `pos`; new keys/values are written at [pos, pos + T). Rows beyond
-row 0 exist only while slots are infilled in parallel: each row is then one slot, sharing the
-committed prefix. They are allocated when an infill first needs that many (up to max_batch), not
+holds the same number of tokens, `length`; new keys/values are written at [length, length + T).
+In a decoder's cache row 0 holds the committed buffer, so `length` is the buffer's length. Rows
+beyond row 0 exist only while slots are infilled in parallel: each row is then one slot, sharing
+the committed prefix. They are allocated when an infill first needs that many (up to max_batch), not
 up front, so memory follows the rows a decode uses, not the slots it could use.
 
 Few attention shapes. A GPU's attention kernels (cuDNN's on Hopper) build a plan for every shape
@@ -13,7 +14,20 @@ and stride they meet, which costs far more than a small model's pass. So a pass 
 length rounded up to a multiple of KEY_BUCKET, the keys past the cached and new tokens masked, and
 the decoders size a cache by cache_length, so that prompts of many lengths share one tensor shape
 (and so the same strides). A decode then feeds the attention a few shapes, not one per pass.
+
+The model/cache contract. Two protocols name what each side may call, and every implementation is
+tested against them (tests/test_model.py):
+
+    LayerCache   what Transformer.forward calls on the kv_cache it is given: update in every
+                 layer, advance after the last, attention_mask when it is given no mask
+                 (KVCache; support/batching.py's BatchedCache; support/compiled.py's NewKeys,
+                 which is always given a mask)
+    DecodeCache  what a decoder calls on the cache model.new_kv_cache returns (KVCache)
+
+and model.py's DecoderModel names what a decoder calls on a model.
 """
+
+from typing import Protocol
 
 import torch
 
@@ -51,11 +65,11 @@ def causal_mask(P, T, device, L=None):
 
 
 class KVCache:
-    """Keys/values for `batch` rows of `pos` tokens each.
+    """Keys/values for `batch` rows of `length` tokens each (a DecodeCache).
 
     kv: (n_layer, 2, rows, n_kv_head, max_len, head_dim), dtype and device of the model, with rows
     (1 at first) growing up to max_batch as repeat_prefix asks for them.
-    batch: number of active rows (1 outside parallel infill). pos: tokens held in every row.
+    batch: number of active rows (1 outside parallel infill). length: tokens held in every row.
     cache_bytes: the most bytes kv has held.
     """
 
@@ -68,36 +82,42 @@ class KVCache:
             kv = torch.zeros(n_layer, 2, 1, n_kv_head, max_len, head_dim, dtype=dtype,
                              device=device)
         self.kv = kv
-        self.n_layer, self.max_batch, self.max_len = n_layer, max_batch, max_len
-        self.batch, self.pos = 1, 0
+        self.n_layer = n_layer
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.batch = 1           # active rows
+        self.length = 0          # tokens held in every active row
         # the first token whose keys/values a copy of this cache made before may lack (tokens
         # [0, changed_from) are unchanged since): support/batching.py keeps such a copy
         self.changed_from = 0
         self.cache_bytes = self.kv.numel() * self.kv.element_size()
 
     def key_length(self, T):
-        """The keys a pass of T new tokens attends to: pos + T rounded up to a multiple of
-        KEY_BUCKET (at most max_len). The keys past pos + T are masked (attention_mask)."""
-        return min(round_up(self.pos + T, KEY_BUCKET), self.max_len)
+        """The keys a pass of T new tokens attends to: length + T rounded up to a multiple of
+        KEY_BUCKET (at most max_len). The keys past length + T are masked (attention_mask)."""
+        return min(round_up(self.length + T, KEY_BUCKET), self.max_len)
 
     def attention_mask(self, T):
         """(1, 1, T, key_length(T)) bool: the T new tokens see every cached key and each other
         causally, and none of the keys past them."""
-        return causal_mask(self.pos, T, self.kv.device, self.key_length(T))
+        return causal_mask(self.length, T, self.kv.device, self.key_length(T))
 
     def update(self, layer, k, v):
         """Write the new keys/values of one layer after the cached ones (called by the model).
 
         k, v: (batch, n_kv_head, T, head_dim). Returns (k_all, v_all): (batch, n_kv_head,
         key_length(T), head_dim) views of cached + new, then the unused keys up to the bucket's end
-        (attention_mask hides them). `pos` moves on only in `advance`, after the last layer.
+        (attention_mask hides them). `length` moves on only in `advance`, after the last layer.
         Raises ValueError when the batch differs from the active rows or max_len would be exceeded.
         """
         B, _, T, _ = k.shape
         self.check_room(B, T)
-        self.changed_from = min(self.changed_from, self.pos)
-        self.kv[layer, 0, :B, :, self.pos:self.pos + T] = k
-        self.kv[layer, 1, :B, :, self.pos:self.pos + T] = v
+        # a copy of this cache (support/batching.py) lacks what is written from here on
+        self.changed_from = min(self.changed_from, self.length)
+        # the new keys/values go right after the cached ones, in every active row
+        self.kv[layer, 0, :B, :, self.length:self.length + T] = k
+        self.kv[layer, 1, :B, :, self.length:self.length + T] = v
+        # the views the attention reads: cached, new, then unused keys up to the bucket's end
         L = self.key_length(T)
         return self.kv[layer, 0, :B, :, :L], self.kv[layer, 1, :B, :, :L]
 
@@ -105,31 +125,33 @@ class KVCache:
         """Raise ValueError unless B is the active rows and T more tokens fit in max_len."""
         if B != self.batch:
             raise ValueError(f"cache has {self.batch} active rows but the input has batch {B}")
-        if self.pos + T > self.max_len:
-            raise ValueError(f"KV cache overflow: {self.pos} cached + {T} new "
+        if self.length + T > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.length} cached + {T} new "
                              f"> max_len={self.max_len}")
 
-    def advance(self, n):
-        """Count n tokens as appended to every active row (the model calls this after its last
+    def advance(self, T):
+        """Count T tokens as appended to every active row (the model calls this after its last
         layer)."""
-        self.pos += n
+        self.length += T
 
     def crop(self, length):
         """Forget everything after the first `length` tokens (e.g. the keys/values of masks)."""
-        if not 0 <= length <= self.pos:
-            raise ValueError(f"cannot crop a cache of {self.pos} tokens to {length}")
-        self.pos = length
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} tokens to {length}")
+        self.length = length
 
     def repeat_prefix(self, k):
         """Fan row 0 out into k rows that share its tokens (a row per slot infilled in parallel)."""
         if not 1 <= k <= self.max_batch:
             raise ValueError(f"cannot repeat into {k} rows: the cache was built for "
                              f"max_batch={self.max_batch}")
-        if k > self.kv.shape[2]:                  # more rows than ever before: allocate them
+        # more rows than ever before: allocate them (memory follows the rows a decode uses)
+        if k > self.kv.shape[2]:
             more = self.kv.new_zeros(*self.kv.shape[:2], k - self.kv.shape[2], *self.kv.shape[3:])
             self.kv = torch.cat([self.kv, more], dim=2)
             self.cache_bytes = max(self.cache_bytes, self.kv.numel() * self.kv.element_size())
-        self.kv[:, :, 1:k, :, :self.pos] = self.kv[:, :, :1, :, :self.pos]
+        # every row starts as a copy of row 0: the committed buffer each slot's row builds on
+        self.kv[:, :, 1:k, :, :self.length] = self.kv[:, :, :1, :, :self.length]
         self.batch = k
         self.changed_from = 0
 
@@ -147,13 +169,47 @@ class KVCache:
         Used by the commit step: each infilled slot's keys/values were computed in its own row,
         seeing the shared prefix [0, start) and itself (SPEC section 4, step 4).
         """
-        if any(row >= self.batch or start + n > self.pos for row, n in segments):
+        if any(row >= self.batch or start + n > self.length for row, n in segments):
             raise ValueError(f"segments {segments} from {start} exceed the cache "
-                             f"({self.batch} rows x {self.pos})")
+                             f"({self.batch} rows x {self.length})")
         # Gather first: row 0's own segment may be read after other rows have been written over it.
         gathered = torch.cat([self.kv[:, :, row, :, start:start + n] for row, n in segments],
                              dim=-2)
+        # then written into row 0 after the shared prefix: one row, the buffer grown by them
         end = start + gathered.shape[-2]
         self.kv[:, :, 0, :, start:end] = gathered
-        self.batch, self.pos = 1, end
+        self.batch = 1
+        self.length = end
         self.changed_from = min(self.changed_from, start)
+
+
+class LayerCache(Protocol):
+    """What Transformer.forward calls on the kv_cache it is given (module doc)."""
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """Take one layer's new keys/values (B, n_kv_head, T, head_dim); return (keys, values)
+        the layer's queries attend to, cached and new: (B, n_kv_head, L, head_dim)."""
+
+    def advance(self, T: int) -> None:
+        """After the last layer: the pass's T tokens are now held."""
+
+    def attention_mask(self, T: int) -> torch.Tensor:
+        """(B or 1, 1, T, L) bool, who sees whom, for a pass given no mask of its own."""
+
+
+class DecodeCache(LayerCache, Protocol):
+    """What a decoder calls on the cache model.new_kv_cache returns (SPEC section 4): KVCache's
+    attributes and operations, each documented there."""
+    kv: torch.Tensor
+    length: int
+    max_len: int
+    batch: int
+    cache_bytes: int
+    changed_from: int
+
+    def key_length(self, T: int) -> int: ...
+    def check_room(self, B: int, T: int) -> None: ...
+    def crop(self, length: int) -> None: ...
+    def repeat_prefix(self, k: int) -> None: ...
+    def keep_rows(self, n: int) -> None: ...
+    def commit_rows(self, segments: list, start: int) -> None: ...

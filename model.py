@@ -10,10 +10,15 @@ the *physical* order of the buffer, RoPE uses the *logical* positions (SPEC sect
 Module names follow the Hugging Face Qwen3 and Llama checkpoints (embed_tokens, self_attn.q_proj,
 mlp.gate_proj, ...), so released weights map onto this model name for name
 (support.hf_folder.from_pretrained).
+
+DecoderModel (below) names what a decoder may call on a model: Transformer, and the wrappers a
+decoder is given in its place (support/compiled.py's CompiledModel, support/batching.py's
+BatchedModel, support/benchmark.py's TimedModel); kvcache.py names the caches' side.
 """
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -64,10 +69,13 @@ def rope_cos_sin(position_ids, head_dim, theta):
     position_ids: (B, T) int64, the true (logical) position of every token.
     Returns cos, sin: (B, 1, T, head_dim) float32, broadcastable over heads.
     """
+    # One frequency per pair of dimensions, from 1 down to about 1/theta
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
                                             dtype=torch.float32) / head_dim)
+    # Each token's angle is its true position times each frequency
     angles = position_ids.float()[..., None] * inv_freq      # (B, T, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)[:, None]     # (B, 1, T, hd), Qwen's half split
+    # Qwen and Llama pair dimension i with i + hd/2 (the halves), so the angles repeat
+    angles = torch.cat([angles, angles], dim=-1)[:, None]     # (B, 1, T, hd)
     return angles.cos(), angles.sin()
 
 
@@ -80,6 +88,7 @@ def additive_mask(mask, dtype):
 
 def apply_rope(x, cos, sin):
     """x: (B, H, T, hd). Rotates pairs (i, i + hd/2) by the angles of each token's position."""
+    # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), both halves at once
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -101,15 +110,23 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=eps) if config.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, mask, is_causal, kv_cache):
-        B, T, _ = x.shape                          # q: (B, nh, T, hd); k and v: (B, nkv, T, hd)
+        B, T, _ = x.shape
+        # Project to heads: q (B, nh, T, hd); k and v (B, nkv, T, hd), fewer heads under GQA.
+        # Qwen3 normalizes each head's queries and keys (qk_norm); Llama does not.
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Rotate queries and keys by each token's true position (cos, sin: gathered by the caller).
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        # With a cache, the new keys and values are written after the P cached ones, and the
+        # queries attend to all of them: (B, nkv, P + T, hd).
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)      # (B, nkv, P + T, hd): cached + new
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        # One fused attention; the mask (or SDPA's own causal mask) says who sees whom.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                            enable_gqa=self.n_kv_head != self.n_head)
+        # Heads back side by side, then the output projection.
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -122,6 +139,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
 
     def forward(self, x):
+        # SwiGLU: a SiLU-gated product of two projections, then back to the model's width
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -135,6 +153,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, mask, is_causal, kv_cache):
+        # Pre-norm residual blocks: attention, then the MLP, each added to the stream.
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -152,8 +171,9 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._rope = {}  # device -> the rope_tables, float32 whatever the weights' dtype
+        # GPT-2's initialization: N(0, 0.02), the residual projections scaled down by depth
         self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
+        for name, p in self.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
@@ -206,15 +226,33 @@ class Transformer(nn.Module):
                              "must have the same (B, T) shape")
         T = idx.shape[1]
         x = self.embed_tokens(idx)
+        # The attention rule. With a cache: the mask given, or every cached key and then causal
+        # (the cache's mask also hides the unused keys of its bucketed length); converted to the
+        # additive form once here, not in every layer.
         if kv_cache is not None:
-            if attn_mask is None:  # every cached key, then causal; the bucket's unused keys unseen
+            if attn_mask is None:
                 attn_mask = kv_cache.attention_mask(T)
-            attn_mask = additive_mask(attn_mask, x.dtype)          # converted once, not per layer
-        is_causal = attn_mask is None and self.config.causal       # SDPA's own causal mask
+            attn_mask = additive_mask(attn_mask, x.dtype)
+        # Without a mask or a cache: SDPA's own causal mask, or none for a bidirectional model.
+        is_causal = attn_mask is None and self.config.causal
+        # RoPE from the true positions, not the buffer order: each token's row of the tables.
         cos, sin = self.rope_tables(idx.device)
-        cos, sin = cos[position_ids][:, None], sin[position_ids][:, None]  # (B, 1, T, hd)
+        cos = cos[position_ids][:, None]                           # (B, 1, T, hd)
+        sin = sin[position_ids][:, None]
         for layer in self.layers:
             x = layer(x, cos, sin, attn_mask, is_causal, kv_cache)
+        # The cache now holds these T tokens' keys and values after its P.
         if kv_cache is not None:
             kv_cache.advance(T)
+        # Logits only where the caller reads them, in float32 whatever the weights' dtype.
         return self.lm_head(self.norm(x[:, logits_from:])).float()
+
+
+class DecoderModel(Protocol):
+    """What a decoder (sampler.py) may call on a model; Transformer's docstrings say what each
+    does. The cache it makes is a kvcache.DecodeCache."""
+    config: ModelConfig
+
+    def __call__(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0): ...
+    def new_kv_cache(self, max_len, max_batch=1): ...
+    def parameters(self, recurse=True): ...

@@ -238,7 +238,7 @@ PAD_WIDTHS = {"cuda": True}
 class DecodeState:
     """What the decoder carries from step to step (SPEC section 4, "State"): the committed buffer
     (the prompt, then the slots in commit order) as `response` (true position -> token) and the
-    cache's row 0 (so `cache.pos` is its length); `pending`, the prompt until the first plan call
+    cache's row 0 (so `cache.length` is its length); `pending`, the prompt until the first plan call
     feeds it; nfe; per step its trace and step_nfe; speculative (a SpeculativeInfill, or None)."""
 
     def __init__(self, model, prompt, settings, mask_id, eos_ids, generator, on_step, banned_ids):
@@ -263,7 +263,7 @@ class DecodeState:
         (B, T - logits_from, V); the cache keeps the keys/values of the first `keep` (None: all).
         With pad_widths the pass is padded to kvcache.bucket(T) tokens, after the real ones (which
         see none of it, causally), so that a decode feeds few shapes."""
-        start = self.cache.pos
+        start = self.cache.length
         self.nfe += 1
         T = tokens.shape[1]
         if self.pad_widths:
@@ -309,7 +309,7 @@ def verify_drafts(state, starts, at, drafts, token_threshold):
     none, the Commit is empty and infill_slots follows. Returns (commit, accepted: (k,) int64 each
     slot's own accepted prefix, for infill_slots)."""
     k, S = drafts.shape
-    ctx = state.cache.pos
+    buffer_length = state.cache.length
     tokens = drafts.reshape(1, k * S)
     logits = state.forward(tokens, at.reshape(1, k * S))     # (1, k * S, V)
     passed = (next_token_probs(logits, tokens) > token_threshold).view(k, S)
@@ -319,7 +319,8 @@ def verify_drafts(state, starts, at, drafts, token_threshold):
     prefix = flat[:n_passed]
     eos_at = first_eos(prefix, state.eos_ids)
     n = eos_at + 1 if eos_at is not None else len(prefix) // S * S  # tokens to commit
-    state.cache.crop(ctx + n)  # the committed tokens' keys/values, already after the buffer, stay
+    # the committed tokens' keys/values, already after the buffer, stay
+    state.cache.crop(buffer_length + n)
     slots = [prefix[i:min(i + S, n)] for i in range(0, n, S)]
     if state.speculative:  # SPEC 4.1
         state.speculative.verified(slots, logits, S)
@@ -375,7 +376,7 @@ def infill_slots(state, starts, at, drafts, accepted, token_threshold):
     (d) kept_prefix; each round reads from the device once (end_rows_at_eos).
     Returns a Commit of the k' <= k finished slots, laid after the buffer in the cache's row 0."""
     k, S = drafts.shape
-    ctx = state.cache.pos                          # the committed buffer, shared by every row
+    buffer_length = state.cache.length          # the committed buffer, shared by every row
     rows = InfillRows(list(starts), at, drafts.clone(), accepted.clone(),
                       torch.full_like(accepted, S))
     if state.speculative:  # SPEC 4.1
@@ -387,15 +388,17 @@ def infill_slots(state, starts, at, drafts, accepted, token_threshold):
     for _ in range(S):                   # each round accepts >= 1 token of every unfinished row
         if done:
             break
-        shared = state.cache.pos - ctx             # slot tokens [0, shared) of every row are cached
+        # slot tokens [0, shared) of every row are cached
+        shared = state.cache.length - buffer_length
         draft_rows(state, rows, shared)                             # (a)
         verify_rows(state, rows, shared, token_threshold)           # (b)
         done, least = end_rows_at_eos(state, rows)                  # (c)
-        state.cache.crop(ctx + kept_prefix(state, rows, done, least))   # (d)
+        state.cache.crop(buffer_length + kept_prefix(state, rows, done, least))   # (d)
     # one read: each row's length, then its tokens
     finished = torch.cat([rows.lengths[:, None], rows.tokens], dim=1).tolist()
-    state.cache.commit_rows([(i, row[0]) for i, row in enumerate(finished)], ctx)  # after the
-    tokens = [row[1:1 + row[0]] for row in finished]           # buffer, in row 0, in slot order
+    # each row's slot laid after the buffer, in row 0, in slot order
+    state.cache.commit_rows([(i, row[0]) for i, row in enumerate(finished)], buffer_length)
+    tokens = [row[1:1 + row[0]] for row in finished]
     return Commit(rows.starts, tokens, rows.eos)
 
 
@@ -470,7 +473,8 @@ def commit_slots(state, commit):
             for i, t in enumerate(ids)]
     assert not any(p in state.response for p, _ in step), "a position was committed twice"
     state.response.update(step)
-    assert state.cache.pos == state.prompt_len + len(state.response), "the cache holds the buffer"
+    buffer_length = state.prompt_len + len(state.response)
+    assert state.cache.length == buffer_length, "the cache holds the buffer"
     state.trace.append(step)
     state.step_nfe.append(state.nfe - sum(state.step_nfe))
     if state.speculative:  # SPEC 4.1

@@ -50,7 +50,7 @@ def test_cached_decode_matches_full_forward():
     cache = model.new_kv_cache(max_len=20)
     parts = [model(idx[:, a:b], pos[:, a:b], cache)
              for a, b in [(0, 7), (7, 8), (8, 9), (9, 14), (14, 20)]]
-    assert cache.pos == 20
+    assert cache.length == 20
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=TOL, rtol=0)
 
 
@@ -95,12 +95,12 @@ def test_cache_is_order_invariant_for_independent_blocks():
 
 def test_commit_rows_lays_segments_in_the_given_order():
     cache = KVCache(n_layer=1, n_kv_head=1, head_dim=1, max_len=8, max_batch=3)
-    cache.pos = 5
+    cache.length = 5
     cache.repeat_prefix(3)                                  # three rows of 5 tokens each
     # row r, token t -> 8r + t
     cache.kv[0, 0, :, 0, :, 0] = torch.arange(3 * 8, dtype=torch.float32).view(3, 8)
     cache.commit_rows([(2, 2), (0, 3), (1, 1)], start=2)
-    assert (cache.batch, cache.pos) == (1, 8)
+    assert (cache.batch, cache.length) == (1, 8)
     assert cache.kv[0, 0, 0, 0, :, 0].tolist() == [0, 1, 18, 19, 2, 3, 4, 10]
 
 

@@ -68,7 +68,10 @@ class BatchedModel:
                                                            model.parameters)
         self.inbox, self.index, self.replies = inbox, index, queue.SimpleQueue()
 
-    def __call__(self, idx, position_ids, kv_cache=None, logits_from=0):
+    def __call__(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0):
+        if attn_mask is not None:
+            raise ValueError("a batched pass takes no attention mask: batching serves the cached "
+                             "decoders (generate_refusion, generate_next_token)")
         self.inbox.put((self.index, "forward", (idx, position_ids, kv_cache, logits_from)))
         reply = self.replies.get()
         if isinstance(reply, BaseException):
@@ -247,22 +250,24 @@ class BatchedCache:
     pass while the same caches (with the same rows) run together: each pass copies into it only
     what a cache changed since (KVCache.changed_from) and its new tokens, not the whole caches.
 
-    caches: the prompts' KVCaches, cache i with R_i active rows; length: the tokens a row holds.
-    kv: (n_layer, 2, sum R_i, n_kv_head, length, head_dim): row r of cache i holds the cache's
+    caches: the prompts' KVCaches, cache i with R_i active rows; max_len: the tokens a row
+    holds.
+    kv: (n_layer, 2, sum R_i, n_kv_head, max_len, head_dim): row r of cache i holds the cache's
     tokens at [0, P_i), as the cache does. A pass (start_pass) writes its T new tokens of every
-    row at [pos, pos + T), pos = max P_i (a row's keys between P_i and pos are masked, and so are
-    the last T - T_i new ones); after it (advance) each cache's own T_i new keys/values move to
-    [P_i, P_i + T_i), in the cache and here, as if it had been decoded alone.
+    row at [length, length + T), length = max P_i (a row's keys between P_i and length are masked,
+    and so are the last T - T_i new ones); after it (advance) each cache's own T_i new keys/values
+    move to [P_i, P_i + T_i), in the cache and here, as if it had been decoded alone.
     """
 
-    def __init__(self, caches, length):
-        self.caches, self.length = caches, length
+    def __init__(self, caches, max_len):
+        self.caches = caches
+        self.max_len = max_len
         self.first_row = [0]
         for c in caches:
             self.first_row.append(self.first_row[-1] + c.batch)
         self.batch = self.first_row[-1]
         n_layer, _, _, n_kv_head, _, head_dim = caches[0].kv.shape
-        self.kv = caches[0].kv.new_zeros(n_layer, 2, self.batch, n_kv_head, length, head_dim)
+        self.kv = caches[0].kv.new_zeros(n_layer, 2, self.batch, n_kv_head, max_len, head_dim)
         for c in caches:
             c.changed_from = 0                 # nothing of it is here yet
 
@@ -274,42 +279,42 @@ class BatchedCache:
     def start_pass(self, lengths, T):
         """Lay out a pass of T new tokens per row, cache i's first lengths[i] of them real: copy
         in what each cache changed since the last pass. Returns False when the pass does not fit
-        in length tokens (a new BatchedCache is then needed)."""
-        self.pos = max(c.pos for c in self.caches)
-        if self.pos + T > self.length:
+        in max_len tokens (a new BatchedCache is then needed)."""
+        self.length = max(c.length for c in self.caches)
+        if self.length + T > self.max_len:
             return False
         for c, r0, r1 in zip(self.caches, self.first_row, self.first_row[1:]):
-            if c.changed_from < c.pos:
-                changed = slice(c.changed_from, c.pos)
+            if c.changed_from < c.length:
+                changed = slice(c.changed_from, c.length)
                 self.kv[:, :, r0:r1, :, changed] = c.kv[:, :, :c.batch, :, changed]
-            c.changed_from = c.pos
+            c.changed_from = c.length
         self.lengths = lengths
         device = self.kv.device
-        self.cached = torch.cat([torch.full((c.batch,), c.pos, device=device)
+        self.cached = torch.cat([torch.full((c.batch,), c.length, device=device)
                                  for c in self.caches])
         return True
 
     def key_length(self, T):
-        """The keys a pass attends to: pos + T rounded up to a multiple of KEY_BUCKET (at most
-        length), as KVCache.key_length."""
-        return min(round_up(self.pos + T, KEY_BUCKET), self.length)
+        """The keys a pass attends to: length + T rounded up to a multiple of KEY_BUCKET (at most
+        max_len), as KVCache.key_length."""
+        return min(round_up(self.length + T, KEY_BUCKET), self.max_len)
 
     def attention_mask(self, T):
         """(batch, 1, T, key_length(T)) bool: query t of a row sees the row's own cached keys and
-        new keys pos..pos + t. (A padded query sees keys too, so its ignored output stays
+        new keys length..length + t. (A padded query sees keys too, so its ignored output stays
         finite.)"""
         k_idx = torch.arange(self.key_length(T), device=self.kv.device)[None, None, :]
         q_idx = torch.arange(T, device=self.kv.device)[None, :, None]
         own = k_idx < self.cached[:, None, None]
-        new = (k_idx >= self.pos) & (k_idx <= self.pos + q_idx)
+        new = (k_idx >= self.length) & (k_idx <= self.length + q_idx)
         return (own | new)[:, None]
 
     def update(self, layer, k, v):
         """As KVCache.update: k, v (batch, n_kv_head, T, head_dim) -> (batch, n_kv_head,
         key_length(T), head_dim) views of cached + new."""
         T = k.shape[2]
-        self.kv[layer, 0, :, :, self.pos:self.pos + T] = k
-        self.kv[layer, 1, :, :, self.pos:self.pos + T] = v
+        self.kv[layer, 0, :, :, self.length:self.length + T] = k
+        self.kv[layer, 1, :, :, self.length:self.length + T] = v
         L = self.key_length(T)
         return self.kv[layer, 0, :, :, :L], self.kv[layer, 1, :, :, :L]
 
@@ -318,9 +323,9 @@ class BatchedCache:
         to where the cache holds them."""
         for c, n, r0, r1 in zip(self.caches, self.lengths, self.first_row, self.first_row[1:]):
             c.check_room(r1 - r0, n)
-            new = self.kv[:, :, r0:r1, :, self.pos:self.pos + n]
-            c.kv[:, :, :r1 - r0, :, c.pos:c.pos + n] = new
-            if c.pos < self.pos:              # a copy first: the two places may overlap
-                self.kv[:, :, r0:r1, :, c.pos:c.pos + n] = new.clone()
+            new = self.kv[:, :, r0:r1, :, self.length:self.length + n]
+            c.kv[:, :, :r1 - r0, :, c.length:c.length + n] = new
+            if c.length < self.length:              # a copy first: the two places may overlap
+                self.kv[:, :, r0:r1, :, c.length:c.length + n] = new.clone()
             c.advance(n)
-            c.changed_from = c.pos            # here as in the cache
+            c.changed_from = c.length            # here as in the cache

@@ -138,7 +138,7 @@ class CompiledModel:
                 raise ValueError("compiled decoding takes one prompt at a time: decode with "
                                  "--batch_size=1, or without --compile")
             kv_cache.check_room(B, T)
-            P, kv = kv_cache.pos, kv_cache.kv
+            P, kv = kv_cache.length, kv_cache.kv
             k_idx = torch.arange(kv.shape[4] + T + pad, device=device)
             q_idx = torch.arange(T + pad, device=device)[:, None] + kv.shape[4]
             # the first P cached keys, then the new ones causally, the padding's seen by none

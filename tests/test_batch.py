@@ -197,9 +197,9 @@ def test_batched_cache_pass_equals_each_cache_alone():
                                 for (idx, pos), c, f in zip(new, batched, (0, -1))])
     for w, o, a, b in zip(want, got, alone, batched):
         assert o.shape == w.shape and torch.allclose(o, w, atol=1e-5)
-        assert (a.pos, a.batch) == (b.pos, b.batch)
-        assert torch.allclose(a.kv[:, :, :a.batch, :, :a.pos], b.kv[:, :, :b.batch, :, :b.pos],
-                              atol=1e-6)
+        assert (a.length, a.batch) == (b.length, b.batch)
+        assert torch.allclose(a.kv[:, :, :a.batch, :, :a.length],
+                              b.kv[:, :, :b.batch, :, :b.length], atol=1e-6)
     side_by_side = BatchedCache(batched, 21)
     side_by_side.start_pass([1, 1], 1)
     mask = side_by_side.attention_mask(1)                  # now 13 and 5 tokens cached

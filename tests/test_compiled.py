@@ -51,8 +51,8 @@ def test_padded_passes_give_the_models_logits_and_cache():
         def both(idx, pos, **kw):
             x, y = model(idx, pos, kv_cache=a, **kw), padded(idx, pos, kv_cache=b, **kw)
             torch.testing.assert_close(y, x)
-            assert a.pos == b.pos
-            torch.testing.assert_close(b.kv[..., :b.pos, :], a.kv[..., :a.pos, :])
+            assert a.length == b.length
+            torch.testing.assert_close(b.kv[..., :b.length, :], a.kv[..., :a.length, :])
         both(torch.randint(0, 40, (1, 13)), torch.arange(13)[None], logits_from=-1)  # prefill
         both(torch.randint(0, 40, (1, 5)), torch.arange(20, 25)[None], logits_from=2)
         for c in (a, b):                                  # an infill round: 3 rows

@@ -26,8 +26,8 @@ class Spy(torch.nn.Module):
         return self.model.new_kv_cache(max_len, max_batch)
 
     def forward(self, idx, position_ids, kv_cache=None):
-        self.calls.append((self.name, idx.shape[1], kv_cache.pos))
-        assert position_ids[0, 0].item() == kv_cache.pos   # true positions after the cached ones
+        self.calls.append((self.name, idx.shape[1], kv_cache.length))
+        assert position_ids[0, 0].item() == kv_cache.length   # true positions after the cached ones
         return self.model(idx, position_ids, kv_cache=kv_cache)
 
 
