@@ -44,12 +44,53 @@ Greedy tokens equal eager decoding's up to rounding: a padded, compiled pass sum
 which can flip a near tie (SPEC section 4.2 says the same of batching).
 """
 
+import os
+import shutil
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from kvcache import WIDE, KVCache, bucket
+
+
+def check_compile(cfg):
+    """--compile=True where torch.compile cannot run (an unsupported Python, or no C compiler for a
+    CPU run) becomes False, with a warning: running without it gives the same results, slower.
+    Under lowered CPU code paths (ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA set) Inductor keeps its
+    compiled kernels in a folder of those settings (separate_compile_cache)."""
+    cpu = not cfg["device"].startswith(("cuda", "mps"))
+    if cfg["compile"] and (not torch._dynamo.is_dynamo_supported()
+                           or (cpu and not (shutil.which("cc") or shutil.which("gcc")))):
+        warnings.warn("--compile=True: torch.compile cannot run here (unsupported Python or no C "
+                      "compiler); running without it, which gives the same results more slowly")
+        cfg["compile"] = False
+    if cfg["compile"]:
+        separate_compile_cache()
+
+
+# The environment variables that lower the CPU code paths torch runs (docs/benchmark.md)
+ISA_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def separate_compile_cache():
+    """Where ISA_SETTINGS are set and TORCHINDUCTOR_CACHE_DIR is not, point Inductor's cache at a
+    folder named after them (beside its default, torchinductor_<user> in the temporary folder;
+    one set by the user is kept):
+    kernels it compiled under other code paths, found in a shared cache, gave NaN losses under
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (torch 2.13, an AVX-512 CPU). Returns the
+    folder set, or None where nothing was changed."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    settings = [f"{name.lower()}-{os.environ[name].lower()}" for name in ISA_SETTINGS
+                if os.environ.get(name)]
+    default = default_cache_dir()
+    # Inductor writes its default into the environment once it has used it: that is not a choice
+    if not settings or os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) != default:
+        return None
+    folder = "_".join([default] + settings)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
 
 
 class NewKeys:
@@ -91,6 +132,7 @@ class CompiledModel:
         self.static = {}  # (max_len, max_batch) -> the KV tensor every decode's cache reuses
         model.rope_tables(device)  # built here, not inside a graph
         torch._dynamo.config.recompile_limit = 64  # a graph per bucket and kind of pass
+        separate_compile_cache()
         self.compiled = torch.compile(self._forward, mode=mode, dynamic=False)
 
     def new_kv_cache(self, max_len, max_batch=1):

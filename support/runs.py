@@ -21,13 +21,11 @@ import ctypes
 import ctypes.util
 import math
 import os
-import shutil
 import signal
 import socket
 import sys
 import tempfile
 import time
-import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
@@ -37,6 +35,7 @@ from filelock import FileLock, Timeout
 from configurator import check_device, check_seed, require
 from model import ModelConfig
 from support.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, sharded_info_path
+from support.compiled import check_compile
 from support.files import STOP_SIGNALS, write_atomic
 from support.hardware import pick_dtype
 from support.hf_folder import from_pretrained
@@ -98,17 +97,6 @@ def check_train_config(cfg):
     # raises for shapes that cannot work, before any data is prepared
     ModelConfig(n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"] or None,
                 n_embd=cfg["n_embd"])
-
-
-def check_compile(cfg):
-    """--compile=True where torch.compile cannot run (an unsupported Python, or no C compiler for a
-    CPU run) becomes False, with a warning: running without it gives the same results, slower."""
-    cpu = not cfg["device"].startswith(("cuda", "mps"))
-    if cfg["compile"] and (not torch._dynamo.is_dynamo_supported()
-                           or (cpu and not (shutil.which("cc") or shutil.which("gcc")))):
-        warnings.warn("--compile=True: torch.compile cannot run here (unsupported Python or no C "
-                      "compiler); running without it, which gives the same results more slowly")
-        cfg["compile"] = False
 
 
 # -----------------------------------------------------------------------------

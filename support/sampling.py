@@ -26,7 +26,7 @@ from configurator import check_confidence, check_device, check_seed
 from model import ModelConfig
 from support.batching import generate_batch
 from support.chat import chat_prompt
-from support.compiled import CompiledModel
+from support.compiled import CompiledModel, check_compile
 from support.checkpoint import checkpoint_path, decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import read_utf8, score
 from support.drawing import animate_decode, cell_text, plot_decode, picture_path, pyplot
@@ -34,7 +34,6 @@ from support.hardware import settle_dtype
 from support.hf_folder import from_pretrained, hf_model_config
 from support.hf_tokenizer import hf_special_ids, undecodable_ids
 from support.prepare import TokenDataset, prepare
-from support.runs import check_compile
 from support.tokenizer import decode, encode_prompt, get_tokenizer
 
 

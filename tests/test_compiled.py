@@ -124,3 +124,25 @@ def test_no_decoder_reads_an_output_after_the_next_pass(refusion_model, mdm_mode
     decode, _ = make_decoder(dict(DEFAULTS, method="mdm", max_new_tokens=16, steps=8,
                                   block_length=4), ids, None)
     same_generations(decode, model, Poisoned(model))
+
+
+def test_lowered_code_paths_compile_into_a_cache_of_their_own(monkeypatch):
+    """ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA get Inductor a cache folder named after them
+    (tests/test_train.py shows what a shared one did); a folder the user chose is kept."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from support.compiled import ISA_SETTINGS, separate_compile_cache
+    for name in ISA_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # as Inductor leaves it
+    assert separate_compile_cache() is None                             # nothing lowered
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    folder = default_cache_dir() + "_aten_cpu_capability-avx2_onednn_max_cpu_isa-avx2"
+    assert separate_compile_cache() == folder == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert separate_compile_cache() is None                             # set once
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/srv/my-cache")
+    assert separate_compile_cache() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == \
+        "/srv/my-cache"

@@ -25,6 +25,7 @@ from helpers import ROOT, TOL, free_port, qa_rows, tiny_model, tiny_run_flags, w
 from support import checkpoint, runs
 from support.benchmark import train_or_reuse
 from support.checkpoint import load_checkpoint, save_checkpoint
+from support.compiled import ISA_SETTINGS, check_compile
 from test_refusion import random_samples
 from train import flops_per_token, hybrid_loss, load_weights, make_batch
 
@@ -298,12 +299,28 @@ def test_compile_never_changes_the_loss_or_the_gradients():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # what train.py does with --compile=True
-        runs.check_compile(cfg)
+        check_compile(cfg)
     if not cfg["compile"]:
         pytest.skip(f"torch.compile cannot run here: {caught[0].message}")
     compiled = torch.compile(model)
     for a, b in zip(loss_and_grads(compiled), eager, strict=True):
         torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+
+
+def test_compiling_under_lowered_code_paths_never_reads_kernels_compiled_under_others(tmp_path):
+    """Inductor's cache, shared, gave NaN losses to a model compiled under
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 after a run without them (torch 2.13, an
+    AVX-512 CPU): check_compile gives those settings a cache of their own. The test above, run
+    without them and then with them, both in one fresh temporary folder."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ISA_SETTINGS + ("TORCHINDUCTOR_CACHE_DIR",)}
+    env["TMPDIR"] = str(tmp_path)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "tests/test_train.py::test_compile_never_changes_the_loss_or_the_gradients"]
+    for lowered in ({}, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}):
+        done = subprocess.run(command, cwd=ROOT, env=env | lowered, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stdout[-3000:]
 
 
 def test_deterministic_training_turns_deterministic_kernels_on_and_repeats_to_the_bit(

@@ -52,11 +52,10 @@ from support import sampling
 from support.batching import generate_batch
 from support.benchmark import counting, free_tokens, machine, pass_costs, train_or_reuse
 from support.checkpoint import load_checkpoint, model_from_checkpoint
-from support.compiled import CompiledModel
+from support.compiled import CompiledModel, check_compile
 from support.files import write_atomic
 from support.hardware import num_params
 from support.prepare import prepare
-from support.runs import check_compile
 
 # -----------------------------------------------------------------------------
 # default config

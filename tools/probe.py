@@ -38,11 +38,10 @@ from json import dumps
 from configurator import check_device, parse_args, require, run_cli, settings_in
 from support.benchmark import free_tokens, machine, pass_costs, refusion_speedups
 from support.checkpoint import load_checkpoint, model_from_checkpoint
-from support.compiled import CompiledModel
+from support.compiled import CompiledModel, check_compile
 from support.drawing import picture_path, pyplot
 from support.hardware import pick_dtype
 from support.hf_folder import from_pretrained
-from support.runs import check_compile
 
 # -----------------------------------------------------------------------------
 out_dir = "out-quotes"     # a run's out_dir (its ckpt.pt; the quick start's by default) ...
