@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import data
 import train
 from helpers import ROOT, TOL, free_port, qa_rows, tiny_model, tiny_run_flags, write
-from support import checkpoint, runs
+from support import checkpoint, compiled, runs
 from support.benchmark import train_or_reuse
 from support.checkpoint import load_checkpoint, save_checkpoint
 from support.compiled import ISA_SETTINGS, check_compile
@@ -482,7 +482,7 @@ def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path,
 
 def test_small_data_warns_and_compile_falls_back_where_it_cannot_run(tmp_path, qa_file,
                                                                      monkeypatch, capsys):
-    monkeypatch.setattr(runs.shutil, "which", lambda name: None)     # no C compiler on this machine
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)     # no C compiler on this machine
     with pytest.warns(UserWarning, match="torch.compile cannot run here"):
         train.main(tiny_run_flags(tmp_path, qa_file, "run") +
                    ["--max_iters=1", "--compile=True", "--batch_size=200"])
