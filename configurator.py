@@ -10,23 +10,24 @@ default, and every value must have the default's type, so a typo fails loudly in
 import ast
 import difflib
 import io
-import math
 import numbers
 import os
 import sys
 import tokenize
 import traceback
-from dataclasses import dataclass
 
 import torch
 
 
 class Defaults(dict):
-    """A script's settings and their default values (a dict), and the script's path (for --help)."""
+    """A script's settings and their default values (a dict), the path of the file that declares
+    them (its comments describe them in --help) and the command that runs it (None: the file's
+    own, command_of(script))."""
 
-    def __init__(self, values, script=None):
+    def __init__(self, values, script=None, command=None):
         super().__init__(values)
         self.script = script
+        self.command = command
 
 
 def settings_in(namespace):
@@ -41,7 +42,9 @@ def settings_in(namespace):
 
 def descriptions(script):
     """{setting: the trailing comment of its module-level assignment} in the Python file `script`
-    (`beta1, beta2 = 0.9, 0.95  # AdamW's betas` describes both); what --help prints beside each."""
+    (`beta1, beta2 = 0.9, 0.95  # AdamW's betas` describes both), or of its entry in a dict
+    written in a module-level assignment (`"seed": 1337,  # ...`); what --help prints beside
+    each."""
     with open(script, encoding="utf-8") as f:
         source = f.read()
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
@@ -54,6 +57,13 @@ def descriptions(script):
                 for name in target.elts if isinstance(target, ast.Tuple) else [target]:
                     if isinstance(name, ast.Name):
                         found.setdefault(name.id, comments.get(node.end_lineno, ""))
+            # the entries of a dict of settings: each described by the comment after its value
+            for table in ast.walk(node.value):
+                if not isinstance(table, ast.Dict):
+                    continue
+                for key, value in zip(table.keys, table.values):
+                    if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                        found.setdefault(key.value, comments.get(value.end_lineno, ""))
     return found
 
 
@@ -72,11 +82,12 @@ def usage(defaults):
     """The --help text: how to call the script, then one line per setting: --key=default and its
     description (from the script's source when defaults are Defaults)."""
     script = getattr(defaults, "script", None)
+    command = getattr(defaults, "command", None) or command_of(script)
     about = descriptions(script) if script else {}
     shown = {k: ",".join(map(str, v)) if isinstance(v, tuple) else v if isinstance(v, str)
              else repr(v) for k, v in defaults.items()}
     width = max(len(f"--{k}={v}") for k, v in shown.items())
-    lines = [f"usage: python {command_of(script)} [config.py ...] [--key=value ...]",
+    lines = [f"usage: python {command} [config.py ...] [--key=value ...]",
              "Config files and flags apply left to right. Settings, with their defaults:"]
     lines += [f"  {f'--{k}={v}':<{width}}  {about.get(k, '')}".rstrip() for k, v in shown.items()]
     return "\n".join(lines)
@@ -262,181 +273,3 @@ def run_cli(main, argv):
         # what is still buffered goes nowhere
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(1) from None
-
-# -----------------------------------------------------------------------------
-# the decoders' settings (sampler.py, SPEC section 4), each object checked once, when built
-
-
-@dataclass
-class DecodeSettings:
-    """What every decoder needs: max_new_tokens (> 0; at most this many tokens are returned) and
-    temperature (0: argmax; > 0, finite: Gumbel-max in float64, SPEC section 4). The next-token
-    baseline needs nothing more. Raises ValueError when a value cannot work."""
-    max_new_tokens: int
-    temperature: float = 0.0
-
-    def __post_init__(self):
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: ask for at least one new "
-                             "token")
-        if not 0 <= self.temperature < math.inf:  # also catches NaN
-            raise ValueError(f"temperature={self.temperature}: use 0 for greedy decoding or a "
-                             "finite positive value to sample")
-
-    @property
-    def gen_length(self):
-        """Positions the generation occupies in the context (tokens)."""
-        return self.max_new_tokens
-
-    def length_words(self):
-        """(how max_new_tokens became gen_length, what to lower), for ContextTooLong's message."""
-        return "", "lower max_new_tokens"
-
-
-INFILL_MODES = ("paper", "speculative")
-
-
-@dataclass
-class RefusionSettings(DecodeSettings):
-    """ReFusion's knobs (SPEC section 4): slot_size (S), serial_num_blocks, the two thresholds and
-    the infill: "paper" (the default: the paper's and the authors' code) or "speculative" (SPEC
-    4.1). gen_length is max_new_tokens rounded up to whole serial blocks of whole slots.
-    Thresholds are probabilities compared with `>`: any finite value >= 0, 1 or more meaning
-    "never" (one slot per plan step / only forced tokens accepted).
-    Raises ValueError naming the setting and the fix.
-    """
-    slot_size: int = 8
-    serial_num_blocks: int = 1
-    slot_threshold: float = 0.9
-    token_threshold: float = 0.3
-    infill: str = "paper"
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.infill not in INFILL_MODES:
-            renamed = " (infill='ar' is now called 'speculative')" if self.infill == "ar" else ""
-            raise ValueError(f"infill={self.infill!r}: choose 'paper' (the forced token of each "
-                             "infill round is its masked draft, as in the paper) or 'speculative' "
-                             f"(the next-token prediction, SPEC 4.1){renamed}")
-        if self.slot_size <= 0:
-            raise ValueError(f"slot_size={self.slot_size}: a slot holds at least one token (the "
-                             "paper uses 4 to 32)")
-        if self.serial_num_blocks <= 0:
-            raise ValueError(f"serial_num_blocks={self.serial_num_blocks}: use at least one "
-                             "serial block")
-        for name in ("slot_threshold", "token_threshold"):
-            if not 0 <= getattr(self, name) < math.inf:  # also catches NaN
-                raise ValueError(f"{name}={getattr(self, name)}: thresholds are finite "
-                                 "probabilities >= 0 (any value >= 1 already means never)")
-
-    @property
-    def n_slots(self):
-        """Slots in the whole generation: a multiple of serial_num_blocks."""
-        n = self.serial_num_blocks
-        return math.ceil(self.max_new_tokens / (self.slot_size * n)) * n
-
-    @property
-    def slots_per_serial_block(self):
-        """Slots in each serial block (the most infilled in parallel: the cache's rows)."""
-        return self.n_slots // self.serial_num_blocks
-
-    @property
-    def gen_length(self):
-        """max_new_tokens rounded up to whole serial blocks of whole slots (tokens)."""
-        return self.n_slots * self.slot_size
-
-    def length_words(self):
-        return (f", max_new_tokens={self.max_new_tokens} rounded up to {self.serial_num_blocks} "
-                f"serial block(s) of whole {self.slot_size}-token slots",
-                "lower max_new_tokens, slot_size or serial_num_blocks")
-
-
-# what the MDM's low-confidence remasking ranks a step's drafts by (SPEC section 4): "prob", the
-# drafted token's probability (LLaDA); "margin" and "entropy", Dream's rules (opt-in)
-MDM_CONFIDENCES = ("prob", "margin", "entropy")
-
-
-def check_confidence(cfg):
-    """Refuse a --confidence that is not one of MDM_CONFIDENCES, whichever the method, so that a
-    misspelt rule is never silently ignored. Raises ValueError."""
-    if cfg["confidence"] not in MDM_CONFIDENCES:
-        raise ValueError(f"--confidence={cfg['confidence']!r}: choose one of "
-                         f"{', '.join(MDM_CONFIDENCES)} (it ranks the MDM's drafts)")
-
-
-@dataclass
-class MDMSettings(DecodeSettings):
-    """LLaDA's schedule (SPEC section 4, "Baseline decoders"): `steps` denoising steps over
-    semi-autoregressive blocks of `block_length` tokens, decoded left to right. steps None: one
-    token per step; block_length None: one semi-autoregressive block. block_length must divide
-    max_new_tokens, the number of blocks must divide steps, and steps <= max_new_tokens.
-    Raises ValueError naming the setting and the fix.
-    """
-    steps: int | None = None
-    block_length: int | None = None
-    mdm_shift: bool = False  # Dream's shifted prediction (SPEC section 3): the model's, not a knob
-    confidence: str = "prob"  # what a step ranks its drafts by: one of MDM_CONFIDENCES
-
-    def __post_init__(self):
-        super().__post_init__()
-        n = self.max_new_tokens
-        self.steps = n if self.steps is None else self.steps
-        self.block_length = n if self.block_length is None else self.block_length
-        if self.steps <= 0 or self.block_length <= 0:
-            raise ValueError(f"steps={self.steps}, block_length={self.block_length}: both must be "
-                             "positive")
-        if n % self.block_length:
-            raise ValueError(f"max_new_tokens={n} is not a multiple of "
-                             f"block_length={self.block_length}; pick a block_length dividing {n}")
-        if self.steps % self.n_semi_ar_blocks:
-            raise ValueError(f"steps={self.steps} cannot be shared equally by the "
-                             f"{self.n_semi_ar_blocks} semi-autoregressive blocks of "
-                             f"{self.block_length} tokens; pick steps as a multiple of "
-                             f"{self.n_semi_ar_blocks}")
-        if self.steps > n:
-            raise ValueError(f"steps={self.steps} > max_new_tokens={n}: some steps would commit no "
-                             f"token; use at most {n} steps (one token per step)")
-        if self.confidence not in MDM_CONFIDENCES:
-            raise ValueError(f"confidence={self.confidence!r}: choose one of "
-                             f"{', '.join(MDM_CONFIDENCES)}")
-
-    @property
-    def n_semi_ar_blocks(self):
-        """Semi-autoregressive blocks of block_length tokens, decoded left to right."""
-        return self.max_new_tokens // self.block_length
-
-
-class ContextTooLong(ValueError):
-    """A prompt + generation longer than the model's context: prompt_len, settings (whose gen_length
-    is the generation's length in tokens) and limit (the context, in positions) say by how much;
-    the message names the settings to change (settings.length_words)."""
-
-    def __init__(self, prompt_len, settings, limit):
-        how, fix = settings.length_words()
-        super().__init__(f"prompt ({prompt_len} tokens) + generation ({settings.gen_length} "
-                         f"tokens{how}) exceeds the model's context of {limit} positions; shorten "
-                         f"the prompt or {fix}")
-        self.prompt_len, self.settings, self.limit = prompt_len, settings, limit
-
-
-def check_context(model, prompt_len, settings):
-    """Refuse an empty prompt (ValueError) or a prompt + generation (settings.gen_length positions)
-    that does not fit the model's positions (ContextTooLong)."""
-    if prompt_len == 0:
-        raise ValueError("the prompt is empty: give at least one token of context")
-    if prompt_len + settings.gen_length > model.config.block_size:
-        raise ContextTooLong(prompt_len, settings, model.config.block_size)
-
-
-def check_attention(model, method):
-    """Refuse a decoding method the model's attention was not trained for (model.config.causal):
-    refusion and next_token feed tokens after a KV cache, which needs causal attention; mdm
-    denoises a sequence of masks, which needs bidirectional attention. Raises ValueError."""
-    if method == "mdm" and model.config.causal:
-        raise ValueError("this model was trained with a causal objective (refusion or ar), so it "
-                         "cannot denoise a sequence of masks bidirectionally; use "
-                         "--method=refusion or --method=next_token")
-    if method != "mdm" and not model.config.causal:
-        raise ValueError(f"this model has bidirectional attention (trained with "
-                         f"--objective=mdm), but --method={method} decodes causally after a KV "
-                         "cache; use --method=mdm")

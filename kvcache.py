@@ -41,7 +41,14 @@ WIDE = 32           # bucket(T): a pass of more tokens keeps its width
 def bucket(T):
     """The width a pass of T new tokens is padded to where padding is free (a GPU's eager passes,
     every compiled pass): 1 for 1, the next power of two from 8 up to WIDE, T itself above."""
-    return 1 if T == 1 else T if T > WIDE else max(8, 1 << (T - 1).bit_length())
+    # one token (next-token decoding's pass) stays one: its kernels differ from a wide pass's
+    if T == 1:
+        return 1
+    # past WIDE a pass costs its tokens even on a GPU: padding would only add work
+    if T > WIDE:
+        return T
+    # the next power of two, at least 8: widths 8, 16, 32
+    return max(8, 1 << (T - 1).bit_length())
 
 
 def round_up(n, multiple):
@@ -53,12 +60,14 @@ def cache_length(n, context):
     """The tokens a decoder's cache holds for n tokens: n rounded up to a multiple of
     CACHE_BUCKET, but never past the model's context (nor below n): prompts of similar lengths
     share a shape."""
+    # rounding up may not pass the context; a prompt already past it keeps its own length
     return max(n, min(round_up(n, CACHE_BUCKET), context))
 
 
 def causal_mask(P, T, device, L=None):
     """(1, 1, T, L) bool: query i of T new tokens, after P cached ones, sees keys 0..P + i; the
     keys from P + T on (up to L, by default P + T) are seen by none."""
+    # new token i sits at key index P + i: it sees every key up to and including itself
     q_idx = torch.arange(T, device=device)[:, None]
     k_idx = torch.arange(P + T if L is None else L, device=device)[None, :]
     return (k_idx <= P + q_idx)[None, None]
@@ -138,6 +147,7 @@ class KVCache:
         """Forget everything after the first `length` tokens (e.g. the keys/values of masks)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of {self.length} tokens to {length}")
+        # nothing is erased: the next update writes over the forgotten keys/values
         self.length = length
 
     def repeat_prefix(self, k):
@@ -159,6 +169,7 @@ class KVCache:
         """Keep only the first n active rows (an infill's rows up to its EOS row): nothing moves."""
         if not 1 <= n <= self.batch:
             raise ValueError(f"cannot keep {n} of the {self.batch} active rows")
+        # the rows kept are the first n, where they already are: only the count changes
         self.batch = n
 
     def commit_rows(self, segments, start):
@@ -169,6 +180,7 @@ class KVCache:
         Used by the commit step: each infilled slot's keys/values were computed in its own row,
         seeing the shared prefix [0, start) and itself (SPEC section 4, step 4).
         """
+        # every segment must lie within the active rows and the tokens they hold
         if any(row >= self.batch or start + n > self.length for row, n in segments):
             raise ValueError(f"segments {segments} from {start} exceed the cache "
                              f"({self.batch} rows x {self.length})")

@@ -98,13 +98,18 @@ class Attention(nn.Module):
 
     def __init__(self, config, layer_idx):
         super().__init__()
+        # the layer's index: which slice of the KV cache holds its keys and values
         self.layer_idx = layer_idx
-        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        # grouped-query attention: n_kv_head key/value heads, each shared by n_head / n_kv_head
+        # query heads (Qwen3, Llama); n_kv_head == n_head is ordinary multi-head attention
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
         self.head_dim = config.head_dim
         self.q_proj = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
+        # Qwen3 normalizes each head's queries and keys (qk_norm); Llama does not
         eps = config.norm_eps
         self.q_norm = nn.RMSNorm(self.head_dim, eps=eps) if config.qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(self.head_dim, eps=eps) if config.qk_norm else nn.Identity()
@@ -164,6 +169,8 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        # token embeddings, n_layer pre-norm blocks, a final norm and the output layer, named as
+        # Qwen3's and Llama's Hugging Face weights are (support/hf_folder.py loads them as they are)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layer))
         self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
@@ -197,7 +204,9 @@ class Transformer(nn.Module):
 
     def new_kv_cache(self, max_len, max_batch=1):
         """An empty KVCache sized for this model: up to max_batch rows of max_len tokens."""
-        c, p = self.config, self.embed_tokens.weight
+        c = self.config
+        # the cache holds keys/values in the weights' dtype, on their device
+        p = self.embed_tokens.weight
         return KVCache(c.n_layer, c.n_kv_head, c.head_dim, max_len, max_batch, dtype=p.dtype,
                        device=p.device)
 

@@ -23,15 +23,12 @@ many prompts at once (--batch_size, SPEC section 4.2) is support/batching.py.
 import math
 import sys
 import time
-from dataclasses import dataclass, field, fields
-from functools import partial
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from configurator import (INFILL_MODES, ContextTooLong, DecodeSettings,  # noqa: F401
-                          MDMSettings, RefusionSettings, check_attention, check_context,
-                          explicit_keys, parse_args, run_cli, settings_in)
+from configurator import run_cli
 from kvcache import bucket, cache_length
 
 # -----------------------------------------------------------------------------
@@ -172,6 +169,10 @@ def sees(unseen, device):
 
 # -----------------------------------------------------------------------------
 # ReFusion with the KV cache: plan, verify, infill, commit as named steps (SPEC section 4)
+# The same decisions as generate_refusion_plain, pass for pass. A comment starting "KV cache:"
+# marks what the cache changes: the committed buffer is fed once and its keys/values kept (the
+# cache's row 0), so each pass feeds only its new tokens; a pass keeps the keys/values of what it
+# commits and drops the rest; the infill's rows share the buffer's keys/values, repeated into rows.
 
 
 @torch.inference_mode()
@@ -188,11 +189,14 @@ def generate_refusion(model, prompt, settings, *, mask_id, eos_ids, generator=No
     check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
     state = DecodeState(model, prompt, settings, mask_id, eos_ids, generator, on_step, banned_ids)
-    S, n = settings.slot_size, settings.slots_per_serial_block
+    S = settings.slot_size
+    n = settings.slots_per_serial_block
+    # Serial blocks one after another, each decoded until none of its slots is masked.
     for b in range(settings.serial_num_blocks):
         first = len(prompt) + b * n * S                 # the serial block's first position
         if decode_serial_block(state, first, n, settings):
             break                                       # EOS: no later serial block starts
+    # The response, read by true position (the buffer holds it in commit order).
     tokens = cut_after_eos([state.response[p] for p in sorted(state.response)], eos_ids)
     return Generation(tokens[:settings.max_new_tokens], state.nfe, time.perf_counter() - t0,
                       state.trace, state.step_nfe, state.cache.cache_bytes)
@@ -209,12 +213,16 @@ def decode_serial_block(state, first, n, settings):
     at = torch.arange(first, first + n * S, device=state.device).view(n, S)
     eos = False
     while pool:
+        # 1. Plan: draft every masked slot, select the confident ones.
         selected, starts, drafts = plan_slots(state, pool, at, settings.slot_threshold)
+        # 2. Verify: the selected drafts in one causal pass; its whole passing slots commit.
         commit, accepted = verify_drafts(state, starts, at[selected], drafts,
                                          settings.token_threshold)
-        if not commit:  # not one whole slot passed verify: finish every selected slot in parallel
+        # 3. Infill: not one whole slot passed verify, so finish every selected slot in parallel.
+        if not commit:
             commit = infill_slots(state, starts, at[selected], drafts, accepted,
                                   settings.token_threshold)
+        # 4. Commit: the finished slots join the buffer.
         commit_slots(state, commit)
         eos = eos or commit.eos
         # The committed slots leave the pool; after an EOS, so does every slot past it.
@@ -242,19 +250,29 @@ class DecodeState:
     feeds it; nfe; per step its trace and step_nfe; speculative (a SpeculativeInfill, or None)."""
 
     def __init__(self, model, prompt, settings, mask_id, eos_ids, generator, on_step, banned_ids):
-        self.model, self.generator, self.on_step = model, generator, on_step
-        # a cache of a bucketed length: prompts of similar lengths share its shape (kvcache.py)
+        self.model = model
+        self.generator = generator
+        self.on_step = on_step
+        self.temperature = settings.temperature
+        self.prompt_len = len(prompt)
+        # KV cache: one row per slot an infill may hold, of a bucketed length, so that prompts of
+        # similar lengths share its shape (kvcache.py)
         max_len = cache_length(len(prompt) + settings.gen_length, model.config.block_size)
         self.cache = model.new_kv_cache(max_len, max_batch=settings.slots_per_serial_block)
         self.device = self.cache.kv.device
-        self.mask_id, self.eos_ids = mask_id, tuple(eos_ids)
+        self.mask_id = mask_id
+        self.eos_ids = tuple(eos_ids)
         # Made once, on the device: no step builds a tensor from Python data.
         self.eos_tensor = torch.tensor(self.eos_ids, device=self.device)  # for end_rows_at_eos
         self.banned = torch.tensor([mask_id, *banned_ids], device=self.device)  # never written
-        self.temperature, self.prompt_len = settings.temperature, len(prompt)
+        # KV cache: the prompt waits here until the first plan pass feeds it (and keeps its keys)
         self.pending = torch.tensor([prompt], device=self.device)          # (1, P) until fed
         self.pending_pos = torch.arange(len(prompt), device=self.device)[None]
-        self.response, self.nfe, self.trace, self.step_nfe = {}, 0, [], []
+        # the committed response (true position -> token) and the decode's statistics
+        self.response = {}
+        self.nfe = 0
+        self.trace = []
+        self.step_nfe = []
         self.speculative = SpeculativeInfill.of(settings, len(prompt))  # SPEC 4.1, or None
         self.pad_widths = PAD_WIDTHS.get(self.device.type, False)
 
@@ -266,11 +284,13 @@ class DecodeState:
         start = self.cache.length
         self.nfe += 1
         T = tokens.shape[1]
+        # pad to a bucketed width: the pad tokens come last, so no real token sees them
         if self.pad_widths:
             pad = min(bucket(T), self.cache.max_len - start) - T
             tokens = F.pad(tokens, (0, pad), value=self.mask_id)
             positions = F.pad(positions, (0, pad))
         logits = self.model(tokens, positions, kv_cache=self.cache, logits_from=logits_from)
+        # KV cache: keep the keys/values of the first `keep` tokens, drop the rest (and the pad)
         self.cache.crop(start + (T if keep is None else keep))
         return logits[:, :T - logits_from]
 
@@ -281,23 +301,30 @@ def plan_slots(state, pool, at, slot_threshold):
     masks' keys/values are not kept. Returns (selected: (k,) int64 the selected slots' indexes
     into pool, ascending, on the device; their starts, a list; their drafts (k, S) int64)."""
     n_pending = state.pending.shape[1]
+    # Every token of the pool's slots is a mask at its true position.
     masks = torch.full((1, at.numel()), state.mask_id, device=state.device)
+    # KV cache: on the first call the prompt is fed before the masks (the buffer is fed once)
     tokens = torch.cat([state.pending, masks], dim=1)
     pos = torch.cat([state.pending_pos, at.view(1, -1)], dim=1)
     lead = min(n_pending, 1)  # the prompt's last token, whose logits predict the first response's
+    # KV cache: the prompt's keys/values stay cached, the masks' are dropped; logits: lead + masks
     logits = state.forward(tokens, pos, keep=n_pending, logits_from=n_pending - lead)[0]
-    # the prompt's keys/values stay cached; logits: lead + masks
-    state.pending, state.pending_pos = tokens[:, :0], pos[:, :0]
+    state.pending = tokens[:, :0]
+    state.pending_pos = pos[:, :0]
+    # Draft a token at every mask, with its probability.
     drafts, probs = draft_tokens(logits[lead:], state.temperature, state.generator, state.banned)
-    drafts, probs = drafts.view(at.shape), probs.view(at.shape)
+    drafts = drafts.view(at.shape)
+    probs = probs.view(at.shape)
     if state.speculative:  # SPEC 4.1
-        state.speculative.plan(state, pool, logits, lead, drafts, probs)
-    scores = probs[:, 0]  # a slot's score: its first token's probability
+        drafts, probs = state.speculative.plan(state, pool, logits, lead, drafts, probs)
+    # Select the slots whose first token passes slot_threshold.
+    scores = probs[:, 0]
     chosen = scores > slot_threshold
-    # none passes: the first of equal best scores (torch.argmax takes the first; SPEC step 1)
+    # None passes: the first of equal best scores (torch.argmax takes the first; SPEC step 1).
     best = torch.arange(len(pool), device=state.device) == scores.argmax()
     chosen = torch.where(chosen.any(), chosen, best)
-    starts = [p for p, c in zip(pool, chosen.tolist()) if c]  # the step's read: which slots
+    # The step's read: which slots were selected.
+    starts = [p for p, c in zip(pool, chosen.tolist()) if c]
     selected = torch.nonzero_static(chosen, size=len(starts))[:, 0]
     return selected, starts, drafts[selected]
 
@@ -310,16 +337,22 @@ def verify_drafts(state, starts, at, drafts, token_threshold):
     slot's own accepted prefix, for infill_slots)."""
     k, S = drafts.shape
     buffer_length = state.cache.length
+    # One causal pass over the selected drafts, concatenated.
     tokens = drafts.reshape(1, k * S)
     logits = state.forward(tokens, at.reshape(1, k * S))     # (1, k * S, V)
+    # A token passes when its probability passes token_threshold, or it is a slot's first.
     passed = (next_token_probs(logits, tokens) > token_threshold).view(k, S)
-    passed[:, 0].fill_(True)                                 # a slot's first token: as drafted
-    # the step's read: how many drafts passed, then the drafts
+    passed[:, 0].fill_(True)
+    # The step's read: how many drafts passed, then the drafts.
     n_passed, *flat = torch.cat([leading_true(passed.view(1, -1)), drafts.view(-1)]).tolist()
     prefix = flat[:n_passed]
+    # Commit the passing prefix's whole slots, or its tokens up to its EOS.
     eos_at = first_eos(prefix, state.eos_ids)
-    n = eos_at + 1 if eos_at is not None else len(prefix) // S * S  # tokens to commit
-    # the committed tokens' keys/values, already after the buffer, stay
+    if eos_at is not None:
+        n = eos_at + 1
+    else:
+        n = len(prefix) // S * S
+    # KV cache: the committed tokens' keys/values, already after the buffer, stay
     state.cache.crop(buffer_length + n)
     slots = [prefix[i:min(i + S, n)] for i in range(0, n, S)]
     if state.speculative:  # SPEC 4.1
@@ -377,26 +410,31 @@ def infill_slots(state, starts, at, drafts, accepted, token_threshold):
     Returns a Commit of the k' <= k finished slots, laid after the buffer in the cache's row 0."""
     k, S = drafts.shape
     buffer_length = state.cache.length          # the committed buffer, shared by every row
+    # Each selected slot in a row of its own, from what verify accepted of it.
     rows = InfillRows(list(starts), at, drafts.clone(), accepted.clone(),
                       torch.full_like(accepted, S))
     if state.speculative:  # SPEC 4.1
-        state.speculative.restart_later_rows(rows)
+        rows.accepted = state.speculative.restart_later_rows(rows.accepted)
+    # KV cache: every row starts from the buffer's keys/values (row 0's, repeated)
     state.cache.repeat_prefix(k)
     # Verify committed only what the whole concatenation accepted, but a later slot's own accepted
     # prefix may already hold EOS: that slot ends there and the slots after it go before any pass.
     done, least = end_rows_at_eos(state, rows)
-    for _ in range(S):                   # each round accepts >= 1 token of every unfinished row
+    # Each round accepts at least one token of every unfinished row: at most S rounds.
+    for _ in range(S):
         if done:
             break
-        # slot tokens [0, shared) of every row are cached
+        # KV cache: slot tokens [0, shared) of every row are cached and not fed again
         shared = state.cache.length - buffer_length
-        draft_rows(state, rows, shared)                             # (a)
-        verify_rows(state, rows, shared, token_threshold)           # (b)
-        done, least = end_rows_at_eos(state, rows)                  # (c)
-        state.cache.crop(buffer_length + kept_prefix(state, rows, done, least))   # (d)
-    # one read: each row's length, then its tokens
+        # (a) draft the masked tokens, (b) verify the rows, (c) end a row at its EOS
+        draft_rows(state, rows, shared)
+        verify_rows(state, rows, shared, token_threshold)
+        done, least = end_rows_at_eos(state, rows)
+        # (d) KV cache: keep the keys/values of the prefix every row has accepted
+        state.cache.crop(buffer_length + kept_prefix(state, rows, done, least))
+    # One read: each row's length, then its tokens.
     finished = torch.cat([rows.lengths[:, None], rows.tokens], dim=1).tolist()
-    # each row's slot laid after the buffer, in row 0, in slot order
+    # KV cache: each row's slot laid after the buffer, in row 0, in slot order
     state.cache.commit_rows([(i, row[0]) for i, row in enumerate(finished)], buffer_length)
     tokens = [row[1:1 + row[0]] for row in finished]
     return Commit(rows.starts, tokens, rows.eos)
@@ -405,26 +443,34 @@ def infill_slots(state, starts, at, drafts, accepted, token_threshold):
 def draft_rows(state, rows, shared):
     """Step 3a, draft: feed every row's tokens from column `shared` on, its unaccepted ones as mask
     ids; each masked position's prediction (argmax) fills it. Its keys/values are not kept."""
+    # KV cache: only the tokens after the shared prefix are fed
     window = rows.tokens[:, shared:]
     columns = torch.arange(shared, shared + window.shape[1], device=state.device)
+    # A row's unaccepted tokens are fed as masks.
     masked = columns >= rows.accepted[:, None]
     fed = torch.where(masked, state.mask_id, window)
+    # KV cache: none of this pass's keys/values are kept (keep=0)
     logits = state.forward(fed, rows.positions[:, shared:], keep=0)
+    # Each mask's prediction (argmax) replaces its draft.
     guess = ban(logits, state.banned).argmax(dim=-1)                   # (k, T)
     rows.tokens[:, shared:] = torch.where(masked, guess, window)
     if state.speculative:  # SPEC 4.1
-        state.speculative.force_next_tokens(state, rows, logits, shared)
+        rows.tokens = state.speculative.force_next_tokens(state, rows, logits, shared)
 
 
 def verify_rows(state, rows, shared, token_threshold):
     """Step 3b, verify: feed every row's tokens from column `shared` on; in each row the first
     unaccepted token is accepted (it was predicted from an accepted prefix), later ones while
     their next-token probability exceeds token_threshold."""
+    # KV cache: only the tokens after the shared prefix are fed; their keys/values stay for now
     window = rows.tokens[:, shared:]
     logits = state.forward(window, rows.positions[:, shared:])
     columns = torch.arange(shared, shared + window.shape[1], device=state.device)
+    # A token passes when its probability passes token_threshold; the first unaccepted one
+    # always does (it was predicted from an accepted prefix).
     probs = next_token_probs(logits, window)
     passed = (probs > token_threshold) | (columns <= rows.accepted[:, None])
+    # Each row keeps its longest passing prefix.
     rows.accepted = torch.minimum(shared + leading_true(passed), rows.lengths)
     if state.speculative:  # SPEC 4.1
         state.speculative.rows_verified(logits)
@@ -436,22 +482,29 @@ def end_rows_at_eos(state, rows):
     device with what step 3d needs, so that a round reads once: returns (every row is done, the
     fewest tokens a row has accepted)."""
     k, S = rows.tokens.shape
+    # The accepted EOS tokens of every row.
     is_eos = torch.isin(rows.tokens, state.eos_tensor)
-    is_eos &= torch.arange(S, device=state.device) < rows.accepted[:, None]   # accepted EOS only
+    is_eos &= torch.arange(S, device=state.device) < rows.accepted[:, None]
     found = is_eos.any(dim=1)                                       # (k,) rows holding one
     eos = found.any()
     r = found.long().argmax()                                       # the first such row
+    # Rows after row r go; row r ends after its first EOS.
     row = torch.arange(k, device=state.device)
-    kept = ~eos | (row <= r)                                        # the rows that stay
+    kept = ~eos | (row <= r)
     up_to_eos = is_eos.index_select(0, r[None])[0].long().argmax() + 1   # row r's length
     lengths = torch.where(eos & (row == r), up_to_eos, rows.lengths)
     accepted = torch.minimum(rows.accepted, lengths)
+    # What step 3d needs: whether every kept row is done, and the fewest tokens one accepted.
     done = ((accepted >= lengths) | ~kept).all()
     least = torch.where(kept, accepted, S).min()
-    eos, r, done, least = torch.stack([eos.long(), r, done.long(), least]).tolist()  # the read
+    # The round's one read.
+    eos, r, done, least = torch.stack([eos.long(), r, done.long(), least]).tolist()
     if eos:
+        # KV cache: the dropped rows leave the cache too
         rows.keep(r + 1, state.cache)
-        rows.lengths, rows.accepted, rows.eos = lengths[:r + 1], accepted[:r + 1], True
+        rows.lengths = lengths[:r + 1]
+        rows.accepted = accepted[:r + 1]
+        rows.eos = True
     return bool(done), least
 
 
@@ -469,10 +522,12 @@ def kept_prefix(state, rows, done, shared):
 def commit_slots(state, commit):
     """Step 4, commit: record the Commit's tokens at their true positions (its keys/values already
     follow the buffer in the cache); the step's pairs go to state.trace (and on_step)."""
+    # The step's (true position, token) pairs, slot by slot.
     step = [(start + i, t) for start, ids in zip(commit.starts, commit.tokens)
             for i, t in enumerate(ids)]
     assert not any(p in state.response for p, _ in step), "a position was committed twice"
     state.response.update(step)
+    # KV cache: its row 0 holds exactly the committed buffer, the prompt and every committed slot
     buffer_length = state.prompt_len + len(state.response)
     assert state.cache.length == buffer_length, "the cache holds the buffer"
     state.trace.append(step)
@@ -504,33 +559,42 @@ class SpeculativeInfill:
 
     def plan(self, state, pool, logits, lead, drafts, probs):
         """Step 1: a leftmost slot at the frontier takes its first draft and score from the kept
-        prediction (first logits[0]: the prompt's last). drafts, probs (len(pool), S): in place."""
+        prediction (first logits[0]: the prompt's last). drafts, probs: (len(pool), S) as
+        plan_slots drew them. Returns (drafts, probs), new tensors where they change."""
         if lead:  # kept past later passes: a copy (a compiled pass may reuse its output's memory)
             self.next_logits = (self.frontier, logits[0].clone())
-        if self.next_logits is not None and self.next_logits[0] == pool[0]:
-            drafts[0, :1], probs[0, :1] = draft_tokens(self.next_logits[1][None],
-                                                       state.temperature, state.generator,
-                                                       state.banned)
+        if self.next_logits is None or self.next_logits[0] != pool[0]:
+            return drafts, probs
+        first, score = draft_tokens(self.next_logits[1][None], state.temperature,
+                                    state.generator, state.banned)
+        # the first draft of the first slot: written into copies, the caller's tensors unchanged
+        drafts = drafts.clone()
+        probs = probs.clone()
+        drafts[0, :1] = first
+        probs[0, :1] = score
+        return drafts, probs
 
     def verified(self, slots, logits, S):
         """Step 2: each slot verify commits (logits (1, k * S, V)) saw every slot before it."""
         self.ends = [logits[0, i * S + len(slot) - 1].clone() for i, slot in enumerate(slots)]
 
-    def restart_later_rows(self, rows):
+    def restart_later_rows(self, accepted):
         """Step 3: every row but the first restarts from its first token: verify judged the rest
-        after the drafts of the slots before it, which its row does not see."""
-        rows.accepted[1:].fill_(1)
+        after the drafts of the slots before it, which its row does not see. accepted: (k,) int64
+        each row's accepted prefix. Returns the new (k,) int64."""
+        return torch.cat([accepted[:1], torch.ones_like(accepted[1:])])
 
     def force_next_tokens(self, state, rows, logits, shared):
         """Step 3a: the first unaccepted token of every unfinished row becomes what its accepted
-        left neighbour, fed in this draft pass (logits (k, T, V) from column `shared`), predicts."""
+        left neighbour, fed in this draft pass (logits (k, T, V) from column `shared`), predicts.
+        Returns the rows' new tokens (k, S) int64; rows.tokens is unchanged."""
         k, S = rows.tokens.shape
         j = rows.accepted.clamp(max=S - 1)[:, None]         # (k, 1); a finished row keeps its own
         left = (j - 1 - shared).clamp(min=0)[:, :, None].expand(-1, -1, logits.shape[-1])
         predicted = ban(logits.gather(1, left)[:, 0], state.banned).argmax(dim=-1)   # (k,)
         unfinished = rows.accepted < rows.lengths
         own = rows.tokens.gather(1, j)[:, 0]
-        rows.tokens.scatter_(1, j, torch.where(unfinished, predicted, own)[:, None])
+        return rows.tokens.scatter(1, j, torch.where(unfinished, predicted, own)[:, None])
 
     def rows_verified(self, logits):
         """Step 3b: only row 0 saw the slots committed before it: its last token's logits."""
@@ -663,7 +727,178 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
     return Generation(tokens, len(steps), time.perf_counter() - t0, trace, [1] * len(steps))
 
 # -----------------------------------------------------------------------------
-# results (the settings and their checks: configurator.py)
+# the decoders' settings and their checks (SPEC section 4), each object checked once, when built
+
+
+@dataclass
+class DecodeSettings:
+    """What every decoder needs: max_new_tokens (> 0; at most this many tokens are returned) and
+    temperature (0: argmax; > 0, finite: Gumbel-max in float64, SPEC section 4). The next-token
+    baseline needs nothing more. Raises ValueError when a value cannot work."""
+    max_new_tokens: int
+    temperature: float = 0.0
+
+    def __post_init__(self):
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: ask for at least one new "
+                             "token")
+        if not 0 <= self.temperature < math.inf:  # also catches NaN
+            raise ValueError(f"temperature={self.temperature}: use 0 for greedy decoding or a "
+                             "finite positive value to sample")
+
+    @property
+    def gen_length(self):
+        """Positions the generation occupies in the context (tokens)."""
+        return self.max_new_tokens
+
+    def length_words(self):
+        """(how max_new_tokens became gen_length, what to lower), for ContextTooLong's message."""
+        return "", "lower max_new_tokens"
+
+
+INFILL_MODES = ("paper", "speculative")
+
+
+@dataclass
+class RefusionSettings(DecodeSettings):
+    """ReFusion's knobs (SPEC section 4): slot_size (S), serial_num_blocks, the two thresholds and
+    the infill: "paper" (the default: the paper's and the authors' code) or "speculative" (SPEC
+    4.1). gen_length is max_new_tokens rounded up to whole serial blocks of whole slots.
+    Thresholds are probabilities compared with `>`: any finite value >= 0, 1 or more meaning
+    "never" (one slot per plan step / only forced tokens accepted).
+    Raises ValueError naming the setting and the fix.
+    """
+    slot_size: int = 8
+    serial_num_blocks: int = 1
+    slot_threshold: float = 0.9
+    token_threshold: float = 0.3
+    infill: str = "paper"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.infill not in INFILL_MODES:
+            renamed = " (infill='ar' is now called 'speculative')" if self.infill == "ar" else ""
+            raise ValueError(f"infill={self.infill!r}: choose 'paper' (the forced token of each "
+                             "infill round is its masked draft, as in the paper) or 'speculative' "
+                             f"(the next-token prediction, SPEC 4.1){renamed}")
+        if self.slot_size <= 0:
+            raise ValueError(f"slot_size={self.slot_size}: a slot holds at least one token (the "
+                             "paper uses 4 to 32)")
+        if self.serial_num_blocks <= 0:
+            raise ValueError(f"serial_num_blocks={self.serial_num_blocks}: use at least one "
+                             "serial block")
+        for name in ("slot_threshold", "token_threshold"):
+            if not 0 <= getattr(self, name) < math.inf:  # also catches NaN
+                raise ValueError(f"{name}={getattr(self, name)}: thresholds are finite "
+                                 "probabilities >= 0 (any value >= 1 already means never)")
+
+    @property
+    def n_slots(self):
+        """Slots in the whole generation: a multiple of serial_num_blocks."""
+        n = self.serial_num_blocks
+        return math.ceil(self.max_new_tokens / (self.slot_size * n)) * n
+
+    @property
+    def slots_per_serial_block(self):
+        """Slots in each serial block (the most infilled in parallel: the cache's rows)."""
+        return self.n_slots // self.serial_num_blocks
+
+    @property
+    def gen_length(self):
+        """max_new_tokens rounded up to whole serial blocks of whole slots (tokens)."""
+        return self.n_slots * self.slot_size
+
+    def length_words(self):
+        return (f", max_new_tokens={self.max_new_tokens} rounded up to {self.serial_num_blocks} "
+                f"serial block(s) of whole {self.slot_size}-token slots",
+                "lower max_new_tokens, slot_size or serial_num_blocks")
+
+
+# what the MDM's low-confidence remasking ranks a step's drafts by (SPEC section 4): "prob", the
+# drafted token's probability (LLaDA); "margin" and "entropy", Dream's rules (opt-in)
+MDM_CONFIDENCES = ("prob", "margin", "entropy")
+
+
+@dataclass
+class MDMSettings(DecodeSettings):
+    """LLaDA's schedule (SPEC section 4, "Baseline decoders"): `steps` denoising steps over
+    semi-autoregressive blocks of `block_length` tokens, decoded left to right. steps None: one
+    token per step; block_length None: one semi-autoregressive block. block_length must divide
+    max_new_tokens, the number of blocks must divide steps, and steps <= max_new_tokens.
+    Raises ValueError naming the setting and the fix.
+    """
+    steps: int | None = None
+    block_length: int | None = None
+    mdm_shift: bool = False  # Dream's shifted prediction (SPEC section 3): the model's, not a knob
+    confidence: str = "prob"  # what a step ranks its drafts by: one of MDM_CONFIDENCES
+
+    def __post_init__(self):
+        super().__post_init__()
+        n = self.max_new_tokens
+        self.steps = n if self.steps is None else self.steps
+        self.block_length = n if self.block_length is None else self.block_length
+        if self.steps <= 0 or self.block_length <= 0:
+            raise ValueError(f"steps={self.steps}, block_length={self.block_length}: both must be "
+                             "positive")
+        if n % self.block_length:
+            raise ValueError(f"max_new_tokens={n} is not a multiple of "
+                             f"block_length={self.block_length}; pick a block_length dividing {n}")
+        if self.steps % self.n_semi_ar_blocks:
+            raise ValueError(f"steps={self.steps} cannot be shared equally by the "
+                             f"{self.n_semi_ar_blocks} semi-autoregressive blocks of "
+                             f"{self.block_length} tokens; pick steps as a multiple of "
+                             f"{self.n_semi_ar_blocks}")
+        if self.steps > n:
+            raise ValueError(f"steps={self.steps} > max_new_tokens={n}: some steps would commit no "
+                             f"token; use at most {n} steps (one token per step)")
+        if self.confidence not in MDM_CONFIDENCES:
+            raise ValueError(f"confidence={self.confidence!r}: choose one of "
+                             f"{', '.join(MDM_CONFIDENCES)}")
+
+    @property
+    def n_semi_ar_blocks(self):
+        """Semi-autoregressive blocks of block_length tokens, decoded left to right."""
+        return self.max_new_tokens // self.block_length
+
+
+class ContextTooLong(ValueError):
+    """A prompt + generation longer than the model's context: prompt_len, settings (whose gen_length
+    is the generation's length in tokens) and limit (the context, in positions) say by how much;
+    the message names the settings to change (settings.length_words)."""
+
+    def __init__(self, prompt_len, settings, limit):
+        how, fix = settings.length_words()
+        super().__init__(f"prompt ({prompt_len} tokens) + generation ({settings.gen_length} "
+                         f"tokens{how}) exceeds the model's context of {limit} positions; shorten "
+                         f"the prompt or {fix}")
+        self.prompt_len, self.settings, self.limit = prompt_len, settings, limit
+
+
+def check_context(model, prompt_len, settings):
+    """Refuse an empty prompt (ValueError) or a prompt + generation (settings.gen_length positions)
+    that does not fit the model's positions (ContextTooLong)."""
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty: give at least one token of context")
+    if prompt_len + settings.gen_length > model.config.block_size:
+        raise ContextTooLong(prompt_len, settings, model.config.block_size)
+
+
+def check_attention(model, method):
+    """Refuse a decoding method the model's attention was not trained for (model.config.causal):
+    refusion and next_token feed tokens after a KV cache, which needs causal attention; mdm
+    denoises a sequence of masks, which needs bidirectional attention. Raises ValueError."""
+    if method == "mdm" and model.config.causal:
+        raise ValueError("this model was trained with a causal objective (refusion or ar), so it "
+                         "cannot denoise a sequence of masks bidirectionally; use "
+                         "--method=refusion or --method=next_token")
+    if method != "mdm" and not model.config.causal:
+        raise ValueError(f"this model has bidirectional attention (trained with "
+                         f"--objective=mdm), but --method={method} decodes causally after a KV "
+                         "cache; use --method=mdm")
+
+
+# -----------------------------------------------------------------------------
+# results
 
 
 @dataclass
@@ -767,113 +1002,12 @@ def cut_after_eos(tokens, eos_ids):
     i = first_eos(tokens, eos_ids)
     return tokens if i is None else tokens[:i + 1]
 
-# -----------------------------------------------------------------------------
-# a decoder from --key=value settings, for the command line and the tools
-
-# the decoder and its settings for each --method
-DECODERS = {"refusion": (generate_refusion, RefusionSettings),
-            "next_token": (generate_next_token, DecodeSettings), "mdm": (generate_mdm, MDMSettings)}
-# the decoding method a model of each training objective is made for (--method's default)
-METHOD_OF = {"refusion": "refusion", "ar": "next_token", "mdm": "mdm"}
-
-
-def decoder_settings(cfg):
-    """The settings object of cfg["method"] (a RefusionSettings, DecodeSettings or MDMSettings),
-    which checks cfg's knobs. Raises ValueError for an unknown method or invalid settings."""
-    if cfg["method"] not in DECODERS:  # the old name too
-        raise ValueError(f"--method={cfg['method']!r}: choose one of {', '.join(DECODERS)}" +
-                         " (--method=ar is now called next_token)" * (cfg["method"] == "ar"))
-    Settings = DECODERS[cfg["method"]][1]
-    knobs = {f.name: cfg[f.name] for f in fields(Settings) if f.name in cfg}  # mdm_shift: ckpt
-    if cfg["method"] == "mdm":  # 0: one token per step, one semi-autoregressive block
-        knobs.update(steps=cfg["steps"] or None, block_length=cfg["block_length"] or None)
-    return Settings(**knobs)
-
-
-def make_decoder(cfg, ids, generator):
-    """(decode, its settings) for cfg["method"] and cfg's knobs: decode(model, prompt,
-    generator=None, on_step=None) -> Generation. ids: {"eos_ids", "mask_id", "pad_id",
-    optionally "undecodable_ids"}: the mask and pad ids and the ids the tokenizer cannot decode
-    are never generated (unless one is an EOS). Raises ValueError for an unknown method, ReFusion
-    or MDM without a mask token, or invalid settings."""
-    settings = decoder_settings(cfg)
-    if cfg["method"] != "next_token" and ids["mask_id"] is None:
-        raise ValueError(f"--method={cfg['method']}: this model has no mask token (a plain "
-                         "pretrained model, such as Qwen3 or SmolLM2, was never trained to fill "
-                         "masks); use --method=next_token, or fine-tune it with train.py first")
-    banned = tuple(i for i in (ids["mask_id"], ids["pad_id"], *ids.get("undecodable_ids", ()))
-                   if i is not None and i not in ids["eos_ids"])
-    kwargs = dict(eos_ids=ids["eos_ids"], banned_ids=banned) | (
-        {} if cfg["method"] == "next_token" else {"mask_id": ids["mask_id"]})
-    return partial(DECODERS[cfg["method"]][0], settings=settings, generator=generator,
-                   **kwargs), settings
 
 # -----------------------------------------------------------------------------
-# the command line: python sampler.py [config/sample_*.py] [--key=value ...]
-out_dir = "out"            # directory holding ckpt.pt (written by train.py) ...
-init_from = ""             # ... or a Hugging Face model folder (Qwen3, SmolLM2), or a ckpt.pt
-dtype = "auto"             # the weights: auto (bf16 where native and faster), float32, bfloat16
-tokenizer = ""             # hf:FOLDER: a checkpoint's tokenizer folder, moved; empty: as recorded
-chat = False               # wrap the prompt in the model's chat template (a user turn)
-prompt = ""                # decode this text ...
-prompt_file = ""           # ... or the text of this file (a pipe too; - for standard input) ...
-num_samples = 3            # ... or this many prompts from the validation split
-method = ""                # refusion, next_token or mdm; empty: the checkpoint's objective's
-max_new_tokens = 128       # at most this many tokens are returned (refusion: whole serial blocks)
-slot_size = 8              # refusion: tokens per slot (S)
-serial_num_blocks = 1      # refusion: serial blocks, each of the same whole number of slots
-slot_threshold = 0.9       # refusion: a slot is planned when its first draft's probability passes
-token_threshold = 0.3      # refusion: a draft token is accepted when its probability exceeds this
-infill = "paper"           # refusion: 'paper' (force masked drafts), 'speculative' (SPEC 4.1)
-steps = 0                  # mdm: denoising steps; 0 = one token per step
-block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
-confidence = "prob"        # mdm: ranks a step's drafts: prob (LLaDA), margin or entropy (Dream)
-temperature = 0.0          # 0: greedy; above 0: sample (Gumbel-max)
-batch_size = 1             # prompts decoded together (SPEC 4.2); each sample is its own
-compile = False            # the forward passes as compiled graphs (support/compiled.py)
-compare_next_token = True  # refusion: also decode them by --method=next_token, in the summary
-seed = 1337                # prompt i is sampled from a torch.Generator seeded with seed + i
-device = "cpu"             # cpu, cuda, cuda:N or mps
-json = False               # one JSON object per sample instead of text
-show = False               # redraw the response after every decoding step (masked tokens as ░)
-plot = ""                  # draw the first prompt's decode: a PNG, or a GIF a frame per step
-# -----------------------------------------------------------------------------
-DEFAULTS = settings_in(globals())
-
-
-def main(argv):
-    """Decode prompts with a checkpoint or a Hugging Face folder; print each response with its
-    verdict (where the data set has a check) and speed, then a summary line that compares ReFusion
-    with next-token decoding of the same prompts (compare_next_token)."""
-    from support import sampling  # checks, models, prompts, the live trace, printing
-    cfg = parse_args(DEFAULTS, argv)
-    explicit = explicit_keys(cfg, DEFAULTS, argv)
-    sampling.check_sample_config(cfg)
-    if cfg["method"]:
-        decoder_settings(cfg)  # bad decoder settings fail before the weights are read
-    if cfg["plot"]:
-        sampling.check_plot_path(cfg)
-    model, enc, ids, objective, ckpt = sampling.load_model(cfg)
-    cfg["method"] = cfg["method"] or METHOD_OF[objective]
-    if cfg["method"] == "mdm":
-        sampling.fit_mdm_layout(cfg, ckpt, "max_new_tokens" in explicit)
-    decode, settings = make_decoder(cfg, ids, torch.Generator(cfg["device"]))  # the warm-up's
-    check_attention(model, cfg["method"])
-    sampling.note_mismatch(cfg["method"], objective, ckpt)
-    # prompts with room for ReFusion's rounded generation whichever the method (the MDM: its
-    # canvas), so that --method=next_token decodes the lines the summary compares with
-    room = settings.gen_length if cfg["method"] == "mdm" else decoder_settings(
-        dict(cfg, method="refusion")).gen_length
-    prompts = sampling.load_prompts(cfg, enc, ckpt, room, model.config.block_size)
-    model = sampling.warm_up(cfg, model, decode, prompts)  # one-time costs (compiling) apart
-    next_token = None
-    if sampling.compares_next_token(cfg, len(prompts), "compare_next_token" in explicit):
-        sampling.note_mismatch("next_token", objective, ckpt)
-        next_token, _ = make_decoder(dict(cfg, method="next_token"), ids,
-                                     torch.Generator(cfg["device"]))
-        sampling.warm_up(cfg, model, next_token, prompts)
-    sampling.decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_token)
+# the command line, python sampler.py [config/sample_*.py] [--key=value ...], stands apart from the
+# decoders: support/sampling.py holds its settings (DEFAULTS, --help), its main and its plumbing.
 
 
 if __name__ == "__main__":
+    from support.sampling import main
     run_cli(main, sys.argv[1:])

@@ -867,6 +867,48 @@ def test_speculative_infill_restarts_later_rows_from_their_first_token():
         assert out.tokens == expected[P:P + L].tolist()
 
 
+def test_speculative_infill_hooks_change_no_tensor_they_are_given(monkeypatch):
+    """SpeculativeInfill's hooks return what they change (plan: the drafts and their scores; step
+    3: the rows' accepted prefixes and tokens), so that the paper's steps show the data flow: no
+    hook writes into a tensor it is given, or into the rows' tensors. Checked on decodes whose
+    hooks do change drafts and tokens (the bad drafter of the test above)."""
+    from sampler import InfillRows, SpeculativeInfill
+
+    def snapshot(args):
+        found = []
+        for a in args:
+            for t in (vars(a).values() if isinstance(a, InfillRows) else [a]):
+                if torch.is_tensor(t):
+                    found.append((t, t.clone()))
+        return found
+
+    changed = []
+    for name in ("plan", "verified", "restart_later_rows", "force_next_tokens", "rows_verified",
+                 "kept_prefix", "committed"):
+        def checked(self, *args, _hook=getattr(SpeculativeInfill, name), _name=name):
+            before = snapshot(args)
+            out = _hook(self, *args)
+            for tensor, copy in before:
+                assert torch.equal(tensor, copy), f"{_name} wrote into a tensor it was given"
+            changed.append(_name)
+            return out
+        monkeypatch.setattr(SpeculativeInfill, name, checked)
+    P, L, S = 5, 16, 4
+    target = oracle_target(P, L, seed=5)
+    for blocks in (1, 4):
+        settings = RefusionSettings(L, slot_size=S, serial_num_blocks=blocks, slot_threshold=0.0,
+                                    token_threshold=0.5, infill="speculative")
+        generate_refusion(BadDrafterOracle(target, V, MASK), target[:P].tolist(), settings,
+                          mask_id=MASK, eos_ids=(EOS,))
+    # later slots that pass verify whole restart from their first token (the test above)
+    target = oracle_target(P, 12, seed=6)
+    model = BadDrafterOracle(target, V, MASK, bad=list(range(P + 1, P + S)))
+    settings = RefusionSettings(12, slot_size=S, slot_threshold=0.0, token_threshold=0.5,
+                                infill="speculative")
+    generate_refusion(model, target[:P].tolist(), settings, mask_id=MASK, eos_ids=(EOS,))
+    assert {"plan", "restart_later_rows", "force_next_tokens"} <= set(changed)
+
+
 @torch.no_grad()
 def naive_speculative_infill_of_one_block(model, prompt, gen_len, slot_size, eos_id, mask_id):
     """SPEC 4.1 without a cache, in the regime slot_threshold 0 (every slot planned at once),

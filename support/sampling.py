@@ -1,7 +1,12 @@
 """
-What sampler.py's command line needs besides the decoders: the checks of its settings, the model
-and its tokenizer, the prompts, the live trace (--show), the picture (--plot), and what is printed.
+sampler.py's command line: its settings (DEFAULTS; python sampler.py --help), main, the decoder of
+each --method with its settings, and what it needs besides the decoders: the checks of its
+settings, the model and its tokenizer, the prompts, the live trace (--show), the picture (--plot),
+and what is printed.
 
+    DEFAULTS                   the settings and their defaults (config/sample_*.py set them)
+    main(argv)                 the run: check, load, decode, print (python sampler.py runs it)
+    make_decoder(cfg, ...)     the decoder of cfg["method"] with its settings (DECODERS)
     check_sample_config(cfg)   refuse settings that cannot work, before any weights are read
     load_model(cfg)            a checkpoint (out_dir) or a Hugging Face folder (--init_from),
                                its ids
@@ -11,6 +16,7 @@ and its tokenizer, the prompts, the live trace (--show), the picture (--plot), a
     LiveTrace                  --show: the response redrawn after every decoding step
     Report                     each sample's response, verdict and speed, then the summary line
 """
+
 
 import os
 import sys
@@ -22,8 +28,10 @@ from json import dumps
 
 import torch
 
-from configurator import check_confidence, check_device, check_seed
+from configurator import Defaults, check_device, check_seed, explicit_keys, parse_args
 from model import ModelConfig
+from sampler import (MDM_CONFIDENCES, DecodeSettings, MDMSettings, RefusionSettings,
+                     check_attention, generate_mdm, generate_next_token, generate_refusion)
 from support.batching import generate_batch
 from support.chat import chat_prompt
 from support.compiled import CompiledModel, check_compile
@@ -34,8 +42,131 @@ from support.hardware import settle_dtype
 from support.hf_folder import from_pretrained, hf_model_config
 from support.hf_tokenizer import hf_special_ids, undecodable_ids
 from support.prepare import TokenDataset, prepare
-from support.tokenizer import decode, encode_prompt, get_tokenizer
+from support import tokenizer
+from support.tokenizer import encode_prompt, get_tokenizer
 
+
+# -----------------------------------------------------------------------------
+# the command line's settings: python sampler.py [config/sample_*.py] [--key=value ...]
+# One dict, not module globals, so that no setting's name (prompt, device, json, ...) stands for
+# anything else in the code that reads it; --help prints each entry's comment.
+DEFAULTS = Defaults({
+    "out_dir": "out",          # directory holding ckpt.pt (written by train.py) ...
+    "init_from": "",           # ... or a Hugging Face model folder (Qwen3, SmolLM2), or a ckpt.pt
+    "dtype": "auto",           # the weights: auto (bf16 where native and faster), float32, bfloat16
+    "tokenizer": "",           # hf:FOLDER: a checkpoint's tokenizer folder, moved; empty: recorded
+    "chat": False,             # wrap the prompt in the model's chat template (a user turn)
+    "prompt": "",              # decode this text ...
+    "prompt_file": "",         # ... or the text of this file (a pipe too; - for standard input) ...
+    "num_samples": 3,          # ... or this many prompts from the validation split
+    "method": "",              # refusion, next_token or mdm; empty: the checkpoint's objective's
+    "max_new_tokens": 128,     # at most this many tokens returned (refusion: whole serial blocks)
+    "slot_size": 8,            # refusion: tokens per slot (S)
+    "serial_num_blocks": 1,    # refusion: serial blocks, each of the same whole number of slots
+    "slot_threshold": 0.9,     # refusion: plan a slot whose first draft's probability passes
+    "token_threshold": 0.3,    # refusion: accept a draft token whose probability exceeds this
+    "infill": "paper",         # refusion: 'paper' (force masked drafts), 'speculative' (SPEC 4.1)
+    "steps": 0,                # mdm: denoising steps; 0 = one token per step
+    "block_length": 0,         # mdm: semi-autoregressive block length; 0 = the whole generation
+    "confidence": "prob",      # mdm: ranks a step's drafts: prob (LLaDA), margin or entropy (Dream)
+    "temperature": 0.0,        # 0: greedy; above 0: sample (Gumbel-max)
+    "batch_size": 1,           # prompts decoded together (SPEC 4.2); each sample is its own
+    "compile": False,          # the forward passes as compiled graphs (support/compiled.py)
+    "compare_next_token": True, # refusion: also decode them by --method=next_token, in the summary
+    "seed": 1337,              # prompt i is sampled from a torch.Generator seeded with seed + i
+    "device": "cpu",           # cpu, cuda, cuda:N or mps
+    "json": False,             # one JSON object per sample instead of text
+    "show": False,             # redraw the response after every decoding step (masked tokens as ░)
+    "plot": "",                # draw the first prompt's decode: a PNG, or a GIF a frame per step
+}, __file__, command="sampler.py")
+
+
+# -----------------------------------------------------------------------------
+# the command line's story: each step below is a function of this file
+
+
+def main(argv):
+    """python sampler.py: decode prompts with a checkpoint or a Hugging Face folder; print each
+    response with its verdict (where the data set has a check) and speed, then a summary line that
+    compares ReFusion with next-token decoding of the same prompts (compare_next_token)."""
+    cfg = parse_args(DEFAULTS, argv)
+    explicit = explicit_keys(cfg, DEFAULTS, argv)
+    # settings that cannot work fail before the weights are read
+    check_sample_config(cfg)
+    if cfg["method"]:
+        decoder_settings(cfg)
+    if cfg["plot"]:
+        check_plot_path(cfg)
+    model, enc, ids, objective, ckpt = load_model(cfg)
+    # no --method: the one the model was trained for
+    cfg["method"] = cfg["method"] or METHOD_OF[objective]
+    if cfg["method"] == "mdm":
+        fit_mdm_layout(cfg, ckpt, "max_new_tokens" in explicit)
+    decode, settings = make_decoder(cfg, ids, torch.Generator(cfg["device"]))
+    check_attention(model, cfg["method"])
+    note_mismatch(cfg["method"], objective, ckpt)
+    room = prompt_room(cfg, settings)
+    prompts = load_prompts(cfg, enc, ckpt, room, model.config.block_size)
+    # one-time costs (compiling) are paid here, apart from the timed decodes
+    model = warm_up(cfg, model, decode, prompts)
+    # the summary's comparison: the same prompts by next-token decoding (or None)
+    next_token = next_token_decoder(cfg, model, ids, prompts, (objective, ckpt),
+                                    "compare_next_token" in explicit)
+    decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_token)
+
+
+# -----------------------------------------------------------------------------
+# a decoder from --key=value settings, for the command line and the tools (SPEC section 4)
+
+# the decoder and its settings for each --method
+DECODERS = {"refusion": (generate_refusion, RefusionSettings),
+            "next_token": (generate_next_token, DecodeSettings), "mdm": (generate_mdm, MDMSettings)}
+# the decoding method a model of each training objective is made for (--method's default)
+METHOD_OF = {"refusion": "refusion", "ar": "next_token", "mdm": "mdm"}
+
+
+def decoder_settings(cfg):
+    """The settings object of cfg["method"] (a RefusionSettings, DecodeSettings or MDMSettings),
+    which checks cfg's knobs. Raises ValueError for an unknown method or invalid settings."""
+    if cfg["method"] not in DECODERS:  # the old name too
+        raise ValueError(f"--method={cfg['method']!r}: choose one of {', '.join(DECODERS)}" +
+                         " (--method=ar is now called next_token)" * (cfg["method"] == "ar"))
+    Settings = DECODERS[cfg["method"]][1]
+    knobs = {f.name: cfg[f.name] for f in fields(Settings) if f.name in cfg}  # mdm_shift: ckpt
+    if cfg["method"] == "mdm":  # 0: one token per step, one semi-autoregressive block
+        knobs.update(steps=cfg["steps"] or None, block_length=cfg["block_length"] or None)
+    return Settings(**knobs)
+
+
+def make_decoder(cfg, ids, generator):
+    """(decode, its settings) for cfg["method"] and cfg's knobs: decode(model, prompt,
+    generator=None, on_step=None) -> Generation. ids: {"eos_ids", "mask_id", "pad_id",
+    optionally "undecodable_ids"}: the mask and pad ids and the ids the tokenizer cannot decode
+    are never generated (unless one is an EOS). Raises ValueError for an unknown method, ReFusion
+    or MDM without a mask token, or invalid settings."""
+    settings = decoder_settings(cfg)
+    if cfg["method"] != "next_token" and ids["mask_id"] is None:
+        raise ValueError(f"--method={cfg['method']}: this model has no mask token (a plain "
+                         "pretrained model, such as Qwen3 or SmolLM2, was never trained to fill "
+                         "masks); use --method=next_token, or fine-tune it with train.py first")
+    banned = tuple(i for i in (ids["mask_id"], ids["pad_id"], *ids.get("undecodable_ids", ()))
+                   if i is not None and i not in ids["eos_ids"])
+    kwargs = dict(eos_ids=ids["eos_ids"], banned_ids=banned) | (
+        {} if cfg["method"] == "next_token" else {"mask_id": ids["mask_id"]})
+    return partial(DECODERS[cfg["method"]][0], settings=settings, generator=generator,
+                   **kwargs), settings
+
+
+def check_confidence(cfg):
+    """Refuse a --confidence that is not one of MDM_CONFIDENCES, whichever the method, so that a
+    misspelt rule is never silently ignored. Raises ValueError."""
+    if cfg["confidence"] not in MDM_CONFIDENCES:
+        raise ValueError(f"--confidence={cfg['confidence']!r}: choose one of "
+                         f"{', '.join(MDM_CONFIDENCES)} (it ranks the MDM's drafts)")
+
+
+# -----------------------------------------------------------------------------
+# the checks, the model and the prompts
 
 def check_sample_config(cfg):
     """Refuse sampler.py settings that cannot work before any weights are read: the device, the
@@ -176,6 +307,28 @@ def compares_next_token(cfg, n_prompts, asked):
     return not missing
 
 
+def next_token_decoder(cfg, model, ids, prompts, trained, asked):
+    """The next-token decoder the summary line compares ReFusion with, warmed up on the prompts
+    (warm_up), or None when there is no comparison (compares_next_token; asked: compare_next_token
+    was set explicitly). trained: (the model's objective, its checkpoint or None), for the note
+    when the model was not trained for next-token decoding."""
+    if not compares_next_token(cfg, len(prompts), asked):
+        return None
+    note_mismatch("next_token", *trained)
+    decode, _ = make_decoder(dict(cfg, method="next_token"), ids, torch.Generator(cfg["device"]))
+    warm_up(cfg, model, decode, prompts)
+    return decode
+
+
+def prompt_room(cfg, settings):
+    """Positions a prompt leaves for the generation (tokens): ReFusion's gen_length (max_new_tokens
+    rounded up to whole slots) whichever the method, so that --method=next_token decodes the lines
+    the summary compares with; the MDM's canvas (settings.gen_length) for the MDM."""
+    if cfg["method"] == "mdm":
+        return settings.gen_length
+    return decoder_settings(dict(cfg, method="refusion")).gen_length
+
+
 MAX_TOKEN_BYTES = 256  # more than any token of the tokenizers read here spells (GPT-2's: 128)
 
 
@@ -222,7 +375,7 @@ def with_the_datas_line_end(cfg, enc, ckpt):
         val_data = validation_split(ckpt)
     except (FileNotFoundError, ValueError):
         return text
-    seen = [decode(enc, val_data.sample(i)[0]) for i in range(min(len(val_data), 20))]
+    seen = [tokenizer.decode(enc, val_data.sample(i)[0]) for i in range(min(len(val_data), 20))]
     if seen and all(p.endswith("\n") for p in seen):
         print("note: the model was trained on prompts that end with a newline, so one was added "
               "to --prompt", file=sys.stderr)
@@ -286,7 +439,7 @@ class LiveTrace:
         (end, eos), parts = self.cut(), []
         for committed, run in groupby(range(len(self.prompt), end), key=self.filled.__contains__):
             run = list(run)
-            parts.append(decode(self.enc, [self.filled[p] for p in run]) if committed
+            parts.append(tokenizer.decode(self.enc, [self.filled[p] for p in run]) if committed
                          else "░" * len(run))
         return "".join(parts) + (EOS_MARK if eos else "")
 
@@ -301,10 +454,10 @@ class LiveTrace:
                 " filled)")
         if not self.tty:  # one line a step: its committed runs of neighbours, decoded
             runs = groupby(enumerate(sorted(step)), key=lambda k_pt: k_pt[1][0] - k_pt[0])
-            texts = [decode(self.enc, [t for _, (_, t) in run]) for _, run in runs]
+            texts = [tokenizer.decode(self.enc, [t for _, (_, t) in run]) for _, run in runs]
             print(f"{line}: {' | '.join(map(repr, texts))}", file=sys.stderr, flush=True)
             return
-        print(f"\033[H\033[J{decode(self.enc, self.prompt)}{self.response()}\n{line}\n",
+        print(f"\033[H\033[J{tokenizer.decode(self.enc, self.prompt)}{self.response()}\n{line}\n",
               file=sys.stderr, flush=True)
         time.sleep(self.delay)
 
@@ -356,7 +509,7 @@ def plot_first_decode(cfg, enc, ids, settings, prompt, out):
     prompt's end."""
     knobs = ", ".join(f"{f.name}={getattr(settings, f.name)}" for f in fields(settings))
     title = (f"--method={cfg['method']} ({knobs})\n{len(out.tokens)} tokens in {out.nfe} forward "
-             f"passes, TPF {out.tpf:.2f}; prompt: {decode(enc, prompt)[-60:]!r}")
+             f"passes, TPF {out.tpf:.2f}; prompt: {tokenizer.decode(enc, prompt)[-60:]!r}")
     texts = {p: cell_text(enc, t, ids["eos_ids"]) for step in out.trace for p, t in step}
     if cfg["plot"].lower().endswith(".gif"):
         animate_decode(out, len(prompt), cfg["plot"], title, texts, settings.gen_length)
@@ -393,8 +546,8 @@ class Report:
     def judge(self, prompt, out):
         """(the response's text without EOS, verdict: (metric, 1.0 or 0.0), or None without a
         check)."""
-        text = decode(self.enc, [t for t in out.tokens if t not in self.eos_ids])
-        scores = self.check(decode(self.enc, prompt), text)
+        text = tokenizer.decode(self.enc, [t for t in out.tokens if t not in self.eos_ids])
+        scores = self.check(tokenizer.decode(self.enc, prompt), text)
         return text, None if scores is None else next(iter(scores.items()))
 
     def sample(self, prompt, out):
@@ -402,11 +555,11 @@ class Report:
         text, verdict = self.judge(prompt, out)
         self.decoded.append((out, verdict))
         if self.json:
-            print(dumps({"prompt": decode(self.enc, prompt), "text": text, **out.stats(),
+            print(dumps({"prompt": tokenizer.decode(self.enc, prompt), "text": text, **out.stats(),
                          **({} if verdict is None else {verdict[0]: bool(verdict[1])})}))
             return
         print("=" * 80)
-        print(decode(self.enc, prompt) + text)
+        print(tokenizer.decode(self.enc, prompt) + text)
         print("-" * 80)
         s = out.stats()
         print(("" if verdict is None else f"{VERDICT[verdict[1] == 1.0]} ({verdict[0]}): ") +

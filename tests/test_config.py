@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-import sampler
 import train
 from configurator import ConfigError, parse_args
 from helpers import ROOT
@@ -60,7 +59,7 @@ def test_every_config_file_names_known_keys_and_passes_the_scripts_checks(path):
     assert path.startswith(("train_", "finetune_", "sample_", "bench_")), \
         "name a config after the script that reads it"
     script, check = ((train, runs.check_train_config) if path.startswith(("train_", "finetune_"))
-                     else (sampler, check_sample_config) if path.startswith("sample_")
+                     else (sampling, check_sample_config) if path.startswith("sample_")
                      else (bench, bench.check_bench_config))
     cfg = parse_args(script.DEFAULTS, [str(ROOT / "config" / path), "--device=cpu"])
     # raises on a setting that cannot work
@@ -79,7 +78,7 @@ def test_a_value_the_parser_cannot_read_names_the_type_expected(flag, expected):
         parse_args(d, [flag])
 
 
-@pytest.mark.parametrize("script", [train, sampler, bench, eval_humaneval],
+@pytest.mark.parametrize("script", [train, sampling, bench, eval_humaneval],
                          ids=lambda m: m.__name__)
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_lists_every_setting_with_its_default_and_description_then_exits_0(script, flag,
@@ -89,8 +88,9 @@ def test_help_lists_every_setting_with_its_default_and_description_then_exits_0(
         script.main(["--no_such_key=1", flag])
     assert stop.value.code == 0
     lines = capsys.readouterr().out.splitlines()
-    command = (f"-m {script.__name__}" if script.__name__.startswith("tools.")
-               else f"{script.__name__}.py")
+    # sampler.py's command line is support/sampling.py's main
+    command = ("sampler.py" if script is sampling else f"-m {script.__name__}"
+               if script.__name__.startswith("tools.") else f"{script.__name__}.py")
     assert lines[0] == f"usage: python {command} [config.py ...] [--key=value ...]"
     for key, value in script.DEFAULTS.items():
         shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
@@ -105,7 +105,7 @@ def test_a_file_that_is_not_a_py_config_is_refused_and_never_run(tmp_path):
     marker = tmp_path / "code-ran"
     # valid Python, as a config file is
     code = f"open({str(marker)!r}, 'w')\n"
-    for script, name, flag in [(sampler, "my_prompt.txt", "--prompt_file="),
+    for script, name, flag in [(sampling, "my_prompt.txt", "--prompt_file="),
                                (train, "data.json", "--dataset="), (consolidate, "notes.md", None)]:
         path = tmp_path / name
         path.write_text(code)
@@ -142,23 +142,23 @@ def test_an_old_name_is_refused_naming_the_new_one(tmp_path):
     with pytest.raises(ConfigError, match=re.escape(
             "'num_blocks' in the command line was renamed 'serial_num_blocks': write "
             "--serial_num_blocks=...")):
-        parse_args(sampler.DEFAULTS, ["--num_blocks=2"])
+        parse_args(sampling.DEFAULTS, ["--num_blocks=2"])
     config = tmp_path / "decode.py"
     config.write_text("compare_ar = False\n")
     with pytest.raises(ConfigError, match=re.escape(
             f"'compare_ar' in {config} was renamed 'compare_next_token': write "
             "compare_next_token = ...")):
-        parse_args(sampler.DEFAULTS, [str(config)])
+        parse_args(sampling.DEFAULTS, [str(config)])
     with pytest.raises(ValueError, match="unknown config key 'num_block'"):
-        parse_args(sampler.DEFAULTS, ["--num_block=2"])
+        parse_args(sampling.DEFAULTS, ["--num_block=2"])
     old_values = [("--method=ar", r"--method='ar': choose one of refusion, next_token, mdm "
                                   r"\(--method=ar is now called next_token\)"),
                   ("--infill=ar", r"infill='ar': choose .* \(infill='ar' is now called "
                                   r"'speculative'\)")]
     for flag, message in old_values:
-        cfg = parse_args(sampler.DEFAULTS, ["--method=refusion", flag])
+        cfg = parse_args(sampling.DEFAULTS, ["--method=refusion", flag])
         with pytest.raises(ValueError, match=message):
-            sampler.decoder_settings(cfg)
+            sampling.decoder_settings(cfg)
 
 
 def test_every_tool_answers_help_as_a_module_and_as_a_file(tmp_path):
@@ -195,7 +195,7 @@ def test_a_config_file_s_helpers_numpy_numbers_and_home_paths(tmp_path, monkeypa
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = parse_args(train.DEFAULTS, ["--out_dir=~/run", "--data_root=~/data"])
     assert (cfg["out_dir"], cfg["data_root"]) == (str(tmp_path / "run"), str(tmp_path / "data"))
-    assert parse_args(sampler.DEFAULTS, ["--prompt=~/run"])["prompt"] == "~/run"   # text stays
+    assert parse_args(sampling.DEFAULTS, ["--prompt=~/run"])["prompt"] == "~/run"   # text stays
 
 
 def test_a_module_of_support_run_as_a_command_says_it_is_none_and_prepare_is_a_tool(tmp_path):
@@ -216,13 +216,13 @@ def test_a_module_of_support_run_as_a_command_says_it_is_none_and_prepare_is_a_t
 
 
 def check_sample_config(cfg):
-    """What sampler.main checks before any weights are read: the command line's settings, then the
+    """What sampling.main checks before any weights are read: the command line's settings, then the
     decoder's (when --method is given)."""
     sampling.check_sample_config(cfg)
-    sampler.decoder_settings(dict(cfg, method=cfg["method"] or "refusion"))  # its knobs, checked
+    sampling.decoder_settings(dict(cfg, method=cfg["method"] or "refusion"))  # its knobs, checked
 
 
 def test_a_setting_written_without_its_dashes_is_told_so():
     """`python sampler.py num_samples=3` names the flag it meant, not a file to read."""
     with pytest.raises(ConfigError, match="a setting is written with two dashes: --num_samples=3"):
-        parse_args(sampler.DEFAULTS, ["num_samples=3"])
+        parse_args(sampling.DEFAULTS, ["num_samples=3"])

@@ -245,7 +245,7 @@ def test_a_converted_llama_fine_tunes_into_refusion_and_decodes(tmp_path, qa_fil
     """train.py --init_from=FOLDER on a converted Llama (no q/k norms, tied): its weights, its
     tokenizer, a mask id added after the tokenizer's ids; the sampler then decodes the checkpoint
     with ReFusion."""
-    import sampler
+    from support import sampling
     import train
     from support.checkpoint import load_checkpoint
     folder = convert_gguf(write_gguf(tmp_path / "tiny.gguf", tied=True), str(tmp_path / "hf"))
@@ -263,8 +263,8 @@ def test_a_converted_llama_fine_tunes_into_refusion_and_decodes(tmp_path, qa_fil
     for name, p in pretrained_weights.items():
         torch.testing.assert_close(ckpt["model"][name][:len(p)], p, atol=1e-6, rtol=0)
     capsys.readouterr()
-    sampler.main([f"--out_dir={tmp_path / 'ft'}", "--prompt=What is 2 + 2?", "--max_new_tokens=8",
-                  "--slot_size=4", "--serial_num_blocks=1", "--json"])
+    sampling.main([f"--out_dir={tmp_path / 'ft'}", "--prompt=What is 2 + 2?", "--max_new_tokens=8",
+                   "--slot_size=4", "--serial_num_blocks=1", "--json"])
     assert 1 <= json.loads(capsys.readouterr().out)["tokens"] <= 8
 
 

@@ -9,9 +9,9 @@ import torch
 
 import sampler
 from helpers import PROMPTS, SETTINGS, tiny_model
-from sampler import DEFAULTS, generate_next_token, make_decoder
-from configurator import DecodeSettings
+from sampler import DecodeSettings, generate_next_token
 from support.device_reads import DecodeCounter
+from support.sampling import DEFAULTS, make_decoder
 
 LENGTHS = len({len(p) for p in PROMPTS})  # distinct prompt lengths
 

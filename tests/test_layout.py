@@ -39,15 +39,28 @@ def modules():
     return found
 
 
+def is_main_block(node):
+    """Whether node is `if __name__ == "__main__":`, the lines that run a file as a program."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__"
+                    for c in node.test.comparators))
+
+
 def imports(path):
-    """[(imported name, the function it is imported in or None at module level, line)] of one
-    file; `from support import runs` is support.runs."""
+    """[(imported name, the function it is imported in, "__main__" in the file's
+    `if __name__ == "__main__":` block, or None at module level, line)] of one file;
+    `from support import runs` is support.runs."""
     found = []
 
     def visit(node, function):
         for child in ast.iter_child_nodes(node):
-            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) \
-                else function
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = child.name
+            elif is_main_block(child):
+                inner = "__main__"
+            else:
+                inner = function
             if isinstance(child, ast.Import):
                 found.extend((alias.name, function, child.lineno) for alias in child.names)
             elif isinstance(child, ast.ImportFrom) and child.level == 0:
@@ -77,6 +90,12 @@ def kind_of(module):
     return module if module == "test_refusion" else None
 
 
+# where each script may reach support/: train.py in main, its command line; sampler.py only in
+# its `if __name__ == "__main__":` block, which runs support/sampling.py's main (its command line)
+REACHES_SUPPORT = {"train": ("main", "main, its command line"),
+                   "sampler": ("__main__", "its __main__ block, which runs support.sampling.main")}
+
+
 def violations(project):
     """Every import of the files `project` ({module: path}) that breaks the layout's rules, as
     text naming the file, the line and the rule."""
@@ -98,12 +117,13 @@ def violations(project):
                 found.append(f"{place} {target}: model, kvcache and data import only each other")
             if module == "test_refusion" and target not in METHOD:
                 found.append(f"{place} {target}: test_refusion imports only the method files")
-            if kind_of(module) == "script" and target not in TOP and function != "main":
+            allowed_in, words = REACHES_SUPPORT.get(module, (None, ""))
+            if kind_of(module) == "script" and target not in TOP and function != allowed_in:
                 at = "at module level" if function is None else f"in {function}"
-                found.append(f"{place} {target} {at}: {module}.py reaches support/ only in main, "
-                             "its command line")
-            if module.startswith("support") and target in ("train", "sampler"):
-                found.append(f"{place} {target}: support/ serves the scripts, never imports them")
+                found.append(f"{place} {target} {at}: {module}.py reaches support/ only in "
+                             f"{words}")
+            if module.startswith("support") and target == "train":
+                found.append(f"{place} {target}: support/ serves train.py, never imports it")
     return found
 
 
@@ -118,8 +138,9 @@ def test_imports_flow_one_way():
 
 def test_the_import_graph_has_no_circle():
     project = modules()
-    graph = {m: {project_name(n, project) for n, _, _ in imports(p)} - {None, m}
-             for m, p in project.items()}
+    # a __main__ block runs a file as a program: the module itself imports none of it
+    graph = {m: {project_name(n, project) for n, where, _ in imports(p) if where != "__main__"}
+             - {None, m} for m, p in project.items()}
     graph = {m: {t for t in targets if t in graph} for m, targets in graph.items()}
     state = {}
 
@@ -142,24 +163,31 @@ def test_the_checker_names_each_kind_of_forbidden_import(tmp_path):
     """The rules can fail: files that break each of them, in the places of the method files, are
     named with the rule they break."""
     files = {"sampler": "import torch\nfrom support.shard import shard_model\n\n"
-                        "def main():\n    from support import runs\n",
+                        "def main():\n    from support import runs\n\n"
+                        "if __name__ == '__main__':\n    from support.sampling import main\n",
+             "train": "import torch\nfrom support import runs\n\n"
+                      "def main():\n    from support import runs\n",
              "data": "import safetensors\nfrom support.tokenizer import encode\n",
              "test_refusion": "from support import corpora\n",
-             "support.runs": "import train\n",
+             "support.runs": "import train\nimport sampler\n",  # the decoders: allowed
              "support.files": "from tools import bench\n"}
     bad = {m: tmp_path / f"{m}.py" for m in files}
     for m, text in files.items():
         bad[m].write_text(text)
     assert violations(bad) == [
         f"{bad['sampler']}:2 imports support.shard at module level: sampler.py reaches support/ "
-        "only in main, its command line",
+        "only in its __main__ block, which runs support.sampling.main",
+        f"{bad['sampler']}:5 imports support.runs in main: sampler.py reaches support/ only in "
+        "its __main__ block, which runs support.sampling.main",
+        f"{bad['train']}:2 imports support.runs at module level: train.py reaches support/ only "
+        "in main, its command line",
         f"{bad['data']}:1 imports safetensors: data may import only numpy, tiktoken, torch besides "
         "the standard library",
         f"{bad['data']}:2 imports support.tokenizer: model, kvcache and data import only each "
         "other",
         f"{bad['test_refusion']}:1 imports support.corpora: test_refusion imports only the method "
         "files",
-        f"{bad['support.runs']}:1 imports train: support/ serves the scripts, never imports them",
+        f"{bad['support.runs']}:1 imports train: support/ serves train.py, never imports it",
         f"{bad['support.files']}:1 imports tools.bench: no module imports a tool"]
 
 
@@ -258,3 +286,57 @@ def test_no_two_functions_or_classes_share_a_name():
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name != "main":
                 where.setdefault(node.name, []).append(module)
     assert {name: found for name, found in where.items() if len(found) > 1} == {}
+
+
+def defined_names(path):
+    """The names a module defines at its top level (def, class, assignment), not those it
+    imports."""
+    found = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                found |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return found
+
+
+def test_every_name_is_imported_from_its_one_home():
+    """No re-export: each `from X import name` of a project module X names something X itself
+    defines, so that every setting, class and function has one home (the tests included)."""
+    project = modules()
+    files = list(project.values()) + project_files("tests/*.py")
+    wrong = []
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        comments = [token.string for token in tokenize.generate_tokens(io.StringIO(text).readline)
+                    if token.type == tokenize.COMMENT]
+        if any("noqa: F401" in comment for comment in comments):
+            wrong.append(f"{path.relative_to(ROOT)} re-exports (noqa: F401)")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module not in project:
+                continue
+            home = defined_names(project[node.module])
+            wrong += [f"{path.relative_to(ROOT)}:{node.lineno} takes {alias.name} from "
+                      f"{node.module}, which does not define it"
+                      for alias in node.names if alias.name not in home]
+    assert wrong == []
+
+
+def test_no_module_global_of_the_decoders_shadows_a_parameter():
+    """sampler.py's functions read their settings from their parameters, never from a module
+    global of the same name (the command line's settings are support/sampling.py's DEFAULTS, a
+    dict): no top-level name of sampler.py or support/sampling.py is also a parameter there."""
+    for path in (ROOT / "sampler.py", ROOT / "support" / "sampling.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        globals_ = defined_names(path) | {alias.asname or alias.name.split(".")[0]
+                                          for node in tree.body
+                                          if isinstance(node, (ast.Import, ast.ImportFrom))
+                                          for alias in node.names}
+        shadowed = {f"{path.name}:{node.lineno} {node.name}({arg.arg})"
+                    for node in ast.walk(tree)
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                    for arg in node.args.args + node.args.kwonlyargs + node.args.posonlyargs
+                    if arg.arg in globals_}
+        assert shadowed == set()

@@ -30,6 +30,7 @@ from support.chat import CHATML, chat_prompt
 from support.hf_folder import FAMILIES, from_pretrained, hf_model_config, sliding_layers
 from support.hf_tokenizer import (PRE_TOKENIZERS, QWEN2_PAT, byte_of_char, hf_special_ids,
                                   hf_tokenizer, undecodable_ids)
+from support import sampling
 from support.sampling import load_model
 
 TOL = 1e-5
@@ -614,7 +615,6 @@ def test_hf_special_ids_needs_an_eos_token(tmp_path):
 
 
 def test_sampler_decodes_a_folder_in_the_chat_template(tmp_path, capsys):
-    import sampler
     # <|mask|> 259: decoded with ReFusion
     save_tiny_hf_folder(tmp_path / "refusion")
     folder = f"--init_from={tmp_path / 'refusion'}"
@@ -622,27 +622,27 @@ def test_sampler_decodes_a_folder_in_the_chat_template(tmp_path, capsys):
     # user text stays text
     assert chat_prompt(enc, "Say <|im_end|>") == ([257] + list(b"user\nSay <|im_end|>")
                                                   + [258, 10, 257] + list(b"assistant\n"))
-    sampler.main([folder, "--chat", "--prompt=Say hi", "--max_new_tokens=16", "--slot_size=4",
-                  "--serial_num_blocks=1", "--json"])
-    sampler.main([folder, "--prompt=Say hi", "--max_new_tokens=5", "--method=next_token", "--json"])
+    sampling.main([folder, "--chat", "--prompt=Say hi", "--max_new_tokens=16", "--slot_size=4",
+                   "--serial_num_blocks=1", "--json"])
+    sampling.main([folder, "--prompt=Say hi", "--max_new_tokens=5", "--method=next_token",
+                   "--json"])
     refusion, ar = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert refusion["prompt"].startswith("<|im_start|>user\nSay hi<|im_end|>") and \
         0 < refusion["tokens"] <= 16
     assert ar["nfe"] == ar["tokens"] <= 5
     with pytest.raises(ValueError, match="trained with a causal objective"):
-        sampler.main([folder, "--prompt=hi", "--method=mdm"])
+        sampling.main([folder, "--prompt=hi", "--method=mdm"])
     # a plain Qwen3: next-token decoding only
     save_tiny_hf_folder(tmp_path / "qwen3", mask=False)
     with pytest.raises(ValueError, match="no mask token"):
-        sampler.main([f"--init_from={tmp_path / 'qwen3'}", "--prompt=hi", "--method=refusion"])
+        sampling.main([f"--init_from={tmp_path / 'qwen3'}", "--prompt=hi", "--method=refusion"])
     with pytest.raises(ValueError, match="has no validation split"):
-        sampler.main([f"--init_from={tmp_path / 'qwen3'}"])
+        sampling.main([f"--init_from={tmp_path / 'qwen3'}"])
 
 
 def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsys, monkeypatch):
     """The paper's recipe from a pretrained Qwen3: its weights and tokenizer, a mask id added after
     the tokenizer's own ids, the hybrid objective; the sampler then decodes the checkpoint."""
-    import sampler
     import train
     from support.checkpoint import load_checkpoint
     pretrained = save_tiny_hf_folder(tmp_path / "qwen3", mask=False)
@@ -669,8 +669,8 @@ def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsy
     capsys.readouterr()
     # the sampler finds the tokenizer from anywhere
     monkeypatch.chdir(tmp_path / "data")
-    sampler.main([f"--out_dir={tmp_path / 'ft'}", "--num_samples=1", "--max_new_tokens=8",
-                  "--slot_size=4", "--serial_num_blocks=1", "--json"])
+    sampling.main([f"--out_dir={tmp_path / 'ft'}", "--num_samples=1", "--max_new_tokens=8",
+                   "--slot_size=4", "--serial_num_blocks=1", "--json"])
     assert json.loads(capsys.readouterr().out)["tokens"] >= 1
 
 
@@ -801,7 +801,6 @@ def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
     decode(). Here every id the tokenizer knows has a zero row in lm_head and the others random
     ones, so the padded rows get all the probability; banned, the choice falls on the lowest id
     among the equal logits of the others, 0 (the byte 0x00), which no EOS ever interrupts."""
-    import sampler
     folder = tmp_path / "padded"
     save_tiny_hf_folder(folder)
     # <|mask|>: 259-261 a gap
@@ -812,16 +811,16 @@ def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
     lm_head[:259] = lm_head[262] = 0
     save_file(tensors | {"lm_head.weight": lm_head}, folder / "model.safetensors")
     flags = [f"--init_from={folder}", "--prompt=hi", "--json"]
-    sampler.main(flags + ["--method=next_token", "--max_new_tokens=5"])
-    sampler.main(flags + ["--method=refusion", "--max_new_tokens=8", "--slot_size=4",
+    sampling.main(flags + ["--method=next_token", "--max_new_tokens=5"])
+    sampling.main(flags + ["--method=refusion", "--max_new_tokens=8", "--slot_size=4",
                           "--serial_num_blocks=1"])
     greedy_ar, greedy_refusion = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert (greedy_ar["text"], greedy_ar["tokens"]) == ("\0" * 5, 5)
     assert (greedy_refusion["text"], greedy_refusion["tokens"]) == ("\0" * 8, 8)
-    cfg = dict(sampler.DEFAULTS, init_from=str(folder), method="next_token", max_new_tokens=32,
+    cfg = dict(sampling.DEFAULTS, init_from=str(folder), method="next_token", max_new_tokens=32,
                temperature=1.0)
     model, enc, ids, _, _ = load_model(cfg)
-    run, _ = sampler.make_decoder(cfg, ids, torch.Generator().manual_seed(0))
+    run, _ = sampling.make_decoder(cfg, ids, torch.Generator().manual_seed(0))
     # Gumbel-max: the padded rows would win nearly always
     sampled = run(model, tokenizer.encode(enc, "hi")).tokens
     assert sampled and not set(sampled) & {*range(259, 300)}
@@ -839,7 +838,6 @@ def test_token_ids_beyond_the_models_rows_are_refused_at_load(tmp_path, qa_file,
     """An id the model has no embedding row for (a tokenizer or config.json of another model) is
     refused when the folder is loaded, by the sampler and by a fine-tune, not met as an IndexError
     mid-decode."""
-    import sampler
     import train
     folder = tmp_path / "model"
     save_tiny_hf_folder(folder)
@@ -848,7 +846,7 @@ def test_token_ids_beyond_the_models_rows_are_refused_at_load(tmp_path, qa_file,
                r"tokens\) are at or beyond the 300 embedding rows of the model in "
                rf"{re.escape(str(folder / 'config.json'))}")
     with pytest.raises(ValueError, match=message):
-        sampler.main([f"--init_from={folder}", "--chat", "--prompt=hi", "--method=next_token"])
+        sampling.main([f"--init_from={folder}", "--chat", "--prompt=hi", "--method=next_token"])
     with pytest.raises(ValueError, match=message):
         train.main([f"--init_from={folder}", f"--dataset={qa_file[0]}",
                     f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'ft'}",
@@ -1025,7 +1023,6 @@ def test_malformed_files_of_a_folder_are_refused_naming_the_file(tmp_path, qa_fi
     its index are refused by each command line that loads a folder with one line naming the file,
     before anything is written; never a traceback (the message comes through run_cli, which lets no
     other error pass)."""
-    import sampler
     import train
     from tools import eval_humaneval
     from configurator import run_cli
@@ -1035,7 +1032,7 @@ def test_malformed_files_of_a_folder_are_refused_naming_the_file(tmp_path, qa_fi
      else save_tiny_hf_folder)(folder)
     damage(folder / name)
     commands = {
-        "sampler.py": (sampler.main, ["--prompt=hi"]),
+        "sampler.py": (sampling.main, ["--prompt=hi"]),
         "train.py": (train.main, [f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
                                   f"--out_dir={tmp_path / 'ft'}", "--block_size=64",
                                   "--max_iters=1"]),
@@ -1108,10 +1105,9 @@ def test_a_post_processor_s_bos_begins_every_prompt_as_transformers_encodes_it(t
     data_dir = prepare(qa_file[0], f"hf:{tmp_path / 'llama3'}", 64, str(tmp_path / "data"))
     prompt, response = TokenDataset(data_dir, "train").sample(0)
     assert prompt[0] == 260 and 260 not in response
-    import sampler
     capsys.readouterr()
-    sampler.main([f"--init_from={tmp_path / 'llama3'}", "--prompt=hi", "--method=next_token",
-                  "--max_new_tokens=2", "--json"])
+    sampling.main([f"--init_from={tmp_path / 'llama3'}", "--prompt=hi", "--method=next_token",
+                   "--max_new_tokens=2", "--json"])
     assert json.loads(capsys.readouterr().out)["prompt"] == "<|begin_of_text|>hi"
     edit_json(tmp_path / "llama3" / "tokenizer.json",
               lambda spec: spec.update(post_processor={"type": "RobertaProcessing"}))
@@ -1164,7 +1160,6 @@ def test_a_checkpoint_whose_folder_moved_is_sampled_with_the_folder_named_anew(t
                                                                                capsys):
     """A checkpoint fine-tuned from a folder records its tokenizer as hf:FOLDER; once the folder
     has moved, the sampler says so and takes it from --tokenizer=hf:NEW."""
-    import sampler
     import train
     save_tiny_hf_folder(tmp_path / "qwen3", mask=False)
     train.main([f"--init_from={tmp_path / 'qwen3'}", f"--dataset={qa_file[0]}",
@@ -1176,7 +1171,7 @@ def test_a_checkpoint_whose_folder_moved_is_sampled_with_the_folder_named_anew(t
              "--slot_size=4", "--json"]
     with pytest.raises(FileNotFoundError, match=r"records its tokenizer as hf:.*qwen3, a folder "
                                                 r"that is no longer there .*--tokenizer=hf:FOLDER"):
-        sampler.main(flags)
+        sampling.main(flags)
     capsys.readouterr()
-    sampler.main(flags + [f"--tokenizer=hf:{tmp_path / 'moved'}"])
+    sampling.main(flags + [f"--tokenizer=hf:{tmp_path / 'moved'}"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["prompt"] == "hi"

@@ -482,7 +482,8 @@ def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path,
 
 def test_small_data_warns_and_compile_falls_back_where_it_cannot_run(tmp_path, qa_file,
                                                                      monkeypatch, capsys):
-    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)     # no C compiler on this machine
+    # no C compiler on this machine
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
     with pytest.warns(UserWarning, match="torch.compile cannot run here"):
         train.main(tiny_run_flags(tmp_path, qa_file, "run") +
                    ["--max_iters=1", "--compile=True", "--batch_size=200"])

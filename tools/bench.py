@@ -47,7 +47,7 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
 from model import ModelConfig, Transformer
-from sampler import INFILL_MODES, MDMSettings, RefusionSettings, make_decoder
+from sampler import INFILL_MODES, MDMSettings, RefusionSettings
 from support.benchmark import (NAMES, TimedModel, batch_throughput, best_mdm, check_batch_settings,
                                compiled_table, compiled_vs_eager, confidence_points, fastest_close,
                                first_quality, free_tokens, headline, hf_generate, highlights_table,
@@ -58,7 +58,7 @@ from support.corpora import score
 from support.hardware import num_params, settle_dtype
 from support.prepare import TokenDataset, prepare
 from support.runs import check_writable, live_progress
-from support.sampling import prompt_generator
+from support.sampling import make_decoder, prompt_generator
 from support.tokenizer import decode, get_tokenizer, vocab_size
 
 # -----------------------------------------------------------------------------

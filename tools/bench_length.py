@@ -37,7 +37,6 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
 from model import ModelConfig
-from sampler import make_decoder
 from support.benchmark import (Point, best_mdm, fastest_close, first_quality, machine,
                                most_accurate, point_config, quality_text, speedup_text,
                                train_or_reuse, write_report)
@@ -47,6 +46,7 @@ from support.files import write_atomic
 from support.hardware import settle_dtype
 from support.prepare import TokenDataset, prepare
 from support.runs import check_writable, live_progress
+from support.sampling import make_decoder
 from support.tokenizer import decode, get_tokenizer
 
 # -----------------------------------------------------------------------------

@@ -43,7 +43,7 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 
 import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
-from sampler import INFILL_MODES, RefusionSettings, make_decoder
+from sampler import INFILL_MODES, RefusionSettings
 from support.benchmark import (Point, batch_throughput, best_mdm, check_batch_settings,
                                compiled_table, compiled_vs_eager, confidence_points, fastest_close,
                                first_quality, free_tokens, headline, hf_model, highlights_table,
@@ -55,6 +55,7 @@ from support.hardware import settle_dtype
 from support.hf_folder import hf_model_config
 from support.prepare import TokenDataset, prepare
 from support.runs import check_writable, live_progress
+from support.sampling import make_decoder
 from support.tokenizer import decode, get_tokenizer
 
 # -----------------------------------------------------------------------------

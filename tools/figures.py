@@ -87,9 +87,9 @@ def main(argv):
         draw_layout(cfg)
     if cfg["out_dir"]:
         # the command line that decodes and draws
-        import sampler
-        sampler.main([f"--out_dir={cfg['out_dir']}", "--num_samples=1",
-                      f"--plot={cfg['decode_png']}", *shlex.split(cfg["sampler_flags"])])
+        from support import sampling
+        sampling.main([f"--out_dir={cfg['out_dir']}", "--num_samples=1",
+                       f"--plot={cfg['decode_png']}", *shlex.split(cfg["sampler_flags"])])
         print(f"wrote {cfg['decode_png']}")
 
 
