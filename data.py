@@ -5,6 +5,8 @@ objective feeds the model and what it asks it to predict.
     reorganize_slots      ReFusion: slots, masking, the clean slots shuffled before the masked ones
     layout_one_sample     one sample's layout as a plain loop, the reference layout_slots equals
     layout_slots          the deterministic half of reorganize_slots, vectorized over the batch
+    label_slot_ends       a label pass after the layout (--slot_end_labels, beyond the paper)
+    mix_layouts           a share of samples in another layout (--ar_fraction, beyond the paper)
     autoregressive_batch  the ARM baseline's layout
     pad_with_eos          the MDM baseline's canvas (LLaDA's supervised fine-tuning: EOS padding)
     random_mask_batch     the MDM baseline's layout (each response token masked independently)
@@ -13,7 +15,7 @@ objective feeds the model and what it asks it to predict.
 Token ids come in from support/prepare.py's TokenDataset; nothing here reads files or text.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +64,7 @@ def _p_mask(batch_size, eps, generator, device):
     return (1 - eps) * t + eps
 
 
-def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator, eps=1e-3,
-                     slot_end_labels=False, ar_fraction=0.0):
+def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator, eps=1e-3):
     """ReFusion's slot reorganization of a batch (SPEC section 3; paper section 3.1).
 
     tokens: (B, T) int64, each row prompt + response (ending with EOS), right-padded;
@@ -71,15 +72,14 @@ def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator,
     S uniformly from slot_sizes, p_mask = (1 - eps) t + eps with t ~ U(0, 1), which slots are masked
     (each with probability p_mask) and a random order of the clean slots, then lays the batch out
     with layout_slots. All randomness comes from `generator` (a CPU torch.Generator), in that order.
-    slot_end_labels: see layout_slots. ar_fraction (SPEC section 3, beyond the paper; 0 by default):
-    each sample is instead laid out as the ARM's (autoregressive_batch) with this probability, drawn
-    last, so that the next-token pathway keeps seeing whole contexts in natural order.
     Returns a Batch of the same (B, T). No Python loop over samples.
     """
     B, T = tokens.shape
     dev = tokens.device
+    # Step 1: each sample's slot size, drawn from slot_sizes.
     pick = torch.randint(len(slot_sizes), (B,), generator=generator)
     S = torch.tensor(slot_sizes)[pick].to(dev)                           # (B,) slot size
+    # Step 2: each sample's masking probability p_mask, never 0 (eps).
     p = _p_mask(B, eps, generator, dev)                                  # (B,) p_mask
     # (B, T) indexed by slot id (a response of <= T tokens has <= T slots): slot k masked with
     # probability p
@@ -88,48 +88,50 @@ def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator,
     # order, and argsort of that list inverts it, giving each slot k its place in that order (its
     # rank)
     slot_rank = torch.rand(B, T, generator=generator).argsort(dim=1).argsort(dim=1).to(dev)
-    batch = layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id,
-                         slot_end_labels)
-    if ar_fraction:
-        as_arm = (torch.rand(B, generator=generator) < ar_fraction).to(dev)[:, None]    # (B, 1)
-        arm = autoregressive_batch(tokens, prompt_len, length)
-        batch = Batch(*(torch.where(as_arm, a, b) for a, b in zip(
-            (arm.idx, arm.position_ids, arm.labels, arm.mdm_weight),
-            (batch.idx, batch.position_ids, batch.labels, batch.mdm_weight))))
-    return batch
+    # Steps 3-4: the buffer, its labels and loss weights, from these draws alone.
+    return layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id)
 
 
-def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id,
-                      slot_end_labels=False):
+def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id):
     """layout_slots for one sample, as a plain loop (SPEC section 3, steps 3-4): the reference the
     vectorized layout_slots must equal (test_vectorized_layout_equals_the_per_sample_loop).
 
     tokens: list of ids (prompt, response, padding); P: prompt length; n: prompt + response length;
     S: slot size, slot k holding response positions P + kS ...; p: p_mask; slot_is_masked and
-    slot_rank: lists indexed by slot id; slot_end_labels as for layout_slots.
+    slot_rank: lists indexed by slot id.
     Returns (idx, position_ids, labels, mdm_weight) as lists.
     """
-    slots = [list(range(start, min(start + S, n))) for start in range(P, n, S)]   # true positions
+    # Step 3: the response cut into slots of S tokens (the last may be shorter), as true positions.
+    slots = [list(range(start, min(start + S, n))) for start in range(P, n, S)]
+    # The clean slots in the order of their rank, the masked ones in their own order.
     clean = sorted((k for k in range(len(slots)) if not slot_is_masked[k]),
                    key=lambda k: slot_rank[k])
     masked = [k for k in range(len(slots)) if slot_is_masked[k]]
-    idx, pos, labels, weight = tokens[:P], list(range(P)), [IGNORE] * P, [0.0] * P  # the prompt
-    if slot_end_labels:                      # the prompt's last token predicts the response's first
-        labels[P - 1] = tokens[P]
-    for k in clean:                          # clean slots in rank order: next token inside the slot
+
+    # Step 4, the buffer: first the prompt, at its positions, with no labels.
+    idx = tokens[:P]
+    pos = list(range(P))
+    labels = [IGNORE] * P
+    weight = [0.0] * P
+    # Then the clean slots in rank order: each token is labelled with the next token of its own
+    # slot (autoregressive loss); a slot's last token has no next token inside the slot.
+    for k in clean:
         for i, q in enumerate(slots[k]):
             idx.append(tokens[q])
             pos.append(q)
-            has_next = i + 1 < len(slots[k]) or slot_end_labels and q + 1 < n
+            has_next = i + 1 < len(slots[k])
             labels.append(tokens[q + 1] if has_next else IGNORE)
             weight.append(0.0)
-    for k in masked:                         # masked slots in their own order: their own tokens
+    # Then the masked slots: mask ids, each labelled with its own token (masked-diffusion loss),
+    # weighted 1 / (p_mask * response length).
+    for k in masked:
         for q in slots[k]:
             idx.append(mask_id)
             pos.append(q)
             labels.append(tokens[q])
             weight.append(1.0 / (p * (n - P)))
-    for q in range(n, len(tokens)):          # padding, last
+    # Padding last, where no real token's causal attention reaches it.
+    for q in range(n, len(tokens)):
         idx.append(tokens[q])
         pos.append(q)
         labels.append(IGNORE)
@@ -137,18 +139,15 @@ def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id,
     return idx, pos, labels, weight
 
 
-def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id,
-                 slot_end_labels=False):
+def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id):
     """The deterministic half of reorganize_slots: the buffer, labels and loss weights of SPEC
     section 3, steps 3-4 (the clean slots in ascending slot_rank; every token at its true position).
 
     S: (B,) int64 slot size; p: (B,) float32 p_mask; slot_is_masked: (B, n) bool and slot_rank:
     (B, n) int64 (a permutation), indexed by slot id (n between the number of slots and T; T
-    always suffices). slot_end_labels (SPEC section 3, beyond the paper; off by default): the last
-    token of every clean slot, and the prompt's last token, are labelled with the next position's.
-    The whole batch at once, no loop: every tensor is first computed in input (true position)
-    order, then one sort per row lays it out in buffer order. layout_one_sample is the same, as a
-    plain loop per sample. Returns a Batch of the same (B, T).
+    always suffices). The whole batch at once, no loop: every tensor is first computed in input
+    (true position) order, then one sort per row lays it out in buffer order. layout_one_sample is
+    the same, as a plain loop per sample. Returns a Batch of the same (B, T).
     """
     B, T = tokens.shape
     # each (B, T), in input order
@@ -172,19 +171,56 @@ def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, ma
     # (B, T) the input index of the token at each buffer place
     order = (group * T * (T + 1) + within).argsort(dim=1)
 
-    next_in_slot = torch.zeros_like(in_response)  # (B, T) the next input token: of the same slot
+    # (B, T) whether the next input token belongs to the same slot
+    next_in_slot = torch.zeros_like(in_response)
     next_in_slot[:, :-1] = (slot[:, 1:] == slot[:, :-1]) & in_response[:, 1:]
     next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # (B, T) the next input token
-    predicts_next = clean & next_in_slot                     # (B, T) labelled with the next token
-    if slot_end_labels:                     # also across slot ends, and the prompt's last token
-        next_in_response = torch.zeros_like(in_response)
-        next_in_response[:, :-1] = in_response[:, 1:]
-        predicts_next = (clean | (pos == prompt_len[:, None] - 1)) & next_in_response
+    # a clean token is labelled with the next token of its own slot
+    predicts_next = clean & next_in_slot
     # masked: its own token; labelled with the next token: that token; anything else: no label
     labels = torch.where(masked, tokens, torch.where(predicts_next, next_tok, IGNORE))
     weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)  # MDM loss weight
     idx = torch.where(masked, mask_id, tokens)               # a masked slot's tokens: the mask id
     return Batch(*(x.gather(1, order) for x in (idx, pos, labels, weight)))  # in buffer order
+
+
+# -----------------------------------------------------------------------------
+# beyond the paper (SPEC section 3, opt-in): train.py's make_batch applies these after the layout
+
+
+def label_slot_ends(batch, tokens, prompt_len, length):
+    """--slot_end_labels: the last token of every clean slot, and the prompt's last token, are
+    labelled with the token at the next true position (where that is in the response), as every
+    other clean token already is, so that the next-token pathway is trained at every position.
+
+    batch: reorganize_slots' Batch of tokens (B, T), prompt_len and length (B,) int64. Returns a
+    new Batch with those labels; nothing else changes, and no random number is drawn.
+    """
+    T = tokens.shape[1]
+    pos = batch.position_ids
+    # the token at the next true position of every buffer place (clamped at the row's end)
+    next_tok = tokens.gather(1, (pos + 1).clamp(max=T - 1))
+    # a clean token: a response token that is not masked (a masked token has a loss weight)
+    in_response = (pos >= prompt_len[:, None]) & (pos < length[:, None])
+    clean = in_response & (batch.mdm_weight == 0)
+    prompt_end = pos == prompt_len[:, None] - 1
+    # labelled when the next position holds a response token
+    labelled = (clean | prompt_end) & (pos + 1 < length[:, None])
+    return replace(batch, labels=torch.where(labelled, next_tok, batch.labels))
+
+
+def mix_layouts(batch, other, fraction, generator):
+    """--ar_fraction: each sample takes `other`'s layout (the ARM's autoregressive_batch) instead
+    of batch's with probability `fraction`, so that the next-token pathway keeps seeing whole
+    contexts in natural order. One draw per sample from generator (torch.rand(B)), after the
+    layout's. batch, other: Batches of the same (B, T). Returns the mixed Batch.
+    """
+    B = batch.idx.shape[0]
+    # (B, 1): which samples take the other layout
+    chosen = (torch.rand(B, generator=generator) < fraction).to(batch.idx.device)[:, None]
+    mine = (batch.idx, batch.position_ids, batch.labels, batch.mdm_weight)
+    theirs = (other.idx, other.position_ids, other.labels, other.mdm_weight)
+    return Batch(*(torch.where(chosen, t, m) for m, t in zip(mine, theirs)))
 
 
 def autoregressive_batch(tokens, prompt_len, length):
@@ -193,10 +229,13 @@ def autoregressive_batch(tokens, prompt_len, length):
     tokens (B, T), prompt_len (B,), length (B,) int64 as for reorganize_slots. Returns a Batch.
     """
     B, T = tokens.shape
+    # natural order: each token at its own position
     pos = torch.arange(T, device=tokens.device).expand(B, T)
+    # a token is labelled when the next one is a response token (the prompt's last included)
     predicts_response = (pos + 1 >= prompt_len[:, None]) & (pos + 1 < length[:, None])
     next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
     labels = torch.where(predicts_response, next_tok, IGNORE)
+    # no masked tokens, so no MDM loss weights
     return Batch(tokens, pos, labels, torch.zeros(B, T, device=tokens.device))
 
 
@@ -229,15 +268,20 @@ def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3, 
     B, T = tokens.shape
     pos = torch.arange(T, device=tokens.device).expand(B, T)
     p = _p_mask(B, eps, generator, tokens.device)
+    # each response token masked with probability p_mask, independently (no slots)
     in_response = (pos >= prompt_len[:, None]) & (pos < length[:, None])
     masked = in_response & (torch.rand(B, T, generator=generator).to(tokens.device) < p[:, None])
+    # a masked token's label is its own token, weighted 1 / (p_mask * response length)
     labels = torch.where(masked, tokens, IGNORE)
     weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)
-    if shift:  # the label of response token q moves to position q - 1: a prompt token or one
-        if (prompt_len < 1).any():  # of the response
+    # Dream's shift: the label of response token q moves to position q - 1, a prompt token or one
+    # of the response
+    if shift:
+        if (prompt_len < 1).any():
             raise ValueError("mdm_shift: a sample has no prompt, so its first token has no "
                              "position before it to be predicted from; give every sample a prompt")
-        labels, weight = F.pad(labels[:, 1:], (0, 1), value=IGNORE), F.pad(weight[:, 1:], (0, 1))
+        labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+        weight = F.pad(weight[:, 1:], (0, 1))
     return Batch(torch.where(masked, mask_id, tokens), pos, labels, weight,
                  key_mask=pos < length[:, None])
 

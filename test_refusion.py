@@ -176,9 +176,8 @@ def test_clean_slots_shuffled_masked_slots_in_order(S):
         assert shuffled_rows > 0                                   # clean slots really permuted
 
 
-@pytest.mark.parametrize("slot_end_labels", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_vectorized_layout_equals_the_per_sample_loop(seed, slot_end_labels):
+def test_vectorized_layout_equals_the_per_sample_loop(seed):
     """layout_slots sorts the whole batch at once (one argsort of group, rank and position); on
     random batches with mixed slot sizes, masks and orders it builds exactly what the loop does."""
     g = torch.Generator().manual_seed(100 + seed)
@@ -188,13 +187,12 @@ def test_vectorized_layout_equals_the_per_sample_loop(seed, slot_end_labels):
     p = torch.rand(B, generator=g) * 0.999 + 0.001
     slot_is_masked = torch.rand(B, T, generator=g) < p[:, None]
     slot_rank = torch.stack([torch.randperm(T, generator=g) for _ in range(B)])
-    b = data.layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, 257,
-                          slot_end_labels)
+    b = data.layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, 257)
     for r in range(B):
         idx, pos, labels, weight = layout_one_sample(tokens[r].tolist(), int(prompt_len[r]),
                                                      int(length[r]), int(S[r]), float(p[r]),
                                                      slot_is_masked[r].tolist(),
-                                                     slot_rank[r].tolist(), 257, slot_end_labels)
+                                                     slot_rank[r].tolist(), 257)
         assert b.idx[r].tolist() == idx and b.position_ids[r].tolist() == pos
         assert b.labels[r].tolist() == labels
         torch.testing.assert_close(b.mdm_weight[r], torch.tensor(weight), atol=1e-7, rtol=1e-6)
@@ -326,6 +324,39 @@ def test_refusion_ar_loss_from_an_ar_model_equals_its_loss_without_slot_boundari
     assert mdm_part.item() == 0.0
 
 
+def label_slot_ends_of_one_sample(tokens, P, n, pos, labels, weight):
+    """label_slot_ends for one sample, as a plain loop over its buffer: a clean response token
+    (no loss weight) and the prompt's last token take the token at the next true position, where
+    that position is in the response."""
+    out = list(labels)
+    for i, q in enumerate(pos):
+        clean = P <= q < n and weight[i] == 0
+        if (clean or q == P - 1) and q + 1 < n:
+            out[i] = tokens[q + 1]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slot_end_label_pass_equals_the_per_sample_loop(seed):
+    """label_slot_ends (SPEC section 3, beyond the paper) after reorganize_slots: the labels the
+    plain loop gives, every other field unchanged, and no random number drawn."""
+    tokens, prompt_len, length = random_samples(seed, B=8, T=50)
+    g = torch.Generator().manual_seed(seed)
+    b = data.reorganize_slots(tokens, prompt_len, length, (1, 3, 4, 8), 257, g)
+    state = g.get_state()
+    labelled = data.label_slot_ends(b, tokens, prompt_len, length)
+    assert torch.equal(g.get_state(), state)
+    for field in ("idx", "position_ids", "mdm_weight"):
+        assert torch.equal(getattr(labelled, field), getattr(b, field))
+    for r in range(8):
+        expected = label_slot_ends_of_one_sample(tokens[r].tolist(), int(prompt_len[r]),
+                                                 int(length[r]), b.position_ids[r].tolist(),
+                                                 b.labels[r].tolist(), b.mdm_weight[r].tolist())
+        assert labelled.labels[r].tolist() == expected
+    # slot ends were labelled: more labels than the paper's layout gives
+    assert (labelled.labels != data.IGNORE).sum() > (b.labels != data.IGNORE).sum()
+
+
 def test_slot_end_labels_give_the_arm_loss_when_nothing_is_masked():
     """With slot_end_labels, nothing masked and the clean slots in their original order, the
     labels are exactly the ARM's (every response token predicted from the one before, the first
@@ -338,7 +369,8 @@ def test_slot_end_labels_give_the_arm_loss_when_nothing_is_masked():
     b = data.layout_slots(tokens, prompt_len, length, torch.tensor([4, 3, 8, 5]),
                           p=torch.full((B,), 0.5),
                           slot_is_masked=torch.zeros(B, T, dtype=torch.bool),
-                          slot_rank=torch.arange(T).expand(B, T), mask_id=38, slot_end_labels=True)
+                          slot_rank=torch.arange(T).expand(B, T), mask_id=38)
+    b = data.label_slot_ends(b, tokens, prompt_len, length)
     arm = data.autoregressive_batch(tokens, prompt_len, length)
     assert torch.equal(b.labels, arm.labels)
     torch.testing.assert_close(hybrid_loss(model(b.idx, b.position_ids), b),
@@ -346,14 +378,13 @@ def test_slot_end_labels_give_the_arm_loss_when_nothing_is_masked():
 
 
 def test_ar_fraction_lays_out_that_share_of_samples_as_the_arm_does():
-    """ar_fraction draws, after everything else, which samples take the ARM's layout; the other
-    samples are exactly what reorganize_slots gives without it (same random stream before)."""
+    """ar_fraction (mix_layouts, after the layout) draws which samples take the ARM's layout; the
+    other samples are exactly what reorganize_slots gives (same random stream before)."""
     tokens, prompt_len, length = random_samples(10, B=16, T=50)
-    plain = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257,
-                                  torch.Generator().manual_seed(3))
+    mixing = torch.Generator().manual_seed(3)
+    plain = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257, mixing)
     arm = data.autoregressive_batch(tokens, prompt_len, length)
-    mixed = data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257,
-                                  torch.Generator().manual_seed(3), ar_fraction=0.5)
+    mixed = data.mix_layouts(plain, arm, 0.5, mixing)
     g = torch.Generator().manual_seed(3)
     data.reorganize_slots(tokens, prompt_len, length, (4, 8), 257, g)   # the same draws first
     as_arm = torch.rand(16, generator=g) < 0.5

@@ -12,7 +12,7 @@ to bottom: the settings, the objective's batches and loss, the step and the loop
 yields whenever a checkpoint is due: iterate it, it does nothing until then), then main, which
 runs them in order (settings, where the run starts, data, model, optimizer, the loop, saving) and
 calls the plumbing of support/runs.py as plain functions: checks, out_dir's lock, processes, data,
-FSDP, signals, checkpoints.
+FSDP, signals, checkpoints; support/progress.py draws the loop's progress bar.
 """
 
 import math
@@ -24,11 +24,10 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from configurator import explicit_keys, parse_args, run_cli, settings_in
-from data import (IGNORE, autoregressive_batch, pack_rows, pad_with_eos, random_mask_batch,
-                  reorganize_slots)
+from data import (IGNORE, autoregressive_batch, label_slot_ends, mix_layouts, pack_rows,
+                  pad_with_eos, random_mask_batch, reorganize_slots)
 from model import ModelConfig, Transformer
 
 # -----------------------------------------------------------------------------
@@ -89,16 +88,27 @@ def make_batch(cfg, tokens, prompt_len, length, meta, generator):
     """The objective's Batch (inputs, position ids, labels, loss weights) for raw samples: tokens
     (B, T), prompt_len and length (B,) int64; meta: the prepared data's meta.json (its mask, EOS and
     pad ids); generator: the CPU torch.Generator of every random draw."""
+    # ReFusion: the paper's slot layout (SPEC section 3, steps 1-4)
     if cfg["objective"] == "refusion":
-        return reorganize_slots(tokens, prompt_len, length, cfg["slot_sizes"], meta["mask_id"],
-                                generator, cfg["mask_eps"], cfg["slot_end_labels"],
-                                cfg["ar_fraction"])
+        batch = reorganize_slots(tokens, prompt_len, length, cfg["slot_sizes"],
+                                 meta["mask_id"], generator, cfg["mask_eps"])
+        # beyond the paper (SPEC section 3, opt-in): more next-token labels, then a share of the
+        # samples in the ARM's layout (its draw after the layout's)
+        if cfg["slot_end_labels"]:
+            batch = label_slot_ends(batch, tokens, prompt_len, length)
+        if cfg["ar_fraction"]:
+            arm = autoregressive_batch(tokens, prompt_len, length)
+            batch = mix_layouts(batch, arm, cfg["ar_fraction"], generator)
+        return batch
+    # the MDM baseline: responses padded with EOS to the decoder's canvas (gen_length), then each
+    # response token masked independently
     if cfg["objective"] == "mdm":
         if cfg["gen_length"]:
             tokens, length = pad_with_eos(tokens, prompt_len, length, meta["eos_id"],
                                           meta["pad_id"], cfg["gen_length"], cfg["block_size"])
         return random_mask_batch(tokens, prompt_len, length, meta["mask_id"], generator,
                                  cfg["mask_eps"], cfg["mdm_shift"])
+    # the ARM baseline: natural order, next-token labels
     return autoregressive_batch(tokens, prompt_len, length)
 
 
@@ -111,10 +121,13 @@ def hybrid_loss(logits, batch):
     scalar tensors.
     """
     B, T, V = logits.shape
+    # cross-entropy at every labelled place, 0 elsewhere: (B, T)
     ce = F.cross_entropy(logits.view(-1, V), batch.labels.view(-1), ignore_index=IGNORE,
                          reduction="none").view(B, T)
+    # next-token labels (no loss weight): their mean
     is_ar = (batch.labels != IGNORE) & (batch.mdm_weight == 0)
     ar_loss = (ce * is_ar).sum() / is_ar.sum().clamp(min=1)
+    # masked tokens' own labels: weighted by 1 / (p_mask * response length), summed per sample
     mdm_loss = (ce * batch.mdm_weight).sum() / (batch.n_samples or B)
     return ar_loss + mdm_loss, ar_loss, mdm_loss
 
@@ -201,7 +214,9 @@ def flops_per_token(model, T):
 def estimate_loss(model, cfg, val_data, autocast):
     """Mean validation loss over eval_iters fixed batches (same samples and masks every call)."""
     model.eval()
-    rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    # the same samples and the same masks at every evaluation: losses comparable across steps
+    rng = np.random.default_rng(0)
+    gen = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(cfg["eval_iters"]):
         tokens, prompt_len, length = val_data.get_batch(cfg["batch_size"], rng, cfg["device"])
@@ -219,7 +234,9 @@ class Diverged(ValueError):
 
     def __init__(self, what, value, iteration):
         super().__init__(f"{what} became {value} at iteration {iteration}")
-        self.what, self.value, self.iteration = what, value, iteration
+        self.what = what
+        self.value = value
+        self.iteration = iteration
 
 
 def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, autocast):
@@ -228,12 +245,17 @@ def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, auto
     wrapper and torch.compile. Returns (loss, ar_loss, mdm_loss) of the last micro-batch, its
     response tokens summed over the step, and the step's FLOPs. Raises Diverged."""
     micro_steps = cfg["gradient_accumulation_steps"] // world  # this process's share of the step
+    # The learning rate of this step (warmup, then cosine decay).
     for group in optimizer.param_groups:
         group["lr"] = get_lr(it, cfg)
-    n_tokens, flops = 0, 0
+    n_tokens = 0
+    flops = 0
     for micro in range(micro_steps):
+        # This micro-batch's samples and random draws depend on (seed, step, micro-batch) alone,
+        # so a resumed run sees the batches an unbroken run would.
         rng, gen = micro_batch_rng(cfg, it, rank * micro_steps + micro)
         tokens, prompt_len, length = train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
+        # The objective's layout: inputs, position ids, labels and loss weights.
         batch = make_batch(cfg, tokens, prompt_len, length, train_data.meta, gen)
         if cfg["pack"]:
             batch = pack_rows(batch, length)
@@ -243,6 +265,7 @@ def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, auto
         if world > 1 and not cfg["fsdp"]:  # on the DDP wrapper, inside torch.compile's if any
             ddp = getattr(forward, "_orig_mod", forward)
             ddp.require_backward_grad_sync = micro == micro_steps - 1
+        # Forward over the buffer, the hybrid loss, and its share of the step's gradient.
         with autocast:
             logits = forward(batch.idx, batch.position_ids, attn_mask=batch.attn_mask)
         losses = hybrid_loss(logits.float(), batch)
@@ -251,6 +274,7 @@ def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, auto
         (losses[0] / micro_steps).backward()
         n_tokens += int(length.sum())
         flops += flops_per_token(model, batch.idx.shape[1]) * batch.idx.numel()
+    # Clip the gradient's norm, then one AdamW step.
     if cfg["grad_clip"] > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
     optimizer.step()
@@ -258,137 +282,54 @@ def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, auto
     return losses, n_tokens, flops
 
 
-# seconds between two redraws of the progress bar, and the least training its speed is taken over
-BAR_SECONDS = 1.0
-
-
-class Rates:
-    """Tokens/s and FLOP/s over the last interval of training: the steps counted since the last
-    take(), over the seconds they took on clock (a function returning seconds: time.perf_counter, or
-    a test's). What skip() leaves out is in neither: an evaluation and its checkpoint, a step that
-    compiled. Tokens and FLOPs are those of every process."""
-
-    def __init__(self, clock):
-        self.clock = clock
-        self.mark = clock()  # the end of what was last counted or skipped
-        self.tokens = 0
-        self.flops = 0
-        self.seconds = 0.0   # counted since the last take()
-
-    def _lap(self):
-        """The seconds since the mark; the mark moves to now."""
-        now = self.clock()
-        seconds = now - self.mark
-        self.mark = now
-        return seconds
-
-    def count(self, tokens, flops):
-        """A step that ended now: its tokens and FLOPs, over the seconds since the mark."""
-        self.seconds += self._lap()
-        self.tokens += tokens
-        self.flops += flops
-
-    def skip(self):
-        """Leave the seconds since the mark out of every rate; returns them."""
-        return self._lap()
-
-    def take(self):
-        """(tokens/s, FLOP/s) of the interval, which then starts again; None when it counted no
-        time (its steps all compiled)."""
-        rates = None
-        if self.seconds > 0:
-            rates = (self.tokens / self.seconds, self.flops / self.seconds)
-        self.tokens = 0
-        self.flops = 0
-        self.seconds = 0.0
-        return rates
-
-
-def compiled_frames(cfg):
-    """How many frames torch.compile has compiled in this process so far (0 without --compile): a
-    step during which the count grew spent time compiling (the first one, a new sequence length)."""
-    if not cfg["compile"]:
-        return 0
-    return torch._dynamo.utils.counters["frames"]["total"]
-
-
-def train(cfg, model, optimizer, train_data, val_data, iter_num, best_val_loss=math.inf, rank=0,
-          world=1, stop_requested=()):
+def train(cfg, model, optimizer, train_data, val_data, progress, iter_num, best_val_loss=math.inf,
+          rank=0, world=1, stop_requested=()):
     """The training loop, from iteration iter_num to max_iters: evaluate every eval_interval steps,
-    then one train_step; a progress bar (loss, tokens/s, TFLOP/s, MFU on CUDA: Rates, over the last
-    interval, never over time spent compiling or evaluating) or, off a terminal, a line every
-    log_interval steps. A generator: it yields (steps completed, best validation loss,
+    then one train_step. progress: the steps to run and their bar or lines (support/progress.py's
+    Progress: loss, tokens/s, TFLOP/s, MFU on CUDA over the last interval, never over time spent
+    compiling or evaluating). A generator: it yields (steps completed, best validation loss,
     stopped) whenever a checkpoint is due, after each evaluation past the first step and at the
     end, and the caller saves it. Once stop_requested (a list) is non-empty on any process, every
     process stops after that step: the last yield, stopped True. Raises Diverged."""
+    # What runs the forward pass: the model, in DDP's wrapper across processes (a sharded model,
+    # support.shard, syncs its own gradients), compiled if asked.
     forward = model
-    if world > 1 and not cfg["fsdp"]:  # a sharded model (support.shard) syncs its own gradients
+    if world > 1 and not cfg["fsdp"]:
         forward = torch.nn.parallel.DistributedDataParallel(model)
-    forward = torch.compile(forward) if cfg["compile"] else forward
+    if cfg["compile"]:
+        forward = torch.compile(forward)
     autocast = autocast_for(cfg["device"], cfg["dtype"])
     model.train()
-    live = sys.stdout.isatty() and sys.stderr.isatty()  # where tqdm redraws its bar in place
-    bar = tqdm(range(iter_num, cfg["max_iters"]), initial=iter_num, total=cfg["max_iters"],
-               desc="train", mininterval=BAR_SECONDS, disable=rank != 0 or not live)
-    rates = Rates(time.perf_counter)
-    start, stop = iter_num, False
-    for it in bar:
+    start = iter_num
+    stop = False
+    for it in progress:
+        # Evaluate every eval_interval steps and at the last one; a checkpoint is then due.
         if it % cfg["eval_interval"] == 0 or it == cfg["max_iters"] - 1:
             val_loss = estimate_loss(forward, cfg, val_data, autocast)
             if not math.isfinite(val_loss):
                 raise Diverged("validation loss", val_loss, it)
             best_val_loss = min(best_val_loss, val_loss)
-            if rank == 0:
-                tqdm.write(f"iter {it}: val loss {val_loss:.4f}")
+            progress.write(f"iter {it}: val loss {val_loss:.4f}")
             if it > start:  # nothing new to save at the first step of a run
                 yield it, best_val_loss, False
-            rates.skip()    # evaluating and saving are not training: left out of tokens/s
-        frames = compiled_frames(cfg)
+            progress.skip()  # evaluating and saving are not training: left out of tokens/s
+        # One optimizer step.
+        progress.step_begins()
         losses, step_tokens, step_flops = train_step(cfg, model, forward, optimizer, train_data,
                                                      it, rank, world, autocast)
         # reading the losses waits for the device to end the step, so the clock reads its end
         losses = [x.item() for x in losses]
-        if compiled_frames(cfg) > frames:  # torch.compile compiled: not training time either
-            seconds = rates.skip()
-            if it == start and rank == 0:
-                tqdm.write(f"compile: first step took {seconds:.1f} s (not counted in tokens/s)")
-        else:
-            rates.count(step_tokens * world, step_flops * world)
-        log_step(cfg, bar, it, losses, rates, world, lines=not live and rank == 0)
+        progress.step_ends(it, losses, step_tokens, step_flops)
+        # Every process stops after the same step, even if only one saw the Ctrl-C.
         stop = bool(stop_requested)
-        if world > 1:  # every process stops after the same step, even if only one saw the Ctrl-C
+        if world > 1:
             flag = torch.tensor(float(stop), device=cfg["device"])
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             stop = bool(flag.item())
         if stop:
             break
-    bar.close()
+    progress.close()
     yield it + 1, best_val_loss, stop
-
-
-def log_step(cfg, bar, it, losses, rates, world, lines):
-    """Show a step's losses (floats: loss, ar_loss, mdm_loss) and the speed of the last interval
-    (Rates) on the progress bar, once BAR_SECONDS of training were counted; with lines (off a
-    terminal, where no bar is drawn), print a line every log_interval steps instead (without the
-    speed when none was counted: the steps since the last line all compiled)."""
-    loss, ar_loss, mdm_loss = losses
-    due = it % cfg["log_interval"] == 0 if lines else rates.seconds >= BAR_SECONDS
-    if not due:
-        return
-    shown = {"loss": f"{loss:.3f}", "ar": f"{ar_loss:.3f}", "mdm": f"{mdm_loss:.3f}"}
-    line = f"iter {it}: loss {loss:.4f} (ar {ar_loss:.4f}, mdm {mdm_loss:.4f})"
-    speed = rates.take()
-    if speed is not None:
-        tokens_per_s, flops_per_s = speed
-        tflops = flops_per_s / 1e12
-        shown |= {"tok_s": f"{tokens_per_s:.0f}", "tflops": f"{tflops:.3f}"}
-        line += f", {tokens_per_s:.0f} tok/s, {tflops:.3f} TFLOP/s"
-        if "cuda" in cfg["device"]:  # the share of the GPUs' bf16 peak
-            shown["mfu"] = f"{tflops / (cfg['peak_tflops'] * world):.1%}"
-            line += f", MFU {shown['mfu']}"
-    bar.set_postfix(shown)
-    if lines:
-        print(line, flush=True)
 
 
 def main(argv):
@@ -397,6 +338,7 @@ def main(argv):
     SIGTERM), saving a checkpoint whenever it yields. support/ holds the plumbing, called here as
     plain functions: checks, out_dir's lock, processes, data, FSDP, signals, checkpoints."""
     from support import runs, shard
+    from support.progress import Progress
     t0 = time.perf_counter()  # a checkpoint's train_minutes: its earlier runs' and this one's
     cfg = parse_args(DEFAULTS, argv)
     explicit = explicit_keys(cfg, DEFAULTS, argv)
@@ -428,11 +370,12 @@ def main(argv):
             print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
                   f"{len(train_data):,} training samples, device {cfg['device']}, "
                   f"{world} process(es), " + (why or f"matmuls in {dtype}"))
+        progress = Progress(cfg, steps, rank, world)  # the bar, or a line every log_interval
         with runs.stop_requests() as requested:
             try:
                 for steps, best_val_loss, stopped in train(
-                        dict(cfg, dtype=dtype), model, optimizer, train_data, val_data, steps,
-                        best_val_loss, rank, world, requested):
+                        dict(cfg, dtype=dtype), model, optimizer, train_data, val_data, progress,
+                        steps, best_val_loss, rank, world, requested):
                     runs.save(cfg, model, optimizer, model_args, train_data, steps,
                               best_val_loss, rank, None if minutes is None else
                               minutes + (time.perf_counter() - t0) / 60)

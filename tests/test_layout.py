@@ -246,7 +246,8 @@ def test_code_lines_and_packed_lines_are_told_apart():
 
 def test_the_method_reads_on_one_screen():
     """The budget of the reading path, in code lines (code_line_numbers: comments, blank lines and
-    docstrings are free): sampler.py at most 600 and the five method files at most 1,250 together;
+    docstrings are free): sampler.py at most 600 and the five method files at most 1,250 together,
+    of whose lines at least 10% are full-line comments;
     no function of theirs over 50 code lines but the decoder on one screen,
     generate_refusion_plain, at most 85; no packed line (density_violations); sampler.py's
     ReFusion sections read no infill setting (SPEC 4.1 is SpeculativeInfill's, in a section of its
@@ -255,6 +256,10 @@ def test_the_method_reads_on_one_screen():
     code = {m: code_line_numbers(text) for m, text in lines.items()}
     assert len(code["sampler"]) <= 600
     assert sum(map(len, code.values())) <= 1250
+    # explanation is free, and there is some: full-line comments are >= 10% of their lines
+    comments = sum(line.lstrip().startswith("#") for text in lines.values()
+                   for line in text.splitlines())
+    assert comments >= 0.10 * sum(len(text.splitlines()) for text in lines.values())
     long = []
     for module, text in lines.items():
         for node in ast.walk(ast.parse(text)):

@@ -26,6 +26,7 @@ from support import checkpoint, compiled, runs
 from support.benchmark import train_or_reuse
 from support.checkpoint import load_checkpoint, save_checkpoint
 from support.compiled import ISA_SETTINGS, check_compile
+from support.progress import Rates
 from test_refusion import random_samples
 from train import flops_per_token, hybrid_loss, load_weights, make_batch
 
@@ -670,7 +671,7 @@ def test_the_speed_is_over_the_last_interval_without_compiling_or_evaluating():
     left out, each interval starts where the last one was taken, and one that counted no time has
     no rate."""
     readings = iter([0.0, 61.2, 63.2, 73.2, 75.2, 77.2, 80.2, 81.0])
-    rates = train.Rates(lambda: next(readings))
+    rates = Rates(lambda: next(readings))
     assert rates.skip() == pytest.approx(61.2)        # step 0 compiled: 61.2 s
     rates.count(tokens=100, flops=1e6)                # step 1: 2 s
     rates.skip()                                      # an evaluation and its checkpoint: 10 s

@@ -21,8 +21,9 @@ print("1.2: AR labels", ar_labels, "; weights sum to", b.mdm_weight.sum().item()
 # the prompt's last token
 clean = [k for k in range(n_slots) if not slot_is_masked[0, k]]
 predicted = sum(1 for k in clean if P + k * S + S < n) + 1
-b_end = layout_slots(tokens, prompt_len, length, torch.tensor([S]), torch.tensor([p]),
-                     slot_is_masked, slot_rank, MASK, slot_end_labels=True)
+from data import label_slot_ends  # noqa: E402  (a cell of the notebook)
+
+b_end = label_slot_ends(batch, tokens, prompt_len, length)
 extra = (b_end.labels != IGNORE).sum().item() - (batch.labels != IGNORE).sum().item()
 assert extra == predicted, (extra, predicted)
 print("1.3:", extra, "more labels")
