@@ -550,7 +550,9 @@ class SpeculativeInfill:
     logits (V,) at the end of each slot it commits that saw the slots committed before it."""
 
     def __init__(self, prompt_len):
-        self.frontier, self.next_logits, self.ends = prompt_len, None, []
+        self.frontier = prompt_len
+        self.next_logits = None
+        self.ends = []
 
     @classmethod
     def of(cls, settings, prompt_len):
@@ -641,18 +643,23 @@ def generate_next_token(model, prompt, settings, *, eos_ids, generator=None, on_
     check_attention(model, "next_token")
     check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
+    # KV cache: the prompt and every drawn token fed once, of a bucketed length (kvcache.py)
     max_len = cache_length(len(prompt) + settings.max_new_tokens, model.config.block_size)
     cache = model.new_kv_cache(max_len)
     device = cache.kv.device
     if eos_every is None:
         eos_every = 1 if on_step else EOS_EVERY.get(device.type, GPU_EOS_EVERY)
     banned = torch.tensor(banned_ids, dtype=torch.long, device=device)
+    # The first pass is the prefill: the whole prompt.
     tokens = torch.tensor([prompt], device=device)                     # (1, P), the prefill
     positions = torch.arange(len(prompt), device=device)[None]
+    # The drawn tokens stay on the device until a read; n counts them.
     out = torch.zeros(settings.max_new_tokens, dtype=torch.long, device=device)
-    n, response = 0, []                      # tokens drawn; those read from the device so far
+    n = 0
+    response = []                            # the tokens read from the device so far
     while n < settings.max_new_tokens:
-        logits = model(tokens, positions, kv_cache=cache, logits_from=-1)[0]  # (1, V): the next
+        # One pass: the last position's logits predict the next token.
+        logits = model(tokens, positions, kv_cache=cache, logits_from=-1)[0]  # (1, V)
         token, _ = draft_tokens(logits, settings.temperature, generator, banned)
         out[n:n + 1] = token
         n += 1
@@ -663,11 +670,13 @@ def generate_next_token(model, prompt, settings, *, eos_ids, generator=None, on_
             response += out[len(response):n].tolist()
             if first_eos(response, eos_ids) is not None:
                 break
+        # The next pass feeds the drawn token at the next position.
         tokens, positions = token[None], positions[:, -1:] + 1         # (1, 1) each
+    # One step per token; the passes run past the EOS count in the last step's.
     response = cut_after_eos(response, eos_ids)
     trace = [[(len(prompt) + i, t)] for i, t in enumerate(response)]
     step_nfe = [1] * len(response)
-    step_nfe[-1] += n - len(response)                # the passes run past the EOS
+    step_nfe[-1] += n - len(response)
     return Generation(response, n, time.perf_counter() - t0, trace, step_nfe, cache.cache_bytes)
 
 
@@ -693,24 +702,30 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
     check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
     device = next(model.parameters()).device
-    P, L = len(prompt), settings.max_new_tokens
+    P = len(prompt)
+    L = settings.max_new_tokens
+    # The canvas: the prompt, then L masks, at their own positions.
     x = torch.tensor([prompt + [mask_id] * L], device=device)          # (1, P + L)
     positions = torch.arange(P + L, device=device)[None]
     masked = positions[0] >= P                                          # (P + L,) still masked
     banned = torch.tensor([mask_id, *banned_ids], device=device)
     steps = []                                       # per step, (positions, tokens) on the device
+    # Semi-autoregressive blocks, left to right; each shares out its masks over its steps.
     for b in range(settings.n_semi_ar_blocks):
         in_block = (positions[0] - P) // settings.block_length == b
         left = settings.block_length                 # the block's masked positions, counted here
         for k in tokens_per_step(left, settings.steps // settings.n_semi_ar_blocks):
+            # One pass over the whole canvas (bidirectional, no cache).
             logits = model(x, positions, logits_from=P - settings.mdm_shift)[0][:L]  # (L, V)
             # the block's masked positions: their number is known, so no read from the device
             where = torch.nonzero_static(masked & in_block, size=left)[:, 0]
+            # Draft every one of them, with its confidence.
             drafts, confidence = draft_tokens(logits[where - P], settings.temperature, generator,
                                               banned)
             if settings.confidence != "prob":  # Dream's rules (opt-in)
                 confidence = dream_confidence(logits[where - P], drafts, settings.confidence,
                                               banned)
+            # Commit the k most confident; the rest stay masked (low-confidence remasking).
             best = confidence.topk(k).indices
             x[0, where[best]] = drafts[best]
             masked.index_fill_(0, where[best], False)
@@ -718,11 +733,10 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
             steps.append((where[best], drafts[best]))
             if on_step:
                 on_step(list(zip(where[best].tolist(), drafts[best].tolist())))
-    committed = torch.cat([torch.stack(step) for step in steps], dim=1).tolist()  # one read
-    trace, i = [], 0
-    for where, _ in steps:
-        trace.append(list(zip(committed[0][i:i + len(where)], committed[1][i:i + len(where)])))
-        i += len(where)
+    # One read: every step's positions, then its tokens; each step takes its own pairs in turn.
+    committed = torch.cat([torch.stack(step) for step in steps], dim=1).tolist()
+    pairs = iter(zip(*committed))
+    trace = [[next(pairs) for _ in where] for where, _ in steps]
     tokens = cut_after_eos(x[0, P:].tolist(), eos_ids)
     return Generation(tokens, len(steps), time.perf_counter() - t0, trace, [1] * len(steps))
 
@@ -871,7 +885,9 @@ class ContextTooLong(ValueError):
         super().__init__(f"prompt ({prompt_len} tokens) + generation ({settings.gen_length} "
                          f"tokens{how}) exceeds the model's context of {limit} positions; shorten "
                          f"the prompt or {fix}")
-        self.prompt_len, self.settings, self.limit = prompt_len, settings, limit
+        self.prompt_len = prompt_len
+        self.settings = settings
+        self.limit = limit
 
 
 def check_context(model, prompt_len, settings):
@@ -924,12 +940,6 @@ class Generation:
     def tokens_per_s(self):
         """Generated tokens per second of wall-clock decode time."""
         return len(self.tokens) / max(self.seconds, 1e-9)
-
-    def stats(self):
-        """The statistics (tokens, nfe, tpf, seconds, tokens_per_s, cache_bytes) as numbers."""
-        return {"tokens": len(self.tokens), "nfe": self.nfe, "tpf": round(self.tpf, 3),
-                "seconds": round(self.seconds, 4), "tokens_per_s": round(self.tokens_per_s, 2),
-                "cache_bytes": self.cache_bytes}
 
 
 # -----------------------------------------------------------------------------

@@ -11,15 +11,22 @@ command lines' main functions.
     files          files written whole or not at all
     checkpoint     code-free checkpoints: ckpt.pt written by train.py, read by everything else
     runs           train.py's plumbing: checks, out_dir lock, start modes, data, signals, saving
-    sampling       sampler.py's plumbing: checks, models, prompts, the live trace, what is printed
-    batching       many prompts at once (SPEC 4.2): the one-prompt decoders' passes run together
+    progress       train.py's progress bar: loss, tokens/s and FLOP/s over the last interval
+    hardware       the machine's matrix units, --dtype=auto's choice, what a figure ran on
+    sampling       sampler.py's command line: its settings, main, the decoder of each --method,
+                   models, prompts, the live trace, what is printed
+    batching       many prompts at once (SPEC 4.2): the one-prompt decoders' passes run together;
+                   each prompt's random stream
     compiled       compiled decoding (SPEC 4.3): torch.compile graphs, CUDA graphs on a GPU
     device_reads   what a decode makes a GPU wait for, counted on any device
     shard          FSDP: sharded training and sharded checkpoints
     hf_folder      Hugging Face model folders -> Transformer
     hf_tokenizer   tokenizer.json -> tiktoken, and a folder's special ids
+    hf_reference   transformers' own model and generate on our weights: the reference decoder
     chat           chat templates
     gguf_file      llama.cpp's GGUF -> a Hugging Face folder
+    benchmark      what the benchmarks measure: models trained or reused, timed passes, points
+    report         how the benchmarks report it: tables, the picture, a run's files
     drawing        the pictures of a decode and of the training layout (matplotlib)
 """
 

@@ -329,3 +329,11 @@ class BatchedCache:
                 self.kv[:, :, r0:r1, :, c.length:c.length + n] = new.clone()
             c.advance(n)
             c.changed_from = c.length            # here as in the cache
+
+
+def prompt_generator(device, seed, i):
+    """The random stream that prompt i is decoded with (temperature > 0): a torch.Generator of its
+    own, seeded with seed + i, so a sample depends neither on a warm-up decode nor on the prompts
+    decoded before it, and seed s decodes the first prompt as the API does with
+    generator=torch.Generator().manual_seed(s)."""
+    return torch.Generator(device).manual_seed(seed + i)

@@ -13,12 +13,17 @@ AVX-512 BF16 it costs 1.7x (docs/benchmark.md, "What a forward pass costs"; `pyt
 tools.probe`). The flag alone does not settle it: on an Intel Xeon with AVX512_BF16 and no AMX,
 float32 is the faster dtype for SmolLM2's decoding and training, so --dtype=auto times one layer
 of the model in both dtypes once per machine and keeps the verdict.
+
+    machine()             what a figure was measured on: Python, torch, CPU, its kind, GPU
 """
 
 import copy
 import dataclasses
+import importlib.metadata
+import importlib.util
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -252,3 +257,17 @@ def settle_dtype(cfg, config):
     cfg["dtype"], note = pick_dtype(cfg["dtype"], cfg["device"], config)
     if note:
         print(f"note: {note}", file=sys.stderr)
+
+
+def machine():
+    """What the figures were measured on: Python, torch, transformers (None when not installed), CPU
+    model, the vector instructions torch's CPU kernels use (AVX2, AVX512, ...; with bf16 units:
+    support.hardware.cpu_kind) and threads, GPU if any."""
+    # Linux names the CPU model in /proc/cpuinfo, platform does not
+    processor = cpuinfo("model name") or platform.processor() or platform.machine()
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cpu_threads": torch.get_num_threads(), "processor": processor,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_kind": cpu_kind(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "transformers": importlib.metadata.version("transformers")
+            if importlib.util.find_spec("transformers") else None}

@@ -111,7 +111,7 @@ def abridged(names):
 # What differs between the families from_pretrained loads: the query/key norms, the value
 # transformers' config class (Qwen3Config, LlamaConfig; transformers 5) gives each field config.json
 # leaves out, and the fields it derives when null (num_key_value_heads from num_attention_heads,
-# head_dim from hidden_size / num_attention_heads); tests/test_pretrained.py checks them against
+# head_dim from hidden_size / num_attention_heads); tests/test_hf_folder.py checks them against
 # the classes. Anything else in config.json that the Transformer does not implement is refused by
 # name (see hf_model_config).
 FAMILIES = {

@@ -32,7 +32,7 @@ from configurator import Defaults, check_device, check_seed, explicit_keys, pars
 from model import ModelConfig
 from sampler import (MDM_CONFIDENCES, DecodeSettings, MDMSettings, RefusionSettings,
                      check_attention, generate_mdm, generate_next_token, generate_refusion)
-from support.batching import generate_batch
+from support.batching import generate_batch, prompt_generator
 from support.chat import chat_prompt
 from support.compiled import CompiledModel, check_compile
 from support.checkpoint import checkpoint_path, decoder_ids, load_checkpoint, model_from_checkpoint
@@ -398,14 +398,6 @@ def validation_split(ckpt):
 EOS_MARK = "<EOS>"  # how --show draws the EOS that ends a response
 
 
-def prompt_generator(device, seed, i):
-    """The random stream that prompt i is decoded with (temperature > 0): a torch.Generator of its
-    own, seeded with seed + i, so a sample depends neither on a warm-up decode nor on the prompts
-    decoded before it, and seed s decodes the first prompt as the API does with
-    generator=torch.Generator().manual_seed(s)."""
-    return torch.Generator(device).manual_seed(seed + i)
-
-
 class LiveTrace:
     """--show: after every decoding step, redraw the response with still-masked tokens as '░'.
 
@@ -470,7 +462,6 @@ def check_plot_path(cfg):
     cfg["plot"] = picture_path(cfg["plot"], "--plot", (".png", ".gif"))
 
 
-
 def decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_token=None):
     """Decode the prompts (lists of ids) with decode(model, prompt, generator=, on_step=) as
     sampler.make_decoder returns it, batch_size at a time (support.batching.generate_batch), each
@@ -522,6 +513,14 @@ def plot_first_decode(cfg, enc, ids, settings, prompt, out):
 VERDICT = {True: "right", False: "wrong"}
 
 
+def stats(out):
+    """A Generation's statistics (tokens, nfe, tpf, seconds, tokens_per_s, cache_bytes) as the
+    numbers --json prints and the summary sums."""
+    return {"tokens": len(out.tokens), "nfe": out.nfe, "tpf": round(out.tpf, 3),
+            "seconds": round(out.seconds, 4), "tokens_per_s": round(out.tokens_per_s, 2),
+            "cache_bytes": out.cache_bytes}
+
+
 class Report:
     """What the command line prints (stdout): per sample its prompt and response, its verdict where
     the checkpoint's data set has a check (support.corpora.score), and its statistics; or, with
@@ -555,13 +554,13 @@ class Report:
         text, verdict = self.judge(prompt, out)
         self.decoded.append((out, verdict))
         if self.json:
-            print(dumps({"prompt": tokenizer.decode(self.enc, prompt), "text": text, **out.stats(),
+            print(dumps({"prompt": tokenizer.decode(self.enc, prompt), "text": text, **stats(out),
                          **({} if verdict is None else {verdict[0]: bool(verdict[1])})}))
             return
         print("=" * 80)
         print(tokenizer.decode(self.enc, prompt) + text)
         print("-" * 80)
-        s = out.stats()
+        s = stats(out)
         print(("" if verdict is None else f"{VERDICT[verdict[1] == 1.0]} ({verdict[0]}): ") +
               f"{s['tokens']} tokens in {s['nfe']} forward passes (NFE), {s['tpf']:.2f} tokens per "
               f"forward (TPF), {s['seconds']:.3f} s, {s['tokens_per_s']:.1f} tokens/s")

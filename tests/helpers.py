@@ -5,12 +5,14 @@ import json
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 
 import sampler
 import train
 from model import ModelConfig, Transformer
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
+from support.hf_tokenizer import PRE_TOKENIZERS
 
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parent.parent  # the repository
@@ -163,3 +165,55 @@ class PathCounter:
 # S, serial blocks, slot threshold, token threshold: together they take every path (asserted)
 SETTINGS = [(4, 1, 0.9, 0.3), (4, 2, 0.9, 0.3), (4, 1, 0.5, 0.0), (8, 2, 0.0, 0.6),
             (2, 1, 0.7, 0.1), (4, 2, 0.0, 1.5), (1, 2, 0.5, 0.1), (2, 2, 0.0, 0.0)]
+
+
+def trained_tokenizer(folder, family, all_bytes=True):
+    """A `tokenizers` byte-level BPE of 600 tokens trained on TEXTS with a family's pre-tokenizer
+    (as PRE_TOKENIZERS spells it), special <|endoftext|>, <|im_start|>, <|im_end|>, and a
+    non-special added token <think> matched in text; saved as folder/tokenizer.json. Without
+    all_bytes, the bytes TEXTS never uses have no token (as 21 have none in SmolLM2's vocabulary).
+    Returns the reference."""
+    tokenizers = pytest.importorskip("tokenizers")
+    steps, _ = PRE_TOKENIZERS[family]
+    built = {"Split": lambda s: tokenizers.pre_tokenizers.Split(
+                 tokenizers.Regex(s["pattern"]["Regex"]), "isolated"),
+             "ByteLevel": lambda s: tokenizers.pre_tokenizers.ByteLevel(
+                 add_prefix_space=False, use_regex=s["use_regex"]),
+             "Digits": lambda s: tokenizers.pre_tokenizers.Digits(individual_digits=True)}
+    reference = tokenizers.Tokenizer(tokenizers.models.BPE())
+    reference.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([built[s["type"]](s)
+                                                                  for s in steps])
+    reference.decoder = tokenizers.decoders.ByteLevel()
+    if family == "Qwen2/3":
+        reference.normalizer = tokenizers.normalizers.NFC()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet() if all_bytes else []
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=alphabet, show_progress=False)
+    reference.train_from_iterator(TEXTS * 3, trainer)
+    reference.add_tokens([tokenizers.AddedToken("<think>", special=False, normalized=False)])
+    reference.save(str(folder / "tokenizer.json"))
+    # special-token strings in text stay text, as in our encode
+    reference.encode_special_tokens = True
+    return reference
+
+
+def edit_json(path, edit):
+    """Rewrite the JSON file at path with edit(its object), which changes it in place."""
+    obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    edit(obj)
+    Path(path).write_text(json.dumps(obj), encoding="utf-8")
+
+
+def loadable_by_tokenizers(spec):
+    """Fill in a save_tiny_hf_folder tokenizer.json's fields that the `tokenizers` library requires
+    (and our reader defaults), so that transformers' AutoTokenizer loads the folder too."""
+    for token in spec["added_tokens"]:
+        token.update({"single_word": False, "lstrip": False, "rstrip": False,
+                      "normalized": False} | token)
+    spec["model"].update({"dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                          "end_of_word_suffix": None, "fuse_unk": False,
+                          "byte_fallback": False, "ignore_merges": False} | spec["model"])
+    spec.update({"version": "1.0", "truncation": None, "padding": None, "post_processor": None,
+                 "decoder": {"type": "ByteLevel", "add_prefix_space": True,
+                             "trim_offsets": True, "use_regex": True}} | spec)

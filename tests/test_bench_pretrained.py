@@ -8,7 +8,7 @@ import pytest
 
 import train
 from helpers import ROOT, save_tiny_hf_folder
-from support.benchmark import best_mdm, first_quality, headline
+from support.report import best_mdm, first_quality, headline
 from tools import bench_pretrained
 
 

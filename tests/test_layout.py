@@ -345,3 +345,15 @@ def test_no_module_global_of_the_decoders_shadows_a_parameter():
                     for arg in node.args.args + node.args.kwonlyargs + node.args.posonlyargs
                     if arg.arg in globals_}
         assert shadowed == set()
+
+
+def test_each_package_index_names_every_module_and_only_modules():
+    """support/__init__.py's docstring names every module of support/, a line each, and
+    tools/__init__.py's every command of tools/ (python -m tools.X); neither names one that is
+    not there."""
+    import re
+    for package, entry in (("support", r"^    (\w+) {2,}\S"), ("tools", r"python -m tools\.(\w+)")):
+        index = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
+        named = set(re.findall(entry, index, re.MULTILINE))
+        files = {p.stem for p in project_files(f"{package}/*.py")} - {"__init__"}
+        assert named == files, (package, sorted(files - named), sorted(named - files))

@@ -48,17 +48,19 @@ import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
 from model import ModelConfig, Transformer
 from sampler import INFILL_MODES, MDMSettings, RefusionSettings
-from support.benchmark import (NAMES, TimedModel, batch_throughput, best_mdm, check_batch_settings,
-                               compiled_table, compiled_vs_eager, confidence_points, fastest_close,
-                               first_quality, free_tokens, headline, hf_generate, highlights_table,
-                               machine, model_pass_costs, most_accurate, point_config,
-                               refusion_sweep, speed_figures, throughput_table, write_report)
+from support.batching import prompt_generator
+from support.benchmark import (TimedModel, batch_throughput, check_batch_settings,
+                               compiled_vs_eager, confidence_points, free_tokens, hf_generate,
+                               model_pass_costs, point_config, refusion_sweep, speed_figures)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
-from support.hardware import num_params, settle_dtype
+from support.hardware import machine, num_params, settle_dtype
 from support.prepare import TokenDataset, prepare
+from support.report import (NAMES, best_mdm, compiled_table, fastest_close, first_quality,
+                            headline, highlights_table, most_accurate, throughput_table,
+                            write_report)
 from support.runs import check_writable, live_progress
-from support.sampling import make_decoder, prompt_generator
+from support.sampling import make_decoder
 from support.tokenizer import decode, get_tokenizer, vocab_size
 
 # -----------------------------------------------------------------------------

@@ -37,14 +37,14 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
 from model import ModelConfig
-from support.benchmark import (Point, best_mdm, fastest_close, first_quality, machine,
-                               most_accurate, point_config, quality_text, speedup_text,
-                               train_or_reuse, write_report)
+from support.benchmark import Point, point_config, train_or_reuse
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import BLOCK_TOKENS, LONG_LETTERS, score
 from support.files import write_atomic
-from support.hardware import settle_dtype
+from support.hardware import machine, settle_dtype
 from support.prepare import TokenDataset, prepare
+from support.report import (best_mdm, fastest_close, first_quality, most_accurate, quality_text,
+                            speedup_text, write_report)
 from support.runs import check_writable, live_progress
 from support.sampling import make_decoder
 from support.tokenizer import decode, get_tokenizer

@@ -44,16 +44,17 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 import train
 from configurator import explicit_keys, parse_args, require, run_cli, settings_in
 from sampler import INFILL_MODES, RefusionSettings
-from support.benchmark import (Point, batch_throughput, best_mdm, check_batch_settings,
-                               compiled_table, compiled_vs_eager, confidence_points, fastest_close,
-                               first_quality, free_tokens, headline, hf_model, highlights_table,
-                               machine, model_pass_costs, most_accurate, point_config,
-                               refusion_sweep, throughput_table, train_or_reuse, write_report)
+from support.benchmark import (Point, batch_throughput, check_batch_settings, compiled_vs_eager,
+                               confidence_points, free_tokens, model_pass_costs, point_config,
+                               refusion_sweep, train_or_reuse)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
-from support.hardware import settle_dtype
+from support.hardware import machine, settle_dtype
 from support.hf_folder import hf_model_config
+from support.hf_reference import hf_model
 from support.prepare import TokenDataset, prepare
+from support.report import (best_mdm, compiled_table, fastest_close, first_quality, headline,
+                            highlights_table, most_accurate, throughput_table, write_report)
 from support.runs import check_writable, live_progress
 from support.sampling import make_decoder
 from support.tokenizer import decode, get_tokenizer

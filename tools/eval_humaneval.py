@@ -59,11 +59,11 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
 from configurator import (check_device, check_seed, explicit_keys, parse_args, require, run_cli,
                           settings_in)
 from sampler import check_attention
-from support.batching import generate_batch
+from support.batching import generate_batch, prompt_generator
 from support.chat import chat_prompt
 from support.files import write_atomic
 from support.sampling import (METHOD_OF, check_confidence, decoder_settings, fit_mdm_layout,
-                              load_model, make_decoder, note_mismatch, prompt_generator)
+                              load_model, make_decoder, note_mismatch)
 from support.tokenizer import decode, encode, encode_prompt
 
 # -----------------------------------------------------------------------------

@@ -50,11 +50,11 @@ from configurator import check_device, explicit_keys, parse_args, require, run_c
 from model import ModelConfig, Transformer
 from support import sampling
 from support.batching import generate_batch
-from support.benchmark import counting, free_tokens, machine, pass_costs, train_or_reuse
+from support.benchmark import counting, free_tokens, pass_costs, train_or_reuse
 from support.checkpoint import load_checkpoint, model_from_checkpoint
 from support.compiled import CompiledModel, check_compile
 from support.files import write_atomic
-from support.hardware import num_params
+from support.hardware import machine, num_params
 from support.prepare import prepare
 
 # -----------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def run_report(cfg):
 
 
 def machine_section(cfg, clock):
-    """The machine (support.benchmark.machine) and, on a GPU, its name, memory, compute capability,
+    """The machine (support.hardware.machine) and, on a GPU, its name, memory, compute capability,
     the NVIDIA driver (nvidia-smi, where there is one) and the CUDA torch was built with."""
     info = dict(machine(), device=cfg["device"], cuda=torch.version.cuda)
     if cfg["device"].startswith("cuda"):

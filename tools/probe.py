@@ -36,11 +36,11 @@ import torch
 from json import dumps
 
 from configurator import check_device, parse_args, require, run_cli, settings_in
-from support.benchmark import free_tokens, machine, pass_costs, refusion_speedups
+from support.benchmark import free_tokens, pass_costs, refusion_speedups
 from support.checkpoint import load_checkpoint, model_from_checkpoint
 from support.compiled import CompiledModel, check_compile
 from support.drawing import picture_path, pyplot
-from support.hardware import pick_dtype
+from support.hardware import machine, pick_dtype
 from support.hf_folder import from_pretrained
 
 # -----------------------------------------------------------------------------

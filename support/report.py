@@ -1,0 +1,206 @@
+"""
+How the benchmarks report what support/benchmark.py measured: the README's and bench.md's
+tables, the picture of quality against speed, and the files of a run.
+
+    headline, highlights_table           the tables (the README's, bench.md's)
+    best_mdm, fastest_close, most_accurate, first_quality
+                                         which points a table picks
+    throughput_table, compiled_table     batched and compiled decoding, as markdown
+    plot                                 quality against tokens/s, per task (matplotlib)
+    write_report                         bench.json, bench.md and bench.png, written atomically
+"""
+
+import json
+import os
+
+from support.files import write_atomic
+
+
+def best_mdm(rows):
+    """The MDM point that "vs MDM" compares with: the best quality of any MDM point (either model,
+    any schedule), and the fastest of the points that reach it; None where no row is an MDM's."""
+    return max((r for r in rows if r["method"] == "mdm"),
+               key=lambda r: (first_quality(r), r["tokens_per_s"]), default=None)
+
+
+def fastest_close(points, ar_quality):
+    """The fastest of the points whose quality is within 1 point of the ARM's, or None when none
+    is, or when the ARM got nothing right (a --quick run's models): then nothing is close to it."""
+    if ar_quality <= 0:
+        return None
+    close = [r for r in points if first_quality(r) >= ar_quality - 0.01]
+    return max(close, key=lambda r: r["tokens_per_s"]) if close else None
+
+
+def most_accurate(points):
+    """The point of the best quality, the fastest of those that tie."""
+    return max(points, key=lambda r: (first_quality(r), r["tokens_per_s"]))
+
+
+def headline(rows):
+    """The README's table: per task the ARM, the MDM point "vs MDM" compares with, and for each
+    infill mode the best ReFusion point of either model (its fastest point within 1 point of the
+    ARM's quality, or, when none is, its most accurate point, the fastest of those that tie), as
+    markdown. rows: bench.json's points, the ARM's first in each task."""
+    lines = ["| task | decoder | quality | tokens | TPF | tokens/s | vs ARM | vs MDM |",
+             "| --- " * 8 + "|"]
+    for task in dict.fromkeys(r["task"] for r in rows):
+        task_rows = [r for r in rows if r["task"] == task]
+        ar_quality = first_quality(task_rows[0])
+        picks = [task_rows[0]] + [r for r in [best_mdm(task_rows)] if r is not None]
+        refusion = [r for r in task_rows if r["method"] == "refusion"]
+        for infill in dict.fromkeys(r["settings"]["infill"] for r in refusion):
+            points = [r for r in refusion if r["settings"]["infill"] == infill]
+            picks.append(fastest_close(points, ar_quality) or most_accurate(points))
+        for r in picks:
+            lines.append(f"| {task} | {r['label']} | {quality_text(r)} | {r['tokens']} | "
+                         f"{r['tpf']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup_vs_ar']:.2f}x | "
+                         f"{speedup_text(r.get('speedup_vs_mdm'), 1)} |")
+    return "\n".join(lines)
+
+
+def first_quality(row):
+    """A point's quality measure: the first metric of its task (exact, accuracy or parse_rate)."""
+    return next(iter(row["quality"].values()))
+
+
+def speedup_text(ratio, digits=2):
+    """A speed-up as a table shows it ("4.29x"), or "-" where there is nothing to compare with."""
+    return "-" if ratio is None else f"{ratio:.{digits}f}x"
+
+
+def quality_text(row):
+    """A point's quality metrics as text: "parse_rate 83.9%, first_line 1.1%"."""
+    return ", ".join(f"{m} {q:.1%}" for m, q in row["quality"].items())
+
+
+def highlights_table(rows):
+    """The highlighted rows as a markdown table."""
+    lines = ["| task | decoder | why | train iters | quality | tokens | NFE | TPF | tokens/s | "
+             "ms/forward | bookkeeping | vs ARM | vs MDM |", "| --- " * 13 + "|"]
+    for r in rows:
+        lines.append(f"| {r['task']} | {r['label']} | {r['why']} | {r['train_iters']} | "
+                     f"{quality_text(r)} | {r['tokens']} | {r['nfe']} | {r['tpf']:.2f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['ms_per_forward']:.2f} | "
+                     f"{r['bookkeeping_share']:.0%} | {r['speedup_vs_ar']:.2f}x | "
+                     f"{speedup_text(r.get('speedup_vs_mdm'), 1)} |")
+    return "\n".join(lines)
+
+
+# the plot's series: (colour, marker)
+STYLE = {"ARM": ("tab:blue", "s"), "HF generate": ("tab:cyan", "D"), "MDM": ("tab:olive", "v"),
+         "MDM-ft (from the ARM)": ("tab:green", "^"),
+         "ReFusion, paper infill": ("tab:red", "o"),
+         "ReFusion, infill=speculative": ("tab:orange", "o"),
+         "ReFusion-ft, paper infill": ("tab:purple", "o"),
+         "ReFusion-ft, infill=speculative": ("tab:pink", "o")}
+
+
+# the small benchmark's models, as its rows name them
+NAMES = {"ar": "ARM", "mdm": "MDM", "mdm-ft": "MDM-ft", "refusion": "ReFusion",
+         "refusion-ft": "ReFusion-ft"}
+
+
+def series(row):
+    """The plot's series of a point: its row's "series", or for the small benchmark's rows (which
+    have none) the model and, for ReFusion, the infill mode."""
+    if "series" in row:
+        return row["series"]
+    if row["method"] == "hf":
+        return "HF generate"
+    if row["method"] == "refusion":
+        infill = "paper infill" if row["settings"]["infill"] == "paper" else "infill=speculative"
+        return f"{NAMES[row['model']]}, {infill}"
+    return "MDM-ft (from the ARM)" if row["model"] == "mdm-ft" else NAMES[row["model"]]
+
+
+def plot(rows, path):
+    """Per task, quality against tokens/s relative to the ARM (log scale): every ReFusion point, per
+    model and infill mode, with its frontier (the points no other point beats in both), the ARM, the
+    MDM points of both MDMs and the Hugging Face row. Needs matplotlib; returns False without it."""
+    try:
+        import matplotlib
+        import matplotlib.ticker
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    task_names = list(dict.fromkeys(r["task"] for r in rows))
+    fig, axes = plt.subplots(1, len(task_names), figsize=(6 * len(task_names), 4.5), squeeze=False)
+    style = dict(STYLE)
+    colors = iter(["tab:brown", "tab:gray", "tab:olive", "tab:cyan", "tab:blue", "tab:red"])
+    for r in rows:  # a series the table above does not name gets a colour of its own
+        name = series(r)
+        if name not in style:
+            style[name] = (next(colors, "black"), "o" if r["method"] == "refusion" else "s")
+
+    for ax, task in zip(axes[0], task_names):
+        task_rows = [r for r in rows if r["task"] == task]
+        for name, (color, marker) in style.items():
+            pts = [r for r in task_rows if series(r) == name]
+            if not pts:
+                continue
+            xs, ys = [r["speedup_vs_ar"] for r in pts], [first_quality(r) for r in pts]
+            ax.scatter(xs, ys, color=color, marker=marker, label=name, alpha=0.8)
+            if pts[0]["method"] == "refusion":
+                frontier = sorted((x, y) for x, y in zip(xs, ys)
+                                  if not any(x2 >= x and y2 > y or x2 > x and y2 >= y
+                                             for x2, y2 in zip(xs, ys)))
+                ax.plot(*zip(*frontier), color=color, alpha=0.6)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("tokens/s relative to the ARM (log scale)")
+        ax.set_ylabel(next(iter(task_rows[0]["quality"])))
+        ax.set_title(task)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    write_atomic(path, lambda f: fig.savefig(f, dpi=120, format="png"))
+    return True
+
+
+def compiled_table(compiled, task):
+    """compiled_vs_eager's result as markdown."""
+    rows = compiled["rows"]
+    lines = [f"Compiled decoding (--compile; {task}, {compiled['n_prompts']} prompts, one at a "
+             "time):", "",
+             "| decoder | eager tokens/s | compiled tokens/s | vs eager | identical to eager | "
+             "graphs | compile (s) |", "| --- " * 7 + "|"]
+    lines += [f"| {r['decoder']} | {r['tokens_per_s']:.0f} | {r['compiled_tokens_per_s']:.0f} | "
+              f"{r['vs_eager']:.2f}x | {r['identical']:.0%} | {r['graphs']} | "
+              f"{r['compile_s']:.0f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def throughput_table(rows, task, n_prompts):
+    """batch_throughput's rows as markdown, then a line per decoder after the first saying at which
+    batch size the first (the ARM) is as fast as it, if it is within the sizes measured."""
+    first = rows[0]["decoder"]
+    lines = [f"Batched decoding ({task}, {n_prompts} prompts; tokens/s over all of them):", "",
+             f"| decoder | batch | tokens/s | vs batch 1 | vs {first} | latency per prompt (ms) | "
+             "identical to batch 1 |", "| --- " * 7 + "|"]
+    lines += [f"| {r['decoder']} | {r['batch_size']} | {r['tokens_per_s']:.0f} | "
+              f"{r['vs_batch_1']:.2f}x | {r['vs_first']:.2f}x | {r['latency_ms']:.0f} | "
+              f"{r['identical']:.0%} |" for r in rows]
+    lines.append("")
+    for label in dict.fromkeys(r["decoder"] for r in rows if r["decoder"] != first):
+        own = [r for r in rows if r["decoder"] == label]
+        caught = next((r["batch_size"] for r in own if r["vs_first"] <= 1), None)
+        lines.append(f"{first} is at least as fast as {label} from batch {caught} on."
+                     if caught else f"{label} is faster than {first} at every batch size "
+                     f"measured, up to {own[-1]['batch_size']}.")
+    return "\n".join(lines)
+
+
+def write_report(out_dir, report, table):
+    """Write a run into out_dir, each file atomically: bench.json (report: a dict whose "rows" are
+    the points), bench.md (table: its markdown) and, with matplotlib, bench.png (plot); print the
+    table and what was written."""
+    write_atomic(os.path.join(out_dir, "bench.json"),
+                 lambda f: f.write(json.dumps(report, indent=2).encode()))
+    write_atomic(os.path.join(out_dir, "bench.md"), lambda f: f.write((table + "\n").encode()))
+    print("\n" + table)
+    if plot(report["rows"], os.path.join(out_dir, "bench.png")):
+        print(f"wrote {out_dir}/bench.png")
+    print(f"wrote {out_dir}/bench.json and {out_dir}/bench.md")
