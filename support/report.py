@@ -74,17 +74,23 @@ def quality_text(row):
     return ", ".join(f"{m} {q:.1%}" for m, q in row["quality"].items())
 
 
+def markdown_table(header, rows):
+    """The lines of a markdown table: header, the column names; rows, each a list of cells (any
+    value, written with str)."""
+    lines = ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]
+    return lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+
+
 def highlights_table(rows):
     """The highlighted rows as a markdown table."""
-    lines = ["| task | decoder | why | train iters | quality | tokens | NFE | TPF | tokens/s | "
-             "ms/forward | bookkeeping | vs ARM | vs MDM |", "| --- " * 13 + "|"]
-    for r in rows:
-        lines.append(f"| {r['task']} | {r['label']} | {r['why']} | {r['train_iters']} | "
-                     f"{quality_text(r)} | {r['tokens']} | {r['nfe']} | {r['tpf']:.2f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['ms_per_forward']:.2f} | "
-                     f"{r['bookkeeping_share']:.0%} | {r['speedup_vs_ar']:.2f}x | "
-                     f"{speedup_text(r.get('speedup_vs_mdm'), 1)} |")
-    return "\n".join(lines)
+    header = ["task", "decoder", "why", "train iters", "quality", "tokens", "NFE", "TPF",
+              "tokens/s", "ms/forward", "bookkeeping", "vs ARM", "vs MDM"]
+    cells = [[r["task"], r["label"], r["why"], r["train_iters"], quality_text(r), r["tokens"],
+              r["nfe"], f"{r['tpf']:.2f}", f"{r['tokens_per_s']:.0f}",
+              f"{r['ms_per_forward']:.2f}", f"{r['bookkeeping_share']:.0%}",
+              f"{r['speedup_vs_ar']:.2f}x", speedup_text(r.get("speedup_vs_mdm"), 1)]
+             for r in rows]
+    return "\n".join(markdown_table(header, cells))
 
 
 # the plot's series: (colour, marker)

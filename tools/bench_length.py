@@ -43,8 +43,8 @@ from support.corpora import BLOCK_TOKENS, LONG_LETTERS, score
 from support.files import write_atomic
 from support.hardware import machine, settle_dtype
 from support.prepare import TokenDataset, prepare
-from support.report import (best_mdm, fastest_close, first_quality, most_accurate, quality_text,
-                            speedup_text, write_report)
+from support.report import (best_mdm, fastest_close, first_quality, markdown_table, most_accurate,
+                            quality_text, speedup_text, write_report)
 from support.runs import check_writable, live_progress
 from support.sampling import make_decoder
 from support.tokenizer import decode, get_tokenizer
@@ -227,13 +227,12 @@ def holds_from(lead, key, as_good, x=18):
 
 def length_table(rows, fits, lead):
     """bench.md: a row per (length, decoder), the fitted growth, and ReFusion's lead per length."""
-    lines = ["| length | decoder | quality | tokens | NFE | TPF | tokens/s | ms/token | vs ARM | "
-             "vs MDM |", "| --- " * 10 + "|"]
-    for r in rows:
-        lines.append(f"| {r['length']} | {r['label']} | {quality_text(r)} | {r['tokens']} | "
-                     f"{r['nfe']} | {r['tpf']:.2f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['ms_per_token']:.2f} | {speedup_text(r['speedup_vs_ar'])} | "
-                     f"{speedup_text(r['speedup_vs_mdm'])} |")
+    header = ["length", "decoder", "quality", "tokens", "NFE", "TPF", "tokens/s", "ms/token",
+              "vs ARM", "vs MDM"]
+    lines = markdown_table(header, [[r["length"], r["label"], quality_text(r), r["tokens"],
+                                     r["nfe"], f"{r['tpf']:.2f}", f"{r['tokens_per_s']:.0f}",
+                                     f"{r['ms_per_token']:.2f}", speedup_text(r["speedup_vs_ar"]),
+                                     speedup_text(r["speedup_vs_mdm"])] for r in rows])
     lines += ["", "Growth of ms per token with the answer's length (ms/token ~ length^b):", ""]
     lines += [f"- {label}: b = {'-' if b is None else f'{b:.2f}'}" for label, b in fits.items()]
     lines += ["", "ReFusion against the MDM at each length (the points of the table's rule; then "
