@@ -51,16 +51,21 @@ class Batch:
     def attn_mask(self):
         """The model's attn_mask: key_mask as (B, 1, 1, T) (every query sees every key that is not
         padding), sample_id as (B, 1, T, T) (causal within a sample), or None."""
+        # packed rows: a query sees the keys of its own sample, at or before its place
         if self.sample_id is not None:
             T = self.sample_id.shape[1]
             causal = torch.ones(T, T, dtype=torch.bool, device=self.sample_id.device).tril()
             return ((self.sample_id[:, :, None] == self.sample_id[:, None, :]) & causal)[:, None]
+        # the bidirectional MDM: every query sees every key but padding (a causal model's padding
+        # comes last, where no query sees it: no mask)
         return None if self.key_mask is None else self.key_mask[:, None, None]
 
 
 def _p_mask(batch_size, eps, generator, device):
     """p = (1 - eps) t + eps with t ~ U(0, 1): one masking probability per sample, (B,) float32."""
+    # drawn on the CPU generator, so the draws do not depend on the device
     t = torch.rand(batch_size, generator=generator).to(device)
+    # eps keeps p_mask above 0: the MDM loss divides by it
     return (1 - eps) * t + eps
 
 
@@ -76,11 +81,11 @@ def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator,
     """
     B, T = tokens.shape
     dev = tokens.device
-    # Step 1: each sample's slot size, drawn from slot_sizes.
+    # Step 1: each sample's slot size S, drawn from slot_sizes: (B,)
     pick = torch.randint(len(slot_sizes), (B,), generator=generator)
-    S = torch.tensor(slot_sizes)[pick].to(dev)                           # (B,) slot size
-    # Step 2: each sample's masking probability p_mask, never 0 (eps).
-    p = _p_mask(B, eps, generator, dev)                                  # (B,) p_mask
+    S = torch.tensor(slot_sizes)[pick].to(dev)
+    # Step 2: each sample's masking probability p_mask, never 0 (eps): (B,)
+    p = _p_mask(B, eps, generator, dev)
     # (B, T) indexed by slot id (a response of <= T tokens has <= T slots): slot k masked with
     # probability p
     slot_is_masked = torch.rand(B, T, generator=generator).to(dev) < p[:, None]
@@ -103,9 +108,10 @@ def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id):
     """
     # Step 3: the response cut into slots of S tokens (the last may be shorter), as true positions.
     slots = [list(range(start, min(start + S, n))) for start in range(P, n, S)]
-    # The clean slots in the order of their rank, the masked ones in their own order.
+    # The clean slots in the order of their rank (the random permutation of step 3).
     clean = sorted((k for k in range(len(slots)) if not slot_is_masked[k]),
                    key=lambda k: slot_rank[k])
+    # The masked slots in their original order.
     masked = [k for k in range(len(slots)) if slot_is_masked[k]]
 
     # Step 4, the buffer: first the prompt, at its positions, with no labels.
@@ -117,20 +123,25 @@ def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id):
     # slot (autoregressive loss); a slot's last token has no next token inside the slot.
     for k in clean:
         for i, q in enumerate(slots[k]):
+            # the clean token itself, at its true position
             idx.append(tokens[q])
             pos.append(q)
+            # the next token of the same slot, if the slot has one after q
             has_next = i + 1 < len(slots[k])
             labels.append(tokens[q + 1] if has_next else IGNORE)
+            # a next-token label: no MDM loss weight
             weight.append(0.0)
     # Then the masked slots: mask ids, each labelled with its own token (masked-diffusion loss),
     # weighted 1 / (p_mask * response length).
     for k in masked:
         for q in slots[k]:
+            # the mask id, at the true position of the token it hides
             idx.append(mask_id)
             pos.append(q)
+            # the hidden token itself, not shifted
             labels.append(tokens[q])
             weight.append(1.0 / (p * (n - P)))
-    # Padding last, where no real token's causal attention reaches it.
+    # Padding last, where no real token's causal attention reaches it; no labels.
     for q in range(n, len(tokens)):
         idx.append(tokens[q])
         pos.append(q)
@@ -150,13 +161,18 @@ def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, ma
     the same, as a plain loop per sample. Returns a Batch of the same (B, T).
     """
     B, T = tokens.shape
-    # each (B, T), in input order
-    pos = torch.arange(T, device=tokens.device).expand(B, T)  # true position: index in the input
-    rel = pos - prompt_len[:, None]                          # position in the response (<0: prompt)
-    in_response = (rel >= 0) & (pos < length[:, None])       # response tokens, EOS included
-    slot = torch.where(in_response, rel // S[:, None], 0)    # slot id of a response token (else 0)
-    masked = in_response & slot_is_masked.gather(1, slot)    # the token's slot is masked
-    clean = in_response & ~masked                            # the token's slot is clean
+    # Every tensor below is (B, T), in input order until the sort. A token's true position is its
+    # index in the input.
+    pos = torch.arange(T, device=tokens.device).expand(B, T)
+    # its position in the response (negative in the prompt)
+    rel = pos - prompt_len[:, None]
+    # the response's tokens, EOS included
+    in_response = (rel >= 0) & (pos < length[:, None])
+    # the slot id of a response token (0 elsewhere)
+    slot = torch.where(in_response, rel // S[:, None], 0)
+    # a token of a masked slot, and one of a clean slot
+    masked = in_response & slot_is_masked.gather(1, slot)
+    clean = in_response & ~masked
 
     # Buffer order by one sort of a key per token. group: the buffer's four parts in order, prompt
     # 0, clean slots 1, masked slots 2, padding 3.
@@ -174,14 +190,18 @@ def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, ma
     # (B, T) whether the next input token belongs to the same slot
     next_in_slot = torch.zeros_like(in_response)
     next_in_slot[:, :-1] = (slot[:, 1:] == slot[:, :-1]) & in_response[:, 1:]
-    next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # (B, T) the next input token
+    # (B, T) the next input token (the last one repeated at the end, never used)
+    next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
     # a clean token is labelled with the next token of its own slot
     predicts_next = clean & next_in_slot
     # masked: its own token; labelled with the next token: that token; anything else: no label
     labels = torch.where(masked, tokens, torch.where(predicts_next, next_tok, IGNORE))
-    weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)  # MDM loss weight
-    idx = torch.where(masked, mask_id, tokens)               # a masked slot's tokens: the mask id
-    return Batch(*(x.gather(1, order) for x in (idx, pos, labels, weight)))  # in buffer order
+    # the MDM loss weight of a masked token: 1 / (p_mask * response length)
+    weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)
+    # a masked slot's tokens read the mask id
+    idx = torch.where(masked, mask_id, tokens)
+    # all four from input order to buffer order, by the same sort
+    return Batch(*(x.gather(1, order) for x in (idx, pos, labels, weight)))
 
 
 # -----------------------------------------------------------------------------
@@ -216,8 +236,9 @@ def mix_layouts(batch, other, fraction, generator):
     layout's. batch, other: Batches of the same (B, T). Returns the mixed Batch.
     """
     B = batch.idx.shape[0]
-    # (B, 1): which samples take the other layout
+    # (B, 1): which samples take the other layout, one draw each
     chosen = (torch.rand(B, generator=generator) < fraction).to(batch.idx.device)[:, None]
+    # a chosen sample's row comes whole from the other layout: inputs, positions, labels, weights
     mine = (batch.idx, batch.position_ids, batch.labels, batch.mdm_weight)
     theirs = (other.idx, other.position_ids, other.labels, other.mdm_weight)
     return Batch(*(torch.where(chosen, t, m) for m, t in zip(mine, theirs)))
@@ -233,6 +254,7 @@ def autoregressive_batch(tokens, prompt_len, length):
     pos = torch.arange(T, device=tokens.device).expand(B, T)
     # a token is labelled when the next one is a response token (the prompt's last included)
     predicts_response = (pos + 1 >= prompt_len[:, None]) & (pos + 1 < length[:, None])
+    # (B, T) the next token (the last one repeated at the end, never used)
     next_tok = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
     labels = torch.where(predicts_response, next_tok, IGNORE)
     # no masked tokens, so no MDM loss weights
@@ -250,8 +272,12 @@ def pad_with_eos(tokens, prompt_len, length, eos_id, pad_id, gen_length, max_len
     EOS padding); random_mask_batch then masks, labels and attends the padding EOS like any response
     token.
     """
-    end = torch.maximum(length, (prompt_len + gen_length).clamp(max=max_len))  # (B,) new lengths
-    wide = F.pad(tokens, (0, int(end.max()) - tokens.shape[1]), value=pad_id)   # (B, T')
+    # (B,) each sample's new length: its prompt and gen_length tokens, within the context, and
+    # never shorter than the sample itself
+    end = torch.maximum(length, (prompt_len + gen_length).clamp(max=max_len))
+    # (B, T') room for the longest, pad_id after each sample
+    wide = F.pad(tokens, (0, int(end.max()) - tokens.shape[1]), value=pad_id)
+    # EOS from each sample's end up to its new length; pad_id after that
     pos = torch.arange(wide.shape[1], device=tokens.device)
     return torch.where((pos >= length[:, None]) & (pos < end[:, None]), eos_id, wide), end
 
@@ -266,7 +292,9 @@ def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3, 
     key_mask hides padding from bidirectional attention. Returns a Batch.
     """
     B, T = tokens.shape
+    # natural order: each token at its own position
     pos = torch.arange(T, device=tokens.device).expand(B, T)
+    # (B,) each sample's p_mask, drawn before the masks
     p = _p_mask(B, eps, generator, tokens.device)
     # each response token masked with probability p_mask, independently (no slots)
     in_response = (pos >= prompt_len[:, None]) & (pos < length[:, None])
@@ -282,6 +310,7 @@ def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3, 
                              "position before it to be predicted from; give every sample a prompt")
         labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
         weight = F.pad(weight[:, 1:], (0, 1))
+    # a masked token reads the mask id; bidirectional attention: every token but padding is a key
     return Batch(torch.where(masked, mask_id, tokens), pos, labels, weight,
                  key_mask=pos < length[:, None])
 
@@ -298,25 +327,34 @@ def pack_rows(batch, length):
     padding: token 0 at position 0, no label.
     """
     B, T = batch.idx.shape
-    rows, room = [], []                                   # the samples of each row, its room left
+    # First fit, longest first. rows: the samples of each row; room: the tokens each has left.
+    rows = []
+    room = []
     for i in sorted(range(B), key=lambda i: -int(length[i])):
+        # the first row with room for sample i, else a new row
         r = next((r for r, left in enumerate(room) if left >= length[i]), len(rows))
         if r == len(rows):
             rows.append([])
             room.append(T)
         rows[r].append(i)
         room[r] -= int(length[i])
-    src = torch.full((len(rows), T), -1)                  # (R, T) index b * T + t of each token
-    sample_id = torch.full((len(rows), T), -1)
+    # (R, T) where each token of the packed rows comes from, as the index b * T + t into the
+    # flattened batch; -1 on padding
+    src = torch.full((len(rows), T), -1)
     for r, samples in enumerate(rows):
+        # a row's samples one after another from its start, each its first length[i] tokens
         at = 0
         for i in samples:
             n = int(length[i])
-            src[r, at:at + n], sample_id[r, at:at + n] = i * T + torch.arange(n), i
+            src[r, at:at + n] = i * T + torch.arange(n)
             at += n
-    src, sample_id = src.to(batch.idx.device), sample_id.to(batch.idx.device)
+    src = src.to(batch.idx.device)
+    # (R, T) the sample of each token (b of b * T + t), -1 on padding
+    sample_id = torch.where(src >= 0, src // T, -1)
 
     def take(x, fill):
+        """x (B, T) laid out as the packed rows (R, T), fill on padding."""
         return torch.where(src >= 0, x.reshape(-1)[src.clamp(min=0)], fill)
+    # padding: token 0 at position 0, no label, no MDM loss weight
     return Batch(take(batch.idx, 0), take(batch.position_ids, 0), take(batch.labels, IGNORE),
                  take(batch.mdm_weight, 0.0), sample_id=sample_id, n_samples=B)

@@ -395,6 +395,54 @@ def test_ar_fraction_lays_out_that_share_of_samples_as_the_arm_does():
             assert torch.equal(getattr(mixed, field)[r], getattr(expected, field)[r])
 
 
+def arm_one_sample(tokens, P, n):
+    """autoregressive_batch for one sample, as a plain loop: natural order, each token labelled
+    with the next token where that one is in the response."""
+    labels = [tokens[q + 1] if P <= q + 1 < n else data.IGNORE for q in range(len(tokens))]
+    return tokens, list(range(len(tokens))), labels, [0.0] * len(tokens)
+
+
+@pytest.mark.parametrize("slot_end_labels,ar_fraction", [(False, 0.0), (True, 0.0), (False, 0.5),
+                                                         (True, 0.5)])
+def test_make_batch_is_the_paper_layout_then_the_options_as_plain_loops(slot_end_labels,
+                                                                        ar_fraction):
+    """train.make_batch for ReFusion, with and without slot_end_labels and ar_fraction: the draws of
+    SPEC section 3 in order (slot size, p_mask, masks, slot order), each sample laid out by
+    layout_one_sample, its slot ends labelled by the plain loop, then one draw per sample for the
+    ARM's layout: the batch make_batch gives, and the generator left where make_batch leaves it."""
+    tokens, prompt_len, length = random_samples(11, B=12, T=50)
+    B, T = tokens.shape
+    cfg = dict(train.DEFAULTS, slot_sizes=(1, 4, 8), slot_end_labels=slot_end_labels,
+               ar_fraction=ar_fraction)
+    g = torch.Generator().manual_seed(5)
+    batch = train.make_batch(cfg, tokens, prompt_len, length, {"mask_id": 257}, g)
+    # the same draws, in the same order, from a generator seeded alike
+    ref = torch.Generator().manual_seed(5)
+    S = [(1, 4, 8)[k] for k in torch.randint(3, (B,), generator=ref).tolist()]
+    p = (1 - 1e-3) * torch.rand(B, generator=ref) + 1e-3
+    slot_is_masked = (torch.rand(B, T, generator=ref) < p[:, None]).tolist()
+    noise = torch.rand(B, T, generator=ref).tolist()
+    # a slot's rank: its place when the slots are sorted by their noise
+    slot_rank = [[sorted(row).index(x) for x in row] for row in noise]
+    as_arm = (torch.rand(B, generator=ref) < ar_fraction).tolist() if ar_fraction else [False] * B
+    assert torch.equal(g.get_state(), ref.get_state())
+    for r in range(B):
+        row = tokens[r].tolist()
+        P = int(prompt_len[r])
+        n = int(length[r])
+        idx, pos, labels, weight = layout_one_sample(row, P, n, S[r], float(p[r]),
+                                                     slot_is_masked[r], slot_rank[r], 257)
+        if slot_end_labels:
+            labels = label_slot_ends_of_one_sample(row, P, n, pos, labels, weight)
+        if as_arm[r]:
+            idx, pos, labels, weight = arm_one_sample(row, P, n)
+        assert batch.idx[r].tolist() == idx and batch.position_ids[r].tolist() == pos
+        assert batch.labels[r].tolist() == labels
+        torch.testing.assert_close(batch.mdm_weight[r], torch.tensor(weight), atol=1e-7, rtol=1e-6)
+    if ar_fraction:
+        assert 0 < sum(as_arm) < B
+
+
 # ----------------------------------------------------------------------------------------------
 # sampler.py: plan, verify, infill, commit on an oracle whose logits put all mass on a known target
 # (SPEC section 4)

@@ -92,10 +92,12 @@ def make_batch(cfg, tokens, prompt_len, length, meta, generator):
     if cfg["objective"] == "refusion":
         batch = reorganize_slots(tokens, prompt_len, length, cfg["slot_sizes"],
                                  meta["mask_id"], generator, cfg["mask_eps"])
-        # beyond the paper (SPEC section 3, opt-in): more next-token labels, then a share of the
-        # samples in the ARM's layout (its draw after the layout's)
+        # beyond the paper (SPEC section 3, opt-in): next-token labels at the slot ends too, so
+        # the next-token pathway is trained at every position
         if cfg["slot_end_labels"]:
             batch = label_slot_ends(batch, tokens, prompt_len, length)
+        # beyond the paper: a share of the samples in the ARM's layout, whole contexts in natural
+        # order (its draw comes after the layout's)
         if cfg["ar_fraction"]:
             arm = autoregressive_batch(tokens, prompt_len, length)
             batch = mix_layouts(batch, arm, cfg["ar_fraction"], generator)
@@ -127,8 +129,10 @@ def hybrid_loss(logits, batch):
     # next-token labels (no loss weight): their mean
     is_ar = (batch.labels != IGNORE) & (batch.mdm_weight == 0)
     ar_loss = (ce * is_ar).sum() / is_ar.sum().clamp(min=1)
-    # masked tokens' own labels: weighted by 1 / (p_mask * response length), summed per sample
+    # masked tokens' own labels: weighted by 1 / (p_mask * response length), summed, then
+    # averaged over the samples (a packed batch holds more samples than rows)
     mdm_loss = (ce * batch.mdm_weight).sum() / (batch.n_samples or B)
+    # one backward pass through both: the hybrid loss of step 5
     return ar_loss + mdm_loss, ar_loss, mdm_loss
 
 
@@ -190,9 +194,13 @@ def autocast_for(device, dtype):
 def get_lr(it, cfg):
     """Linear warm-up, then cosine decay from learning_rate to min_lr at lr_decay_iters, then
     min_lr."""
-    warmup, lr, min_lr = cfg["warmup_iters"], cfg["learning_rate"], cfg["min_lr"]
+    warmup = cfg["warmup_iters"]
+    lr = cfg["learning_rate"]
+    min_lr = cfg["min_lr"]
+    # linear warm-up: small steps while AdamW's averages are still young
     if it < warmup:
         return lr * (it + 1) / warmup
+    # how far the decay has gone, 0 to 1 (1 from lr_decay_iters on)
     ratio = min(1.0, (it - warmup) / max(1, cfg["lr_decay_iters"] - warmup))
     return min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
@@ -219,11 +227,14 @@ def estimate_loss(model, cfg, val_data, autocast):
     gen = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(cfg["eval_iters"]):
+        # validation samples in the objective's layout, as training sees them
         tokens, prompt_len, length = val_data.get_batch(cfg["batch_size"], rng, cfg["device"])
         batch = make_batch(cfg, tokens, prompt_len, length, val_data.meta, gen)
+        # one forward pass over the buffer; the loss in float32 under any autocast
         with autocast:
             logits = model(batch.idx, batch.position_ids, attn_mask=batch.attn_mask)
         losses.append(hybrid_loss(logits.float(), batch)[0].item())
+    # back to training mode for the caller's next step
     model.train()
     return float(np.mean(losses))
 
@@ -244,10 +255,12 @@ def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, auto
     micro-batches (forward, hybrid_loss, backward), clipping, AdamW. forward: model, or its DDP
     wrapper and torch.compile. Returns (loss, ar_loss, mdm_loss) of the last micro-batch, its
     response tokens summed over the step, and the step's FLOPs. Raises Diverged."""
-    micro_steps = cfg["gradient_accumulation_steps"] // world  # this process's share of the step
+    # this process's share of the step's micro-batches
+    micro_steps = cfg["gradient_accumulation_steps"] // world
     # The learning rate of this step (warmup, then cosine decay).
     for group in optimizer.param_groups:
         group["lr"] = get_lr(it, cfg)
+    # the step's response tokens and FLOPs, for the progress bar's tokens/s and MFU
     n_tokens = 0
     flops = 0
     for micro in range(micro_steps):
@@ -257,21 +270,25 @@ def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, auto
         tokens, prompt_len, length = train_data.get_batch(cfg["batch_size"], rng, cfg["device"])
         # The objective's layout: inputs, position ids, labels and loss weights.
         batch = make_batch(cfg, tokens, prompt_len, length, train_data.meta, gen)
+        # beyond the paper (--pack): several samples per row, less padding computed
         if cfg["pack"]:
             batch = pack_rows(batch, length)
         # DDP averages gradients across processes only after the last micro-batch. FSDP
         # reduce-scatters after every one: holding them back would keep each process's full
-        # unsharded gradients.
-        if world > 1 and not cfg["fsdp"]:  # on the DDP wrapper, inside torch.compile's if any
+        # unsharded gradients. The flag sits on the DDP wrapper, inside torch.compile's if any.
+        if world > 1 and not cfg["fsdp"]:
             ddp = getattr(forward, "_orig_mod", forward)
             ddp.require_backward_grad_sync = micro == micro_steps - 1
         # Forward over the buffer, the hybrid loss, and its share of the step's gradient.
         with autocast:
             logits = forward(batch.idx, batch.position_ids, attn_mask=batch.attn_mask)
         losses = hybrid_loss(logits.float(), batch)
+        # stop at the first loss that is not finite, before it reaches the weights
         if not torch.isfinite(losses[0]):
             raise Diverged("loss", losses[0].item(), it)
+        # each micro-batch's share, so the step's gradient is the mean over micro-batches
         (losses[0] / micro_steps).backward()
+        # count what this micro-batch computed
         n_tokens += int(length.sum())
         flops += flops_per_token(model, batch.idx.shape[1]) * batch.idx.numel()
     # Clip the gradient's norm, then one AdamW step.
@@ -298,10 +315,9 @@ def train(cfg, model, optimizer, train_data, val_data, progress, iter_num, best_
         forward = torch.nn.parallel.DistributedDataParallel(model)
     if cfg["compile"]:
         forward = torch.compile(forward)
+    # bf16 autocast or nothing, the same for every forward pass of the run
     autocast = autocast_for(cfg["device"], cfg["dtype"])
     model.train()
-    start = iter_num
-    stop = False
     for it in progress:
         # Evaluate every eval_interval steps and at the last one; a checkpoint is then due.
         if it % cfg["eval_interval"] == 0 or it == cfg["max_iters"] - 1:
@@ -310,9 +326,11 @@ def train(cfg, model, optimizer, train_data, val_data, progress, iter_num, best_
                 raise Diverged("validation loss", val_loss, it)
             best_val_loss = min(best_val_loss, val_loss)
             progress.write(f"iter {it}: val loss {val_loss:.4f}")
-            if it > start:  # nothing new to save at the first step of a run
+            # the caller saves a checkpoint here, except at the run's first step (nothing new)
+            if it > iter_num:
                 yield it, best_val_loss, False
-            progress.skip()  # evaluating and saving are not training: left out of tokens/s
+            # evaluating and saving are not training: left out of tokens/s
+            progress.skip()
         # One optimizer step.
         progress.step_begins()
         losses, step_tokens, step_flops = train_step(cfg, model, forward, optimizer, train_data,
@@ -328,6 +346,7 @@ def train(cfg, model, optimizer, train_data, val_data, progress, iter_num, best_
             stop = bool(flag.item())
         if stop:
             break
+    # the last checkpoint: every step run, or those before the stop
     progress.close()
     yield it + 1, best_val_loss, stop
 
@@ -361,8 +380,11 @@ def main(argv):
         optimizer = make_optimizer(cfg, model)
         runs.restore_optimizer(start, model, optimizer)
         # the counters to go on from; the checkpoint's weights and optimizer state are let go
-        model_args, steps, best_val_loss, stopped, minutes = (
-            start.model_args, start.iter_num, start.best_val_loss, False, start.train_minutes)
+        model_args = start.model_args
+        steps = start.iter_num
+        best_val_loss = start.best_val_loss
+        stopped = False
+        minutes = start.train_minutes
         del start
         # auto: bf16 where it pays
         dtype, why = runs.train_dtype(cfg, model.config, rank, world)
@@ -376,9 +398,11 @@ def main(argv):
                 for steps, best_val_loss, stopped in train(
                         dict(cfg, dtype=dtype), model, optimizer, train_data, val_data, progress,
                         steps, best_val_loss, rank, world, requested):
+                    # the training minutes so far: the checkpoint's earlier runs' and this one's
+                    # (unknown when the checkpoint did not record them)
+                    trained = None if minutes is None else minutes + (time.perf_counter() - t0) / 60
                     runs.save(cfg, model, optimizer, model_args, train_data, steps,
-                              best_val_loss, rank, None if minutes is None else
-                              minutes + (time.perf_counter() - t0) / 60)
+                              best_val_loss, rank, trained)
             except Diverged as e:
                 raise runs.diverged(cfg, e) from None
         runs.finish(cfg, rank, world, steps, best_val_loss, stopped)
