@@ -357,3 +357,17 @@ def test_each_package_index_names_every_module_and_only_modules():
         named = set(re.findall(entry, index, re.MULTILINE))
         files = {p.stem for p in project_files(f"{package}/*.py")} - {"__init__"}
         assert named == files, (package, sorted(files - named), sorted(named - files))
+
+
+def test_the_papers_layout_reads_no_option_beyond_the_paper():
+    """reorganize_slots, layout_slots and layout_one_sample are the paper's layout alone: no name
+    of an option beyond it (SPEC section 3: slot_end_labels, ar_fraction, pack) appears in them;
+    train.py's make_batch applies those after the layout (data.label_slot_ends, mix_layouts)."""
+    tree = ast.parse((ROOT / "data.py").read_text(encoding="utf-8"))
+    options = {"slot_end_labels", "ar_fraction", "pack"}
+    found = {(node.name, name.id if isinstance(name, ast.Name) else name.arg)
+             for node in tree.body if isinstance(node, ast.FunctionDef)
+             and node.name in ("reorganize_slots", "layout_slots", "layout_one_sample")
+             for name in ast.walk(node) if isinstance(name, (ast.Name, ast.arg))
+             and (name.id if isinstance(name, ast.Name) else name.arg) in options}
+    assert found == set()
