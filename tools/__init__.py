@@ -3,6 +3,7 @@ The commands beside training and sampling, run from the repository's root as mod
 
     python -m tools.bench            the side-by-side benchmark (docs/benchmark.md)
     python -m tools.eval_humaneval   HumanEval pass@1 and speed of any checkpoint or folder
+    python -m tools.lm_eval_model    lm-evaluation-harness with our model `refusion` (GSM8K, ...)
     python -m tools.convert_gguf     a GGUF file -> a Hugging Face folder (docs/pretrained.md)
     python -m tools.consolidate      a sharded (FSDP) checkpoint -> one ckpt.pt
     python -m tools.figures          the pictures of docs/

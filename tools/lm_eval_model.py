@@ -1,0 +1,295 @@
+"""
+Our checkpoints and decoders as an lm-evaluation-harness model (`refusion`), so that a checkpoint,
+a Hugging Face folder or SmolLM2 fine-tuned into ReFusion runs on the tasks everyone reports:
+
+    python -m tools.lm_eval_model --model refusion \\
+        --model_args out_dir=out-quotes,method=refusion,slot_size=8 --tasks gsm8k
+    python -m tools.lm_eval_model --model refusion \\
+        --model_args init_from=smollm2-hf,method=next_token --tasks arc_challenge
+
+The command takes lm_eval's own flags (lm_eval --help) and registers the model first; from Python,
+`RefusionLM(out_dir=...)` is an lm_eval LM for lm_eval.simple_evaluate. The model args are
+sampler.py's settings (python sampler.py --help: out_dir, init_from, tokenizer, dtype, device,
+method, slot_size, serial_num_blocks, slot_threshold, token_threshold, infill, steps,
+block_length, confidence, temperature, seed, chat), each as sampler.py reads it, plus batch_size
+(log-likelihood requests of one length per forward pass). docs/evaluation.md maps them to SPEC.
+
+    generate_until   the project's decoders (sampler.py: ReFusion, next-token, the MDM) with
+                     max_gen_toks as max_new_tokens (an MDM on the canvas it was trained on, its
+                     answer cut to max_gen_toks), cut at the first `until` string; the tokens,
+                     NFE, TPF and tokens/s of these requests are printed and kept (speed)
+    loglikelihood    exact for a causal model (ReFusion's and the ARM's next-token pathway): one
+                     forward pass per length, log-softmax summed over the continuation
+    loglikelihood_rolling  the same over rolling windows of the context
+    An MDM (bidirectional attention) has no exact log-likelihood: its requests are refused, naming
+    why (LLaDA's Monte Carlo bound is not implemented here).
+
+lm-eval is a test-only dependency (requirements-test.txt): pip install lm-eval==0.4.13.
+"""
+
+import json
+import os
+import sys
+
+if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as missing:
+    raise ImportError(f"tools.lm_eval_model needs lm-evaluation-harness ({missing}); install it "
+                      "with: pip install lm-eval==0.4.13 (or pip install -r "
+                      "requirements-test.txt)") from None
+
+from configurator import parse_args
+from sampler import check_attention
+from support.batching import prompt_generator
+from support.chat import chat_prompt
+from support.checkpoint import decoder_ids, load_checkpoint
+from support.files import write_atomic
+from support.sampling import (DEFAULTS, METHOD_OF, check_sample_config, fit_mdm_layout, load_model,
+                              make_decoder, validation_split)
+from support.tokenizer import decode, encode, encode_prompt, get_tokenizer
+
+
+@register_model("refusion")
+class RefusionLM(LM):
+    """lm-evaluation-harness's LM over a checkpoint (out_dir) or a Hugging Face folder (init_from)
+    decoded by this project's decoders. settings: sampler.py's settings (support.sampling.DEFAULTS)
+    as keyword arguments, plus batch_size (the most log-likelihood requests of one length in a
+    forward pass). Raises ValueError / FileNotFoundError as sampler.py does for the same settings.
+    """
+
+    def __init__(self, batch_size=16, **settings):
+        super().__init__()
+        # the settings as sampler.py reads them: --key=value, checked the same way
+        flags = [f"--{key}={value}" for key, value in settings.items()]
+        self.cfg = parse_args(DEFAULTS, flags)
+        check_sample_config(self.cfg)
+        self.batch_size = int(batch_size)
+        self.model, self.enc, self.ids, objective, ckpt = load_model(self.cfg)
+        self.cfg["method"] = self.cfg["method"] or METHOD_OF[objective]
+        check_attention(self.model, self.cfg["method"])
+        # an MDM decodes in the layout it was trained on (its shift, its canvas), as sampler.py
+        self.canvas = None
+        if self.cfg["method"] == "mdm":
+            fit_mdm_layout(self.cfg, ckpt, "max_new_tokens" in settings)
+            trained = (ckpt or {}).get("config", {})
+            self.canvas = trained.get("gen_length") or None
+        self.model_device = next(self.model.parameters()).device
+        # the statistics of the generation requests so far (speed())
+        self.generated = {"requests": 0, "tokens": 0, "nfe": 0, "seconds": 0.0}
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict, additional_config=None):
+        """--model_args out_dir=...,method=refusion as lm_eval parsed them, each read as sampler.py
+        reads its flags. lm_eval's own --batch_size is taken; its --device is not (it names
+        cuda:0 unasked): the device is a model arg, device=cuda, as sampler.py's --device."""
+        settings = dict(arg_dict)
+        batch_size = (additional_config or {}).get("batch_size")
+        if isinstance(batch_size, int) and "batch_size" not in settings:
+            settings["batch_size"] = batch_size
+        return cls(**settings)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string, additional_config=None):
+        """--model_args as one string, key=value pairs separated by commas."""
+        settings = dict(part.split("=", 1) for part in arg_string.split(",") if part)
+        return cls.create_from_arg_obj(settings, additional_config)
+
+    # -------------------------------------------------------------------------------------------
+    # generation
+
+    def generate_until(self, requests, disable_tqdm=False):
+        """Each request's args (context, gen_kwargs): the context encoded as sampler.py encodes a
+        prompt (in the chat template with chat=True), decoded with max_gen_toks new tokens at most
+        (gen_kwargs' temperature when given), the text cut at the first of gen_kwargs' `until`
+        strings. Returns the texts, in order."""
+        texts = []
+        for i, request in enumerate(requests):
+            context, gen_kwargs = request.args
+            max_new_tokens = int(gen_kwargs.get("max_gen_toks", 256))
+            # an MDM trained on canvases of G tokens fills one of G, whatever max_gen_toks
+            knobs = dict(self.cfg, max_new_tokens=self.canvas or max_new_tokens)
+            if "temperature" in gen_kwargs:
+                knobs["temperature"] = float(gen_kwargs["temperature"])
+            decode_one, settings = make_decoder(knobs, self.ids, None)
+            prompt = self.prompt_ids(context, settings.gen_length)
+            generator = prompt_generator(self.cfg["device"], self.cfg["seed"], i)
+            out = decode_one(self.model, prompt, generator=generator)
+            tokens = [t for t in out.tokens[:max_new_tokens] if t not in self.ids["eos_ids"]]
+            text = decode(self.enc, tokens)
+            # the first stop string ends the text, as lm_eval's own models cut it
+            for stop in gen_kwargs.get("until") or []:
+                if stop and stop in text:
+                    text = text[:text.index(stop)]
+            self.generated["requests"] += 1
+            self.generated["tokens"] += len(out.tokens)
+            self.generated["nfe"] += out.nfe
+            self.generated["seconds"] += out.seconds
+            texts.append(text)
+        print(self.speed_line(), file=sys.stderr)
+        return texts
+
+    def prompt_ids(self, context, gen_length):
+        """The context's token ids as sampler.py makes a prompt (chat: the chat template), its
+        oldest tokens dropped where it and gen_length new tokens would pass the model's context."""
+        wrap = chat_prompt if self.cfg["chat"] else encode_prompt
+        prompt = wrap(self.enc, context)
+        room = self.model.config.block_size - gen_length
+        if room < 1:
+            raise ValueError(f"max_gen_toks leaves no room for a prompt in the model's context of "
+                             f"{self.model.config.block_size} positions")
+        return prompt[-room:]
+
+    def speed(self):
+        """The generation requests' statistics so far: requests, tokens, NFE, TPF, seconds,
+        tokens_per_s (SPEC section 4, "Statistics")."""
+        g = self.generated
+        return dict(g, tpf=g["tokens"] / max(g["nfe"], 1),
+                    tokens_per_s=g["tokens"] / max(g["seconds"], 1e-9))
+
+    def speed_line(self):
+        s = self.speed()
+        return (f"refusion ({self.cfg['method']}): {s['requests']} generation requests, "
+                f"{s['tokens']} tokens in {s['nfe']} forward passes (NFE), TPF {s['tpf']:.2f}, "
+                f"{s['tokens_per_s']:.1f} tokens/s")
+
+    # -------------------------------------------------------------------------------------------
+    # log-likelihood (a causal model's next-token pathway)
+
+    def loglikelihood(self, requests, disable_tqdm=False):
+        """Each request's args (context, continuation) -> (sum of log p(continuation token | all
+        before it), whether every continuation token is the argmax), exactly, in float32; an empty
+        context stands after the first EOS id. Raises ValueError for an MDM."""
+        pairs = [self.pair_ids(*request.args) for request in requests]
+        return self.score_pairs(pairs)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        """Each request's args (text,) -> the log-likelihood of the whole text, over windows of the
+        model's context (each token predicted once, with as much context as fits), the first token
+        after the first EOS id. Returns floats."""
+        results = []
+        for request in requests:
+            tokens = encode(self.enc, request.args[0])
+            windows = get_rolling_token_windows(token_list=tokens,
+                                                prefix_token=self.ids["eos_ids"][0],
+                                                max_seq_len=self.model.config.block_size,
+                                                context_len=1)
+            pairs = [make_disjoint_window(window) for window in windows]
+            results.append(sum(score for score, _ in self.score_pairs(pairs)))
+        return results
+
+    def pair_ids(self, context, continuation):
+        """(context ids, continuation ids) as lm_eval's causal models split them: the text encoded
+        whole and the context's ids taken off its front, a context's trailing spaces moved into the
+        continuation; an empty context becomes the first EOS id."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            continuation = context[-spaces:] + continuation
+            context = context[:-spaces]
+        if not context:
+            return [self.ids["eos_ids"][0]], encode(self.enc, continuation)
+        whole = encode(self.enc, context + continuation)
+        context_ids = encode(self.enc, context)
+        return whole[:len(context_ids)], whole[len(context_ids):]
+
+    @torch.inference_mode()
+    def score_pairs(self, pairs):
+        """[(context ids, continuation ids)] -> [(log-likelihood, greedy)], the requests of one
+        total length batch_size at a time in one forward pass each; a sequence past the context
+        keeps its last block_size + 1 tokens."""
+        if self.cfg["method"] == "mdm" or not self.model.config.causal:
+            raise ValueError("loglikelihood: this model has bidirectional attention (an MDM), so "
+                             "it has no exact log-likelihood, and LLaDA's Monte Carlo estimate is "
+                             "not implemented here; evaluate an MDM with generation tasks "
+                             "(output_type: generate_until)")
+        results = [None] * len(pairs)
+        limit = self.model.config.block_size + 1
+        sequences = [(context + continuation)[-limit:] for context, continuation in pairs]
+        by_length = {}
+        for i, sequence in enumerate(sequences):
+            by_length.setdefault(len(sequence), []).append(i)
+        for length, members in by_length.items():
+            for start in range(0, len(members), self.batch_size):
+                group = members[start:start + self.batch_size]
+                rows = torch.tensor([sequences[i] for i in group], device=self.model_device)
+                # the input is every token but the last; each position predicts the next token
+                idx = rows[:, :-1]
+                positions = torch.arange(length - 1, device=self.model_device).expand_as(idx)
+                logprobs = F.log_softmax(self.model(idx, positions).float(), dim=-1)
+                for row, i in enumerate(group):
+                    n = len(pairs[i][1])
+                    targets = rows[row, -n:]
+                    predicted = logprobs[row, -n:]
+                    score = predicted.gather(-1, targets[:, None]).sum().item()
+                    greedy = bool((predicted.argmax(dim=-1) == targets).all())
+                    results[i] = (score, greedy)
+        return results
+
+    # lm_eval asks a model for these where its tasks render chat templates or cut contexts
+    @property
+    def tokenizer_name(self):
+        return self.cfg["tokenizer"] or "refusion"
+
+
+# a local task: the JSON-lines file's query is fed, its target compared by exact match
+TASK_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{query}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: []
+  max_gen_toks: {max_gen_toks}
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def write_local_task(folder, out_dir, num_samples=50, max_gen_toks=128, room=None):
+    """An lm_eval task of a checkpoint's own validation lines, read offline: folder/local_<data
+    set>.jsonl (query: a prompt's text, target: its response's text without EOS) and
+    local_<data set>.yaml (generate_until with max_gen_toks new tokens, no stop string but EOS,
+    scored by exact match). The lines are the first num_samples whose prompt leaves room for
+    `room` new tokens (default max_gen_toks), the lines sampler.py decodes with --num_samples.
+    Returns the task's name (lm_eval --tasks NAME --include_path folder)."""
+    ckpt = load_checkpoint(out_dir, settings_only=True)
+    enc = get_tokenizer(ckpt["meta"]["tokenizer"])
+    eos_ids = decoder_ids(ckpt["meta"])["eos_ids"]
+    fits = validation_split(ckpt).first_fitting(num_samples, room or max_gen_toks,
+                                                ckpt["model_args"]["block_size"])
+    name = "local_" + os.path.basename(str(ckpt["config"]["dataset"])).split(".")[0]
+    data = os.path.abspath(os.path.join(folder, f"{name}.jsonl"))
+    lines = [json.dumps({"query": decode(enc, prompt),
+                         "target": decode(enc, [t for t in response if t not in eos_ids])})
+             for prompt, response in fits]
+    os.makedirs(folder, exist_ok=True)
+    write_atomic(data, lambda f: f.write(("\n".join(lines) + "\n").encode()))
+    task = TASK_YAML.format(name=name, data=data, max_gen_toks=max_gen_toks)
+    write_atomic(os.path.join(folder, f"{name}.yaml"), lambda f: f.write(task.encode()))
+    return name
+
+
+def main(argv):
+    """python -m tools.lm_eval_model [lm_eval's flags]: lm_eval's command line with the model
+    `refusion` registered (the generation requests' speed goes to stderr after each batch of
+    them, beside lm_eval's log)."""
+    from lm_eval.__main__ import cli_evaluate
+    sys.argv = ["lm_eval", *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
