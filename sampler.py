@@ -16,8 +16,9 @@ named steps, then the baselines and a short command line.
     python sampler.py config/sample_quotes.py --show --num_samples=1 --plot=decode.png
     python sampler.py --init_from=smollm2 --chat --prompt="What is a hash table?"   # a real model
 
-The command line's plumbing (models, prompts, the live trace, printing) is support/sampling.py;
-many prompts at once (--batch_size, SPEC section 4.2) is support/batching.py.
+The command line is support/sampling.py: its settings (DEFAULTS, --help), main and plumbing
+(models, prompts, the live trace, printing); python sampler.py runs it (the __main__ block below).
+Many prompts at once (--batch_size, SPEC section 4.2) is support/batching.py.
 """
 
 import math
@@ -1019,5 +1020,7 @@ def cut_after_eos(tokens, eos_ids):
 
 
 if __name__ == "__main__":
+    # this file, run as __main__, is the module support/sampling.py imports: loaded once
+    sys.modules["sampler"] = sys.modules["__main__"]
     from support.sampling import main
     run_cli(main, sys.argv[1:])

@@ -50,7 +50,7 @@ n_layer = 4               # transformer layers
 n_head = 4                # attention heads
 n_kv_head = 0             # 0: same as n_head
 n_embd = 128              # width of the residual stream
-block_size = 384          # the context (prompt + response tokens); longer samples are skipped
+block_size = 384          # the context (prompt + response tokens); too_long says what longer do
 qk_norm = True            # RMSNorm on each head's queries and keys, as in Qwen3
 rope_theta = 10000.0      # base of the rotary position angles (finite, > 0)
 # optimization
@@ -254,13 +254,14 @@ def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, auto
     """One optimizer step at iteration `it`: this process's share of gradient_accumulation_steps
     micro-batches (forward, hybrid_loss, backward), clipping, AdamW. forward: model, or its DDP
     wrapper and torch.compile. Returns (loss, ar_loss, mdm_loss) of the last micro-batch, its
-    response tokens summed over the step, and the step's FLOPs. Raises Diverged."""
+    tokens (prompt and response, no padding) summed over the step, and the step's FLOPs. Raises
+    Diverged."""
     # this process's share of the step's micro-batches
     micro_steps = cfg["gradient_accumulation_steps"] // world
     # The learning rate of this step (warmup, then cosine decay).
     for group in optimizer.param_groups:
         group["lr"] = get_lr(it, cfg)
-    # the step's response tokens and FLOPs, for the progress bar's tokens/s and MFU
+    # the step's tokens (prompt and response) and FLOPs, for the progress bar's tokens/s and MFU
     n_tokens = 0
     flops = 0
     for micro in range(micro_steps):

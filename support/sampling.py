@@ -91,7 +91,8 @@ def main(argv):
     compares ReFusion with next-token decoding of the same prompts (compare_next_token)."""
     cfg = parse_args(DEFAULTS, argv)
     explicit = explicit_keys(cfg, DEFAULTS, argv)
-    # settings that cannot work fail before the weights are read
+    # settings that cannot work fail before the weights are read (the decoder's own when --method
+    # names the decoder; else once the model's objective has chosen it)
     check_sample_config(cfg)
     if cfg["method"]:
         decoder_settings(cfg)
@@ -170,9 +171,9 @@ def check_confidence(cfg):
 
 def check_sample_config(cfg):
     """Refuse sampler.py settings that cannot work before any weights are read: the device, the
-    seed, the number of samples and the batch size (the decoder's own settings: sampler.py's
-    decoder_settings). Raises ConfigError or ValueError naming the flag. config/sample_*.py pass
-    it (tests/test_config.py)."""
+    seed, the number of samples and the batch size (the decoder's own settings: decoder_settings).
+    Raises ConfigError or ValueError naming the flag. config/sample_*.py pass it
+    (tests/test_config.py)."""
     check_device(cfg["device"])
     check_seed(cfg)
     if cfg["num_samples"] <= 0:
@@ -464,7 +465,7 @@ def check_plot_path(cfg):
 
 def decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_token=None):
     """Decode the prompts (lists of ids) with decode(model, prompt, generator=, on_step=) as
-    sampler.make_decoder returns it, batch_size at a time (support.batching.generate_batch), each
+    make_decoder returns it, batch_size at a time (support.batching.generate_batch), each
     from its own generator (prompt_generator); print every sample (Report), then the summary. With
     next_token (a decoder as decode), decode each batch again that way right after, so that both
     see the same machine, for the summary's comparison. --show draws the live trace, --plot the

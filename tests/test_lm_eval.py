@@ -3,6 +3,7 @@ offline through lm_eval on a local task (a JSON-lines file of quotes validation 
 sampler.py on the same lines and against a direct computation of the log-likelihoods."""
 
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -56,7 +57,9 @@ def test_a_local_task_through_lm_eval_scores_what_sampler_py_reports(quotes_mode
     task = write_local_task(tmp_path, str(quotes_model), N_LINES, DECODING["max_new_tokens"])
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    lm = RefusionLM(out_dir=str(quotes_model), method=method, **DECODING)
+    # the same decoder settings; the task's max_gen_toks is DECODING's max_new_tokens
+    knobs = {k: v for k, v in DECODING.items() if k != "max_new_tokens"}
+    lm = RefusionLM(out_dir=str(quotes_model), method=method, **knobs)
     results = simple_evaluate(model=lm, tasks=[task], log_samples=True,
                               task_manager=TaskManager(include_path=str(tmp_path)))
     samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
@@ -125,6 +128,7 @@ def test_an_mdm_generates_but_refuses_a_log_likelihood_naming_why(tmp_path, qa_f
     assert (lm.cfg["method"], lm.cfg["mdm_shift"], lm.canvas) == ("mdm", False, 16)
     text, = lm.generate_until(requests(("What is 2 + 2?", {"until": [], "max_gen_toks": 5})))
     assert lm.speed()["nfe"] == 16 and len(text) <= 5  # a byte token: at most one character
+    assert lm.speed()["tokens"] <= 5                   # the tokens returned, not the canvas
     with pytest.raises(ValueError, match="bidirectional attention .* no exact log-likelihood"):
         lm.loglikelihood(requests(("What is 2 + 2?", " 4")))
 
@@ -134,3 +138,23 @@ def test_without_lm_eval_the_adapter_says_how_to_install_it():
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode != 0 and "pip install lm-eval==0.4.13" in run.stderr
 
+
+
+def test_bad_model_args_are_refused_before_any_request_and_in_one_line(quotes_model, tmp_path):
+    """A decoder setting that cannot work, or a sampler.py setting the model does not read
+    (compile, max_new_tokens, ...), is refused when the model is built; from the command line
+    each mistake is one error line, as sampler.py's, not a traceback."""
+    with pytest.raises(ValueError, match="slot_size=0: a slot holds at least one token"):
+        RefusionLM(out_dir=str(quotes_model), slot_size=0)
+    with pytest.raises(ValueError, match="model args compile, max_new_tokens: not read"):
+        RefusionLM(out_dir=str(quotes_model), compile=True, max_new_tokens=5)
+    task = write_local_task(tmp_path, str(quotes_model), 2, 8)
+    for args, message in ((f"out_dir={quotes_model},slot_sze=4", "error: unknown config key"),):
+        run = subprocess.run([sys.executable, "-m", "tools.lm_eval_model", "--model", "refusion",
+                              "--model_args", args, "--tasks", task, "--include_path",
+                              str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "HF_DATASETS_OFFLINE": "1",
+                                  "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"})
+        assert run.returncode == 1, run.stderr
+        assert run.stderr.strip().splitlines()[-1].startswith(message), run.stderr[-500:]
+        assert "Traceback" not in run.stderr

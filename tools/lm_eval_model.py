@@ -5,14 +5,15 @@ a Hugging Face folder or SmolLM2 fine-tuned into ReFusion runs on the tasks ever
     python -m tools.lm_eval_model --model refusion \\
         --model_args out_dir=out-quotes,method=refusion,slot_size=8 --tasks gsm8k
     python -m tools.lm_eval_model --model refusion \\
-        --model_args init_from=smollm2-hf,method=next_token --tasks arc_challenge
+        --model_args init_from=smollm2,method=next_token --tasks arc_challenge
 
-The command takes lm_eval's own flags (lm_eval --help) and registers the model first; from Python,
-`RefusionLM(out_dir=...)` is an lm_eval LM for lm_eval.simple_evaluate. The model args are
+The command takes lm_eval's own flags (lm_eval run --help) and registers the model first; from
+Python, `RefusionLM(out_dir=...)` is an lm_eval LM for lm_eval.simple_evaluate. The model args are
 sampler.py's settings (python sampler.py --help: out_dir, init_from, tokenizer, dtype, device,
 method, slot_size, serial_num_blocks, slot_threshold, token_threshold, infill, steps,
 block_length, confidence, temperature, seed, chat), each as sampler.py reads it, plus batch_size
-(log-likelihood requests of one length per forward pass). docs/evaluation.md maps them to SPEC.
+(log-likelihood requests of one length per forward pass); NOT_MODEL_ARGS are refused.
+docs/evaluation.md maps them to SPEC.
 
     generate_until   the project's decoders (sampler.py: ReFusion, next-token, the MDM) with
                      max_gen_toks as max_new_tokens (an MDM on the canvas it was trained on, its
@@ -46,15 +47,20 @@ except ImportError as missing:
                       "with: pip install lm-eval==0.4.13 (or pip install -r "
                       "requirements-test.txt)") from None
 
-from configurator import parse_args
+from configurator import parse_args, run_cli
 from sampler import check_attention
 from support.batching import prompt_generator
 from support.chat import chat_prompt
 from support.checkpoint import decoder_ids, load_checkpoint
 from support.files import write_atomic
-from support.sampling import (DEFAULTS, METHOD_OF, check_sample_config, fit_mdm_layout, load_model,
-                              make_decoder, validation_split)
+from support.sampling import (DEFAULTS, METHOD_OF, check_sample_config, decoder_settings,
+                              fit_mdm_layout, load_model, make_decoder, validation_split)
 from support.tokenizer import decode, encode, encode_prompt, get_tokenizer
+
+
+# sampler.py's settings the lm_eval model does not read (RefusionLM refuses them)
+NOT_MODEL_ARGS = {"max_new_tokens", "prompt", "prompt_file", "num_samples", "compare_next_token",
+                  "json", "show", "plot", "compile"}
 
 
 @register_model("refusion")
@@ -67,6 +73,13 @@ class RefusionLM(LM):
 
     def __init__(self, batch_size=16, **settings):
         super().__init__()
+        # sampler.py's settings that lm_eval's requests set, or that print a decode: refused, so
+        # that none is taken and silently ignored
+        ignored = sorted(set(settings) & NOT_MODEL_ARGS)
+        if ignored:
+            raise ValueError(f"model args {', '.join(ignored)}: not read by the lm_eval model "
+                             "(a request's max_gen_toks sets max_new_tokens; the others print "
+                             "or plot sampler.py's decodes, or compile them); leave them out")
         # the settings as sampler.py reads them: --key=value, checked the same way
         flags = [f"--{key}={value}" for key, value in settings.items()]
         self.cfg = parse_args(DEFAULTS, flags)
@@ -75,6 +88,8 @@ class RefusionLM(LM):
         self.model, self.enc, self.ids, objective, ckpt = load_model(self.cfg)
         self.cfg["method"] = self.cfg["method"] or METHOD_OF[objective]
         check_attention(self.model, self.cfg["method"])
+        # the decoder's own settings, checked before any request
+        decoder_settings(self.cfg)
         # an MDM decodes in the layout it was trained on (its shift, its canvas), as sampler.py
         self.canvas = None
         if self.cfg["method"] == "mdm":
@@ -122,14 +137,15 @@ class RefusionLM(LM):
             prompt = self.prompt_ids(context, settings.gen_length)
             generator = prompt_generator(self.cfg["device"], self.cfg["seed"], i)
             out = decode_one(self.model, prompt, generator=generator)
-            tokens = [t for t in out.tokens[:max_new_tokens] if t not in self.ids["eos_ids"]]
+            kept = out.tokens[:max_new_tokens]
+            tokens = [t for t in kept if t not in self.ids["eos_ids"]]
             text = decode(self.enc, tokens)
             # the first stop string ends the text, as lm_eval's own models cut it
             for stop in gen_kwargs.get("until") or []:
                 if stop and stop in text:
                     text = text[:text.index(stop)]
             self.generated["requests"] += 1
-            self.generated["tokens"] += len(out.tokens)
+            self.generated["tokens"] += len(kept)
             self.generated["nfe"] += out.nfe
             self.generated["seconds"] += out.seconds
             texts.append(text)
@@ -263,7 +279,8 @@ def write_local_task(folder, out_dir, num_samples=50, max_gen_toks=128, room=Non
     set>.jsonl (query: a prompt's text, target: its response's text without EOS) and
     local_<data set>.yaml (generate_until with max_gen_toks new tokens, no stop string but EOS,
     scored by exact match). The lines are the first num_samples whose prompt leaves room for
-    `room` new tokens (default max_gen_toks), the lines sampler.py decodes with --num_samples.
+    `room` new tokens (default max_gen_toks): with room the decoder's gen_length (ReFusion's:
+    max_gen_toks rounded up to whole slots), the lines sampler.py decodes with --num_samples.
     Returns the task's name (lm_eval --tasks NAME --include_path folder)."""
     ckpt = load_checkpoint(out_dir, settings_only=True)
     enc = get_tokenizer(ckpt["meta"]["tokenizer"])
@@ -292,4 +309,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli(main, sys.argv[1:])
