@@ -209,12 +209,14 @@ def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, ma
 
 
 def label_slot_ends(batch, tokens, prompt_len, length):
-    """--slot_end_labels: the last token of every clean slot, and the prompt's last token, are
-    labelled with the token at the next true position (where that is in the response), as every
-    other clean token already is, so that the next-token pathway is trained at every position.
+    """--slot_end_labels (SPEC section 3, beyond the paper): the last token of every clean slot,
+    and the prompt's last token, are labelled with the token at the next true position (where
+    that is in the response), as every other clean token already is, so that the next-token
+    pathway is trained at every position.
 
-    batch: reorganize_slots' Batch of tokens (B, T), prompt_len and length (B,) int64. Returns a
-    new Batch with those labels; nothing else changes, and no random number is drawn.
+    batch: the Batch reorganize_slots laid out from tokens (B, T) int64, prompt_len and length
+    (B,) int64, which are given here too. Returns a new Batch with those labels; nothing else
+    changes, and no random number is drawn.
     """
     T = tokens.shape[1]
     pos = batch.position_ids
@@ -230,10 +232,11 @@ def label_slot_ends(batch, tokens, prompt_len, length):
 
 
 def mix_layouts(batch, other, fraction, generator):
-    """--ar_fraction: each sample takes `other`'s layout (the ARM's autoregressive_batch) instead
-    of batch's with probability `fraction`, so that the next-token pathway keeps seeing whole
-    contexts in natural order. One draw per sample from generator (torch.rand(B)), after the
-    layout's. batch, other: Batches of the same (B, T). Returns the mixed Batch.
+    """--ar_fraction (SPEC section 3, beyond the paper): each sample takes `other`'s layout (the
+    ARM's autoregressive_batch) instead of batch's with probability `fraction` (in [0, 1)), so
+    that the next-token pathway keeps seeing whole contexts in natural order. One draw per sample
+    from generator (a CPU torch.Generator: torch.rand(B), float32), after the layout's.
+    batch, other: Batches of the same (B, T). Returns the mixed Batch.
     """
     B = batch.idx.shape[0]
     # (B, 1): which samples take the other layout, one draw each

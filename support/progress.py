@@ -88,6 +88,7 @@ class Progress:
         self.frames = 0
 
     def __iter__(self):
+        """The iterations to run, iter_num to max_iters - 1, through the bar."""
         return iter(self.bar)
 
     def write(self, text):
@@ -145,4 +146,5 @@ class Progress:
             print(line, flush=True)
 
     def close(self):
+        """End the bar (its last frame stays on the terminal)."""
         self.bar.close()

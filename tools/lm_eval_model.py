@@ -93,7 +93,8 @@ class RefusionLM(LM):
         # an MDM decodes in the layout it was trained on (its shift, its canvas), as sampler.py
         self.canvas = None
         if self.cfg["method"] == "mdm":
-            fit_mdm_layout(self.cfg, ckpt, "max_new_tokens" in settings)
+            # max_new_tokens is never a model arg (refused above): the canvas is the trained one
+            fit_mdm_layout(self.cfg, ckpt, explicit=False)
             trained = (ckpt or {}).get("config", {})
             self.canvas = trained.get("gen_length") or None
         self.model_device = next(self.model.parameters()).device
