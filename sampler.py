@@ -1,6 +1,6 @@
 """
 The decoders (SPEC section 4): ReFusion's decoding on one screen, then the same with the KV cache as
-named steps, then the baselines and a short command line.
+named steps, then the baselines, their settings and the command line.
 
     generate_refusion_plain  the paper's algorithm in one function: no cache, no extension
     generate_refusion        the same with the KV cache: serial blocks, one after another
@@ -11,26 +11,26 @@ named steps, then the baselines and a short command line.
     commit_slots     step 4  record the finished slots, whose keys/values now follow the buffer
     SpeculativeInfill        infill="speculative" (SPEC 4.1, beyond the paper): one object, or None
     generate_next_token, generate_mdm    the baselines: next-token decoding, LLaDA-style MDM
+    main, DEFAULTS, make_decoder         the command line: its settings, the decoder of --method
 
     python sampler.py config/sample_quotes.py            # the quick start's model, 10 prompts
     python sampler.py config/sample_quotes.py --show --num_samples=1 --plot=decode.png
     python sampler.py --init_from=smollm2 --chat --prompt="What is a hash table?"   # a real model
 
-The command line is support/sampling.py: its settings (DEFAULTS, --help), main and plumbing
-(models, prompts, the live trace, printing); python sampler.py runs it (the __main__ block below).
-Many prompts at once (--batch_size, SPEC section 4.2) is support/batching.py.
+What the command line needs besides the decoders (models, prompts, the live trace, printing) is
+support/sampling.py; many prompts at once (--batch_size, SPEC 4.2) is support/batching.py.
 """
 
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import partial
 
 import torch
-import torch.nn.functional as F
 
-from configurator import run_cli
-from kvcache import bucket, cache_length
+from configurator import Defaults, explicit_keys, parse_args, run_cli
+from kvcache import cache_length
 
 # -----------------------------------------------------------------------------
 # ReFusion on one screen: the paper's decoding, plainly (SPEC section 4)
@@ -39,23 +39,20 @@ from kvcache import bucket, cache_length
 # Decoders run under inference mode: no autograd records (about 10% a token faster than no_grad).
 @torch.inference_mode()
 def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, generator=None):
-    """ReFusion's decoding of one prompt (token ids), plainly (SPEC section 4, the paper's infill;
-    settings: RefusionSettings, whose infill is not read; only the mask id is banned; the helpers
-    are under "choosing tokens" below). No cache: each pass feeds the whole committed buffer (the
-    prompt, then the slots in commit order, at true positions) and the new tokens, each committed
-    token seeing what it saw (infilled slots not each other). Returns a Generation."""
-    check_attention(model, "refusion")
-    check_context(model, len(prompt), settings)
+    """ReFusion's decoding of one prompt (token ids) without a cache, unchecked: each pass feeds
+    the committed buffer, then the new tokens. settings: RefusionSettings (the paper's infill,
+    whatever its infill); only the mask id is banned. Returns a Generation. SPEC section 4."""
     t0 = time.perf_counter()
+    P = len(prompt)
     S = settings.slot_size
+    n = settings.slots_per_serial_block
     device = next(model.parameters()).device
     cols = torch.arange(S, device=device)                   # each token's place in its slot
-    eos_tensor = torch.tensor(eos_ids, device=device)
     # The committed buffer in commit order: its tokens, their true positions, and for each token
-    # the span of the buffer it never saw, (lo, hi): the slots infilled beside its own.
+    # the span [lo, hi) of the buffer it never saw (the slots infilled beside its own).
     buf = list(prompt)
-    pos = list(range(len(prompt)))
-    unseen = [(0, 0)] * len(prompt)
+    pos = list(range(P))
+    unseen = [(0, 0)] * P
     trace = []
     nfe = 0
     eos = False
@@ -65,37 +62,36 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
         Returns the new tokens' logits (R, T, V)."""
         nonlocal nfe
         nfe += 1
-        idx = torch.cat([torch.tensor(buf, device=device).expand(len(tokens), -1), tokens], 1)
-        where = torch.cat([torch.tensor(pos, device=device).expand(len(tokens), -1), at], 1)
-        mask = sees(unseen + [(0, 0)] * tokens.shape[1], device)
+        R, T = tokens.shape
+        idx = torch.cat([torch.tensor([buf] * R, device=device), tokens], dim=1)
+        where = torch.cat([torch.tensor([pos] * R, device=device), at], dim=1)
+        mask = sees(unseen + [(0, 0)] * T, device)
         return model(idx, where, attn_mask=mask, logits_from=len(buf))
 
     def commit(starts, slots, infilled):
-        """Step 4: append the slots (token lists) from true positions starts to the buffer;
-        infilled slots never saw each other. Returns the starts of the committed slots."""
+        """Step 4: append the slots (token lists) at true starts to the buffer; slots infilled
+        side by side never saw each other. Returns the starts of the committed slots."""
         first = len(buf)
         for start, slot in zip(starts, slots):
             # an infilled slot never saw the slots infilled before it in this step
-            unseen.extend([(first, len(buf)) if infilled else (0, 0)] * len(slot))
-            buf.extend(slot)
-            pos.extend(range(start, start + len(slot)))
-        trace.append([(s + i, t) for s, slot in zip(starts, slots) for i, t in enumerate(slot)])
+            span = (first, len(buf)) if infilled else (0, 0)
+            for i, token in enumerate(slot):
+                buf.append(token)
+                pos.append(start + i)
+                unseen.append(span)
+        trace.append(list(zip(pos[first:], buf[first:])))
         return starts[:len(slots)]
 
     for b in range(settings.serial_num_blocks):
-        n = settings.slots_per_serial_block
         # The pool: the true starts of the serial block's masked slots.
-        pool = [len(prompt) + (b * n + k) * S for k in range(n)]
+        pool = [P + (b * n + k) * S for k in range(n)]
         while pool:
             # 1. Plan: one pass drafts every masked slot; the slots whose first token passes
             # slot_threshold are selected (if none passes, the one whose first token is best).
             at = torch.tensor(pool, device=device)[:, None] + cols          # (slots, S)
             logits = forward(torch.full_like(at, mask_id).view(1, -1), at.view(1, -1))[0]
             drafts, probs = draft_tokens(logits, settings.temperature, generator, [mask_id])
-            scores = probs.view(-1, S)[:, 0]
-            selected = (scores > settings.slot_threshold).nonzero()[:, 0].tolist()
-            if not selected:
-                selected = [int(scores.argmax())]
+            selected = select_slots(probs.view(-1, S)[:, 0], settings.slot_threshold)
             starts = [pool[k] for k in selected]
             drafts = drafts.view(-1, S)[selected]
             at = at[selected]
@@ -105,30 +101,25 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
             flat = drafts.view(1, -1)
             probs = next_token_probs(forward(flat, at.view(1, -1)), flat).view(-1, S)
             passed = (probs > settings.token_threshold) | (cols == 0)
-            n_passed = int(leading_true(passed.view(1, -1))[0])
-            prefix = flat[0, :n_passed].tolist()
-            stop = first_eos(prefix, eos_ids)
-            ended = stop is not None                  # an EOS ends the decode after this step
+            slots, ended = passing_slots(drafts, passed, eos_ids)
 
-            if ended or len(prefix) >= S:
+            if slots:
                 # 4. Commit the passing prefix's whole slots, or its tokens up to its EOS.
-                n_commit = stop + 1 if ended else len(prefix) // S * S
-                slots = [prefix[i:min(i + S, n_commit)] for i in range(0, n_commit, S)]
                 done = commit(starts, slots, infilled=False)
             else:
                 # 3. Infill: each selected slot in a row of its own, from what verify accepted.
                 accepted = leading_true(passed)                 # (rows,) accepted tokens
-                ends = torch.full_like(at[:, 0], S)             # (rows,) each row's length
+                ends = torch.full_like(accepted, S)             # (rows,) each row's length
                 while True:
                     # c. A row ends at its first accepted EOS (verify's prefix may hold one);
                     # the rows after it go.
-                    is_eos = torch.isin(drafts, eos_tensor) & (cols < accepted[:, None])
-                    if is_eos.any():
-                        r = int(is_eos.any(dim=1).nonzero()[0])
+                    found = first_eos_row(drafts, accepted, eos_ids)
+                    if found:
+                        r, end = found
                         drafts = drafts[:r + 1]
                         at = at[:r + 1]
                         ends = ends[:r + 1]
-                        ends[r] = int(is_eos[r].long().argmax()) + 1
+                        ends[r] = end
                         accepted = torch.minimum(accepted[:r + 1], ends)
                         ended = True
                     if (accepted >= ends).all():
@@ -136,8 +127,7 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
                     # a. Draft: one pass predicts every masked token of every row.
                     masked = cols >= accepted[:, None]
                     logits = forward(torch.where(masked, mask_id, drafts), at)
-                    guess = ban(logits, [mask_id]).argmax(dim=-1)
-                    drafts = torch.where(masked, guess, drafts)
+                    drafts = torch.where(masked, ban(logits, [mask_id]).argmax(dim=-1), drafts)
                     # b. Verify: one causal pass; each row keeps its longest passing prefix.
                     probs = next_token_probs(forward(drafts, at), drafts)
                     passed = (probs > settings.token_threshold) | (cols <= accepted[:, None])
@@ -153,20 +143,60 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
             break
 
     # The response, read by true position, as the cached decoder reads it.
-    response = {p: t for p, t in zip(pos, buf) if p >= len(prompt)}
-    tokens = cut_after_eos([response[p] for p in sorted(response)], eos_ids)
+    tokens = [t for p, t in sorted(zip(pos, buf)) if p >= P]
+    tokens = cut_after_eos(tokens, eos_ids)
     return Generation(tokens[:settings.max_new_tokens], nfe, time.perf_counter() - t0, trace)
 
 
 def sees(unseen, device):
-    """The plain decoder's attention mask, (N, N) bool over N tokens in buffer order, each with
-    the span [lo, hi) of earlier tokens it never saw: causal, except slots infilled side by side,
-    which never saw each other (SPEC section 4, step 3)."""
+    """The plain decoder's attention mask, (N, N) bool over N tokens in buffer order, each with the
+    span [lo, hi) of earlier tokens it never saw: causal, except slots infilled side by side, which
+    never saw each other (SPEC section 4, step 3)."""
     j = torch.arange(len(unseen), device=device)
     lo, hi = torch.tensor(unseen, device=device).T
     causal = j[None, :] <= j[:, None]
     infilled_beside = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
     return causal & ~infilled_beside
+
+
+def select_slots(scores, slot_threshold):
+    """Step 1's choice: the indexes of the slots whose score (k,) float32 exceeds slot_threshold,
+    ascending; if none does, the first of the best (torch.argmax takes the first). SPEC 4, step 1.
+    """
+    passing = (scores > slot_threshold).tolist()
+    selected = [k for k, passes in enumerate(passing) if passes]
+    if not selected:
+        selected = [int(scores.argmax())]
+    return selected
+
+
+def passing_slots(drafts, passed, eos_ids):
+    """Step 2's commit: the longest prefix of drafts (k, S) int64, read slot after slot, whose
+    tokens all passed (passed: (k, S) bool), cut into whole slots, or after its first EOS.
+    Returns (slots: a list of ids per committed slot, possibly none; whether an EOS ended them).
+    SPEC 4, step 2."""
+    S = drafts.shape[1]
+    n_passed = int(leading_true(passed.view(1, -1)))
+    prefix = drafts.view(-1)[:n_passed].tolist()
+    stop = first_eos(prefix, eos_ids)
+    if stop is None:
+        n = n_passed // S * S
+    else:
+        n = stop + 1
+    return [prefix[i:min(i + S, n)] for i in range(0, n, S)], stop is not None
+
+
+def first_eos_row(tokens, accepted, eos_ids):
+    """Step 3c: (r, its length up to and including EOS) for the first row of tokens (k, S) int64
+    whose accepted tokens (the first accepted[r], accepted: (k,) int64) hold an EOS, or None."""
+    columns = torch.arange(tokens.shape[1], device=tokens.device)
+    eos = torch.tensor(eos_ids, device=tokens.device)
+    is_eos = torch.isin(tokens, eos) & (columns < accepted[:, None])
+    holds_eos = is_eos.any(dim=1).tolist()
+    if True not in holds_eos:
+        return None
+    r = holds_eos.index(True)
+    return r, int(is_eos[r].long().argmax()) + 1
 
 # -----------------------------------------------------------------------------
 # ReFusion with the KV cache: plan, verify, infill, commit as named steps (SPEC section 4)
@@ -179,13 +209,12 @@ def sees(unseen, device):
 @torch.inference_mode()
 def generate_refusion(model, prompt, settings, *, mask_id, eos_ids, generator=None, on_step=None,
                       banned_ids=()):
-    """ReFusion's decoding of one prompt (SPEC section 4) with the KV cache: each committed token's
-    keys/values are computed once, then reused. model: a causal Transformer (or a module with its
-    forward and new_kv_cache), in eval mode; prompt: token ids; settings: RefusionSettings;
-    mask_id: fed at masked positions; eos_ids: tuple of EOS ids; generator: for temperature > 0;
-    on_step: optional, given each step's committed (position, token) pairs; banned_ids: never
-    generated, besides the mask id. Returns a Generation of at most max_new_tokens tokens. Raises
-    ValueError for a bidirectional model, ContextTooLong past the model's context."""
+    """ReFusion's decoding of one prompt (token ids) with the KV cache (SPEC section 4). model: a
+    causal DecoderModel in eval mode; settings: RefusionSettings; mask_id: fed at masked positions;
+    eos_ids: tuple; generator: for temperature > 0; on_step: given each step's committed
+    (position, token) pairs; banned_ids: never generated, besides the mask id. Returns a
+    Generation of at most max_new_tokens tokens. Raises ValueError for a bidirectional model,
+    ContextTooLong past the model's context."""
     check_attention(model, "refusion")
     check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
@@ -194,8 +223,9 @@ def generate_refusion(model, prompt, settings, *, mask_id, eos_ids, generator=No
     n = settings.slots_per_serial_block
     # Serial blocks one after another, each decoded until none of its slots is masked.
     for b in range(settings.serial_num_blocks):
-        first = len(prompt) + b * n * S                 # the serial block's first position
-        if decode_serial_block(state, first, n, settings):
+        # The pool: the true starts of the serial block's masked slots.
+        pool = [len(prompt) + (b * n + k) * S for k in range(n)]
+        if decode_serial_block(state, pool, settings):
             break                                       # EOS: no later serial block starts
     # The response, read by true position (the buffer holds it in commit order).
     tokens = cut_after_eos([state.response[p] for p in sorted(state.response)], eos_ids)
@@ -203,171 +233,129 @@ def generate_refusion(model, prompt, settings, *, mask_id, eos_ids, generator=No
                       state.trace, state.step_nfe, state.cache.cache_bytes)
 
 
-def decode_serial_block(state, first, n, settings):
-    """Decode one serial block, its n slots from true position `first` on, until none of them is
-    masked (SPEC section 4, steps 1-4). Returns True when EOS ended it (the slots before the EOS
-    slot are still decoded; no later serial block starts)."""
-    S = settings.slot_size
-    # The pool: its slots' true starts, ascending (a list, for the decisions), and the true
-    # positions of their tokens (n, S) on the device, for the passes.
-    pool = [first + i * S for i in range(n)]
-    at = torch.arange(first, first + n * S, device=state.device).view(n, S)
+def decode_serial_block(state, pool, settings):
+    """Decode one serial block, the masked slots starting at pool (true starts, ascending), until
+    none is masked (SPEC section 4, steps 1-4). Returns True when EOS ended it."""
     eos = False
     while pool:
         # 1. Plan: draft every masked slot, select the confident ones.
-        selected, starts, drafts = plan_slots(state, pool, at, settings.slot_threshold)
+        starts, drafts = plan_slots(state, pool, settings.slot_threshold)
         # 2. Verify: the selected drafts in one causal pass; its whole passing slots commit.
-        commit, accepted = verify_drafts(state, starts, at[selected], drafts,
-                                         settings.token_threshold)
+        commit, accepted = verify_drafts(state, starts, drafts, settings.token_threshold)
         # 3. Infill: not one whole slot passed verify, so finish every selected slot in parallel.
         if not commit:
-            commit = infill_slots(state, starts, at[selected], drafts, accepted,
-                                  settings.token_threshold)
+            commit = infill_slots(state, starts, drafts, accepted, settings.token_threshold)
         # 4. Commit: the finished slots join the buffer.
         commit_slots(state, commit)
         eos = eos or commit.eos
         # The committed slots leave the pool; after an EOS, so does every slot past it.
-        stays = torch.ones(len(pool), dtype=torch.bool, device=state.device)
-        stays.index_fill_(0, selected[:len(commit)], False)
-        if commit.eos:
-            stays[pool.index(commit.starts[-1]):].fill_(False)
-        pool = [p for p in pool
-                if p not in commit.starts and not (commit.eos and p > commit.starts[-1])]
-        # the rows of `at` that stay, found on the device (its size is known: no read from it)
-        rows = torch.nonzero_static(stays, size=len(pool))[:, 0]
-        at = at[rows]
+        last = commit.starts[-1]
+        pool = [p for p in pool if p not in commit.starts and not (commit.eos and p > last)]
     return eos
-
-
-# Where a wider pass costs no more (a GPU's small passes), ReFusion pads each pass to a bucketed
-# width (DecodeState.forward): the same tokens, in a few shapes. A CPU's pass costs its tokens.
-PAD_WIDTHS = {"cuda": True}
 
 
 class DecodeState:
     """What the decoder carries from step to step (SPEC section 4, "State"): the committed buffer
-    (the prompt, then the slots in commit order) as `response` (true position -> token) and the
-    cache's row 0 (so `cache.length` is its length); `pending`, the prompt until the first plan call
-    feeds it; nfe; per step its trace and step_nfe; speculative (a SpeculativeInfill, or None)."""
+    as `response` (true position -> token) and the cache's row 0 (`cache.length` is its length);
+    `pending`, the prompt until the first plan feeds it; nfe; per step its trace and step_nfe;
+    speculative, a SpeculativeInfill or None."""
 
     def __init__(self, model, prompt, settings, mask_id, eos_ids, generator, on_step, banned_ids):
         self.model = model
         self.generator = generator
         self.on_step = on_step
         self.temperature = settings.temperature
+        self.slot_size = settings.slot_size
         self.prompt_len = len(prompt)
-        # KV cache: one row per slot an infill may hold, of a bucketed length, so that prompts of
-        # similar lengths share its shape (kvcache.py)
+        # KV cache: one row per slot an infill may hold, of a bucketed length (kvcache.py)
         max_len = cache_length(len(prompt) + settings.gen_length, model.config.block_size)
         self.cache = model.new_kv_cache(max_len, max_batch=settings.slots_per_serial_block)
         self.device = self.cache.kv.device
         self.mask_id = mask_id
         self.eos_ids = tuple(eos_ids)
-        # Made once, on the device: no step builds a tensor from Python data.
-        self.eos_tensor = torch.tensor(self.eos_ids, device=self.device)  # for end_rows_at_eos
         self.banned = torch.tensor([mask_id, *banned_ids], device=self.device)  # never written
         # KV cache: the prompt waits here until the first plan pass feeds it (and keeps its keys)
         self.pending = torch.tensor([prompt], device=self.device)          # (1, P) until fed
-        self.pending_pos = torch.arange(len(prompt), device=self.device)[None]
         # the committed response (true position -> token) and the decode's statistics
         self.response = {}
         self.nfe = 0
         self.trace = []
         self.step_nfe = []
         self.speculative = SpeculativeInfill.of(settings, len(prompt))  # SPEC 4.1, or None
-        self.pad_widths = PAD_WIDTHS.get(self.device.type, False)
+
+    def positions(self, starts):
+        """(k, S) int64: the true positions of the slots starting at starts (k ints)."""
+        cols = torch.arange(self.slot_size, device=self.device)
+        return torch.tensor(starts, device=self.device)[:, None] + cols
 
     def forward(self, tokens, positions, keep=None, logits_from=0):
         """One counted pass of tokens (B, T) at true positions (B, T) after the cache -> logits
-        (B, T - logits_from, V); the cache keeps the keys/values of the first `keep` (None: all).
-        With pad_widths the pass is padded to kvcache.bucket(T) tokens, after the real ones (which
-        see none of it, causally), so that a decode feeds few shapes."""
+        (B, T - logits_from, V); the cache keeps the keys/values of the first `keep` tokens (None:
+        all)."""
         start = self.cache.length
         self.nfe += 1
-        T = tokens.shape[1]
-        # pad to a bucketed width: the pad tokens come last, so no real token sees them
-        if self.pad_widths:
-            pad = min(bucket(T), self.cache.max_len - start) - T
-            tokens = F.pad(tokens, (0, pad), value=self.mask_id)
-            positions = F.pad(positions, (0, pad))
         logits = self.model(tokens, positions, kv_cache=self.cache, logits_from=logits_from)
-        # KV cache: keep the keys/values of the first `keep` tokens, drop the rest (and the pad)
-        self.cache.crop(start + (T if keep is None else keep))
-        return logits[:, :T - logits_from]
+        # KV cache: keep the keys/values of the first `keep` tokens, drop the rest
+        if keep is not None:
+            self.cache.crop(start + keep)
+        return logits
 
 
-def plan_slots(state, pool, at, slot_threshold):
-    """Step 1, plan: one diffusion step over the masked slots starting at pool (ascending; at:
-    (len(pool), S) int64, their true positions), after the pending prompt on the first call; the
-    masks' keys/values are not kept. Returns (selected: (k,) int64 the selected slots' indexes
-    into pool, ascending, on the device; their starts, a list; their drafts (k, S) int64)."""
-    n_pending = state.pending.shape[1]
+def plan_slots(state, pool, slot_threshold):
+    """Step 1, plan: one diffusion step over the masked slots starting at pool (true starts,
+    ascending), after the pending prompt on the first call; the masks' keys/values are not kept.
+    Returns (the selected slots' starts, ascending; their drafts (k, S) int64)."""
+    P = state.pending.shape[1]
+    at = state.positions(pool)
     # Every token of the pool's slots is a mask at its true position.
-    masks = torch.full((1, at.numel()), state.mask_id, device=state.device)
+    masks = torch.full_like(at, state.mask_id).view(1, -1)
     # KV cache: on the first call the prompt is fed before the masks (the buffer is fed once)
     tokens = torch.cat([state.pending, masks], dim=1)
-    pos = torch.cat([state.pending_pos, at.view(1, -1)], dim=1)
-    lead = min(n_pending, 1)  # the prompt's last token, whose logits predict the first response's
+    pos = torch.cat([torch.arange(P, device=state.device)[None], at.view(1, -1)], dim=1)
+    lead = min(P, 1)  # the prompt's last token, whose logits predict the response's first
     # KV cache: the prompt's keys/values stay cached, the masks' are dropped; logits: lead + masks
-    logits = state.forward(tokens, pos, keep=n_pending, logits_from=n_pending - lead)[0]
-    state.pending = tokens[:, :0]
-    state.pending_pos = pos[:, :0]
+    logits = state.forward(tokens, pos, keep=P, logits_from=P - lead)[0]
+    state.pending = state.pending[:, :0]
     # Draft a token at every mask, with its probability.
     drafts, probs = draft_tokens(logits[lead:], state.temperature, state.generator, state.banned)
     drafts = drafts.view(at.shape)
     probs = probs.view(at.shape)
     if state.speculative:  # SPEC 4.1
         drafts, probs = state.speculative.plan(state, pool, logits, lead, drafts, probs)
-    # Select the slots whose first token passes slot_threshold.
-    scores = probs[:, 0]
-    chosen = scores > slot_threshold
-    # None passes: the first of equal best scores (torch.argmax takes the first; SPEC step 1).
-    best = torch.arange(len(pool), device=state.device) == scores.argmax()
-    chosen = torch.where(chosen.any(), chosen, best)
-    # The step's read: which slots were selected.
-    starts = [p for p, c in zip(pool, chosen.tolist()) if c]
-    selected = torch.nonzero_static(chosen, size=len(starts))[:, 0]
-    return selected, starts, drafts[selected]
+    # Select the slots whose first token passes slot_threshold (the step's read).
+    selected = select_slots(probs[:, 0], slot_threshold)
+    starts = [pool[k] for k in selected]
+    return starts, drafts[selected]
 
 
-def verify_drafts(state, starts, at, drafts, token_threshold):
-    """Step 2, verify: one causal pass over the drafts (k, S) int64 of the slots at true starts
-    `starts` (at: (k, S) int64 their positions), concatenated. Its longest passing prefix commits
-    the slots up to the first EOS, or the whole slots it covers (their keys/values stay cached); if
-    none, the Commit is empty and infill_slots follows. Returns (commit, accepted: (k,) int64 each
-    slot's own accepted prefix, for infill_slots)."""
+def verify_drafts(state, starts, drafts, token_threshold):
+    """Step 2, verify: one causal pass over the drafts (k, S) int64 of the slots at true starts,
+    concatenated. Its longest passing prefix commits the slots up to the first EOS, or the whole
+    slots it covers (their keys/values stay cached); if none, the Commit is empty. Returns
+    (commit, accepted: (k,) int64 each slot's own accepted prefix, for infill_slots)."""
     k, S = drafts.shape
     buffer_length = state.cache.length
     # One causal pass over the selected drafts, concatenated.
-    tokens = drafts.reshape(1, k * S)
-    logits = state.forward(tokens, at.reshape(1, k * S))     # (1, k * S, V)
+    tokens = drafts.view(1, k * S)
+    logits = state.forward(tokens, state.positions(starts).view(1, k * S))     # (1, k * S, V)
     # A token passes when its probability passes token_threshold, or it is a slot's first.
     passed = (next_token_probs(logits, tokens) > token_threshold).view(k, S)
-    passed[:, 0].fill_(True)
-    # The step's read: how many drafts passed, then the drafts.
-    n_passed, *flat = torch.cat([leading_true(passed.view(1, -1)), drafts.view(-1)]).tolist()
-    prefix = flat[:n_passed]
-    # Commit the passing prefix's whole slots, or its tokens up to its EOS.
-    eos_at = first_eos(prefix, state.eos_ids)
-    if eos_at is not None:
-        n = eos_at + 1
-    else:
-        n = len(prefix) // S * S
+    passed[:, 0] = True
+    # The step's reads: commit the passing prefix's whole slots, or its tokens up to its EOS.
+    slots, eos = passing_slots(drafts, passed, state.eos_ids)
     # KV cache: the committed tokens' keys/values, already after the buffer, stay
-    state.cache.crop(buffer_length + n)
-    slots = [prefix[i:min(i + S, n)] for i in range(0, n, S)]
+    state.cache.crop(buffer_length + sum(map(len, slots)))
     if state.speculative:  # SPEC 4.1
         state.speculative.verified(slots, logits, S)
-    return Commit(starts[:len(slots)], slots, eos_at is not None), leading_true(passed)
+    return Commit(starts[:len(slots)], slots, eos), leading_true(passed)
 
 
 @dataclass
 class Commit:
     """Finished slots, as verify_drafts or infill_slots hand them to commit_slots (SPEC step 4),
-    their keys/values already after the committed buffer in the cache's row 0, in slot order.
-    starts: true start positions, ascending; tokens: one list of ids per slot, cut after EOS;
-    eos: the last slot ends with EOS (the later slots of the serial block are dropped, and no
-    later serial block starts)."""
+    their keys/values already after the buffer in the cache's row 0, in slot order. starts: true
+    start positions, ascending; tokens: one list of ids per slot, cut after EOS; eos: the last slot
+    ends with EOS."""
     starts: list[int]
     tokens: list[list[int]]
     eos: bool = False
@@ -379,23 +367,23 @@ class Commit:
 @dataclass
 class InfillRows:
     """The slots of one parallel infill (SPEC step 3): row i of every field, and of the cache, is
-    slot i. What infill_slots keeps true between its forward passes:
-      - cache row i holds the committed buffer, then tokens[i, :shared], where `shared` (the
-        cache's length beyond the buffer) is a prefix every row has accepted;
-      - tokens[i, :accepted[i]] are accepted and never change again; the rest are drafts;
-      - slot i commits tokens[i, :lengths[i]] (S, or up to its EOS); accepted <= lengths.
-    """
+    slot i. Between passes: cache row i holds the buffer, then tokens[i, :shared], a prefix every
+    row has accepted; tokens[i, :accepted[i]] never change again; slot i commits
+    tokens[i, :lengths[i]] (S, or up to its EOS); accepted <= lengths."""
     starts: list[int]          # true start position of each slot, ascending
     positions: torch.Tensor    # (k, S) int64 true position of every token
     tokens: torch.Tensor       # (k, S) int64
     accepted: torch.Tensor     # (k,) int64
-    lengths: torch.Tensor      # (k,) int64
+    lengths: list[int]
     eos: bool = False          # a row ended at EOS (step 3c): every slot after it is dropped
+
+    def capped(self, accepted):
+        """accepted (k,) int64, each row's at most its length."""
+        return torch.minimum(accepted, torch.tensor(self.lengths, device=accepted.device))
 
     def keep(self, n, cache):
         """Keep rows 0..n-1, here and in the cache."""
-        if n < cache.batch:
-            cache.keep_rows(n)
+        cache.keep_rows(n)
         self.starts = self.starts[:n]
         self.positions = self.positions[:n]
         self.tokens = self.tokens[:n]
@@ -403,42 +391,38 @@ class InfillRows:
         self.lengths = self.lengths[:n]
 
 
-def infill_slots(state, starts, at, drafts, accepted, token_threshold):
-    """Step 3, parallel autoregressive infill: each selected slot (k true starts, at (k, S) their
-    positions, drafts (k, S), accepted (k,) as verify judged them) in its own cache row after the
-    committed buffer. At most S rounds of (a) draft_rows, (b) verify_rows, (c) end_rows_at_eos,
-    (d) kept_prefix; each round reads from the device once (end_rows_at_eos).
-    Returns a Commit of the k' <= k finished slots, laid after the buffer in the cache's row 0."""
+def infill_slots(state, starts, drafts, accepted, token_threshold):
+    """Step 3, parallel autoregressive infill: each selected slot (k true starts; drafts (k, S)
+    and accepted (k,) as verify judged them) in its own cache row after the buffer, finished in at
+    most S rounds of draft_rows, verify_rows, end_rows_at_eos and kept_prefix. Returns a Commit of
+    the k' <= k finished slots, laid after the buffer in the cache's row 0."""
     k, S = drafts.shape
     buffer_length = state.cache.length          # the committed buffer, shared by every row
     # Each selected slot in a row of its own, from what verify accepted of it.
-    rows = InfillRows(list(starts), at, drafts.clone(), accepted.clone(),
-                      torch.full_like(accepted, S))
+    rows = InfillRows(list(starts), state.positions(starts), drafts.clone(), accepted, [S] * k)
     if state.speculative:  # SPEC 4.1
         rows.accepted = state.speculative.restart_later_rows(rows.accepted)
     # KV cache: every row starts from the buffer's keys/values (row 0's, repeated)
     state.cache.repeat_prefix(k)
-    # Verify committed only what the whole concatenation accepted, but a later slot's own accepted
-    # prefix may already hold EOS: that slot ends there and the slots after it go before any pass.
-    done, least = end_rows_at_eos(state, rows)
+    # A later slot's own accepted prefix may already hold EOS: the slots after it go now.
+    end_rows_at_eos(state, rows)
     # Each round accepts at least one token of every unfinished row: at most S rounds.
     for _ in range(S):
-        if done:
-            break
         # KV cache: slot tokens [0, shared) of every row are cached and not fed again
         shared = state.cache.length - buffer_length
-        # (a) draft the masked tokens, (b) verify the rows, (c) end a row at its EOS
         draft_rows(state, rows, shared)
         verify_rows(state, rows, shared, token_threshold)
-        done, least = end_rows_at_eos(state, rows)
-        # (d) KV cache: keep the keys/values of the prefix every row has accepted
-        state.cache.crop(buffer_length + kept_prefix(state, rows, done, least))
-    # One read: each row's length, then its tokens.
-    finished = torch.cat([rows.lengths[:, None], rows.tokens], dim=1).tolist()
+        end_rows_at_eos(state, rows)
+        done, kept = kept_prefix(state, rows)
+        state.cache.crop(buffer_length + kept)
+        if done:
+            break
+    # The infill's read: its rows' tokens.
+    tokens = rows.tokens.tolist()
     # KV cache: each row's slot laid after the buffer, in row 0, in slot order
-    state.cache.commit_rows([(i, row[0]) for i, row in enumerate(finished)], buffer_length)
-    tokens = [row[1:1 + row[0]] for row in finished]
-    return Commit(rows.starts, tokens, rows.eos)
+    state.cache.commit_rows(list(enumerate(rows.lengths)), buffer_length)
+    slots = [row[:n] for row, n in zip(tokens, rows.lengths)]
+    return Commit(rows.starts, slots, rows.eos)
 
 
 def draft_rows(state, rows, shared):
@@ -446,7 +430,7 @@ def draft_rows(state, rows, shared):
     ids; each masked position's prediction (argmax) fills it. Its keys/values are not kept."""
     # KV cache: only the tokens after the shared prefix are fed
     window = rows.tokens[:, shared:]
-    columns = torch.arange(shared, shared + window.shape[1], device=state.device)
+    columns = torch.arange(shared, rows.tokens.shape[1], device=state.device)
     # A row's unaccepted tokens are fed as masks.
     masked = columns >= rows.accepted[:, None]
     fed = torch.where(masked, state.mask_id, window)
@@ -466,58 +450,43 @@ def verify_rows(state, rows, shared, token_threshold):
     # KV cache: only the tokens after the shared prefix are fed; their keys/values stay for now
     window = rows.tokens[:, shared:]
     logits = state.forward(window, rows.positions[:, shared:])
-    columns = torch.arange(shared, shared + window.shape[1], device=state.device)
+    columns = torch.arange(shared, rows.tokens.shape[1], device=state.device)
     # A token passes when its probability passes token_threshold; the first unaccepted one
-    # always does (it was predicted from an accepted prefix).
+    # always does.
     probs = next_token_probs(logits, window)
     passed = (probs > token_threshold) | (columns <= rows.accepted[:, None])
     # Each row keeps its longest passing prefix.
-    rows.accepted = torch.minimum(shared + leading_true(passed), rows.lengths)
+    rows.accepted = rows.capped(shared + leading_true(passed))
     if state.speculative:  # SPEC 4.1
         state.speculative.rows_verified(logits)
 
 
 def end_rows_at_eos(state, rows):
-    """Step 3c: the first row whose accepted tokens hold EOS ends after it; the rows after it are
-    dropped, from rows (an InfillRows) and from the cache, and rows.eos is set. Worked out on the
-    device with what step 3d needs, so that a round reads once: returns (every row is done, the
-    fewest tokens a row has accepted)."""
-    k, S = rows.tokens.shape
-    # The accepted EOS tokens of every row.
-    is_eos = torch.isin(rows.tokens, state.eos_tensor)
-    is_eos &= torch.arange(S, device=state.device) < rows.accepted[:, None]
-    found = is_eos.any(dim=1)                                       # (k,) rows holding one
-    eos = found.any()
-    r = found.long().argmax()                                       # the first such row
-    # Rows after row r go; row r ends after its first EOS.
-    row = torch.arange(k, device=state.device)
-    kept = ~eos | (row <= r)
-    up_to_eos = is_eos.index_select(0, r[None])[0].long().argmax() + 1   # row r's length
-    lengths = torch.where(eos & (row == r), up_to_eos, rows.lengths)
-    accepted = torch.minimum(rows.accepted, lengths)
-    # What step 3d needs: whether every kept row is done, and the fewest tokens one accepted.
-    done = ((accepted >= lengths) | ~kept).all()
-    least = torch.where(kept, accepted, S).min()
-    # The round's one read.
-    eos, r, done, least = torch.stack([eos.long(), r, done.long(), least]).tolist()
-    if eos:
-        # KV cache: the dropped rows leave the cache too
-        rows.keep(r + 1, state.cache)
-        rows.lengths = lengths[:r + 1]
-        rows.accepted = accepted[:r + 1]
-        rows.eos = True
-    return bool(done), least
+    """Step 3c: the first row whose accepted tokens hold EOS ends after it (first_eos_row, the
+    round's read); the rows after it are dropped, from rows and from the cache; rows.eos is set."""
+    found = first_eos_row(rows.tokens, rows.accepted, state.eos_ids)
+    if found is None:
+        return
+    r, length = found
+    # KV cache: the dropped rows leave the cache too
+    rows.keep(r + 1, state.cache)
+    rows.lengths[r] = length
+    rows.accepted = rows.capped(rows.accepted)
+    rows.eos = True
 
 
-def kept_prefix(state, rows, done, shared):
-    """Step 3d: how many slot tokens every cache row keeps after the buffer: all of them once every
-    row is done, else `shared`, the prefix every row has accepted (its keys/values are never
-    recomputed)."""
-    if done:
-        return rows.tokens.shape[1]
+def kept_prefix(state, rows):
+    """Step 3d: (every row is done, how many slot tokens every cache row keeps after the buffer):
+    all of them once every row is done, else the prefix every row has accepted (its keys/values
+    are never recomputed)."""
+    # The round's second read: every row's accepted tokens.
+    accepted = rows.accepted.tolist()
+    if accepted == rows.lengths:
+        return True, rows.tokens.shape[1]
+    shared = min(accepted)
     if state.speculative:  # SPEC 4.1
         shared = state.speculative.kept_prefix(shared)
-    return shared
+    return False, shared
 
 
 def commit_slots(state, commit):
@@ -537,7 +506,6 @@ def commit_slots(state, commit):
         state.speculative.committed(state, commit)
     if state.on_step:
         state.on_step(step)
-
 
 # -----------------------------------------------------------------------------
 # beyond the paper: infill="speculative", the next-token pathway in charge (SPEC 4.1, opt-in)
@@ -595,7 +563,7 @@ class SpeculativeInfill:
         j = rows.accepted.clamp(max=S - 1)[:, None]         # (k, 1); a finished row keeps its own
         left = (j - 1 - shared).clamp(min=0)[:, :, None].expand(-1, -1, logits.shape[-1])
         predicted = ban(logits.gather(1, left)[:, 0], state.banned).argmax(dim=-1)   # (k,)
-        unfinished = rows.accepted < rows.lengths
+        unfinished = rows.accepted < torch.tensor(rows.lengths, device=state.device)
         own = rows.tokens.gather(1, j)[:, 0]
         return rows.tokens.scatter(1, j, torch.where(unfinished, predicted, own)[:, None])
 
@@ -615,7 +583,8 @@ class SpeculativeInfill:
             frontier += 1
         if frontier == self.frontier:
             return
-        self.frontier, self.next_logits = frontier, None
+        self.frontier = frontier
+        self.next_logits = None
         for start, ids, logits in zip(commit.starts, commit.tokens, self.ends):
             if start + len(ids) == frontier:
                 self.next_logits = (frontier, logits)
@@ -624,23 +593,20 @@ class SpeculativeInfill:
 # baseline decoders (SPEC section 4, "Baseline decoders"): next-token decoding, LLaDA-style MDM
 
 
-# Next-token decoding reads its tokens from the device every EOS_EVERY tokens on a GPU, where a
-# read stalls the queue of passes (the passes past an EOS are wasted: NFE counts them), and after
-# every token on a CPU, which waits for no one.
-EOS_EVERY = {"cpu": 1}
+# Next-token decoding on a GPU reads its tokens every GPU_EOS_EVERY passes, as fast decoders do: a
+# read waits for every queued pass (the passes run past an EOS count in NFE); a CPU waits for none.
 GPU_EOS_EVERY = 16
 
 
 @torch.inference_mode()
 def generate_next_token(model, prompt, settings, *, eos_ids, generator=None, on_step=None,
-                        banned_ids=(), eos_every=None):
-    """Next-token decoding with the KV cache: the ARM baseline. settings: DecodeSettings. The
-    prompt's prefill predicts the first token, then one forward per further token; tokens drawn as
-    draft_tokens does, never banned_ids, until EOS or max_new_tokens. eos_every: tokens between
-    two looks for EOS (None: EOS_EVERY of the device, else GPU_EOS_EVERY; an on_step looks at
-    every token), the passes after the EOS counted in NFE and the last step's step_nfe. Returns a
-    Generation, one (position, token) pair per step in its trace (and to on_step). Raises
-    ValueError for a bidirectional model or a prompt + generation longer than the context."""
+                        banned_ids=()):
+    """Next-token decoding with the KV cache: the ARM baseline (SPEC section 4). settings:
+    DecodeSettings. The prompt's prefill predicts the first token, then one pass per token, drawn
+    as draft_tokens does, never banned_ids, until EOS or max_new_tokens; EOS is looked for every
+    settings.eos_every tokens (with on_step, every token). Returns a Generation, one (position,
+    token) pair per step. Raises ValueError for a bidirectional model, ContextTooLong past the
+    context."""
     check_attention(model, "next_token")
     check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
@@ -648,11 +614,10 @@ def generate_next_token(model, prompt, settings, *, eos_ids, generator=None, on_
     max_len = cache_length(len(prompt) + settings.max_new_tokens, model.config.block_size)
     cache = model.new_kv_cache(max_len)
     device = cache.kv.device
-    if eos_every is None:
-        eos_every = 1 if on_step else EOS_EVERY.get(device.type, GPU_EOS_EVERY)
+    every = settings.eos_every or (1 if on_step or device.type == "cpu" else GPU_EOS_EVERY)
     banned = torch.tensor(banned_ids, dtype=torch.long, device=device)
     # The first pass is the prefill: the whole prompt.
-    tokens = torch.tensor([prompt], device=device)                     # (1, P), the prefill
+    tokens = torch.tensor([prompt], device=device)                     # (1, P)
     positions = torch.arange(len(prompt), device=device)[None]
     # The drawn tokens stay on the device until a read; n counts them.
     out = torch.zeros(settings.max_new_tokens, dtype=torch.long, device=device)
@@ -662,17 +627,18 @@ def generate_next_token(model, prompt, settings, *, eos_ids, generator=None, on_
         # One pass: the last position's logits predict the next token.
         logits = model(tokens, positions, kv_cache=cache, logits_from=-1)[0]  # (1, V)
         token, _ = draft_tokens(logits, settings.temperature, generator, banned)
-        out[n:n + 1] = token
+        out[n] = token[0]
         n += 1
         if on_step:
             on_step([(len(prompt) + n - 1, int(token))])
-        # every eos_every tokens, and at the end, one read of the tokens drawn since the last one
-        if n % eos_every == 0 or n == settings.max_new_tokens:
+        # every `every` tokens, and at the end, read the tokens drawn since the last read
+        if n % every == 0 or n == settings.max_new_tokens:
             response += out[len(response):n].tolist()
             if first_eos(response, eos_ids) is not None:
                 break
         # The next pass feeds the drawn token at the next position.
-        tokens, positions = token[None], positions[:, -1:] + 1         # (1, 1) each
+        tokens = token[None]                                           # (1, 1)
+        positions = positions[:, -1:] + 1
     # One step per token; the passes run past the EOS count in the last step's.
     response = cut_after_eos(response, eos_ids)
     trace = [[(len(prompt) + i, t)] for i, t in enumerate(response)]
@@ -710,17 +676,16 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
     positions = torch.arange(P + L, device=device)[None]
     masked = positions[0] >= P                                          # (P + L,) still masked
     banned = torch.tensor([mask_id, *banned_ids], device=device)
-    steps = []                                       # per step, (positions, tokens) on the device
+    trace = []
     # Semi-autoregressive blocks, left to right; each shares out its masks over its steps.
     for b in range(settings.n_semi_ar_blocks):
         in_block = (positions[0] - P) // settings.block_length == b
-        left = settings.block_length                 # the block's masked positions, counted here
-        for k in tokens_per_step(left, settings.steps // settings.n_semi_ar_blocks):
+        steps = settings.steps // settings.n_semi_ar_blocks
+        for k in tokens_per_step(settings.block_length, steps):
             # One pass over the whole canvas (bidirectional, no cache).
             logits = model(x, positions, logits_from=P - settings.mdm_shift)[0][:L]  # (L, V)
-            # the block's masked positions: their number is known, so no read from the device
-            where = torch.nonzero_static(masked & in_block, size=left)[:, 0]
-            # Draft every one of them, with its confidence.
+            # Draft every masked position of the block, with its confidence.
+            where = (masked & in_block).nonzero()[:, 0]
             drafts, confidence = draft_tokens(logits[where - P], settings.temperature, generator,
                                               banned)
             if settings.confidence != "prob":  # Dream's rules (opt-in)
@@ -729,17 +694,14 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
             # Commit the k most confident; the rest stay masked (low-confidence remasking).
             best = confidence.topk(k).indices
             x[0, where[best]] = drafts[best]
-            masked.index_fill_(0, where[best], False)
-            left -= k
-            steps.append((where[best], drafts[best]))
+            masked[where[best]] = False
+            # The step's read: the (position, token) pairs it committed.
+            step = list(zip(where[best].tolist(), drafts[best].tolist()))
+            trace.append(step)
             if on_step:
-                on_step(list(zip(where[best].tolist(), drafts[best].tolist())))
-    # One read: every step's positions, then its tokens; each step takes its own pairs in turn.
-    committed = torch.cat([torch.stack(step) for step in steps], dim=1).tolist()
-    pairs = iter(zip(*committed))
-    trace = [[next(pairs) for _ in where] for where, _ in steps]
+                on_step(step)
     tokens = cut_after_eos(x[0, P:].tolist(), eos_ids)
-    return Generation(tokens, len(steps), time.perf_counter() - t0, trace, [1] * len(steps))
+    return Generation(tokens, len(trace), time.perf_counter() - t0, trace, [1] * len(trace))
 
 # -----------------------------------------------------------------------------
 # the decoders' settings and their checks (SPEC section 4), each object checked once, when built
@@ -748,12 +710,17 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
 @dataclass
 class DecodeSettings:
     """What every decoder needs: max_new_tokens (> 0; at most this many tokens are returned) and
-    temperature (0: argmax; > 0, finite: Gumbel-max in float64, SPEC section 4). The next-token
-    baseline needs nothing more. Raises ValueError when a value cannot work."""
+    temperature (0: argmax; > 0, finite: Gumbel-max in float64, SPEC section 4); the next-token
+    baseline's eos_every (>= 1, or None: every token on a CPU, GPU_EOS_EVERY on a GPU). Raises
+    ValueError when a value cannot work."""
     max_new_tokens: int
     temperature: float = 0.0
+    eos_every: int | None = None
 
     def __post_init__(self):
+        if self.eos_every is not None and self.eos_every < 1:
+            raise ValueError(f"eos_every={self.eos_every}: look for EOS at least every token (1), "
+                             "or leave it None (every token on a CPU, every 16 on a GPU)")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: ask for at least one new "
                              "token")
@@ -1015,12 +982,130 @@ def cut_after_eos(tokens, eos_ids):
 
 
 # -----------------------------------------------------------------------------
-# the command line, python sampler.py [config/sample_*.py] [--key=value ...], stands apart from the
-# decoders: support/sampling.py holds its settings (DEFAULTS, --help), its main and its plumbing.
+# the command line: python sampler.py [config/sample_*.py] [--key=value ...]
+# One dict, not module globals, so that no setting's name (prompt, device, json, ...) stands for
+# anything else in this file; --help prints each entry's comment.
+DEFAULTS = Defaults({
+    "out_dir": "out",          # directory holding ckpt.pt (written by train.py) ...
+    "init_from": "",           # ... or a Hugging Face model folder (Qwen3, SmolLM2), or a ckpt.pt
+    "dtype": "auto",           # the weights: auto (bf16 where native and faster), float32, bfloat16
+    "tokenizer": "",           # hf:FOLDER: a checkpoint's tokenizer folder, moved; empty: recorded
+    "chat": False,             # wrap the prompt in the model's chat template (a user turn)
+    "prompt": "",              # decode this text ...
+    "prompt_file": "",         # ... or the text of this file (a pipe too; - for standard input) ...
+    "num_samples": 3,          # ... or this many prompts from the validation split
+    "method": "",              # refusion, next_token or mdm; empty: the checkpoint's objective's
+    "max_new_tokens": 128,     # at most this many tokens returned (refusion: whole serial blocks)
+    "slot_size": 8,            # refusion: tokens per slot (S)
+    "serial_num_blocks": 1,    # refusion: serial blocks, each of the same whole number of slots
+    "slot_threshold": 0.9,     # refusion: plan a slot whose first draft's probability passes
+    "token_threshold": 0.3,    # refusion: accept a draft token whose probability exceeds this
+    "infill": "paper",         # refusion: 'paper' (force masked drafts), 'speculative' (SPEC 4.1)
+    "steps": 0,                # mdm: denoising steps; 0 = one token per step
+    "block_length": 0,         # mdm: semi-autoregressive block length; 0 = the whole generation
+    "confidence": "prob",      # mdm: ranks a step's drafts: prob (LLaDA), margin or entropy (Dream)
+    "temperature": 0.0,        # 0: greedy; above 0: sample (Gumbel-max)
+    "batch_size": 1,           # prompts decoded together (SPEC 4.2); each sample is its own
+    "compile": False,          # the forward passes as compiled graphs (support/compiled.py)
+    "compare_next_token": True, # refusion: also decode them by --method=next_token, in the summary
+    "seed": 1337,              # prompt i is sampled from a torch.Generator seeded with seed + i
+    "device": "cpu",           # cpu, cuda, cuda:N or mps
+    "json": False,             # one JSON object per sample instead of text
+    "show": False,             # redraw the response after every decoding step (masked tokens as ░)
+    "plot": "",                # draw the first prompt's decode: a PNG, or a GIF a frame per step
+}, __file__, command="sampler.py")
+
+# the decoder and its settings for each --method
+DECODERS = {"refusion": (generate_refusion, RefusionSettings),
+            "next_token": (generate_next_token, DecodeSettings),
+            "mdm": (generate_mdm, MDMSettings)}
+# the decoding method a model of each training objective is made for (--method's default)
+METHOD_OF = {"refusion": "refusion", "ar": "next_token", "mdm": "mdm"}
+
+
+def decoder_settings(cfg):
+    """The settings object of cfg["method"] (RefusionSettings, DecodeSettings or MDMSettings),
+    which checks cfg's knobs. Raises ValueError for an unknown method or invalid settings."""
+    if cfg["method"] not in DECODERS:
+        renamed = " (--method=ar is now called next_token)" if cfg["method"] == "ar" else ""
+        raise ValueError(f"--method={cfg['method']!r}: choose one of {', '.join(DECODERS)}"
+                         f"{renamed}")
+    Settings = DECODERS[cfg["method"]][1]
+    knobs = {f.name: cfg[f.name] for f in fields(Settings) if f.name in cfg}  # mdm_shift: ckpt
+    if cfg["method"] == "mdm":  # 0: one token per step, one semi-autoregressive block
+        knobs["steps"] = cfg["steps"] or None
+        knobs["block_length"] = cfg["block_length"] or None
+    return Settings(**knobs)
+
+
+def make_decoder(cfg, ids, generator):
+    """(decode, its settings) for cfg["method"] and cfg's knobs: decode(model, prompt,
+    generator=None, on_step=None) -> Generation. ids: {"eos_ids", "mask_id", "pad_id",
+    optionally "undecodable_ids"}: the mask and pad ids and the undecodable ones are never
+    generated (unless one is an EOS). Raises ValueError for an unknown method, ReFusion or MDM
+    without a mask token, or invalid settings."""
+    settings = decoder_settings(cfg)
+    if cfg["method"] != "next_token" and ids["mask_id"] is None:
+        raise ValueError(f"--method={cfg['method']}: this model has no mask token (a plain "
+                         "pretrained model, such as Qwen3 or SmolLM2, was never trained to fill "
+                         "masks); use --method=next_token, or fine-tune it with train.py first")
+    never = (ids["mask_id"], ids["pad_id"], *ids.get("undecodable_ids", ()))
+    banned = tuple(i for i in never if i is not None and i not in ids["eos_ids"])
+    kwargs = {"eos_ids": ids["eos_ids"], "banned_ids": banned}
+    if cfg["method"] != "next_token":
+        kwargs["mask_id"] = ids["mask_id"]
+    decode = partial(DECODERS[cfg["method"]][0], settings=settings, generator=generator, **kwargs)
+    return decode, settings
+
+
+def check_confidence(cfg):
+    """Refuse a --confidence not among MDM_CONFIDENCES, whichever the method, so that a misspelt
+    rule is never silently ignored. Raises ValueError."""
+    if cfg["confidence"] not in MDM_CONFIDENCES:
+        raise ValueError(f"--confidence={cfg['confidence']!r}: choose one of "
+                         f"{', '.join(MDM_CONFIDENCES)} (it ranks the MDM's drafts)")
+
+
+def main(argv):
+    """python sampler.py: decode prompts with a checkpoint or a Hugging Face folder; print each
+    response with its verdict (where the data set has a check) and speed, then a summary line that
+    compares ReFusion with next-token decoding of the same prompts (compare_next_token)."""
+    from support import sampling
+    cfg = parse_args(DEFAULTS, argv)
+    explicit = explicit_keys(cfg, DEFAULTS, argv)
+    # settings that cannot work fail before the weights are read (the decoder's own when --method
+    # names the decoder; else once the model's objective has chosen it)
+    sampling.check_sample_config(cfg)
+    check_confidence(cfg)
+    if cfg["method"]:
+        decoder_settings(cfg)
+    if cfg["plot"]:
+        sampling.check_plot_path(cfg)
+    model, enc, ids, objective, ckpt = sampling.load_model(cfg)
+    # no --method: the one the model was trained for
+    cfg["method"] = cfg["method"] or METHOD_OF[objective]
+    if cfg["method"] == "mdm":
+        sampling.fit_mdm_layout(cfg, ckpt, "max_new_tokens" in explicit)
+    decode, settings = make_decoder(cfg, ids, torch.Generator(cfg["device"]))
+    check_attention(model, cfg["method"])
+    sampling.note_mismatch(cfg["method"], objective, ckpt)
+    # a prompt leaves room for ReFusion's generation whichever the method (so that next-token
+    # decoding takes the lines the summary compares with), for the MDM's canvas for the MDM
+    room = settings.gen_length
+    if cfg["method"] != "mdm":
+        room = decoder_settings(dict(cfg, method="refusion")).gen_length
+    prompts = sampling.load_prompts(cfg, enc, ckpt, room, model.config.block_size)
+    # one-time costs (compiling) are paid here, apart from the timed decodes
+    model = sampling.warm_up(cfg, model, decode, prompts)
+    # the summary's comparison: the same prompts by next-token decoding
+    next_token = None
+    if sampling.compares_next_token(cfg, len(prompts), "compare_next_token" in explicit):
+        sampling.note_mismatch("next_token", objective, ckpt)
+        next_token, _ = make_decoder(dict(cfg, method="next_token"), ids,
+                                     torch.Generator(cfg["device"]))
+        sampling.warm_up(cfg, model, next_token, prompts)
+    sampling.decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_token)
 
 
 if __name__ == "__main__":
-    # this file, run as __main__, is the module support/sampling.py imports: loaded once
-    sys.modules["sampler"] = sys.modules["__main__"]
-    from support.sampling import main
     run_cli(main, sys.argv[1:])

@@ -34,7 +34,7 @@ def generate_batch(model, decode, prompts, batch_size, generators=None, forwards
     a wider pass is nearly free; CPU_PAD elsewhere, where a pass costs about its tokens).
 
     model: the Transformer. decode(model, prompt, generator=None) -> Generation: a one-prompt
-    decoder as sampling.make_decoder returns it. prompts: list of token-id lists. generators: one
+    decoder as sampler.make_decoder returns it. prompts: list of token-id lists. generators: one
     torch.Generator per prompt (its draws at temperature > 0 are its own), or None for decode's.
     forwards: optional list; each pass run appends the indexes of the prompts it carried.
     A prompt that finishes leaves its batch; the next batch starts when all of it has finished. At

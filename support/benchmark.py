@@ -119,7 +119,7 @@ class Point:
     every point in turn): its forward passes timed (TimedModel, or counting Hugging Face's
     forward), its outputs, seconds, NFE and the peak memory of its decodes above the loaded models.
     model: a Transformer, or with decode None a Hugging Face model (hf_model); decode: a one-prompt
-    decoder as sampling.make_decoder returns it."""
+    decoder as sampler.make_decoder returns it."""
 
     def __init__(self, model, ids, max_new_tokens, decode=None):
         self.ids, self.max_new_tokens, self.decode = ids, max_new_tokens, decode
@@ -266,7 +266,7 @@ def peak_above(fn):
 
 
 def point_config(method, knobs, **extra):
-    """sampling.make_decoder's config of one benchmark point: greedy, the paper's infill and no MDM
+    """sampler.make_decoder's config of one benchmark point: greedy, the paper's infill and no MDM
     schedule unless knobs (the point's settings) say otherwise, then extra (max_new_tokens) and
     the method."""
     return {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper", **knobs,
@@ -304,7 +304,7 @@ def batch_throughput(decoders, prompts, batch_sizes, rounds=1):
     """Throughput and latency of each decoder decoding the first max(batch_sizes) prompts,
     batch_size prompts at a time (the sizes above the prompts there are left out).
 
-    decoders: {label: (model, a one-prompt decoder as sampling.make_decoder returns it)}, greedy;
+    decoders: {label: (model, a one-prompt decoder as sampler.make_decoder returns it)}, greedy;
     the first is the one "vs first" compares with. batch_sizes: ascending, the first 1 (each prompt
     decoded alone, as the rest of the benchmark does: the reference). Interleaved: each round runs
     every batch size, and in it every decoder, in turn; the figures are the median round's.

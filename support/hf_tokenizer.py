@@ -433,7 +433,7 @@ def undecodable_ids(enc, rows, model, special_ids=()):
     """The ids below `rows` that the tiktoken Encoding `enc` cannot decode, a tuple: a model's
     embedding rows past its tokenizer's ids (Qwen3's and ReFusion's 151,936 rows hold 151,671 ids,
     the rest pad the matrix to a multiple of 128) and any gap between ids. A model may still give
-    them probability; the decoders are told to ban them (sampling.make_decoder), as they ban the
+    them probability; the decoders are told to ban them (sampler.make_decoder), as they ban the
     mask id, since decode() has no text for them.
     rows: the model's embedding rows (vocab_size); model: names it in messages; special_ids: the ids
     the model is used with (EOS, mask, pad; None for none), checked with the tokenizer's own.

@@ -1,15 +1,10 @@
 """
-sampler.py's command line: its settings (DEFAULTS; python sampler.py --help), main, the decoder of
-each --method with its settings, and what it needs besides the decoders: the checks of its
-settings, the model and its tokenizer, the prompts, the live trace (--show), the picture (--plot),
-and what is printed.
+What sampler.py's command line needs besides the decoders: the checks of its settings, the model and
+its tokenizer, the prompts, the live trace (--show), the picture (--plot), and what is printed.
 
-    DEFAULTS                   the settings and their defaults (config/sample_*.py set them)
-    main(argv)                 the run: check, load, decode, print (python sampler.py runs it)
-    make_decoder(cfg, ...)     the decoder of cfg["method"] with its settings (DECODERS)
     check_sample_config(cfg)   refuse settings that cannot work, before any weights are read
-    load_model(cfg)            a checkpoint (out_dir) or a Hugging Face folder (--init_from),
-                               its ids
+    load_model(cfg)            a checkpoint (out_dir) or a Hugging Face folder (--init_from)
+    fit_mdm_layout, note_mismatch, compares_next_token, warm_up     main's smaller steps
     load_prompts(cfg, ...)     --prompt, --prompt_file (--chat: in the chat template) or validation
                                prompts
     decode_prompts(cfg, ...)   decode them (--batch_size at a time) and print each, then a summary
@@ -28,10 +23,8 @@ from json import dumps
 
 import torch
 
-from configurator import Defaults, check_device, check_seed, explicit_keys, parse_args
+from configurator import check_device, check_seed
 from model import ModelConfig
-from sampler import (MDM_CONFIDENCES, DecodeSettings, MDMSettings, RefusionSettings,
-                     check_attention, generate_mdm, generate_next_token, generate_refusion)
 from support.batching import generate_batch, prompt_generator
 from support.chat import chat_prompt
 from support.compiled import CompiledModel, check_compile
@@ -44,126 +37,6 @@ from support.hf_tokenizer import hf_special_ids, undecodable_ids
 from support.prepare import TokenDataset, prepare
 from support import tokenizer
 from support.tokenizer import encode_prompt, get_tokenizer
-
-
-# -----------------------------------------------------------------------------
-# the command line's settings: python sampler.py [config/sample_*.py] [--key=value ...]
-# One dict, not module globals, so that no setting's name (prompt, device, json, ...) stands for
-# anything else in the code that reads it; --help prints each entry's comment.
-DEFAULTS = Defaults({
-    "out_dir": "out",          # directory holding ckpt.pt (written by train.py) ...
-    "init_from": "",           # ... or a Hugging Face model folder (Qwen3, SmolLM2), or a ckpt.pt
-    "dtype": "auto",           # the weights: auto (bf16 where native and faster), float32, bfloat16
-    "tokenizer": "",           # hf:FOLDER: a checkpoint's tokenizer folder, moved; empty: recorded
-    "chat": False,             # wrap the prompt in the model's chat template (a user turn)
-    "prompt": "",              # decode this text ...
-    "prompt_file": "",         # ... or the text of this file (a pipe too; - for standard input) ...
-    "num_samples": 3,          # ... or this many prompts from the validation split
-    "method": "",              # refusion, next_token or mdm; empty: the checkpoint's objective's
-    "max_new_tokens": 128,     # at most this many tokens returned (refusion: whole serial blocks)
-    "slot_size": 8,            # refusion: tokens per slot (S)
-    "serial_num_blocks": 1,    # refusion: serial blocks, each of the same whole number of slots
-    "slot_threshold": 0.9,     # refusion: plan a slot whose first draft's probability passes
-    "token_threshold": 0.3,    # refusion: accept a draft token whose probability exceeds this
-    "infill": "paper",         # refusion: 'paper' (force masked drafts), 'speculative' (SPEC 4.1)
-    "steps": 0,                # mdm: denoising steps; 0 = one token per step
-    "block_length": 0,         # mdm: semi-autoregressive block length; 0 = the whole generation
-    "confidence": "prob",      # mdm: ranks a step's drafts: prob (LLaDA), margin or entropy (Dream)
-    "temperature": 0.0,        # 0: greedy; above 0: sample (Gumbel-max)
-    "batch_size": 1,           # prompts decoded together (SPEC 4.2); each sample is its own
-    "compile": False,          # the forward passes as compiled graphs (support/compiled.py)
-    "compare_next_token": True, # refusion: also decode them by --method=next_token, in the summary
-    "seed": 1337,              # prompt i is sampled from a torch.Generator seeded with seed + i
-    "device": "cpu",           # cpu, cuda, cuda:N or mps
-    "json": False,             # one JSON object per sample instead of text
-    "show": False,             # redraw the response after every decoding step (masked tokens as ░)
-    "plot": "",                # draw the first prompt's decode: a PNG, or a GIF a frame per step
-}, __file__, command="sampler.py")
-
-
-# -----------------------------------------------------------------------------
-# the command line's story: each step below is a function of this file
-
-
-def main(argv):
-    """python sampler.py: decode prompts with a checkpoint or a Hugging Face folder; print each
-    response with its verdict (where the data set has a check) and speed, then a summary line that
-    compares ReFusion with next-token decoding of the same prompts (compare_next_token)."""
-    cfg = parse_args(DEFAULTS, argv)
-    explicit = explicit_keys(cfg, DEFAULTS, argv)
-    # settings that cannot work fail before the weights are read (the decoder's own when --method
-    # names the decoder; else once the model's objective has chosen it)
-    check_sample_config(cfg)
-    if cfg["method"]:
-        decoder_settings(cfg)
-    if cfg["plot"]:
-        check_plot_path(cfg)
-    model, enc, ids, objective, ckpt = load_model(cfg)
-    # no --method: the one the model was trained for
-    cfg["method"] = cfg["method"] or METHOD_OF[objective]
-    if cfg["method"] == "mdm":
-        fit_mdm_layout(cfg, ckpt, "max_new_tokens" in explicit)
-    decode, settings = make_decoder(cfg, ids, torch.Generator(cfg["device"]))
-    check_attention(model, cfg["method"])
-    note_mismatch(cfg["method"], objective, ckpt)
-    room = prompt_room(cfg, settings)
-    prompts = load_prompts(cfg, enc, ckpt, room, model.config.block_size)
-    # one-time costs (compiling) are paid here, apart from the timed decodes
-    model = warm_up(cfg, model, decode, prompts)
-    # the summary's comparison: the same prompts by next-token decoding (or None)
-    next_token = next_token_decoder(cfg, model, ids, prompts, (objective, ckpt),
-                                    "compare_next_token" in explicit)
-    decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_token)
-
-
-# -----------------------------------------------------------------------------
-# a decoder from --key=value settings, for the command line and the tools (SPEC section 4)
-
-# the decoder and its settings for each --method
-DECODERS = {"refusion": (generate_refusion, RefusionSettings),
-            "next_token": (generate_next_token, DecodeSettings), "mdm": (generate_mdm, MDMSettings)}
-# the decoding method a model of each training objective is made for (--method's default)
-METHOD_OF = {"refusion": "refusion", "ar": "next_token", "mdm": "mdm"}
-
-
-def decoder_settings(cfg):
-    """The settings object of cfg["method"] (a RefusionSettings, DecodeSettings or MDMSettings),
-    which checks cfg's knobs. Raises ValueError for an unknown method or invalid settings."""
-    if cfg["method"] not in DECODERS:  # the old name too
-        raise ValueError(f"--method={cfg['method']!r}: choose one of {', '.join(DECODERS)}" +
-                         " (--method=ar is now called next_token)" * (cfg["method"] == "ar"))
-    Settings = DECODERS[cfg["method"]][1]
-    knobs = {f.name: cfg[f.name] for f in fields(Settings) if f.name in cfg}  # mdm_shift: ckpt
-    if cfg["method"] == "mdm":  # 0: one token per step, one semi-autoregressive block
-        knobs.update(steps=cfg["steps"] or None, block_length=cfg["block_length"] or None)
-    return Settings(**knobs)
-
-
-def make_decoder(cfg, ids, generator):
-    """(decode, its settings) for cfg["method"] and cfg's knobs: decode(model, prompt,
-    generator=None, on_step=None) -> Generation. ids: {"eos_ids", "mask_id", "pad_id",
-    optionally "undecodable_ids"}: the mask and pad ids and the ids the tokenizer cannot decode
-    are never generated (unless one is an EOS). Raises ValueError for an unknown method, ReFusion
-    or MDM without a mask token, or invalid settings."""
-    settings = decoder_settings(cfg)
-    if cfg["method"] != "next_token" and ids["mask_id"] is None:
-        raise ValueError(f"--method={cfg['method']}: this model has no mask token (a plain "
-                         "pretrained model, such as Qwen3 or SmolLM2, was never trained to fill "
-                         "masks); use --method=next_token, or fine-tune it with train.py first")
-    banned = tuple(i for i in (ids["mask_id"], ids["pad_id"], *ids.get("undecodable_ids", ()))
-                   if i is not None and i not in ids["eos_ids"])
-    kwargs = dict(eos_ids=ids["eos_ids"], banned_ids=banned) | (
-        {} if cfg["method"] == "next_token" else {"mask_id": ids["mask_id"]})
-    return partial(DECODERS[cfg["method"]][0], settings=settings, generator=generator,
-                   **kwargs), settings
-
-
-def check_confidence(cfg):
-    """Refuse a --confidence that is not one of MDM_CONFIDENCES, whichever the method, so that a
-    misspelt rule is never silently ignored. Raises ValueError."""
-    if cfg["confidence"] not in MDM_CONFIDENCES:
-        raise ValueError(f"--confidence={cfg['confidence']!r}: choose one of "
-                         f"{', '.join(MDM_CONFIDENCES)} (it ranks the MDM's drafts)")
 
 
 # -----------------------------------------------------------------------------
@@ -185,7 +58,6 @@ def check_sample_config(cfg):
         raise ValueError("--show redraws one decode at a time; use it with --batch_size=1")
     if cfg["batch_size"] > 1 and cfg["compile"]:
         raise ValueError("--compile decodes one prompt at a time; use it with --batch_size=1")
-    check_confidence(cfg)
     check_compile(cfg)
 
 
@@ -306,28 +178,6 @@ def compares_next_token(cfg, n_prompts, asked):
         print(f"note: --compare_next_token compares a summary line, which needs "
               f"{' and '.join(missing)}; decoding without it", file=sys.stderr)
     return not missing
-
-
-def next_token_decoder(cfg, model, ids, prompts, trained, asked):
-    """The next-token decoder the summary line compares ReFusion with, warmed up on the prompts
-    (warm_up), or None when there is no comparison (compares_next_token; asked: compare_next_token
-    was set explicitly). trained: (the model's objective, its checkpoint or None), for the note
-    when the model was not trained for next-token decoding."""
-    if not compares_next_token(cfg, len(prompts), asked):
-        return None
-    note_mismatch("next_token", *trained)
-    decode, _ = make_decoder(dict(cfg, method="next_token"), ids, torch.Generator(cfg["device"]))
-    warm_up(cfg, model, decode, prompts)
-    return decode
-
-
-def prompt_room(cfg, settings):
-    """Positions a prompt leaves for the generation (tokens): ReFusion's gen_length (max_new_tokens
-    rounded up to whole slots) whichever the method, so that --method=next_token decodes the lines
-    the summary compares with; the MDM's canvas (settings.gen_length) for the MDM."""
-    if cfg["method"] == "mdm":
-        return settings.gen_length
-    return decoder_settings(dict(cfg, method="refusion")).gen_length
 
 
 MAX_TOKEN_BYTES = 256  # more than any token of the tokenizers read here spells (GPT-2's: 128)

@@ -10,7 +10,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from support import sampling
+import sampler
 import train
 from helpers import tiny_model, tiny_run_flags, write
 from support import checkpoint
@@ -91,7 +91,7 @@ def test_an_inconsistent_checkpoint_is_refused_naming_the_file(tmp_path):
             load_checkpoint(str(tmp_path / name))
     with pytest.raises(ValueError, match="is inconsistent: its meta lacks tokenizer"):
         # an error line, no KeyError
-        sampling.main([f"--out_dir={tmp_path / 'no-tokenizer'}", "--prompt=x"])
+        sampler.main([f"--out_dir={tmp_path / 'no-tokenizer'}", "--prompt=x"])
 
 
 def test_a_symlink_at_the_old_temp_name_is_never_followed(tmp_path, monkeypatch):
@@ -208,7 +208,7 @@ def test_a_nan_weight_is_refused_at_load_naming_the_file_for_every_source(tmp_pa
     save_checkpoint(str(tmp_path / "run"), ckpt)
     message = r"ckpt.pt: the weight layers.0.mlp.up_proj.weight holds 1 NaN or infinite value"
     with pytest.raises(ValueError, match=message):
-        sampling.main([f"--out_dir={tmp_path / 'run'}", "--prompt=hi", "--max_new_tokens=4"])
+        sampler.main([f"--out_dir={tmp_path / 'run'}", "--prompt=hi", "--max_new_tokens=4"])
     with pytest.raises(ValueError, match=message):
         train.main([f"--out_dir={tmp_path / 'run'}", "--init_from=resume", "--max_iters=4"])
     with pytest.raises(ValueError, match=message):
@@ -219,7 +219,7 @@ def test_a_nan_weight_is_refused_at_load_naming_the_file_for_every_source(tmp_pa
     save_file(weights, tmp_path / "folder" / "model.safetensors")
     with pytest.raises(ValueError, match=r"model.safetensors: the weight layers.1.mlp.down_proj"
                                          r".weight holds 1 NaN or infinite"):
-        sampling.main([f"--init_from={tmp_path / 'folder'}", "--prompt=hi", "--method=next_token"])
+        sampler.main([f"--init_from={tmp_path / 'folder'}", "--prompt=hi", "--method=next_token"])
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])

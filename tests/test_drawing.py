@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from support import sampling
+import sampler
 import train
 from data import layout_slots
 from helpers import qa_rows, tiny_model, tiny_run_flags, write
 from support import drawing
-from support.sampling import DECODERS
+from sampler import DECODERS
 from support.drawing import picture_path, plot_decode, pyplot
 from tools import figures
 
@@ -144,15 +144,15 @@ def test_plot_names_the_png_it_writes_and_refuses_a_bad_path_before_any_work(tmp
         bad_paths.append((locked / "d.gif", "cannot write in"))
     for bad, message in bad_paths:
         with pytest.raises((ValueError, FileNotFoundError), match=message):  # no checkpoint read
-            sampling.main([f"--out_dir={tmp_path / 'no-model-here'}", f"--plot={bad}"])
+            sampler.main([f"--out_dir={tmp_path / 'no-model-here'}", f"--plot={bad}"])
     if os.path.isdir("/proc"):                             # a directory nobody can write in
         with pytest.raises(ValueError, match="cannot write in /proc"):
             picture_path("/proc/d.png", "--plot")
     data = write(tmp_path, "qa.json", json.dumps(qa_rows()))
     train.main(tiny_run_flags(tmp_path, (data,), "m") + ["--max_iters=2"])
     capsys.readouterr()
-    sampling.main([f"--out_dir={tmp_path / 'm'}", "--num_samples=1", "--max_new_tokens=8",
-                   "--slot_size=4", f"--plot={tmp_path / name}"])
+    sampler.main([f"--out_dir={tmp_path / 'm'}", "--num_samples=1", "--max_new_tokens=8",
+                  "--slot_size=4", f"--plot={tmp_path / name}"])
     assert f"into {tmp_path / written}" in capsys.readouterr().err
     assert (tmp_path / written).read_bytes().startswith(PNG)
     assert not (tmp_path / f"{written}.png").exists()

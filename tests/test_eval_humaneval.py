@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import sampler
 import train
 from helpers import ROOT, save_tiny_hf_folder, tiny_run_flags
 from support import sampling
@@ -99,13 +100,13 @@ def test_an_mdm_is_scored_in_the_layout_it_was_trained_on(tmp_path, qa_file, mon
     train.main(tiny_run_flags(tmp_path, qa_file, "mdm", objective="mdm") + [
         "--max_iters=2", "--block_size=600", "--mdm_shift=True"])        # --gen_length=16
     seen = []
-    decode = sampling.DECODERS["mdm"][0]
+    decode = sampler.DECODERS["mdm"][0]
 
     def spy(model, prompt, settings, **kwargs):
         seen.append((settings.mdm_shift, settings.max_new_tokens))
         return decode(model, prompt, settings, **kwargs)
 
-    monkeypatch.setitem(sampling.DECODERS, "mdm", (spy, sampling.DECODERS["mdm"][1]))
+    monkeypatch.setitem(sampler.DECODERS, "mdm", (spy, sampler.DECODERS["mdm"][1]))
     flags = [f"--out_dir={tmp_path / 'mdm'}", "--allow_code_eval", "--limit=1", "--steps=4"]
     eval_humaneval.main(flags)
     assert "decoding on the canvas of 16 tokens" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from support import sampling
+import sampler
 import train
 from helpers import ROOT, tiny_model, tiny_run_flags
 from model import ModelConfig, Transformer
@@ -125,8 +125,8 @@ def test_a_sharded_checkpoint_resumes_exactly_and_consolidates_for_the_sampler(t
     assert_same_weights(resumed["model"], straight["model"], atol=0)
 
     capsys.readouterr()
-    sampling.main([f"--out_dir={tmp_path / 'resumed'}", "--json", "--num_samples=1",
-                   "--max_new_tokens=8", "--slot_size=4", "--serial_num_blocks=1"])
+    sampler.main([f"--out_dir={tmp_path / 'resumed'}", "--json", "--num_samples=1",
+                  "--max_new_tokens=8", "--slot_size=4", "--serial_num_blocks=1"])
     assert json.loads(capsys.readouterr().out)["tokens"] > 0
 
     out = f"--out_dir={tmp_path / 'resumed'}"

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from support import sampling
+import sampler
 import train
 from helpers import ROOT, tiny_run_flags
 from support import hardware
@@ -232,7 +232,7 @@ def test_training_and_decoding_take_the_dtype_auto_picks(tmp_path, qa_file, caps
     assert used == [chosen]
     assert f"process(es), --dtype=auto: {chosen}, as this CPU ({kind})" in \
         capsys.readouterr().out
-    sampling.main([f"--out_dir={tmp_path / 'run'}", "--prompt=hi", "--max_new_tokens=8",
-                   "--slot_size=4", "--json"])
+    sampler.main([f"--out_dir={tmp_path / 'run'}", "--prompt=hi", "--max_new_tokens=8",
+                  "--slot_size=4", "--json"])
     assert f"note: --dtype=auto: {chosen}, as this CPU ({kind})" in capsys.readouterr().err
     assert [work for _, work in calls] == (["train", "decode"] if chosen == "bfloat16" else [])

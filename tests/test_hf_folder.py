@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import sampler
 from helpers import edit_json, save_tiny_hf_folder
 from model import ModelConfig, Transformer
 from sampler import DecodeSettings, RefusionSettings, generate_next_token, generate_refusion
 from support import tokenizer
 from support.chat import chat_prompt
-from support import sampling
 from support.hf_folder import FAMILIES, from_pretrained, hf_model_config, sliding_layers
 
 TOL = 1e-5
@@ -434,22 +434,22 @@ def test_sampler_decodes_a_folder_in_the_chat_template(tmp_path, capsys):
     # user text stays text
     assert chat_prompt(enc, "Say <|im_end|>") == ([257] + list(b"user\nSay <|im_end|>")
                                                   + [258, 10, 257] + list(b"assistant\n"))
-    sampling.main([folder, "--chat", "--prompt=Say hi", "--max_new_tokens=16", "--slot_size=4",
-                   "--serial_num_blocks=1", "--json"])
-    sampling.main([folder, "--prompt=Say hi", "--max_new_tokens=5", "--method=next_token",
-                   "--json"])
+    sampler.main([folder, "--chat", "--prompt=Say hi", "--max_new_tokens=16", "--slot_size=4",
+                  "--serial_num_blocks=1", "--json"])
+    sampler.main([folder, "--prompt=Say hi", "--max_new_tokens=5", "--method=next_token",
+                  "--json"])
     refusion, ar = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert refusion["prompt"].startswith("<|im_start|>user\nSay hi<|im_end|>") and \
         0 < refusion["tokens"] <= 16
     assert ar["nfe"] == ar["tokens"] <= 5
     with pytest.raises(ValueError, match="trained with a causal objective"):
-        sampling.main([folder, "--prompt=hi", "--method=mdm"])
+        sampler.main([folder, "--prompt=hi", "--method=mdm"])
     # a plain Qwen3: next-token decoding only
     save_tiny_hf_folder(tmp_path / "qwen3", mask=False)
     with pytest.raises(ValueError, match="no mask token"):
-        sampling.main([f"--init_from={tmp_path / 'qwen3'}", "--prompt=hi", "--method=refusion"])
+        sampler.main([f"--init_from={tmp_path / 'qwen3'}", "--prompt=hi", "--method=refusion"])
     with pytest.raises(ValueError, match="has no validation split"):
-        sampling.main([f"--init_from={tmp_path / 'qwen3'}"])
+        sampler.main([f"--init_from={tmp_path / 'qwen3'}"])
 
 
 def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsys, monkeypatch):
@@ -481,8 +481,8 @@ def test_train_fine_tunes_a_folder_without_a_mask_token(tmp_path, qa_file, capsy
     capsys.readouterr()
     # the sampler finds the tokenizer from anywhere
     monkeypatch.chdir(tmp_path / "data")
-    sampling.main([f"--out_dir={tmp_path / 'ft'}", "--num_samples=1", "--max_new_tokens=8",
-                   "--slot_size=4", "--serial_num_blocks=1", "--json"])
+    sampler.main([f"--out_dir={tmp_path / 'ft'}", "--num_samples=1", "--max_new_tokens=8",
+                  "--slot_size=4", "--serial_num_blocks=1", "--json"])
     assert json.loads(capsys.readouterr().out)["tokens"] >= 1
 
 
@@ -618,7 +618,7 @@ def test_malformed_files_of_a_folder_are_refused_naming_the_file(tmp_path, qa_fi
      else save_tiny_hf_folder)(folder)
     damage(folder / name)
     commands = {
-        "sampler.py": (sampling.main, ["--prompt=hi"]),
+        "sampler.py": (sampler.main, ["--prompt=hi"]),
         "train.py": (train.main, [f"--dataset={qa_file[0]}", f"--data_root={tmp_path / 'data'}",
                                   f"--out_dir={tmp_path / 'ft'}", "--block_size=64",
                                   "--max_iters=1"]),
@@ -648,7 +648,7 @@ def test_a_checkpoint_whose_folder_moved_is_sampled_with_the_folder_named_anew(t
              "--slot_size=4", "--json"]
     with pytest.raises(FileNotFoundError, match=r"records its tokenizer as hf:.*qwen3, a folder "
                                                 r"that is no longer there .*--tokenizer=hf:FOLDER"):
-        sampling.main(flags)
+        sampler.main(flags)
     capsys.readouterr()
-    sampling.main(flags + [f"--tokenizer=hf:{tmp_path / 'moved'}"])
+    sampler.main(flags + [f"--tokenizer=hf:{tmp_path / 'moved'}"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["prompt"] == "hi"

@@ -20,9 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import sampler
 from helpers import (TEXTS, edit_json, loadable_by_tokenizers, save_tiny_hf_folder,
                      trained_tokenizer)
-from support import sampling, tokenizer
+from support import tokenizer
 from support.chat import CHATML, chat_prompt
 from support.hf_tokenizer import (PRE_TOKENIZERS, QWEN2_PAT, byte_of_char, hf_special_ids,
                                   hf_tokenizer, undecodable_ids)
@@ -266,16 +267,16 @@ def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
     lm_head[:259] = lm_head[262] = 0
     save_file(tensors | {"lm_head.weight": lm_head}, folder / "model.safetensors")
     flags = [f"--init_from={folder}", "--prompt=hi", "--json"]
-    sampling.main(flags + ["--method=next_token", "--max_new_tokens=5"])
-    sampling.main(flags + ["--method=refusion", "--max_new_tokens=8", "--slot_size=4",
-                          "--serial_num_blocks=1"])
+    sampler.main(flags + ["--method=next_token", "--max_new_tokens=5"])
+    sampler.main(flags + ["--method=refusion", "--max_new_tokens=8", "--slot_size=4",
+                         "--serial_num_blocks=1"])
     greedy_ar, greedy_refusion = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert (greedy_ar["text"], greedy_ar["tokens"]) == ("\0" * 5, 5)
     assert (greedy_refusion["text"], greedy_refusion["tokens"]) == ("\0" * 8, 8)
-    cfg = dict(sampling.DEFAULTS, init_from=str(folder), method="next_token", max_new_tokens=32,
+    cfg = dict(sampler.DEFAULTS, init_from=str(folder), method="next_token", max_new_tokens=32,
                temperature=1.0)
     model, enc, ids, _, _ = load_model(cfg)
-    run, _ = sampling.make_decoder(cfg, ids, torch.Generator().manual_seed(0))
+    run, _ = sampler.make_decoder(cfg, ids, torch.Generator().manual_seed(0))
     # Gumbel-max: the padded rows would win nearly always
     sampled = run(model, tokenizer.encode(enc, "hi")).tokens
     assert sampled and not set(sampled) & {*range(259, 300)}
@@ -301,7 +302,7 @@ def test_token_ids_beyond_the_models_rows_are_refused_at_load(tmp_path, qa_file,
                r"tokens\) are at or beyond the 300 embedding rows of the model in "
                rf"{re.escape(str(folder / 'config.json'))}")
     with pytest.raises(ValueError, match=message):
-        sampling.main([f"--init_from={folder}", "--chat", "--prompt=hi", "--method=next_token"])
+        sampler.main([f"--init_from={folder}", "--chat", "--prompt=hi", "--method=next_token"])
     with pytest.raises(ValueError, match=message):
         train.main([f"--init_from={folder}", f"--dataset={qa_file[0]}",
                     f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'ft'}",
@@ -420,8 +421,8 @@ def test_a_post_processor_s_bos_begins_every_prompt_as_transformers_encodes_it(t
     prompt, response = TokenDataset(data_dir, "train").sample(0)
     assert prompt[0] == 260 and 260 not in response
     capsys.readouterr()
-    sampling.main([f"--init_from={tmp_path / 'llama3'}", "--prompt=hi", "--method=next_token",
-                   "--max_new_tokens=2", "--json"])
+    sampler.main([f"--init_from={tmp_path / 'llama3'}", "--prompt=hi", "--method=next_token",
+                  "--max_new_tokens=2", "--json"])
     assert json.loads(capsys.readouterr().out)["prompt"] == "<|begin_of_text|>hi"
     edit_json(tmp_path / "llama3" / "tokenizer.json",
               lambda spec: spec.update(post_processor={"type": "RobertaProcessing"}))

@@ -90,10 +90,9 @@ def kind_of(module):
     return module if module == "test_refusion" else None
 
 
-# where each script may reach support/: train.py in main, its command line; sampler.py only in
-# its `if __name__ == "__main__":` block, which runs support/sampling.py's main (its command line)
+# where each script may reach support/: in main, its command line
 REACHES_SUPPORT = {"train": ("main", "main, its command line"),
-                   "sampler": ("__main__", "its __main__ block, which runs support.sampling.main")}
+                   "sampler": ("main", "main, its command line")}
 
 
 def violations(project):
@@ -163,8 +162,8 @@ def test_the_checker_names_each_kind_of_forbidden_import(tmp_path):
     """The rules can fail: files that break each of them, in the places of the method files, are
     named with the rule they break."""
     files = {"sampler": "import torch\nfrom support.shard import shard_model\n\n"
-                        "def main():\n    from support import runs\n\n"
-                        "if __name__ == '__main__':\n    from support.sampling import main\n",
+                        "def main():\n    from support import sampling\n\n"
+                        "def plan_slots():\n    from support import runs\n",
              "train": "import torch\nfrom support import runs\n\n"
                       "def main():\n    from support import runs\n",
              "data": "import safetensors\nfrom support.tokenizer import encode\n",
@@ -176,9 +175,9 @@ def test_the_checker_names_each_kind_of_forbidden_import(tmp_path):
         bad[m].write_text(text)
     assert violations(bad) == [
         f"{bad['sampler']}:2 imports support.shard at module level: sampler.py reaches support/ "
-        "only in its __main__ block, which runs support.sampling.main",
-        f"{bad['sampler']}:5 imports support.runs in main: sampler.py reaches support/ only in "
-        "its __main__ block, which runs support.sampling.main",
+        "only in main, its command line",
+        f"{bad['sampler']}:8 imports support.runs in plan_slots: sampler.py reaches support/ only "
+        "in main, its command line",
         f"{bad['train']}:2 imports support.runs at module level: train.py reaches support/ only "
         "in main, its command line",
         f"{bad['data']}:1 imports safetensors: data may import only numpy, tiktoken, torch besides "
@@ -331,8 +330,8 @@ def test_every_name_is_imported_from_its_one_home():
 
 def test_no_module_global_of_the_decoders_shadows_a_parameter():
     """sampler.py's functions read their settings from their parameters, never from a module
-    global of the same name (the command line's settings are support/sampling.py's DEFAULTS, a
-    dict): no top-level name of sampler.py or support/sampling.py is also a parameter there."""
+    global of the same name (the command line's settings are DEFAULTS, a dict): no top-level name
+    of sampler.py or support/sampling.py is also a parameter there."""
     for path in (ROOT / "sampler.py", ROOT / "support" / "sampling.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         globals_ = defined_names(path) | {alias.asname or alias.name.split(".")[0]
@@ -371,3 +370,15 @@ def test_the_papers_layout_reads_no_option_beyond_the_paper():
              for name in ast.walk(node) if isinstance(name, (ast.Name, ast.arg))
              and (name.id if isinstance(name, ast.Name) else name.arg) in options}
     assert found == set()
+
+
+def test_python_sampler_py_loads_sampler_once():
+    """python sampler.py runs as __main__ and nothing imports it again as `sampler` (no module of
+    its command line imports the decoders back): -X importtime lists no module named sampler."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "sampler.py", "--help"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert "support.sampling" in imported
+    assert "sampler" not in imported

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import sampler
 import train
 from helpers import ROOT, save_tiny_hf_folder, tiny_run_flags
-from support import sampling
 from support.corpora import double_quoted
 from support.tokenizer import encode
 
@@ -41,7 +41,7 @@ def sampler_json(out, method, capsys):
     """sampler.py --json on the first N_LINES validation lines, with DECODING's settings."""
     capsys.readouterr()
     flags = [f"--out_dir={out}", f"--method={method}", f"--num_samples={N_LINES}", "--json"]
-    sampling.main(flags + [f"--{k}={v}" for k, v in DECODING.items()])
+    sampler.main(flags + [f"--{k}={v}" for k, v in DECODING.items()])
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 

@@ -4,7 +4,7 @@ figures."""
 
 import re
 
-from support import sampling
+import sampler
 import train
 from helpers import ROOT
 from support.checkpoint import load_checkpoint
@@ -16,7 +16,7 @@ def test_quick_start_trains_and_prints_a_verdict_per_sample_and_a_summary(tmp_pa
             "--eval_interval=1", "--eval_iters=1"]
     train.main([str(ROOT / "config" / "train_quotes.py"), out, data] + tiny)
     capsys.readouterr()
-    sampling.main([str(ROOT / "config" / "sample_quotes.py"), out, "--num_samples=3"])
+    sampler.main([str(ROOT / "config" / "sample_quotes.py"), out, "--num_samples=3"])
     printed = capsys.readouterr().out.strip().split("\n")
     verdicts = [line for line in printed
                 if re.match(r"(right|wrong) \(exact\): \d+ tokens in \d+ forward", line)]

@@ -11,12 +11,14 @@ import threading
 import pytest
 import torch
 
+import sampler
 from support import sampling
 import train
 from helpers import qa_rows, tiny_model, tiny_run_flags, write
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.prepare import TokenDataset
-from support.sampling import DECODERS, DEFAULTS, EOS_MARK, LiveTrace, make_decoder
+from sampler import DECODERS, DEFAULTS, make_decoder
+from support.sampling import EOS_MARK, LiveTrace
 from support.tokenizer import decode, encode, get_tokenizer
 
 
@@ -55,25 +57,25 @@ def test_cli_builds_each_decoder_and_refuses_an_unknown_method():
 def test_bad_decoder_settings_fail_before_any_weights_are_read(tmp_path, flag, message):
     # out_dir holds no checkpoint: reading weights first would fail with a different error
     with pytest.raises(ValueError, match=message):
-        sampling.main([f"--out_dir={tmp_path / 'no-model-here'}", "--method=refusion",
-                       *flag.split()])
+        sampler.main([f"--out_dir={tmp_path / 'no-model-here'}", "--method=refusion",
+                      *flag.split()])
 
 
 def test_sampler_cli_prints_one_json_object_per_sample(tmp_path, qa_file, capsys):
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=2"])
     capsys.readouterr()
     out_dir = f"--out_dir={tmp_path / 'run'}"
-    sampling.main([out_dir, "--json", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4",
-                   "--serial_num_blocks=1"])
-    sampling.main([out_dir, "--json", "--prompt=What is 7 + 7?", "--max_new_tokens=6",
-                   "--slot_size=4", "--serial_num_blocks=2", "--method=refusion"])
+    sampler.main([out_dir, "--json", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4",
+                  "--serial_num_blocks=1"])
+    sampler.main([out_dir, "--json", "--prompt=What is 7 + 7?", "--max_new_tokens=6",
+                  "--slot_size=4", "--serial_num_blocks=2", "--method=refusion"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(lines) == 3 and lines[2]["prompt"] == "What is 7 + 7?"
     for row, limit in zip(lines, (8, 8, 6)):
         assert {"text", "tokens", "nfe", "tpf", "seconds", "tokens_per_s"} <= set(row)
         assert 0 < row["tokens"] <= limit and row["tpf"] == round(row["tokens"] / row["nfe"], 3)
-    sampling.main([out_dir, "--json", "--num_samples=1000", "--max_new_tokens=8", "--slot_size=4",
-                   "--serial_num_blocks=1"])
+    sampler.main([out_dir, "--json", "--num_samples=1000", "--max_new_tokens=8", "--slot_size=4",
+                  "--serial_num_blocks=1"])
     # every fitting prompt, and a note saying so
     printed = capsys.readouterr()
     assert len(printed.out.splitlines()) < 1000 and \
@@ -82,7 +84,7 @@ def test_sampler_cli_prints_one_json_object_per_sample(tmp_path, qa_file, capsys
                          (["--prompt_file=nope.txt"], "no such file"),
                          (["--method=mdm"], "trained with a causal objective")]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
-            sampling.main([out_dir] + bad)
+            sampler.main([out_dir] + bad)
 
 
 def test_sampler_prepares_damaged_validation_data_anew(tmp_path, qa_file, capsys):
@@ -90,8 +92,8 @@ def test_sampler_prepares_damaged_validation_data_anew(tmp_path, qa_file, capsys
     val_bin = next((tmp_path / "data").glob("*/val.bin"))
     whole = val_bin.read_bytes()
     val_bin.write_bytes(whole[:-4])                                   # cut short
-    sampling.main([f"--out_dir={tmp_path / 'run'}", "--num_samples=1", "--max_new_tokens=8",
-                   "--serial_num_blocks=1", "--json"])
+    sampler.main([f"--out_dir={tmp_path / 'run'}", "--num_samples=1", "--max_new_tokens=8",
+                  "--serial_num_blocks=1", "--json"])
     assert val_bin.read_bytes() == whole
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] >= 1
 
@@ -103,7 +105,7 @@ def test_seed_samples_a_prompt_as_the_api_does_with_that_seed(trained, capsys, m
     none of the sample's random numbers."""
     knobs = ["--temperature=1", "--prompt=What is 7 + 7?", "--max_new_tokens=16", "--slot_size=4",
              "--serial_num_blocks=1"]
-    sampling.main([f"--out_dir={trained}", "--json", "--seed=7", f"--method={method}"] + knobs)
+    sampler.main([f"--out_dir={trained}", "--json", "--seed=7", f"--method={method}"] + knobs)
     row = json.loads(capsys.readouterr().out)
     ckpt = load_checkpoint(trained)
     meta, model, enc = ckpt["meta"], model_from_checkpoint(ckpt), get_tokenizer("bytes")
@@ -126,20 +128,20 @@ def test_plot_draws_the_first_decode_and_refuses_a_missing_directory_before_read
         trained, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "decode.png"
-    sampling.main([f"--out_dir={trained}", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4",
-                   "--serial_num_blocks=1", f"--plot={path}"])
+    sampler.main([f"--out_dir={trained}", "--num_samples=2", "--max_new_tokens=8", "--slot_size=4",
+                  "--serial_num_blocks=1", f"--plot={path}"])
     assert path.read_bytes().startswith(b"\x89PNG") and \
         "drew the decode of the first prompt" in capsys.readouterr().err
     # a GIF: one frame per step; next-token decoding takes a step, and a forward pass, per token
     from PIL import Image
-    sampling.main([f"--out_dir={trained}", "--num_samples=1", "--max_new_tokens=8", "--json",
-                   "--method=next_token", f"--plot={tmp_path / 'decode.gif'}"])
+    sampler.main([f"--out_dir={trained}", "--num_samples=1", "--max_new_tokens=8", "--json",
+                  "--method=next_token", f"--plot={tmp_path / 'decode.gif'}"])
     row = json.loads(capsys.readouterr().out)
     assert Image.open(tmp_path / "decode.gif").n_frames == row["nfe"] == row["tokens"]
     with pytest.raises(FileNotFoundError, match=r"--plot=.*: the directory .*nope does not exist; "
                                                 r"create it"):
-        sampling.main([f"--out_dir={tmp_path / 'no-model-here'}",
-                       f"--plot={tmp_path / 'nope' / 'decode.png'}"])
+        sampler.main([f"--out_dir={tmp_path / 'no-model-here'}",
+                      f"--plot={tmp_path / 'nope' / 'decode.png'}"])
 
 
 def test_live_trace_draws_characters_whole_eos_as_a_marker_and_ends_on_the_returned_response(
@@ -191,15 +193,15 @@ def test_prompt_file_is_read_as_written_and_bad_utf8_names_the_byte(trained, tmp
     note), and a byte that is not UTF-8 is named by its offset, with the file."""
     out_dir = f"--out_dir={trained}"
     path = write(tmp_path, "p.txt", b"\xef\xbb\xbfdef f(x):\r\n    return")
-    sampling.main([out_dir, "--json", f"--prompt_file={path}", "--max_new_tokens=4",
-                   "--slot_size=4", "--serial_num_blocks=1"])
+    sampler.main([out_dir, "--json", f"--prompt_file={path}", "--max_new_tokens=4",
+                  "--slot_size=4", "--serial_num_blocks=1"])
     captured = capsys.readouterr()
     assert json.loads(captured.out)["prompt"] == "def f(x):\r\n    return"
     assert f"--prompt_file={path}: removed the UTF-8 byte order mark" in captured.err
     bad = write(tmp_path, "bad.txt", b"def caf\xe9():\n")
     with pytest.raises(ValueError, match=rf"--prompt_file={re.escape(bad)}: not valid UTF-8 at "
                                          r"byte offset 7"):
-        sampling.main([out_dir, f"--prompt_file={bad}"])
+        sampler.main([out_dir, f"--prompt_file={bad}"])
 
 
 def test_an_mdm_is_decoded_on_the_canvas_it_was_trained_for(tmp_path, capsys):
@@ -207,12 +209,12 @@ def test_an_mdm_is_decoded_on_the_canvas_it_was_trained_for(tmp_path, capsys):
     train.main(tiny_run_flags(tmp_path, (path,), "mdm", objective="mdm") + ["--max_iters=2"])
     out_dir = str(tmp_path / "mdm")
     # trained with --gen_length=16
-    sampling.main([f"--out_dir={out_dir}", "--num_samples=1", "--json"])
+    sampler.main([f"--out_dir={out_dir}", "--num_samples=1", "--json"])
     assert "canvas of 16 tokens" in capsys.readouterr().err
     with pytest.raises(ValueError, match="trained to fill canvases of 16 tokens.*"
                                          "use --max_new_tokens=16"):
-        sampling.main([f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=10"])
-    sampling.main([f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=16", "--json"])
+        sampler.main([f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=10"])
+    sampler.main([f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=16", "--json"])
     assert "canvas" not in capsys.readouterr().err
 
 
@@ -231,11 +233,11 @@ def test_an_mdm_is_decoded_with_the_shift_it_was_trained_with(tmp_path, monkeypa
         out = f"mdm-{shift}"
         train.main(tiny_run_flags(tmp_path, (path,), out, objective="mdm") +
                    ["--max_iters=2", f"--mdm_shift={shift}"])
-        sampling.main([f"--out_dir={tmp_path / out}", "--num_samples=2", "--json"])
+        sampler.main([f"--out_dir={tmp_path / out}", "--num_samples=2", "--json"])
         assert len(seen) >= 2 and set(seen) == {shift}
         seen.clear()
     with pytest.raises(ValueError, match="mdm_shift"):
-        sampling.main([f"--out_dir={tmp_path / out}", "--mdm_shift=True"])
+        sampler.main([f"--out_dir={tmp_path / out}", "--mdm_shift=True"])
 
 
 def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_counts_them(
@@ -248,7 +250,7 @@ def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_
     train.main(flags)
     sample = [f"--out_dir={tmp_path / 'run'}", "--num_samples=3", "--max_new_tokens=16",
               "--serial_num_blocks=1"]
-    sampling.main(sample)
+    sampler.main(sample)
     out = capsys.readouterr().out.strip().split("\n")
     lines = [line for line in out if re.match(r"(right|wrong) \(exact\): ", line)]
     assert len(lines) == 3
@@ -259,14 +261,14 @@ def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_
     assert out[-1].startswith(f"3 samples: {right} of 3 right (exact); {tokens} tokens in {nfe} "
                               f"forward passes, {tokens / nfe:.2f} tokens per forward, ")
     # next-token decoding, one sample a line
-    sampling.main(sample + ["--method=next_token", "--json"])
+    sampler.main(sample + ["--method=next_token", "--json"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     ar_right, ar_tokens = sum(r["exact"] for r in rows), sum(r["tokens"] for r in rows)
     assert re.search(rf"; next-token decoding \(--method=next_token\) of the same prompts: "
                      rf"{ar_right} of 3 "
                      rf"right \(exact\); {ar_tokens} tokens in {ar_tokens} forward passes, "
                      r"[\d.]+ tokens/s; speed-up [\d.]+x$", out[-1])
-    sampling.main(sample + ["--compare_next_token=False"])
+    sampler.main(sample + ["--compare_next_token=False"])
     assert "next-token" not in capsys.readouterr().out.strip().split("\n")[-1]
 
 
@@ -283,7 +285,7 @@ def test_an_unconsolidated_sharded_run_names_shard_py_and_a_stale_copy_warns(tra
                        match=rf"no checkpoint at \S+ckpt.pt: {re.escape(str(out))} holds a sharded "
                              r"checkpoint .*`python -m tools.consolidate "
                              rf"--out_dir={re.escape(str(out))}`"):
-        sampling.main([f"--out_dir={out}", "--prompt=x"])
+        sampler.main([f"--out_dir={out}", "--prompt=x"])
     shutil.copy(os.path.join(trained, "ckpt.pt"), out)
     # consolidated long before the last save
     os.utime(out / "ckpt.pt", (0, 0))
@@ -304,27 +306,27 @@ def test_prompt_file_from_a_pipe_or_standard_input_is_read(trained, tmp_path, mo
     knobs = [f"--out_dir={trained}", "--json", "--max_new_tokens=4", "--slot_size=4",
              "--serial_num_blocks=1"]
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("What is 7 + 7?\n".encode())))
-    sampling.main(knobs + ["--prompt_file=-"])
+    sampler.main(knobs + ["--prompt_file=-"])
     assert json.loads(capsys.readouterr().out)["prompt"] == "What is 7 + 7?\n"
     # what <(echo ...) hands the script
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     writer = threading.Thread(target=lambda: fifo.write_text("What is 8 + 8?"), daemon=True)
     writer.start()
-    sampling.main(knobs + [f"--prompt_file={fifo}"])
+    sampler.main(knobs + [f"--prompt_file={fifo}"])
     writer.join(timeout=60)
     assert json.loads(capsys.readouterr().out)["prompt"] == "What is 8 + 8?"
     with pytest.raises(ValueError, match=rf"--prompt_file={re.escape(str(tmp_path))}: "
                                          r"is a directory"):
-        sampling.main(knobs + [f"--prompt_file={tmp_path}"])
+        sampler.main(knobs + [f"--prompt_file={tmp_path}"])
 
 
 def test_a_causal_checkpoint_asked_for_mdm_decoding_is_told_its_attention_not_a_canvas(trained):
     """--method=mdm on a ReFusion checkpoint (whose config holds a gen_length, as every run's does)
     is refused for its causal attention, not for a canvas length it was never trained on."""
     with pytest.raises(ValueError, match="trained with a causal objective"):
-        sampling.main([f"--out_dir={trained}", "--num_samples=1", "--method=mdm",
-                       "--max_new_tokens=8"])
+        sampler.main([f"--out_dir={trained}", "--num_samples=1", "--method=mdm",
+                      "--max_new_tokens=8"])
 
 
 def test_the_next_token_note_speaks_only_of_models_trained_without_next_token_labels(
@@ -336,8 +338,8 @@ def test_the_next_token_note_speaks_only_of_models_trained_without_next_token_la
         train.main(tiny_run_flags(tmp_path, qa_file, name) + ["--max_iters=2"] + options)
         for method in ("next_token", "refusion"):
             capsys.readouterr()
-            sampling.main([f"--out_dir={tmp_path / name}", "--num_samples=2", "--max_new_tokens=8",
-                           "--slot_size=4", f"--method={method}"])
+            sampler.main([f"--out_dir={tmp_path / name}", "--num_samples=2", "--max_new_tokens=8",
+                          "--slot_size=4", f"--method={method}"])
             noted = "never learns a slot's first token" in capsys.readouterr().err
             assert noted == (name == "paper"), (name, method)
 
@@ -348,8 +350,8 @@ def test_the_next_token_note_speaks_only_of_models_trained_without_next_token_la
                                             (["--show"], "no --show")])
 def test_an_explicit_compare_next_token_that_cannot_apply_says_why(trained, capsys, flags,
                                                                    missing):
-    sampling.main([f"--out_dir={trained}", "--max_new_tokens=8", "--slot_size=4",
-                   "--compare_next_token=True", *flags])
+    sampler.main([f"--out_dir={trained}", "--max_new_tokens=8", "--slot_size=4",
+                  "--compare_next_token=True", *flags])
     captured = capsys.readouterr()
     assert f"note: --compare_next_token compares a summary line, which needs {missing}" in \
         captured.err
@@ -363,8 +365,8 @@ def test_init_from_takes_a_checkpoint_as_train_py_does(trained, capsys):
             [f"--init_from={os.path.join(trained, 'ckpt.pt')}"]]
     outputs = []
     for flags in runs:
-        sampling.main(flags + ["--prompt=What is 2 + 2?", "--max_new_tokens=8", "--slot_size=4",
-                              "--json"])
+        sampler.main(flags + ["--prompt=What is 2 + 2?", "--max_new_tokens=8", "--slot_size=4",
+                             "--json"])
         outputs.append({k: v for k, v in json.loads(capsys.readouterr().out).items()
                         if k not in ("seconds", "tokens_per_s")})
     assert outputs[0] == outputs[1] == outputs[2]
@@ -375,7 +377,7 @@ def test_an_endless_prompt_stream_is_read_only_as_far_as_a_prompt_can_go(trained
     """--prompt_file=/dev/zero (or a pipe that never closes) was read until memory ran out; it is
     read no further than the longest text the context could hold, and refused saying so."""
     with pytest.raises(ValueError, match=r"--prompt_file=/dev/zero: longer than 16,384 bytes"):
-        sampling.main([f"--out_dir={trained}", "--prompt_file=/dev/zero"])
+        sampler.main([f"--out_dir={trained}", "--prompt_file=/dev/zero"])
 
 
 def test_batch_size_decodes_prompts_together_and_each_sample_stays_its_own(trained, capsys):
@@ -386,18 +388,18 @@ def test_batch_size_decodes_prompts_together_and_each_sample_stays_its_own(train
     for method in ("refusion", "next_token"):
         rows = {}
         for B in (1, 3):
-            sampling.main(flags + ["--json", f"--method={method}", f"--batch_size={B}"])
+            sampler.main(flags + ["--json", f"--method={method}", f"--batch_size={B}"])
             rows[B] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert len(rows[1]) == 5
         assert [(r["prompt"], r["text"], r["tokens"], r["nfe"]) for r in rows[3]] == \
             [(r["prompt"], r["text"], r["tokens"], r["nfe"]) for r in rows[1]]
-    sampling.main(flags + ["--batch_size=2"])
+    sampler.main(flags + ["--batch_size=2"])
     summary = capsys.readouterr().out.strip().split("\n")[-1]
     assert re.match(r"5 samples: .*tokens/s; next-token decoding .* speed-up [\d.]+x$", summary)
     for bad, message in [(["--batch_size=0"], "--batch_size=0: decode at least one prompt"),
                          (["--batch_size=2", "--show"], "--show redraws one decode at a time")]:
         with pytest.raises(ValueError, match=message):
-            sampling.main(flags + bad)
+            sampler.main(flags + bad)
 
 
 def test_validation_prompts_are_the_first_that_fit_as_the_benchmarks_take_them(trained, capsys):
@@ -409,8 +411,8 @@ def test_validation_prompts_are_the_first_that_fit_as_the_benchmarks_take_them(t
     enc = get_tokenizer(ckpt["meta"]["tokenizer"])
     prompts = {}
     for n in (2, 5):
-        sampling.main([f"--out_dir={trained}", "--json", f"--num_samples={n}",
-                       "--max_new_tokens=8", "--slot_size=4"])
+        sampler.main([f"--out_dir={trained}", "--json", f"--num_samples={n}",
+                      "--max_new_tokens=8", "--slot_size=4"])
         prompts[n] = [json.loads(line)["prompt"] for line in capsys.readouterr().out.splitlines()]
     block = ckpt["model_args"]["block_size"]
     expected = [decode(enc, val.sample(i)[0]) for i in range(len(val))
@@ -427,16 +429,16 @@ def test_a_prompt_gets_the_newline_its_training_prompts_end_with(tmp_path, capsy
     train.main(tiny_run_flags(tmp_path, (path,), "lines") + ["--max_iters=1"])
     capsys.readouterr()
     flags = ["--json", "--max_new_tokens=4", "--slot_size=4"]
-    sampling.main([f"--out_dir={tmp_path / 'lines'}", "--prompt=x = 'a'"] + flags)
+    sampler.main([f"--out_dir={tmp_path / 'lines'}", "--prompt=x = 'a'"] + flags)
     captured = capsys.readouterr()
     assert json.loads(captured.out)["prompt"] == "x = 'a'\n"
     assert "note: the model was trained on prompts that end with a newline" in captured.err
-    sampling.main([f"--out_dir={tmp_path / 'lines'}", "--prompt=x = 'b'\n"] + flags)
+    sampler.main([f"--out_dir={tmp_path / 'lines'}", "--prompt=x = 'b'\n"] + flags)
     assert json.loads(capsys.readouterr().out)["prompt"] == "x = 'b'\n"
     sums = write(tmp_path, "sums.json", json.dumps(qa_rows()))
     train.main(tiny_run_flags(tmp_path, (sums,), "sums") + ["--max_iters=1"])
     capsys.readouterr()
-    sampling.main([f"--out_dir={tmp_path / 'sums'}", "--prompt=What is 2 + 2?"] + flags)
+    sampler.main([f"--out_dir={tmp_path / 'sums'}", "--prompt=What is 2 + 2?"] + flags)
     captured = capsys.readouterr()
     assert json.loads(captured.out)["prompt"] == "What is 2 + 2?" and "newline" not in captured.err
 
@@ -450,6 +452,6 @@ def test_next_token_decoding_picks_the_prompts_refusion_would(trained, capsys, m
                         lambda cfg, enc, ckpt, room, block: rooms.append(room) or load(
                             cfg, enc, ckpt, room, block))
     for method in ("refusion", "next_token"):
-        sampling.main([f"--out_dir={trained}", "--num_samples=2", "--max_new_tokens=6",
-                       "--slot_size=4", f"--method={method}"])
+        sampler.main([f"--out_dir={trained}", "--num_samples=2", "--max_new_tokens=6",
+                      "--slot_size=4", f"--method={method}"])
     assert rooms == [8, 8]

@@ -60,7 +60,7 @@ from support.report import (NAMES, best_mdm, compiled_table, fastest_close, firs
                             headline, highlights_table, most_accurate, throughput_table,
                             write_report)
 from support.runs import check_writable, live_progress
-from support.sampling import make_decoder
+from sampler import make_decoder
 from support.tokenizer import decode, get_tokenizer, vocab_size
 
 # -----------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from support.prepare import TokenDataset, prepare
 from support.report import (best_mdm, fastest_close, first_quality, markdown_table, most_accurate,
                             quality_text, speedup_text, write_report)
 from support.runs import check_writable, live_progress
-from support.sampling import make_decoder
+from sampler import make_decoder
 from support.tokenizer import decode, get_tokenizer
 
 # -----------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from support.prepare import TokenDataset, prepare
 from support.report import (best_mdm, compiled_table, fastest_close, first_quality, headline,
                             highlights_table, most_accurate, throughput_table, write_report)
 from support.runs import check_writable, live_progress
-from support.sampling import make_decoder
+from sampler import make_decoder
 from support.tokenizer import decode, get_tokenizer
 
 # -----------------------------------------------------------------------------

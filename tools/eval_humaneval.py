@@ -62,8 +62,8 @@ from sampler import check_attention
 from support.batching import generate_batch, prompt_generator
 from support.chat import chat_prompt
 from support.files import write_atomic
-from support.sampling import (METHOD_OF, check_confidence, decoder_settings, fit_mdm_layout,
-                              load_model, make_decoder, note_mismatch)
+from sampler import METHOD_OF, check_confidence, decoder_settings, make_decoder
+from support.sampling import fit_mdm_layout, load_model, note_mismatch
 from support.tokenizer import decode, encode, encode_prompt
 
 # -----------------------------------------------------------------------------

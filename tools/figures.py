@@ -28,6 +28,7 @@ import torch
 if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import sampler
 from configurator import parse_args, run_cli, settings_in
 from data import IGNORE, reorganize_slots
 from support.drawing import cell_text, plot_layout, picture_path, pyplot
@@ -87,9 +88,8 @@ def main(argv):
         draw_layout(cfg)
     if cfg["out_dir"]:
         # the command line that decodes and draws
-        from support import sampling
-        sampling.main([f"--out_dir={cfg['out_dir']}", "--num_samples=1",
-                       f"--plot={cfg['decode_png']}", *shlex.split(cfg["sampler_flags"])])
+        sampler.main([f"--out_dir={cfg['out_dir']}", "--num_samples=1",
+                      f"--plot={cfg['decode_png']}", *shlex.split(cfg["sampler_flags"])])
         print(f"wrote {cfg['decode_png']}")
 
 

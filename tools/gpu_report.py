@@ -238,9 +238,9 @@ def mdm_flags(cfg, gen_length):
 
 def sample_settings(cfg):
     """sampler.py's settings of the quick start (config/sample_quotes.py) on the device."""
-    return parse_args(sampling.DEFAULTS, [os.path.join(ROOT, "config", "sample_quotes.py"),
-                                         f"--device={cfg['device']}", f"--dtype={cfg['dtype']}",
-                                         f"--num_samples={cfg['num_lines']}"])
+    return parse_args(sampler.DEFAULTS, [os.path.join(ROOT, "config", "sample_quotes.py"),
+                                        f"--device={cfg['device']}", f"--dtype={cfg['dtype']}",
+                                        f"--num_samples={cfg['num_lines']}"])
 
 
 def decoding_section(cfg, clock):
@@ -253,11 +253,11 @@ def decoding_section(cfg, clock):
     mdm = dict(sample, method="mdm", out_dir=os.path.join(cfg["work_dir"], "quotes-mdm"))
     mdm_model, _, mdm_ids, _, mdm_ckpt = sampling.load_model(mdm)
     sampling.fit_mdm_layout(mdm, mdm_ckpt, explicit=False)   # its canvas and shift
-    decoders = {"ReFusion": (model, sampling.make_decoder(dict(sample, method="refusion"), ids,
-                                                         None)[0]),
-                "next-token": (model, sampling.make_decoder(dict(sample, method="next_token"), ids,
-                                                           None)[0]),
-                "MDM": (mdm_model, sampling.make_decoder(mdm, mdm_ids, None)[0])}
+    decoders = {"ReFusion": (model, sampler.make_decoder(dict(sample, method="refusion"), ids,
+                                                        None)[0]),
+                "next-token": (model, sampler.make_decoder(dict(sample, method="next_token"), ids,
+                                                          None)[0]),
+                "MDM": (mdm_model, sampler.make_decoder(mdm, mdm_ids, None)[0])}
     compiled = {}                                      # model -> its CompiledModel, shared
     runs, alone = [], {}                               # alone: eager batch-1 tokens per decoder
     # every eager run before the compiled ones, so that the budget cuts the compiled ones first
@@ -301,7 +301,7 @@ def quick_start_model(cfg):
     sample = sample_settings(cfg)
     sample["out_dir"] = os.path.join(cfg["work_dir"], "quotes")
     model, enc, ids, _, ckpt = sampling.load_model(sample)
-    room = sampling.decoder_settings(dict(sample, method="refusion")).gen_length
+    room = sampler.decoder_settings(dict(sample, method="refusion")).gen_length
     prompts = sampling.load_prompts(sample, enc, ckpt, room, model.config.block_size)
     return sample, model, ids, prompts, sampling.Report(sample, enc, ids, ckpt).judge
 
@@ -319,7 +319,7 @@ def attention_section(cfg, clock):
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
     for method in ("next_token", "refusion"):
-        decode = sampling.make_decoder(dict(sample, method=method), ids, None)[0]
+        decode = sampler.make_decoder(dict(sample, method=method), ids, None)[0]
         for name, backend in backends.items():
             row = {"decoder": method, "backend": name}
             note = clock.over()
@@ -331,7 +331,7 @@ def attention_section(cfg, clock):
             runs.append(dict(row, **({"error": outcome["error"]} if "error" in outcome
                                      else outcome["result"][1])))
     # next-token decoding reading every token, beside the device's default (the runs above)
-    decode = sampling.make_decoder(dict(sample, method="next_token"), ids, None)[0]
+    decode = sampler.make_decoder(dict(sample, method="next_token"), ids, None)[0]
     every = dict(sampler.EOS_EVERY)
     sampler.EOS_EVERY[model.embed_tokens.weight.device.type] = 1
     try:

@@ -53,8 +53,8 @@ from support.batching import prompt_generator
 from support.chat import chat_prompt
 from support.checkpoint import decoder_ids, load_checkpoint
 from support.files import write_atomic
-from support.sampling import (DEFAULTS, METHOD_OF, check_sample_config, decoder_settings,
-                              fit_mdm_layout, load_model, make_decoder, validation_split)
+from sampler import DEFAULTS, METHOD_OF, decoder_settings, make_decoder
+from support.sampling import check_sample_config, fit_mdm_layout, load_model, validation_split
 from support.tokenizer import decode, encode, encode_prompt, get_tokenizer
 
 
@@ -66,7 +66,7 @@ NOT_MODEL_ARGS = {"max_new_tokens", "prompt", "prompt_file", "num_samples", "com
 @register_model("refusion")
 class RefusionLM(LM):
     """lm-evaluation-harness's LM over a checkpoint (out_dir) or a Hugging Face folder (init_from)
-    decoded by this project's decoders. settings: sampler.py's settings (support.sampling.DEFAULTS)
+    decoded by this project's decoders. settings: sampler.py's settings (sampler.DEFAULTS)
     as keyword arguments, plus batch_size (the most log-likelihood requests of one length in a
     forward pass). Raises ValueError / FileNotFoundError as sampler.py does for the same settings.
     """
