@@ -1,5 +1,5 @@
-"""Decoder settings, the choice of tokens and the step trace (sampler.py), beyond the
-specification."""
+"""Decoder settings, the choice of tokens, the step trace and SpeculativeInfill's hooks
+(sampler.py), beyond the specification."""
 
 import re
 from dataclasses import MISSING, fields
@@ -12,7 +12,7 @@ from helpers import PROMPTS, SETTINGS, PathCounter, tiny_model
 from sampler import (DecodeSettings, MDMSettings, RefusionSettings, draft_tokens,
                      generate_next_token, generate_refusion, generate_refusion_plain)
 from sampler import DECODERS, DEFAULTS, make_decoder
-from test_refusion import EOS, MASK, V, OracleModel, oracle_target
+from test_refusion import EOS, MASK, V, BadDrafterOracle, OracleModel, oracle_target
 
 class PrefersSpecialIds(nn.Module):
     """A tiny model whose logits favour some ids by +50 (an undertrained model that drafts
@@ -206,3 +206,45 @@ def test_plain_decoder_equals_the_cached_one_on_a_trained_model(refusion_model, 
     assert set(paths.seen) == {"verify commits whole slots", "verify ends at EOS",
                                "infill of one row", "infill of several rows",
                                "infill ends at EOS"}, paths.seen
+
+
+def test_speculative_infill_hooks_change_no_tensor_they_are_given(monkeypatch):
+    """SpeculativeInfill's hooks return what they change (plan: the drafts and their scores; step
+    3: the rows' accepted prefixes and tokens), so that the paper's steps show the data flow: no
+    hook writes into a tensor it is given, or into the rows' tensors. Checked on decodes whose
+    hooks do change drafts and tokens (the bad drafter of the test above)."""
+    from sampler import InfillRows, SpeculativeInfill
+
+    def snapshot(args):
+        found = []
+        for a in args:
+            for t in (vars(a).values() if isinstance(a, InfillRows) else [a]):
+                if torch.is_tensor(t):
+                    found.append((t, t.clone()))
+        return found
+
+    changed = []
+    for name in ("plan", "verified", "restart_later_rows", "force_next_tokens", "rows_verified",
+                 "kept_prefix", "committed"):
+        def checked(self, *args, _hook=getattr(SpeculativeInfill, name), _name=name):
+            before = snapshot(args)
+            out = _hook(self, *args)
+            for tensor, copy in before:
+                assert torch.equal(tensor, copy), f"{_name} wrote into a tensor it was given"
+            changed.append(_name)
+            return out
+        monkeypatch.setattr(SpeculativeInfill, name, checked)
+    P, L, S = 5, 16, 4
+    target = oracle_target(P, L, seed=5)
+    for blocks in (1, 4):
+        settings = RefusionSettings(L, slot_size=S, serial_num_blocks=blocks, slot_threshold=0.0,
+                                    token_threshold=0.5, infill="speculative")
+        generate_refusion(BadDrafterOracle(target, V, MASK), target[:P].tolist(), settings,
+                          mask_id=MASK, eos_ids=(EOS,))
+    # later slots that pass verify whole restart from their first token (the test above)
+    target = oracle_target(P, 12, seed=6)
+    model = BadDrafterOracle(target, V, MASK, bad=list(range(P + 1, P + S)))
+    settings = RefusionSettings(12, slot_size=S, slot_threshold=0.0, token_threshold=0.5,
+                                infill="speculative")
+    generate_refusion(model, target[:P].tolist(), settings, mask_id=MASK, eos_ids=(EOS,))
+    assert {"plan", "restart_later_rows", "force_next_tokens"} <= set(changed)

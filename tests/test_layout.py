@@ -3,6 +3,7 @@ imports that flow one way (read from the code with `ast`; every violation is nam
 
 import ast
 import io
+import re
 import subprocess
 import sys
 import tokenize
@@ -281,6 +282,102 @@ def test_the_method_reads_on_one_screen():
     assert reads == []
 
 
+# a test's citation of the sentence it proves: "# SPEC 4, step 2: ..." or "SPEC section 3"
+SPEC_CITATION = re.compile(r"SPEC (?:section )?(\d+(?:\.\d+)?)")
+
+
+def comment_above(lines, node):
+    """The full-line comments just above a function (and its decorators), top to bottom."""
+    first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+    found = []
+    n = first - 1
+    while n >= 1 and lines[n - 1].lstrip().startswith("#"):
+        found.insert(0, lines[n - 1])
+        n -= 1
+    return found
+
+
+def specification_violations(path):
+    """The lines of a file of specification tests that break the method files' rules, as text
+    naming the file, the line and the rule: a packed line (density_violations), several values
+    assigned to several names at once (`a, b = x, y`), statements joined by a semicolon, a block
+    on its header's line (`if x: y`), a test whose comment or docstring cites no SPEC section, and
+    a test whose (first) section comes before the one of a test above it."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    found = density_violations(path.name, text)
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.OP and token.string == ";":
+            found.append(f"{path.name}:{token.start[0]} joins statements with a semicolon")
+    compound = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.FunctionDef, ast.ClassDef)
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        several_names = isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
+        if several_names and isinstance(node.value, ast.Tuple):
+            found.append(f"{path.name}:{node.lineno} assigns several values at once: "
+                         f"{ast.unparse(node)}")
+        if isinstance(node, compound) and node.body[0].lineno == node.lineno:
+            found.append(f"{path.name}:{node.lineno} puts a block on its header's line")
+    # the tests, top to bottom: each cites a section, in SPEC's order
+    previous = "0"
+    for node in tree.body:
+        if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")):
+            continue
+        cited = comment_above(lines, node) + [ast.get_docstring(node) or ""]
+        sections = [m.group(1) for line in cited for m in SPEC_CITATION.finditer(line)]
+        if not sections:
+            found.append(f"{path.name}:{node.lineno} {node.name} cites no SPEC section")
+            continue
+        section = sections[0]
+        if [int(n) for n in section.split(".")] < [int(n) for n in previous.split(".")]:
+            found.append(f"{path.name}:{node.lineno} {node.name} cites SPEC {section} after a "
+                         f"test citing SPEC {previous}")
+        previous = section
+    return found
+
+
+def test_the_specification_tests_read_as_the_method_files_do():
+    """test_refusion.py keeps the method files' rules (one statement a line, no packed line), and
+    every test of it names the SPEC sentence it proves, in SPEC's order."""
+    assert specification_violations(ROOT / "test_refusion.py") == []
+
+
+def test_the_specification_checker_names_each_kind_of_violation(tmp_path):
+    """The rules can fail: a file of specification tests that breaks each of them is named with
+    the rule it breaks (a test citing SPEC 3 after one citing SPEC 4 among them), and the forms
+    the rules allow (one call's tuple unpacked, a citation in a comment above the test or in its
+    docstring) pass."""
+    bad = tmp_path / "test_spec.py"
+    bad.write_text('import torch\n'
+                   '\n'
+                   '\n'
+                   '# SPEC 4, step 1: "Select every slot whose score exceeds `slot_threshold`"\n'
+                   'def test_cited_above():\n'
+                   '    P, L = 5, 24\n'
+                   '    x = P; y = L\n'
+                   '    if x: y = 0\n'
+                   '    assert [x][int(len([y]))] == \\\n'
+                   '        0\n'
+                   '\n'
+                   '\n'
+                   'def test_cited_in_its_docstring():\n'
+                   '    """SPEC section 3, step 5: the loss."""\n'
+                   '    values, order = torch.sort(torch.zeros(3))\n'
+                   '\n'
+                   '\n'
+                   '# the hybrid loss\n'
+                   'def test_uncited():\n'
+                   '    """A docstring, no citation."""\n')
+    assert sorted(specification_violations(bad)) == sorted([
+        "test_spec.py:6 assigns several values at once: P, L = (5, 24)",
+        "test_spec.py:7 joins statements with a semicolon",
+        "test_spec.py:8 puts a block on its header's line",
+        "test_spec.py:9 continues with a backslash",
+        "test_spec.py:9 nests calls in a subscript: [x][int(len([y]))]",
+        "test_spec.py:13 test_cited_in_its_docstring cites SPEC 3 after a test citing SPEC 4",
+        "test_spec.py:19 test_uncited cites no SPEC section"])
+
+
 def test_no_two_functions_or_classes_share_a_name():
     """One name, one meaning: no two top-level functions or classes of the project's modules
     share a name (a script's `main` aside)."""
@@ -350,7 +447,6 @@ def test_each_package_index_names_every_module_and_only_modules():
     """support/__init__.py's docstring names every module of support/, a line each, and
     tools/__init__.py's every command of tools/ (python -m tools.X); neither names one that is
     not there."""
-    import re
     for package, entry in (("support", r"^    (\w+) {2,}\S"), ("tools", r"python -m tools\.(\w+)")):
         index = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
         named = set(re.findall(entry, index, re.MULTILINE))
