@@ -1,18 +1,7 @@
 """
-ReFusion's training layout (SPEC section 3) and the baselines', as batches of tensors: what each
-objective feeds the model and what it asks it to predict.
-
-    reorganize_slots      ReFusion: slots, masking, the clean slots shuffled before the masked ones
-    layout_one_sample     one sample's layout as a plain loop, the reference layout_slots equals
-    layout_slots          the deterministic half of reorganize_slots, vectorized over the batch
-    label_slot_ends       a label pass after the layout (--slot_end_labels, beyond the paper)
-    mix_layouts           a share of samples in another layout (--ar_fraction, beyond the paper)
-    autoregressive_batch  the ARM baseline's layout
-    pad_with_eos          the MDM baseline's canvas (LLaDA's supervised fine-tuning: EOS padding)
-    random_mask_batch     the MDM baseline's layout (each response token masked independently)
-    pack_rows             several samples of a causal layout in each row (--pack, beyond the paper)
-
-Token ids come in from support/prepare.py's TokenDataset; nothing here reads files or text.
+The training layouts of SPEC section 3 as batches: ReFusion's (reorganize_slots, layout_slots and
+its plain loop layout_one_sample), the options beyond the paper (label_slot_ends, mix_layouts,
+pack_rows), the baselines' (autoregressive_batch, pad_with_eos, random_mask_batch).
 """
 
 from dataclasses import dataclass, replace
@@ -25,32 +14,20 @@ IGNORE = -100  # label of a token that is not predicted (F.cross_entropy's ignor
 
 @dataclass
 class Batch:
-    """One training batch, in the order the model sees it.
-
-    idx:          (B, T) int64 input tokens (mask ids where masked, pad_id after the sample).
-    position_ids: (B, T) int64 true position of every token (RoPE).
-    labels:       (B, T) int64 target at each input token, IGNORE where none.
-    mdm_weight:   (B, T) float32 1 / (p_mask * response length) where the label is a masked
-                  token's own token (masked-diffusion loss), 0 where it is a next token
-                  (autoregressive loss).
-    key_mask:     (B, T) bool, False on padding: the bidirectional MDM's (a causal model's
-                  padding comes last, where no query sees it), or None.
-    sample_id:    (B, T) int64, packed rows only (pack_rows): the sample of each token, -1 on
-                  padding; a token attends causally to its own sample's tokens. Else None.
-    n_samples:    the samples of the batch (hybrid_loss's divisor), when rows hold several.
-    """
-    idx: torch.Tensor
-    position_ids: torch.Tensor
-    labels: torch.Tensor
+    """One training batch in the order the model sees it; every tensor (B, T)."""
+    idx: torch.Tensor                      # int64 tokens, the mask id where masked
+    position_ids: torch.Tensor             # int64 true positions (RoPE)
+    labels: torch.Tensor                   # int64 target at each token, IGNORE where none
+    # float32 1 / (p_mask * response length) where the label is a masked token's own (MDM loss),
+    # 0 where it is a next token (AR loss)
     mdm_weight: torch.Tensor
-    key_mask: torch.Tensor | None = None
-    sample_id: torch.Tensor | None = None
-    n_samples: int | None = None
+    key_mask: torch.Tensor | None = None   # bool, False on padding (the bidirectional MDM)
+    sample_id: torch.Tensor | None = None  # int64, packed rows: each token's sample, -1 on padding
+    n_samples: int | None = None           # packed rows: the samples (hybrid_loss's divisor)
 
     @property
     def attn_mask(self):
-        """The model's attn_mask: key_mask as (B, 1, 1, T) (every query sees every key that is not
-        padding), sample_id as (B, 1, T, T) (causal within a sample), or None."""
+        """The model's attn_mask: (B, 1, 1, T) bool from key_mask, (B, 1, T, T) from sample_id."""
         # packed rows: a query sees the keys of its own sample, at or before its place
         if self.sample_id is not None:
             T = self.sample_id.shape[1]
@@ -62,7 +39,7 @@ class Batch:
 
 
 def _p_mask(batch_size, eps, generator, device):
-    """p = (1 - eps) t + eps with t ~ U(0, 1): one masking probability per sample, (B,) float32."""
+    """p_mask = (1 - eps) t + eps, t ~ U(0, 1): (batch_size,) float32 (SPEC section 3, step 2)."""
     # drawn on the CPU generator, so the draws do not depend on the device
     t = torch.rand(batch_size, generator=generator).to(device)
     # eps keeps p_mask above 0: the MDM loss divides by it
@@ -70,15 +47,9 @@ def _p_mask(batch_size, eps, generator, device):
 
 
 def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator, eps=1e-3):
-    """ReFusion's slot reorganization of a batch (SPEC section 3; paper section 3.1).
-
-    tokens: (B, T) int64, each row prompt + response (ending with EOS), right-padded;
-    prompt_len, length: (B,) int64 (length counts EOS, not padding). Per sample, draws the slot size
-    S uniformly from slot_sizes, p_mask = (1 - eps) t + eps with t ~ U(0, 1), which slots are masked
-    (each with probability p_mask) and a random order of the clean slots, then lays the batch out
-    with layout_slots. All randomness comes from `generator` (a CPU torch.Generator), in that order.
-    Returns a Batch of the same (B, T). No Python loop over samples.
-    """
+    """ReFusion's slot reorganization (SPEC section 3, steps 1-4): per sample the draws of steps 1-3
+    from generator (a CPU torch.Generator), in that order, then layout_slots. tokens: (B, T) int64,
+    prompt, response, padding; prompt_len, length: (B,) int64 (EOS counted). Returns a Batch."""
     B, T = tokens.shape
     dev = tokens.device
     # Step 1: each sample's slot size S, drawn from slot_sizes: (B,)
@@ -88,78 +59,62 @@ def reorganize_slots(tokens, prompt_len, length, slot_sizes, mask_id, generator,
     p = _p_mask(B, eps, generator, dev)
     # (B, T) indexed by slot id (a response of <= T tokens has <= T slots): slot k masked with
     # probability p
-    slot_is_masked = torch.rand(B, T, generator=generator).to(dev) < p[:, None]
+    draws = torch.rand(B, T, generator=generator).to(dev)
+    slot_is_masked = draws < p[:, None]
     # (B, T) a random order of the slots: argsort of uniform noise lists the slot ids in a random
     # order, and argsort of that list inverts it, giving each slot k its place in that order (its
     # rank)
-    slot_rank = torch.rand(B, T, generator=generator).argsort(dim=1).argsort(dim=1).to(dev)
+    noise = torch.rand(B, T, generator=generator)
+    slot_rank = noise.argsort(dim=1).argsort(dim=1).to(dev)
     # Steps 3-4: the buffer, its labels and loss weights, from these draws alone.
     return layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id)
 
 
 def layout_one_sample(tokens, P, n, S, p, slot_is_masked, slot_rank, mask_id):
-    """layout_slots for one sample, as a plain loop (SPEC section 3, steps 3-4): the reference the
-    vectorized layout_slots must equal (test_vectorized_layout_equals_the_per_sample_loop).
-
-    tokens: list of ids (prompt, response, padding); P: prompt length; n: prompt + response length;
-    S: slot size, slot k holding response positions P + kS ...; p: p_mask; slot_is_masked and
-    slot_rank: lists indexed by slot id.
-    Returns (idx, position_ids, labels, mdm_weight) as lists.
-    """
+    """layout_slots for one sample, as a plain loop (SPEC section 3, steps 3-4). tokens: list of
+    ids; P, n: prompt and prompt + response lengths; S: slot size; p: p_mask; slot_is_masked,
+    slot_rank: lists by slot id. Returns lists (idx, position_ids, labels, mdm_weight)."""
     # Step 3: the response cut into slots of S tokens (the last may be shorter), as true positions.
-    slots = [list(range(start, min(start + S, n))) for start in range(P, n, S)]
+    slots = [range(start, min(start + S, n)) for start in range(P, n, S)]
+    ids = range(len(slots))
     # The clean slots in the order of their rank (the random permutation of step 3).
-    clean = sorted((k for k in range(len(slots)) if not slot_is_masked[k]),
-                   key=lambda k: slot_rank[k])
+    clean = [slots[k] for k in sorted(ids, key=lambda k: slot_rank[k]) if not slot_is_masked[k]]
     # The masked slots in their original order.
-    masked = [k for k in range(len(slots)) if slot_is_masked[k]]
+    masked = [slots[k] for k in ids if slot_is_masked[k]]
 
     # Step 4, the buffer: first the prompt, at its positions, with no labels.
     idx = tokens[:P]
     pos = list(range(P))
     labels = [IGNORE] * P
     weight = [0.0] * P
-    # Then the clean slots in rank order: each token is labelled with the next token of its own
-    # slot (autoregressive loss); a slot's last token has no next token inside the slot.
-    for k in clean:
-        for i, q in enumerate(slots[k]):
-            # the clean token itself, at its true position
-            idx.append(tokens[q])
-            pos.append(q)
-            # the next token of the same slot, if the slot has one after q
-            has_next = i + 1 < len(slots[k])
-            labels.append(tokens[q + 1] if has_next else IGNORE)
-            # a next-token label: no MDM loss weight
-            weight.append(0.0)
-    # Then the masked slots: mask ids, each labelled with its own token (masked-diffusion loss),
-    # weighted 1 / (p_mask * response length).
-    for k in masked:
-        for q in slots[k]:
-            # the mask id, at the true position of the token it hides
-            idx.append(mask_id)
-            pos.append(q)
-            # the hidden token itself, not shifted
-            labels.append(tokens[q])
-            weight.append(1.0 / (p * (n - P)))
+    # Then the clean slots in rank order, each token at its true position.
+    for slot in clean:
+        idx += [tokens[q] for q in slot]
+        pos += slot
+        # each token labelled with the next token of its own slot (AR loss); the slot's last token
+        # has no next token inside the slot
+        labels += [tokens[q + 1] for q in slot[:-1]] + [IGNORE]
+        weight += [0.0] * len(slot)
+    # Then the masked slots: mask ids at the true positions of the tokens they hide.
+    for slot in masked:
+        idx += [mask_id] * len(slot)
+        pos += slot
+        # each labelled with its own token, not shifted (MDM loss), weighted 1 / (p_mask * response
+        # length)
+        labels += [tokens[q] for q in slot]
+        weight += [1.0 / (p * (n - P))] * len(slot)
     # Padding last, where no real token's causal attention reaches it; no labels.
-    for q in range(n, len(tokens)):
-        idx.append(tokens[q])
-        pos.append(q)
-        labels.append(IGNORE)
-        weight.append(0.0)
+    idx += tokens[n:]
+    pos += range(n, len(tokens))
+    labels += [IGNORE] * (len(tokens) - n)
+    weight += [0.0] * (len(tokens) - n)
     return idx, pos, labels, weight
 
 
 def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, mask_id):
-    """The deterministic half of reorganize_slots: the buffer, labels and loss weights of SPEC
-    section 3, steps 3-4 (the clean slots in ascending slot_rank; every token at its true position).
-
-    S: (B,) int64 slot size; p: (B,) float32 p_mask; slot_is_masked: (B, n) bool and slot_rank:
-    (B, n) int64 (a permutation), indexed by slot id (n between the number of slots and T; T
-    always suffices). The whole batch at once, no loop: every tensor is first computed in input
-    (true position) order, then one sort per row lays it out in buffer order. layout_one_sample is
-    the same, as a plain loop per sample. Returns a Batch of the same (B, T).
-    """
+    """SPEC section 3, steps 3-4, for the whole batch: S, p: (B,) int64 slot size, float32 p_mask;
+    slot_is_masked (bool), slot_rank (int64, a permutation): (B, >= slots) by slot id. Returns a
+    Batch (B, T), what layout_one_sample gives per sample."""
     B, T = tokens.shape
     # Every tensor below is (B, T), in input order until the sort. A token's true position is its
     # index in the input.
@@ -209,15 +164,8 @@ def layout_slots(tokens, prompt_len, length, S, p, slot_is_masked, slot_rank, ma
 
 
 def label_slot_ends(batch, tokens, prompt_len, length):
-    """--slot_end_labels (SPEC section 3, beyond the paper): the last token of every clean slot,
-    and the prompt's last token, are labelled with the token at the next true position (where
-    that is in the response), as every other clean token already is, so that the next-token
-    pathway is trained at every position.
-
-    batch: the Batch reorganize_slots laid out from tokens (B, T) int64, prompt_len and length
-    (B,) int64, which are given here too. Returns a new Batch with those labels; nothing else
-    changes, and no random number is drawn.
-    """
+    """--slot_end_labels (SPEC section 3): batch, reorganize_slots' layout of tokens, prompt_len and
+    length, with each clean slot's last token and the prompt's labelled too. Draws nothing."""
     T = tokens.shape[1]
     pos = batch.position_ids
     # the token at the next true position of every buffer place (clamped at the row's end)
@@ -232,15 +180,12 @@ def label_slot_ends(batch, tokens, prompt_len, length):
 
 
 def mix_layouts(batch, other, fraction, generator):
-    """--ar_fraction (SPEC section 3, beyond the paper): each sample takes `other`'s layout (the
-    ARM's autoregressive_batch) instead of batch's with probability `fraction` (in [0, 1)), so
-    that the next-token pathway keeps seeing whole contexts in natural order. One draw per sample
-    from generator (a CPU torch.Generator: torch.rand(B), float32), after the layout's.
-    batch, other: Batches of the same (B, T). Returns the mixed Batch.
-    """
+    """--ar_fraction (SPEC section 3): each row of batch replaced by other's (the same (B, T)) with
+    probability fraction, one torch.rand(B) draw from generator. Returns the mixed Batch."""
     B = batch.idx.shape[0]
     # (B, 1): which samples take the other layout, one draw each
-    chosen = (torch.rand(B, generator=generator) < fraction).to(batch.idx.device)[:, None]
+    draws = torch.rand(B, generator=generator).to(batch.idx.device)
+    chosen = (draws < fraction)[:, None]
     # a chosen sample's row comes whole from the other layout: inputs, positions, labels, weights
     mine = (batch.idx, batch.position_ids, batch.labels, batch.mdm_weight)
     theirs = (other.idx, other.position_ids, other.labels, other.mdm_weight)
@@ -248,10 +193,7 @@ def mix_layouts(batch, other, fraction, generator):
 
 
 def autoregressive_batch(tokens, prompt_len, length):
-    """The ARM baseline's batch: natural order, each token labelled with the next response token.
-
-    tokens (B, T), prompt_len (B,), length (B,) int64 as for reorganize_slots. Returns a Batch.
-    """
+    """The ARM baseline's Batch (SPEC section 3): tokens (B, T), prompt_len, length (B,) int64."""
     B, T = tokens.shape
     # natural order: each token at its own position
     pos = torch.arange(T, device=tokens.device).expand(B, T)
@@ -265,16 +207,8 @@ def autoregressive_batch(tokens, prompt_len, length):
 
 
 def pad_with_eos(tokens, prompt_len, length, eos_id, pad_id, gen_length, max_len):
-    """LLaDA's supervised fine-tuning layout for the MDM baseline (SPEC section 3): every response
-    is followed by EOS up to gen_length tokens, the canvas generate_mdm fills at decoding, so that
-    training and decoding see sequences of the same length. A response is never cut, and no sample
-    grows past max_len positions (the model's context).
-
-    tokens (B, T), prompt_len (B,), length (B,) int64 as get_batch_at gives them (right-padded with
-    pad_id). Returns (tokens (B, T') with T' the longest new length, length (B,) int64 counting the
-    EOS padding); random_mask_batch then masks, labels and attends the padding EOS like any response
-    token.
-    """
+    """The MDM baseline's canvas (SPEC section 3): tokens (B, T), prompt_len, length (B,) int64.
+    Returns (tokens (B, T'), length (B,)), int64, each response followed by EOS to gen_length."""
     # (B,) each sample's new length: its prompt and gen_length tokens, within the context, and
     # never shorter than the sample itself
     end = torch.maximum(length, (prompt_len + gen_length).clamp(max=max_len))
@@ -282,18 +216,13 @@ def pad_with_eos(tokens, prompt_len, length, eos_id, pad_id, gen_length, max_len
     wide = F.pad(tokens, (0, int(end.max()) - tokens.shape[1]), value=pad_id)
     # EOS from each sample's end up to its new length; pad_id after that
     pos = torch.arange(wide.shape[1], device=tokens.device)
-    return torch.where((pos >= length[:, None]) & (pos < end[:, None]), eos_id, wide), end
+    padded = torch.where((pos >= length[:, None]) & (pos < end[:, None]), eos_id, wide)
+    return padded, end
 
 
 def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3, shift=False):
-    """The MDM baseline's batch (SPEC section 3): each response token masked independently with
-    p_mask.
-
-    tokens (B, T), prompt_len (B,), length (B,) int64. Labels: a masked token's own token, weighted
-    1 / (p_mask * response length), at its own position (LLaDA) or, with shift, at the position
-    before it (Dream: the output at i predicts token i + 1, as the ARM it starts from did).
-    key_mask hides padding from bidirectional attention. Returns a Batch.
-    """
+    """The MDM baseline's Batch (SPEC section 3): tokens (B, T), prompt_len, length (B,) int64.
+    Raises ValueError when shift (mdm_shift) is set and a sample has no prompt."""
     B, T = tokens.shape
     # natural order: each token at its own position
     pos = torch.arange(T, device=tokens.device).expand(B, T)
@@ -301,7 +230,8 @@ def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3, 
     p = _p_mask(B, eps, generator, tokens.device)
     # each response token masked with probability p_mask, independently (no slots)
     in_response = (pos >= prompt_len[:, None]) & (pos < length[:, None])
-    masked = in_response & (torch.rand(B, T, generator=generator).to(tokens.device) < p[:, None])
+    draws = torch.rand(B, T, generator=generator).to(tokens.device)
+    masked = in_response & (draws < p[:, None])
     # a masked token's label is its own token, weighted 1 / (p_mask * response length)
     labels = torch.where(masked, tokens, IGNORE)
     weight = torch.where(masked, 1.0 / (p * (length - prompt_len))[:, None], 0.0)
@@ -314,49 +244,40 @@ def random_mask_batch(tokens, prompt_len, length, mask_id, generator, eps=1e-3, 
         labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
         weight = F.pad(weight[:, 1:], (0, 1))
     # a masked token reads the mask id; bidirectional attention: every token but padding is a key
-    return Batch(torch.where(masked, mask_id, tokens), pos, labels, weight,
-                 key_mask=pos < length[:, None])
+    idx = torch.where(masked, mask_id, tokens)
+    return Batch(idx, pos, labels, weight, key_mask=pos < length[:, None])
 
 
 def pack_rows(batch, length):
-    """Several samples in each row (SPEC section 3, beyond the paper, opt-in: train.py's --pack):
-    a causal batch's samples laid one after another into as few rows of its width T as first fit
-    (longest first) finds, each token at its own position id and attending causally to its own
-    sample only. The model computes each sample as it would alone, and hybrid_loss divides by the
-    samples, not the rows: the loss and gradient are the unpacked batch's (up to rounding).
-
-    batch: (B, T) from reorganize_slots or autoregressive_batch, sample i in its first length[i]
-    tokens; length: (B,) int64. Returns a Batch of (R, T), R <= B, with sample_id and n_samples=B;
-    padding: token 0 at position 0, no label.
-    """
+    """--pack (SPEC section 3): a causal batch's samples (sample i: the first length[i] tokens of
+    row i; length (B,) int64) laid one after another into as few rows as first fit, longest first,
+    finds. Returns a Batch (R, T), R <= B, with sample_id and n_samples; padding: token 0."""
     B, T = batch.idx.shape
-    # First fit, longest first. rows: the samples of each row; room: the tokens each has left.
-    rows = []
+    lengths = length.tolist()
+    # (B, T) where each token of the packed rows comes from, as the index b * T + t into the
+    # flattened batch; -1 on padding (rows past the last used are dropped below)
+    src = torch.full((B, T), -1)
+    # the tokens each row has left
     room = []
-    for i in sorted(range(B), key=lambda i: -int(length[i])):
+    # First fit, longest first.
+    for i in sorted(range(B), key=lambda i: -lengths[i]):
+        n = lengths[i]
         # the first row with room for sample i, else a new row
-        r = next((r for r, left in enumerate(room) if left >= length[i]), len(rows))
-        if r == len(rows):
-            rows.append([])
+        r = 0
+        while r < len(room) and room[r] < n:
+            r += 1
+        if r == len(room):
             room.append(T)
-        rows[r].append(i)
-        room[r] -= int(length[i])
-    # (R, T) where each token of the packed rows comes from, as the index b * T + t into the
-    # flattened batch; -1 on padding
-    src = torch.full((len(rows), T), -1)
-    for r, samples in enumerate(rows):
-        # a row's samples one after another from its start, each its first length[i] tokens
-        at = 0
-        for i in samples:
-            n = int(length[i])
-            src[r, at:at + n] = i * T + torch.arange(n)
-            at += n
-    src = src.to(batch.idx.device)
+        # the sample goes right after the samples the row holds
+        at = T - room[r]
+        src[r, at:at + n] = i * T + torch.arange(n)
+        room[r] -= n
+    src = src[:len(room)].to(batch.idx.device)
     # (R, T) the sample of each token (b of b * T + t), -1 on padding
     sample_id = torch.where(src >= 0, src // T, -1)
 
+    # x (B, T) laid out as the packed rows (R, T), fill on padding
     def take(x, fill):
-        """x (B, T) laid out as the packed rows (R, T), fill on padding."""
         return torch.where(src >= 0, x.reshape(-1)[src.clamp(min=0)], fill)
     # padding: token 0 at position 0, no label, no MDM loss weight
     return Batch(take(batch.idx, 0), take(batch.position_ids, 0), take(batch.labels, IGNORE),

@@ -1,19 +1,8 @@
 """
-The network: a decoder-only transformer in the Qwen3 / Llama style (RMSNorm, rotary position
-embeddings applied from explicit position ids, SwiGLU MLP, optional QK-norm, grouped-query
-attention).
-
-ReFusion needs one thing a plain GPT does not: tokens may sit anywhere in the buffer while keeping
-their true positions. So `forward` takes `position_ids` next to the tokens; attention is causal over
-the *physical* order of the buffer, RoPE uses the *logical* positions (SPEC section 2).
-
-Module names follow the Hugging Face Qwen3 and Llama checkpoints (embed_tokens, self_attn.q_proj,
-mlp.gate_proj, ...), so released weights map onto this model name for name
-(support.hf_folder.from_pretrained).
-
-DecoderModel (below) names what a decoder may call on a model: Transformer, and the wrappers a
-decoder is given in its place (support/compiled.py's CompiledModel, support/batching.py's
-BatchedModel, support/benchmark.py's TimedModel); kvcache.py names the caches' side.
+The network: a decoder-only transformer in the Qwen3 / Llama style (RMSNorm, RoPE, SwiGLU MLP,
+optional QK-norm, grouped-query attention) whose forward takes position_ids beside the tokens:
+attention is causal over the buffer's order, RoPE uses the true positions (SPEC section 2).
+DecoderModel names what a decoder may call on a model; kvcache.py names the caches' side.
 """
 
 import math
@@ -64,11 +53,8 @@ class ModelConfig:
 
 
 def rope_cos_sin(position_ids, head_dim, theta):
-    """Rotary angles for explicit positions.
-
-    position_ids: (B, T) int64, the true (logical) position of every token.
-    Returns cos, sin: (B, 1, T, head_dim) float32, broadcastable over heads.
-    """
+    """Rotary angles of the true positions position_ids: (B, T) int64. Returns cos, sin:
+    (B, 1, T, head_dim) float32, broadcastable over heads."""
     # One frequency per pair of dimensions, from 1 down to about 1/theta
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
                                             dtype=torch.float32) / head_dim)
@@ -80,14 +66,12 @@ def rope_cos_sin(position_ids, head_dim, theta):
 
 
 def additive_mask(mask, dtype):
-    """A bool attention mask (True: may attend) as the float mask SDPA adds to the scores: 0 where
-    True, -inf where False, in dtype. SDPA converts a bool mask so in every layer; a decoding pass
-    converts it once."""
+    """mask (bool, True: may attend) as the mask SDPA adds to the scores: 0 or -inf, in dtype."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
 
 
 def apply_rope(x, cos, sin):
-    """x: (B, H, T, hd). Rotates pairs (i, i + hd/2) by the angles of each token's position."""
+    """x: (B, H, T, hd) with pairs (i, i + hd/2) rotated by cos, sin (rope_cos_sin's)."""
     # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), both halves at once
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -194,8 +178,7 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def rope_tables(self, device):
-        """cos, sin: (block_size, head_dim) float32, the rotary angles of every position of the
-        context (rope_cos_sin's), built once per device: a pass gathers its tokens' rows."""
+        """cos, sin: (block_size, head_dim) float32, rope_cos_sin of every position (per device)."""
         if device not in self._rope:
             positions = torch.arange(self.config.block_size, device=device)[None]
             cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
@@ -211,24 +194,16 @@ class Transformer(nn.Module):
                        device=p.device)
 
     def forward(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0):
-        """Logits for the input tokens from position logits_from on (all by default).
+        """Logits of the tokens from logits_from on (SPEC section 2).
 
-        idx:          (B, T) int64 token ids, in buffer (physical) order.
-        position_ids: (B, T) int64 true positions, used only by RoPE; each < block_size.
-        kv_cache:     optional KVCache holding P earlier tokens of every row (a causal model's);
-                      the new tokens attend to all of them and causally to each other (its
-                      attention_mask: a bucketed key length, kvcache.py), and their keys/values
-                      are appended to the cache.
-        attn_mask:    optional (B, 1, T, P + T) bool (or broadcastable to it), True where a query
-                      may attend to a key. Given, it is the whole rule: the MDM's padding, a
-                      committed buffer whose tokens saw different things (sampler.py's plain
-                      decoder), prompts side by side (support/batching.py).
-        Without either, attention is causal (config.causal) or over every token.
-        logits_from:  the first of the T tokens whose logits are computed, a slice's start (-1: the
-                      last token's): the output layer is a small model's largest matmul, so
-                      decoders ask only for what they read.
-        Returns logits: (B, T - logits_from, vocab_size) float32 (with -1: (B, 1, vocab_size)).
-        Raises ValueError when idx and position_ids differ in shape.
+        idx, position_ids: (B, T) int64, the tokens in buffer order and their true positions
+        (< block_size). kv_cache: optional kvcache.LayerCache holding P earlier tokens of every
+        row, which the new tokens see (its attention_mask) and to which their keys/values are
+        appended. attn_mask: optional (B, 1, T, P + T) bool, True where a query may attend to a
+        key (when given, the whole rule). Without either, attention is causal (config.causal) or
+        bidirectional. logits_from: the first of the T tokens given logits (-1: the last).
+        Returns logits: (B, T - logits_from, vocab_size) float32. Raises ValueError when idx and
+        position_ids differ in shape.
         """
         if idx.shape != position_ids.shape:
             raise ValueError(f"idx {tuple(idx.shape)} and position_ids {tuple(position_ids.shape)} "
@@ -237,7 +212,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(idx)
         # The attention rule. With a cache: the mask given, or every cached key and then causal
         # (the cache's mask also hides the unused keys of its bucketed length); converted to the
-        # additive form once here, not in every layer.
+        # additive form once here: SDPA would convert a bool mask in every layer.
         if kv_cache is not None:
             if attn_mask is None:
                 attn_mask = kv_cache.attention_mask(T)
@@ -253,13 +228,14 @@ class Transformer(nn.Module):
         # The cache now holds these T tokens' keys and values after its P.
         if kv_cache is not None:
             kv_cache.advance(T)
-        # Logits only where the caller reads them, in float32 whatever the weights' dtype.
+        # Logits only where the caller reads them (the output layer is a small model's largest
+        # matmul), in float32 whatever the weights' dtype.
         return self.lm_head(self.norm(x[:, logits_from:])).float()
 
 
 class DecoderModel(Protocol):
-    """What a decoder (sampler.py) may call on a model; Transformer's docstrings say what each
-    does. The cache it makes is a kvcache.DecodeCache."""
+    """What a decoder may call on a model (Transformer, or a wrapper of support/); its cache is a
+    kvcache.DecodeCache."""
     config: ModelConfig
 
     def __call__(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0): ...

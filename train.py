@@ -1,18 +1,11 @@
 """
-Train a ReFusion model (or one of the baselines) on prompt/response data.
+Train a ReFusion model, or a baseline, on prompt/response data (SPEC section 3).
 
     python train.py                                   # small ReFusion model, stdlib corpus, CPU
     python train.py config/train_stdlib.py --max_iters=500 --device=cuda
 
-The ReFusion objective (SPEC section 3; paper section 3.1): each response is cut into slots, some
-slots are masked, the clean ones are shuffled in front of the masked ones (keeping their true
-position ids), and one causal forward pass gives two losses: next-token prediction inside every
-clean slot (AR) and the masked tokens' own values, weighted by 1/p_mask (MDM). This file reads top
-to bottom: the settings, the objective's batches and loss, the step and the loop (a generator that
-yields whenever a checkpoint is due: iterate it, it does nothing until then), then main, which
-runs them in order (settings, where the run starts, data, model, optimizer, the loop, saving) and
-calls the plumbing of support/runs.py as plain functions: checks, out_dir's lock, processes, data,
-FSDP, signals, checkpoints; support/progress.py draws the loop's progress bar.
+Top to bottom: the settings, the objective's batches and loss, the step, the loop, then main;
+support/runs.py holds the plumbing main calls, support/progress.py the progress bar.
 """
 
 import math
@@ -85,9 +78,8 @@ DEFAULTS = settings_in(globals())
 
 
 def make_batch(cfg, tokens, prompt_len, length, meta, generator):
-    """The objective's Batch (inputs, position ids, labels, loss weights) for raw samples: tokens
-    (B, T), prompt_len and length (B,) int64; meta: the prepared data's meta.json (its mask, EOS and
-    pad ids); generator: the CPU torch.Generator of every random draw."""
+    """The objective's Batch of tokens (B, T), prompt_len, length (B,) int64 (SPEC section 3). meta:
+    the prepared data's meta.json (mask, EOS, pad ids); generator: the CPU torch.Generator."""
     # ReFusion: the paper's slot layout (SPEC section 3, steps 1-4)
     if cfg["objective"] == "refusion":
         batch = reorganize_slots(tokens, prompt_len, length, cfg["slot_sizes"],
@@ -115,13 +107,8 @@ def make_batch(cfg, tokens, prompt_len, length, meta, generator):
 
 
 def hybrid_loss(logits, batch):
-    """ReFusion's loss, AR_loss + MDM_loss (SPEC section 3, step 5); also serves both baselines.
-
-    logits: (B, T, V) float32. AR_loss: mean cross-entropy over next-token labels (0 if none).
-    MDM_loss: sum over masked tokens of CE * mdm_weight (= CE / (p_mask * response length)),
-    divided by the samples (B, or a packed batch's n_samples). Returns (loss, ar_loss, mdm_loss),
-    scalar tensors.
-    """
+    """AR_loss + MDM_loss (SPEC section 3, step 5), the baselines' too. logits: (B, T, V) float32;
+    batch: a data.Batch. Returns (loss, ar_loss, mdm_loss), scalar float32 tensors."""
     B, T, V = logits.shape
     # cross-entropy at every labelled place, 0 elsewhere: (B, T)
     ce = F.cross_entropy(logits.view(-1, V), batch.labels.view(-1), ignore_index=IGNORE,
@@ -142,10 +129,11 @@ def hybrid_loss(logits, batch):
 
 @torch.no_grad()
 def load_weights(model, ckpt):
-    """Copy a checkpoint's weights into model, the paper's start from a pretrained ARM. Rows the
-    checkpoint's vocabulary lacks (e.g. the mask token an ARM never had) start as the mean of its
-    token embeddings. Raises ValueError when any other shape differs."""
+    """Copy ckpt's weights into model (the paper starts from a pretrained ARM). Raises ValueError
+    when a shape differs, other than token rows the checkpoint lacks."""
     state = dict(ckpt["model"])
+    # rows the checkpoint's vocabulary lacks (the mask token an ARM never had) start as the mean
+    # of its token embeddings
     for name in ("embed_tokens.weight", "lm_head.weight"):
         target = model.state_dict()[name]
         if name in state and state[name].shape[0] < target.shape[0]:
@@ -173,27 +161,25 @@ def make_optimizer(cfg, model):
 
 
 def micro_batch_rng(cfg, iter_num, micro):
-    """The random streams of one micro-batch: (numpy Generator for sampling, torch Generator for
-    masking and slot order), seeded by (seed, iteration, global micro-batch index). So the data a
-    step sees does not depend on how many processes share it, and a resumed run continues
-    exactly."""
+    """(numpy Generator for the samples, torch Generator for the layout's draws) of one micro-batch,
+    seeded by (seed, iteration, global micro-batch index)."""
+    # so a step's data does not depend on how many processes share it, and a resumed run continues
+    # exactly
     key = [cfg["seed"], iter_num, micro]
     torch_seed = int(np.random.SeedSequence(key).generate_state(1)[0])
     return np.random.default_rng(key), torch.Generator().manual_seed(torch_seed)
 
 
 def autocast_for(device, dtype):
-    """The mixed-precision context of a training forward pass: bf16 autocast for dtype "bfloat16",
-    nothing (float32) for "float32" (main makes --dtype=auto one of them:
-    support.hardware.pick_dtype). Weights, gradients and AdamW's state stay float32 either way."""
+    """The context of a training forward pass: bf16 autocast for dtype "bfloat16", else none."""
+    # weights, gradients and AdamW's state stay float32 either way
     if dtype == "bfloat16":
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return nullcontext()
 
 
 def get_lr(it, cfg):
-    """Linear warm-up, then cosine decay from learning_rate to min_lr at lr_decay_iters, then
-    min_lr."""
+    """The learning rate of step it: linear warm-up, cosine decay to min_lr at lr_decay_iters."""
     warmup = cfg["warmup_iters"]
     lr = cfg["learning_rate"]
     min_lr = cfg["min_lr"]
@@ -207,11 +193,11 @@ def get_lr(it, cfg):
 
 def flops_per_token(model, T):
     """Training FLOPs (forward + backward) per token of a T-token sequence, as nanoGPT estimates
-    them (PaLM paper, appendix B): 6 per weight that multiplies an activation, plus 12 L H D T for
-    the attention scores and their weighted sum (counted over all T keys, as a dense kernel
-    computes them). An untied input embedding is a lookup and norm weights are elementwise;
-    neither counts."""
+    them (PaLM, appendix B)."""
     c = model.config
+    # 6 per weight that multiplies an activation (an untied input embedding is a lookup, norm
+    # weights are elementwise: neither counts), plus 12 L H D T for the attention scores and their
+    # weighted sum, over all T keys as a dense kernel computes them
     weights = sum(p.numel() for name, p in model.named_parameters()
                   if p.dim() >= 2
                   and not (name.startswith("embed_tokens") and not c.tie_embeddings))
@@ -240,8 +226,7 @@ def estimate_loss(model, cfg, val_data, autocast):
 
 
 class Diverged(ValueError):
-    """A loss that stopped being finite: what ("loss" or "validation loss"), its value and the
-    iteration (support.runs.diverged says what to do)."""
+    """A loss ("loss" or "validation loss") that stopped being finite, its value and iteration."""
 
     def __init__(self, what, value, iteration):
         super().__init__(f"{what} became {value} at iteration {iteration}")
@@ -251,11 +236,9 @@ class Diverged(ValueError):
 
 
 def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, autocast):
-    """One optimizer step at iteration `it`: this process's share of gradient_accumulation_steps
-    micro-batches (forward, hybrid_loss, backward), clipping, AdamW. forward: model, or its DDP
-    wrapper and torch.compile. Returns (loss, ar_loss, mdm_loss) of the last micro-batch, its
-    tokens (prompt and response, no padding) summed over the step, and the step's FLOPs. Raises
-    Diverged."""
+    """One optimizer step at iteration it, this process's share of its micro-batches; forward:
+    model, or its DDP and compiled wrapper. Returns the last micro-batch's (loss, ar_loss,
+    mdm_loss), the step's tokens (no padding) and FLOPs. Raises Diverged."""
     # this process's share of the step's micro-batches
     micro_steps = cfg["gradient_accumulation_steps"] // world
     # The learning rate of this step (warmup, then cosine decay).
@@ -302,13 +285,9 @@ def train_step(cfg, model, forward, optimizer, train_data, it, rank, world, auto
 
 def train(cfg, model, optimizer, train_data, val_data, progress, iter_num, best_val_loss=math.inf,
           rank=0, world=1, stop_requested=()):
-    """The training loop, from iteration iter_num to max_iters: evaluate every eval_interval steps,
-    then one train_step. progress: the steps to run and their bar or lines (support/progress.py's
-    Progress: loss, tokens/s, TFLOP/s, MFU on CUDA over the last interval, never over time spent
-    compiling or evaluating). A generator: it yields (steps completed, best validation loss,
-    stopped) whenever a checkpoint is due, after each evaluation past the first step and at the
-    end, and the caller saves it. Once stop_requested (a list) is non-empty on any process, every
-    process stops after that step: the last yield, stopped True. Raises Diverged."""
+    """The loop from iter_num to max_iters over progress (support/progress.py's Progress). Yields
+    (steps done, best validation loss, stopped) whenever a checkpoint is due; stops every process
+    after the step where stop_requested (a list) is non-empty on one. Raises Diverged."""
     # What runs the forward pass: the model, in DDP's wrapper across processes (a sharded model,
     # support.shard, syncs its own gradients), compiled if asked.
     forward = model
@@ -353,10 +332,8 @@ def train(cfg, model, optimizer, train_data, val_data, progress, iter_num, best_
 
 
 def main(argv):
-    """python train.py [config/*.py] [--key=value ...]: the settings, where the run starts, the
-    data, the model and its optimizer, then the loop until max_iters or a stop request (Ctrl-C,
-    SIGTERM), saving a checkpoint whenever it yields. support/ holds the plumbing, called here as
-    plain functions: checks, out_dir's lock, processes, data, FSDP, signals, checkpoints."""
+    """python train.py [config/*.py] [--key=value ...]: train until max_iters or a stop request
+    (Ctrl-C, SIGTERM), saving a checkpoint whenever the loop yields."""
     from support import runs, shard
     from support.progress import Progress
     t0 = time.perf_counter()  # a checkpoint's train_minutes: its earlier runs' and this one's
