@@ -988,7 +988,7 @@ def cut_after_eos(tokens, eos_ids):
 DEFAULTS = Defaults({
     "out_dir": "out",          # directory holding ckpt.pt (written by train.py) ...
     "init_from": "",           # ... or a Hugging Face model folder (Qwen3, SmolLM2), or a ckpt.pt
-    "dtype": "auto",           # the weights: auto (bf16 where native and faster), float32, bfloat16
+    "dtype": "auto",           # the weights: auto (bf16 where native), float32, bfloat16
     "tokenizer": "",           # hf:FOLDER: a checkpoint's tokenizer folder, moved; empty: recorded
     "chat": False,             # wrap the prompt in the model's chat template (a user turn)
     "prompt": "",              # decode this text ...

@@ -66,7 +66,7 @@ seed = 1337               # seeds the initial weights and every micro-batch's sa
 device = "cpu"            # under torchrun with CUDA each process takes cuda:LOCAL_RANK
 compile = False           # torch.compile the model (the same results, faster on a GPU)
 deterministic = False     # the same bits every run on a GPU too: deterministic kernels, slower
-dtype = "auto"            # matmuls in 'bfloat16' (autocast) or 'float32'; 'auto': bf16 if it pays
+dtype = "auto"            # matmuls in 'bfloat16' (autocast) or 'float32'; 'auto': bf16 if native
 fsdp = False              # under torchrun: shard weights, gradients and AdamW state (support.shard)
 activation_checkpointing = False  # recompute activations in backward: less memory, 1/3 more compute
 peak_tflops = 312.0       # for the MFU estimate: bf16 peak of the GPU (A100: 312, H100 SXM: 989)
@@ -334,7 +334,7 @@ def train(cfg, model, optimizer, train_data, val_data, progress, iter_num, best_
 def main(argv):
     """python train.py [config/*.py] [--key=value ...]: train until max_iters or a stop request
     (Ctrl-C, SIGTERM), saving a checkpoint whenever the loop yields."""
-    from support import runs, shard
+    from support import hardware, runs, shard
     from support.progress import Progress
     t0 = time.perf_counter()  # a checkpoint's train_minutes: its earlier runs' and this one's
     cfg = parse_args(DEFAULTS, argv)
@@ -364,8 +364,8 @@ def main(argv):
         stopped = False
         minutes = start.train_minutes
         del start
-        # auto: bf16 where it pays
-        dtype, why = runs.train_dtype(cfg, model.config, rank, world)
+        # auto: bf16 where the device multiplies it natively, the same rule on every rank
+        dtype, why = hardware.pick_dtype(cfg["dtype"], cfg["device"], model.config)
         if rank == 0:
             print(f"{cfg['objective']} model: {model.num_params() / 1e6:.2f}M parameters, "
                   f"{len(train_data):,} training samples, device {cfg['device']}, "

@@ -37,7 +37,6 @@ from model import ModelConfig
 from support.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, sharded_info_path
 from support.compiled import check_compile
 from support.files import STOP_SIGNALS, write_atomic
-from support.hardware import pick_dtype
 from support.hf_folder import from_pretrained
 from support.prepare import TokenDataset, prepare
 from support.shard import (checkpoint_layers, load_sharded, load_sharded_info, save_sharded,
@@ -205,20 +204,6 @@ def setup_distributed(cfg):
     # NCCL is told this process's GPU instead of guessing it from the rank
     torch.distributed.init_process_group("nccl", device_id=torch.device(cfg["device"]))
     return rank, world
-
-
-def train_dtype(cfg, config, rank, world):
-    """The matmuls' dtype for training (support.hardware.pick_dtype, work "train"): rank 0 decides,
-    timing alone where --dtype=auto times (never every rank at once, each slowed by the others),
-    and under torchrun every process takes its dtype. Returns (dtype, the note; None off rank 0)."""
-    dtype, why = None, None
-    if rank == 0:
-        dtype, why = pick_dtype(cfg["dtype"], cfg["device"], config, work="train")
-    if world > 1:
-        chosen = [dtype]
-        torch.distributed.broadcast_object_list(chosen, src=0)
-        dtype = chosen[0]
-    return dtype, why
 
 
 @contextmanager

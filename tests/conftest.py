@@ -2,7 +2,6 @@
 root."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -12,19 +11,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 
 from helpers import qa_rows, trained_model, write  # noqa: E402  (needs the path above)
 from support import corpora  # noqa: E402
-
-
-@pytest.fixture(scope="session", autouse=True)
-def dtype_verdicts(tmp_path_factory):
-    """Measured dtype verdicts (support.hardware.measured_costs) go to a folder of the test session,
-    never the user's cache; the subprocesses the tests start inherit it."""
-    old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
-    yield
-    if old is None:
-        del os.environ["XDG_CACHE_HOME"]
-    else:
-        os.environ["XDG_CACHE_HOME"] = old
 
 
 @pytest.fixture

@@ -11,7 +11,9 @@ import torch
 
 import train
 from helpers import tiny_model, tiny_run_flags
+from model import ModelConfig
 from support.benchmark import free_tokens, pass_costs, refusion_speedups
+from support.hardware import pick_dtype
 from tools import probe
 
 
@@ -72,7 +74,34 @@ def test_the_probe_of_a_checkpoint(tmp_path, qa_file, capsys):
                 "--pass_mix=8", "--dtypes=float32"])
     text = capsys.readouterr().out
     assert "| float32 |" in text and "bfloat16 |" not in text and "--dtype=auto takes" in text
-    assert "the faster dtype" not in text
+    assert "decodes faster in" not in text
+
+
+SMOLLM2 = ModelConfig(vocab_size=49153, n_layer=30, n_head=9, n_kv_head=3, n_embd=576,
+                      intermediate_size=1536)
+
+
+@pytest.mark.parametrize("machine_ms, advice", [
+    # an Intel Xeon with AVX512_BF16 and no AMX: float32 measured faster than the rule's bf16
+    ({"float32": {1: 29.0, 32: 70.0}, "bfloat16": {1: 33.0, 32: 86.0}},
+     "; by these costs ReFusion decodes faster in float32: pass --dtype=float32 to take it"),
+    # an AMD EPYC with the same flag: the measurement agrees with the rule
+    ({"float32": {1: 64.0, 32: 149.0}, "bfloat16": {1: 49.0, 32: 83.0}},
+     "; by these costs ReFusion decodes faster in bfloat16"),
+])
+def test_the_probe_says_what_auto_takes_and_what_its_measurement_shows(machine_ms, advice):
+    auto, why = pick_dtype("auto", "cpu", SMOLLM2, "AVX512 BF16")
+    speedups = refusion_speedups(machine_ms, 5.0, (32,))
+    r = {"model": "smollm2", "params_m": 134.5, "device": "cpu", "prompt_len": 64, "repeats": 12,
+         "machine": {"gpu": None, "processor": "a CPU", "cpu_kind": "AVX512 BF16",
+                     "cpu_capability": "AVX512", "cpu_threads": 2, "torch": "2.13"},
+         "dropped": [], "ms": machine_ms,
+         "free_tokens": {d: free_tokens(c) for d, c in machine_ms.items()},
+         "tpf": 5.0, "pass_mix": [32], "refusion_speedup": speedups,
+         "next_token_dtype": min(machine_ms, key=lambda d: machine_ms[d][1]),
+         "refusion_dtype": max(speedups, key=speedups.get), "auto": auto, "auto_why": why}
+    assert probe.report_text(r).splitlines()[-1] == (
+        "--dtype=auto takes bfloat16, as this CPU (AVX512 BF16) multiplies bf16 natively" + advice)
 
 
 @pytest.mark.parametrize("flags, message", [

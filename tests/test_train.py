@@ -541,27 +541,6 @@ def test_a_benchmark_never_removes_a_directory_a_live_run_holds(tmp_path, qa_fil
     assert checkpoint.load_checkpoint(str(out), settings_only=True)["iter_num"] == 2
 
 
-def test_under_torchrun_rank_0_alone_chooses_the_dtype_and_every_rank_takes_it(monkeypatch):
-    """--dtype=auto times a layer in both dtypes: under torchrun rank 0 alone does it (not every
-    rank at once, each slowed by the others), and every process takes rank 0's choice."""
-    picked, sent = [], []
-    monkeypatch.setattr(runs, "pick_dtype", lambda dtype, device, config, work: picked.append(
-        work) or ("bfloat16", "--dtype=auto: bfloat16, as measured"))
-
-    def broadcast(objects, src):           # rank 0's list reaches every rank
-        sent.append(list(objects))
-        objects[0] = "bfloat16"
-
-    monkeypatch.setattr(torch.distributed, "broadcast_object_list", broadcast)
-    cfg = dict(train.DEFAULTS, dtype="auto")
-    assert runs.train_dtype(cfg, None, rank=1, world=2) == ("bfloat16", None)
-    assert picked == [] and sent == [[None]]                 # rank 1 measured nothing
-    assert runs.train_dtype(cfg, None, rank=0, world=2) == ("bfloat16",
-                                                            "--dtype=auto: bfloat16, as measured")
-    assert picked == ["train"] and sent[1] == ["bfloat16"]
-    assert runs.train_dtype(cfg, None, rank=0, world=1)[0] == "bfloat16" and len(sent) == 2
-
-
 def test_a_resume_refuses_to_flip_the_mdms_shift(tmp_path, qa_file):
     """--mdm_shift changes what every output means (position i predicts token i + 1): a resumed
     run that asks for the other layout is refused, naming it, and one that repeats it goes on."""

@@ -81,7 +81,7 @@ n_embd = 0                 # ... width
 batch_size = 0             # ... samples per training step
 learning_rate = 0.0        # ... peak learning rate (from scratch)
 device = "cpu"             # cpu, cuda or mps: training and decoding
-dtype = "auto"             # every decode's weights: auto (bf16 where it pays), float32, bfloat16
+dtype = "auto"             # every decode's weights: auto (bf16 where native), float32, bfloat16
 compile = False            # torch.compile training; and decode throughput_task's picks compiled too
 throughput_task = "transform"  # the task whose ARM, ReFusion and MDM are also decoded in batches
 batch_sizes = (1, 4, 16, 64)   # ... of these sizes (generate_batch), max(...) prompts
@@ -413,7 +413,7 @@ def check_bench_config(cfg):
     require(cfg, OVERRIDES[1:-1], "0 or more (0: the task's recipe)", lambda v: v >= 0)
     require(cfg, ("learning_rate",), "0 or more and finite (0: the task's recipe)",
             lambda v: 0 <= v < math.inf)
-    # the settings are good: auto becomes the dtype that pays for the largest task's models
+    # the settings are good: auto takes the rule's dtype for the largest task's models
     shapes = [ModelConfig(vocab_size=vocab_size(get_tokenizer("bytes")),
                           **{k: recipe(cfg, task)[k] for k in ("block_size", "n_layer", "n_head",
                                                                "n_embd")})

@@ -65,7 +65,7 @@ init_from = "smollm2"      # the pretrained folder (python -m tools.convert_gguf
 out_dir = "bench-smollm2"  # the fine-tuned models, bench.json, bench.md and bench.png
 tasks = ("quotes", "arith")  # any of TASKS
 num_prompts = 100          # validation prompts decoded by every point (fewer when fewer fit)
-dtype = "auto"             # the decodes' weights but the float32 point's: auto, bf16 where it pays
+dtype = "auto"             # the decodes' weights but the float32 point's: auto, bf16 where native
 data_root = "data"         # where the prepared data sets live
 device = "cpu"             # cpu, cuda or mps: the fine-tunes and the decodes
 retrain = False            # fine-tune again even when out_dir holds the models
@@ -268,7 +268,7 @@ def check_bench_pretrained_config(cfg):
     if not os.path.isfile(os.path.join(cfg["init_from"], "config.json")):
         raise ValueError(f"--init_from={cfg['init_from']}: no Hugging Face folder there; convert "
                          "SmolLM2 first with python -m tools.convert_gguf smollm2")
-    settle_dtype(cfg, hf_model_config(cfg["init_from"]))  # auto: bf16 where it pays
+    settle_dtype(cfg, hf_model_config(cfg["init_from"]))  # auto: bf16 where native
     require(cfg, ("num_prompts",), "positive", lambda v: v > 0)
 
 

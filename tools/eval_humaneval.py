@@ -70,7 +70,7 @@ from support.tokenizer import decode, encode, encode_prompt
 # default config: the authors' HumanEval settings
 out_dir = "out"            # directory holding ckpt.pt (written by train.py) ...
 init_from = ""             # ... or a Hugging Face model folder (Qwen3, the ReFusion release)
-dtype = "auto"             # the weights: auto (bf16 where native and faster), float32, bfloat16
+dtype = "auto"             # the weights: auto (bf16 where native), float32, bfloat16
 chat = False  # the release's instruct prompt in the chat template; on by default for a folder
 method = ""                # refusion, next_token or mdm; empty: the model's objective's
 limit = 0                  # the first this many problems; 0: all 164
