@@ -1,12 +1,13 @@
 """
-What the scripts need that is not the method: tokenizers, corpora and prepared data, checkpoints
-and atomic files, the command lines' plumbing, FSDP, other people's formats (Hugging Face folders,
-tokenizer.json, chat templates, GGUF) and drawing. The method is the top level (model.py,
-kvcache.py, data.py, train.py, sampler.py); nothing there imports this package except the
-command lines' main functions.
+What the scripts need that is not the method: tokenizers, corpora, a user's data files and prepared
+data, checkpoints and atomic files, the command lines' plumbing, FSDP, other people's formats
+(Hugging Face folders, tokenizer.json, chat templates, GGUF) and drawing. The method is the top
+level (model.py, kvcache.py, data.py, train.py, sampler.py); nothing there imports this package
+except the command lines' main functions.
 
     tokenizer      text <-> token ids (tiktoken): bytes, GPT-2, a Hugging Face folder's
-    corpora        the built-in data sets (records), their checkers, a user's files
+    corpora        the built-in data sets (records) and their checkers
+    data_files     a user's data files (.json, .jsonl, plain text) -> records; read_utf8
     prepare        records -> memmapped token files, and TokenDataset reading them back
     files          files written whole or not at all
     checkpoint     code-free checkpoints: ckpt.pt written by train.py, read by everything else

@@ -1,5 +1,5 @@
 """
-The built-in corpora and a user's own files, as records: {"query", "response", "module", "name"}.
+The built-in corpora, as records: {"query", "response", "module", "name"}, and their checkers.
 
     stdlib   every documented function of this Python's standard library (query: signature and
              docstring; response: the rest of the body)
@@ -10,23 +10,19 @@ The built-in corpora and a user's own files, as records: {"query", "response", "
     transform 20,000 letter strings to copy, upper-case, shift or mirror (the parallel-friendly
               task); transform-long the same, 30 to 510 letters
     quotes-long runs of consecutive quotes lines, rewritten together, answers of 32 to 512 bytes
-    a path   .json / .jsonl query-response records (the ReFusion release's format), or plain text
 
-support/prepare.py tokenizes them once; nothing here knows about tokens.
+Any other data set is a path: a user's data file (support/data_files.py). support/prepare.py
+tokenizes records once; nothing here knows about tokens.
 """
 
 import ast
 import io
-import json
 import os
 import random
 import re
-import sys
 import sysconfig
 import tokenize
 from itertools import zip_longest
-
-TEXT_WINDOW_BYTES = 1024  # plain-text files are cut into windows of at most this many UTF-8 bytes
 
 # -----------------------------------------------------------------------------
 # the standard library's functions
@@ -91,7 +87,8 @@ def function_records(source: str, module: str, max_chars: int | None = None) -> 
         indent = lines[node.lineno - 1][:node.col_offset]
         body = _dedent(lines[node.lineno - 1:node.end_lineno], indent)
         head = node.body[0].end_lineno - node.lineno + 1  # lines up to the docstring's end
-        query, response = "\n".join(body[:head]) + "\n", "\n".join(body[head:]) + "\n"
+        query = "\n".join(body[:head]) + "\n"
+        response = "\n".join(body[head:]) + "\n"
         too_long = max_chars is not None and len(query) + len(response) > max_chars
         if not response.strip() or too_long:
             continue
@@ -108,7 +105,8 @@ def stdlib_records(max_chars: int | None = None) -> list[dict]:
     (their count is printed). The result depends on the Python version (stored in meta.json).
     """
     root = sysconfig.get_paths()["stdlib"]
-    records, unreadable = [], 0
+    records = []
+    unreadable = 0
     for path, module in _stdlib_files(root):
         with open(path, "rb") as f:
             raw = f.read()
@@ -144,9 +142,11 @@ def double_quoted(line: str) -> str:
             continue
         prefix = len(tok.string) - len(tok.string.lstrip("rRbBuUfF"))
         body = tok.string[prefix:]
-        if body.startswith("'") and not body.startswith("\'\'\'") and \
-                not set(body[1:-1]) & set("'\"\\"):
-            chars[tok.start[1] + prefix] = chars[tok.end[1] - 1] = '"'
+        # a plain single-quoted literal: no triple quotes, no quote or backslash in its text
+        plain = body.startswith("'") and not body.startswith("'''")
+        if plain and not set(body[1:-1]) & set("'\"\\"):
+            chars[tok.start[1] + prefix] = '"'
+            chars[tok.end[1] - 1] = '"'
     return "".join(chars)
 
 
@@ -161,7 +161,8 @@ def quote_records(max_line: int = 72) -> list[dict]:
     response's tokens hardly depend on each other. Real text, checked exactly. name: the line's
     number in its module.
     """
-    records, seen = [], set()
+    records = []
+    seen = set()
     for path, module in _stdlib_files(sysconfig.get_paths()["stdlib"]):
         try:
             with open(path, encoding="utf-8") as f:
@@ -227,7 +228,8 @@ def quote_block_records(n: int = 20000, seed: int = 0, lengths: tuple = BLOCK_TO
     starts = [(m, i) for m, (_, lines) in enumerate(modules) for i, line in enumerate(lines)
               if rewrite(line) not in (None, line)]
     rng = random.Random(seed)
-    records, seen = [], set()
+    records = []
+    seen = set()
     while len(records) < n:
         L = lengths[len(records) % len(lengths)]
         m, i = rng.choice(starts)
@@ -271,7 +273,8 @@ def _columns(n: int) -> list[int]:
 
 def _add_steps(a: int, b: int) -> list[str]:
     """One line per column of a + b, e.g. "8+9+0=17 carry 1" (the first column has no carry in)."""
-    lines, carry = [], 0
+    lines = []
+    carry = 0
     for i, (x, y) in enumerate(zip_longest(_columns(a), _columns(b), fillvalue=0)):
         s = x + y + carry
         lines.append((f"{x}+{y}" if i == 0 else f"{x}+{y}+{carry}") + f"={s} carry {s // 10}")
@@ -282,7 +285,8 @@ def _add_steps(a: int, b: int) -> list[str]:
 def _subtract_steps(a: int, b: int) -> list[str]:
     """One line per column of a - b (a >= b), e.g. "12-3-1=8 borrow 1": the top digit is shown
     with the 10 it borrowed, so every line is literally true."""
-    lines, borrow = [], 0
+    lines = []
+    borrow = 0
     for i, (x, y) in enumerate(zip_longest(_columns(a), _columns(b), fillvalue=0)):
         out = int(x - y - borrow < 0)
         top = x + 10 * out
@@ -294,7 +298,8 @@ def _subtract_steps(a: int, b: int) -> list[str]:
 
 def _multiply_steps(a: int, m: int) -> list[str]:
     """One line per column of a * m (m one digit), e.g. "2*7+4=18 carry 1"."""
-    lines, carry = [], 0
+    lines = []
+    carry = 0
     for i, x in enumerate(_columns(a)):
         s = x * m + carry
         lines.append((f"{x}*{m}" if i == 0 else f"{x}*{m}+{carry}") + f"={s} carry {s // 10}")
@@ -311,7 +316,8 @@ def _operand(rng: random.Random, digits: tuple[int, int]) -> int:
 
 def _arith_problem(rng: random.Random, digits: tuple[int, int]) -> tuple[str, list[str], int]:
     """(query, worked step lines, answer) of one problem: add, subtract or multiply by one digit."""
-    a, b = _operand(rng, digits), _operand(rng, digits)
+    a = _operand(rng, digits)
+    b = _operand(rng, digits)
     op = rng.choice(("add", "subtract", "multiply"))
     if op == "add":
         return f"Add {a} and {b}.\n", _add_steps(a, b), a + b
@@ -334,7 +340,8 @@ def arithmetic_records(n: int = 20000, seed: int = 0,
     module "arith", name the record's index. Deterministic for a given seed (random.Random(seed)).
     """
     rng = random.Random(seed)
-    records, seen = [], set()
+    records = []
+    seen = set()
     while len(records) < n:
         query, steps, answer = _arith_problem(rng, digits)
         if query in seen:
@@ -402,7 +409,8 @@ def transform_records(n: int = 20000, seed: int = 0, lengths: tuple = ()) -> lis
              (random.Random(seed)).
     """
     rng = random.Random(seed)
-    records, seen = [], set()
+    records = []
+    seen = set()
     while len(records) < n:
         name = rng.choice(sorted(TRANSFORMS))
         n_letters, transform = TRANSFORMS[name]
@@ -426,153 +434,6 @@ def transform_expected(query: str) -> str:
     if not match or match[1] not in TRANSFORMS:
         raise ValueError(f"not a transform query: {query!r}")
     return TRANSFORMS[match[1]][1](match[2])
-
-# -----------------------------------------------------------------------------
-# a user's own records
-
-FORMAT_HELP = ("expected a .json file holding a JSON list of objects with string 'query' and "
-               "'response' fields, a .jsonl file with one such object per line, or plain text")
-
-
-def read_utf8(path: str, name: str, limit: int | None = None) -> str:
-    """The text of the file at `path`, decoded from its bytes as they are (CRLF line ends stay
-    CRLF).
-    path may be a pipe (`<(command)`, /dev/stdin) or "-", standard input; each is read once, and
-    at most `limit` bytes of any (None: all): an endless stream (/dev/zero, a pipe that never
-    closes) stops there. A UTF-8 byte order mark at its start is not text: it is removed, with a
-    note on stderr. `name` names the file in messages (e.g. "--prompt_file=p.txt"). Raises
-    FileNotFoundError, or ValueError for a directory, a file longer than limit, or giving the byte
-    offset of the first byte that is not UTF-8."""
-    if path == "-":
-        raw = sys.stdin.buffer.read(-1 if limit is None else limit + 1)
-    elif not os.path.exists(path):
-        raise FileNotFoundError(f"{name}: no such file; check the path")
-    elif os.path.isdir(path):
-        raise ValueError(f"{name}: is a directory; name a file")
-    else:
-        with open(path, "rb") as f:
-            raw = f.read(-1 if limit is None else limit + 1)
-    if limit is not None and len(raw) > limit:
-        raise ValueError(f"{name}: longer than {limit:,} bytes, more than the model's context can "
-                         "hold as a prompt (read no further); give a shorter text")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{name}: not valid UTF-8 at byte offset {e.start}; "
-                         "re-save the file as UTF-8") from None
-    if text.startswith("\ufeff"):
-        print(f"note: {name}: removed the UTF-8 byte order mark at its start", file=sys.stderr)
-    return text.removeprefix("\ufeff")
-
-
-def _read_text(path: str) -> str:
-    """The data file's text (read_utf8). Raises FileNotFoundError, or ValueError if empty or not
-    UTF-8."""
-    text = read_utf8(path, f"data file {path}")
-    if not text.strip():
-        raise ValueError(f"{path}: the file is empty; {FORMAT_HELP}")
-    return text
-
-
-def _check_record(obj, where: str, path: str) -> dict:
-    """The query/response of one JSON record, or a ValueError that says which record is wrong."""
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: {where} is a {type(obj).__name__}, not an object; {FORMAT_HELP}")
-    for key in ("query", "response"):
-        if key not in obj:
-            raise ValueError(f"{path}: {where} has no {key!r} field; {FORMAT_HELP}")
-        if not isinstance(obj[key], str):
-            raise ValueError(f"{path}: {where}: {key!r} must be a string, "
-                             f"not {type(obj[key]).__name__}")
-    for key in ("query", "response"):  # an empty query leaves nothing to condition on at decoding
-        if not obj[key]:
-            raise ValueError(f"{path}: {where} has an empty {key}; remove it or fill it in")
-    return {"query": obj["query"], "response": obj["response"]}
-
-
-TOO_DEEP = "nested deeper than Python's JSON parser can read; a record is an object of strings"
-
-
-def _parse_json(text: str, path: str) -> list[dict]:
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, "
-                         f"column {e.colno}: {e.msg}") from None
-    except RecursionError:
-        raise ValueError(f"{path}: {TOO_DEEP}; {FORMAT_HELP}") from None
-    if not isinstance(rows, list):
-        raise ValueError(f"{path}: top level is a {type(rows).__name__}, not a list; {FORMAT_HELP}")
-    return [_check_record(obj, f"record {i}", path) for i, obj in enumerate(rows)]
-
-
-def _parse_jsonl(text: str, path: str) -> list[dict]:
-    records = []
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue  # blank lines, e.g. a trailing newline, are not records
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON on line {lineno}: {e.msg}") from None
-        except RecursionError:
-            raise ValueError(f"{path}: line {lineno} is {TOO_DEEP}") from None
-        records.append(_check_record(obj, f"record {len(records)} (line {lineno})", path))
-    return records
-
-
-def _parse_text(text: str, path: str, window_bytes: int) -> list[dict]:
-    """Consecutive windows of at most window_bytes UTF-8 bytes, cut between characters (a byte is
-    a token of the byte tokenizer, and every GPT-2 token is at least one byte, so a window never
-    exceeds window_bytes tokens, whatever the script); the first quarter of a window's characters,
-    at least one, is the query and the rest the response, so neither is empty. A last window of a
-    single character cannot be split: it takes the last character of the window before it.
-    Raises ValueError when the text is one character, or a window cannot hold two."""
-    if len(text) == 1:
-        raise ValueError(f"{path}: holds a single character; a sample needs a query and a response")
-    too_small = ValueError(f"{path}: windows of {window_bytes} bytes cannot hold two characters "
-                           "(a query and a response); raise --block_size")
-    raw, cuts = text.encode("utf-8"), [0]
-    while cuts[-1] < len(raw):
-        end = min(cuts[-1] + window_bytes, len(raw))
-        # a continuation byte: back to the character's start
-        while end < len(raw) and raw[end] & 0xC0 == 0x80:
-            end -= 1
-        if end == cuts[-1]:
-            raise too_small
-        cuts.append(end)
-    windows = [raw[a:b].decode("utf-8") for a, b in zip(cuts, cuts[1:])]
-    if len(windows[-1]) == 1:
-        windows[-2:] = [windows[-2][:-1], windows[-2][-1] + windows[-1]]
-    if any(len(w) < 2 or len(w.encode("utf-8")) > window_bytes for w in windows):
-        raise too_small
-    return [{"query": w[:max(1, len(w) // 4)], "response": w[max(1, len(w) // 4):]}
-            for w in windows]
-
-
-def load_records(path: str, window_bytes: int = TEXT_WINDOW_BYTES) -> list[dict]:
-    """
-    A user's records from `path`, as {"query", "response", "module": file name, "name": index}.
-
-    .json:  a JSON list of {"query": str, "response": str, ...} (the ReFusion release's format);
-    .jsonl: one such object per line;
-    other:  plain text, cut into windows of at most window_bytes UTF-8 bytes, each window's
-            first quarter the query and the rest the response.
-    Raises FileNotFoundError for a missing file and ValueError (naming the record, line, column
-    or byte offset) for an empty file, bad UTF-8, bad JSON, or a malformed record.
-    """
-    text = _read_text(path)
-    ext = os.path.splitext(path)[1].lower()
-    if ext == ".json":
-        records = _parse_json(text, path)
-    elif ext == ".jsonl":
-        records = _parse_jsonl(text, path)
-    else:
-        records = _parse_text(text, path, window_bytes)
-    if not records:
-        raise ValueError(f"{path}: holds no records; {FORMAT_HELP}")
-    module = os.path.basename(path)
-    return [dict(r, module=module, name=str(i)) for i, r in enumerate(records)]
 
 # -----------------------------------------------------------------------------
 # checking a generated response

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from support.corpora import DATASETS, TEXT_WINDOW_BYTES, load_records
+from support.corpora import DATASETS
+from support.data_files import TEXT_WINDOW_BYTES, load_records
 from support.files import write_atomic
 from support.tokenizer import encode, encode_prompt, get_tokenizer, special_ids, vocab_size
 

@@ -29,7 +29,8 @@ from support.batching import generate_batch, prompt_generator
 from support.chat import chat_prompt
 from support.compiled import CompiledModel, check_compile
 from support.checkpoint import checkpoint_path, decoder_ids, load_checkpoint, model_from_checkpoint
-from support.corpora import read_utf8, score
+from support.corpora import score
+from support.data_files import read_utf8
 from support.drawing import animate_decode, cell_text, plot_decode, picture_path, pyplot
 from support.hardware import settle_dtype
 from support.hf_folder import from_pretrained, hf_model_config

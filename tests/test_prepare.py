@@ -14,7 +14,7 @@ import pytest
 from filelock import FileLock
 
 from helpers import write
-from support import corpora, tokenizer
+from support import corpora, data_files, tokenizer
 from support.prepare import TokenDataset, prepare, split_of
 
 
@@ -30,7 +30,7 @@ def test_prepare_round_trips_tokens_and_skips_too_long(tmp_path, qa_file):
     counts = meta["counts"]
     assert counts["train"]["samples"] + counts["val"]["samples"] == 100
     assert counts["train"]["skipped_too_long"] + counts["val"]["skipped_too_long"] == 3
-    records = corpora.load_records(path)
+    records = data_files.load_records(path)
     for split in ("train", "val"):
         ds = TokenDataset(data_dir, split)
         expected = [r for r in records
@@ -160,7 +160,7 @@ def test_text_in_any_script_prepares_into_windows_that_fit_the_context(tmp_path,
     meta = json.load(open(os.path.join(data_dir, "meta.json")))
     assert meta["counts"]["train"]["skipped_too_long"] == \
         meta["counts"]["val"]["skipped_too_long"] == 0
-    records = corpora.load_records(str(tmp_path / "mixed.txt"), window_bytes=block_size - 1)
+    records = data_files.load_records(str(tmp_path / "mixed.txt"), window_bytes=block_size - 1)
     assert "".join(r["query"] + r["response"] for r in records) == text
     assert all(len((r["query"] + r["response"]).encode()) <= block_size - 1 for r in records)
 
