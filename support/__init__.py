@@ -8,7 +8,7 @@ command lines' main functions.
     tokenizer      text <-> token ids (tiktoken): bytes, GPT-2, a Hugging Face folder's
     corpora        the built-in data sets (records), their checkers, a user's files
     prepare        records -> memmapped token files, and TokenDataset reading them back
-    files          files written whole or not at all
+    files          files written whole or not at all; JSON files from elsewhere, read and checked
     checkpoint     code-free checkpoints: ckpt.pt written by train.py, read by everything else
     runs           train.py's plumbing: checks, out_dir lock, start modes, data, signals, saving
     progress       train.py's progress bar: loss, tokens/s and FLOP/s over the last interval

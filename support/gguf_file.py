@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
-from support.files import signals_unwind
-from support.hf_folder import abridged, from_pretrained
+from support.files import abridged, signals_unwind
+from support.hf_folder import from_pretrained
 from support.hf_tokenizer import PRE_TOKENIZERS, hf_special_ids
 
 

@@ -17,7 +17,7 @@ from functools import cache
 import regex
 import tiktoken
 
-from support.hf_folder import DAMAGED, abridged, expect, is_int, read_json
+from support.files import DAMAGED, abridged, expect, is_int, read_json
 
 
 # The pre-tokenizers of the byte-level BPE families, each as the one regex tiktoken splits with.
