@@ -5,7 +5,7 @@ tokenizer.json, chat templates, GGUF) and drawing. The method is the top level (
 kvcache.py, data.py, train.py, sampler.py); nothing there imports this package except the
 command lines' main functions.
 
-    tokenizer      text <-> token ids (tiktoken): bytes, GPT-2, a Hugging Face folder's
+    tokenizer      text <-> token ids: bytes and GPT-2 (tiktoken), a Hugging Face folder's
     corpora        the built-in data sets (records), their checkers, a user's files
     prepare        records -> memmapped token files, and TokenDataset reading them back
     files          files written whole or not at all; JSON files from elsewhere, read and checked
@@ -21,7 +21,7 @@ command lines' main functions.
     device_reads   what a decode makes a GPU wait for, counted on any device
     shard          FSDP: sharded training and sharded checkpoints
     hf_folder      Hugging Face model folders -> Transformer
-    hf_tokenizer   tokenizer.json -> tiktoken, and a folder's special ids
+    hf_tokenizer   tokenizer.json through the tokenizers library, and a folder's special ids
     hf_reference   transformers' own model and generate on our weights: the reference decoder
     chat           chat templates
     gguf_file      llama.cpp's GGUF -> a Hugging Face folder
