@@ -5,24 +5,24 @@ data, checkpoints and atomic files, the command lines' plumbing, FSDP, other peo
 level (model.py, kvcache.py, data.py, train.py, sampler.py); nothing there imports this package
 except the command lines' main functions.
 
-    tokenizer      text <-> token ids (tiktoken): bytes, GPT-2, a Hugging Face folder's
+    tokenizer      text <-> token ids: bytes and GPT-2 (tiktoken), a Hugging Face folder's
     corpora        the built-in data sets (records) and their checkers
     data_files     a user's data files (.json, .jsonl, plain text) -> records; read_utf8
     prepare        records -> memmapped token files, and TokenDataset reading them back
-    files          files written whole or not at all
+    files          files written whole or not at all; JSON files from elsewhere, read and checked
     checkpoint     code-free checkpoints: ckpt.pt written by train.py, read by everything else
     runs           train.py's plumbing: checks, out_dir lock, start modes, data, signals, saving
     progress       train.py's progress bar: loss, tokens/s and FLOP/s over the last interval
     hardware       the machine's matrix units, --dtype=auto's choice, what a figure ran on
-    sampling       sampler.py's command line: its settings, main, the decoder of each --method,
-                   models, prompts, the live trace, what is printed
+    sampling       what sampler.py's command line needs besides the decoders: models, prompts,
+                   the live trace, what is printed
     batching       many prompts at once (SPEC 4.2): the one-prompt decoders' passes run together;
                    each prompt's random stream
     compiled       compiled decoding (SPEC 4.3): torch.compile graphs, CUDA graphs on a GPU
     device_reads   what a decode makes a GPU wait for, counted on any device
     shard          FSDP: sharded training and sharded checkpoints
     hf_folder      Hugging Face model folders -> Transformer
-    hf_tokenizer   tokenizer.json -> tiktoken, and a folder's special ids
+    hf_tokenizer   tokenizer.json through the tokenizers library, and a folder's special ids
     hf_reference   transformers' own model and generate on our weights: the reference decoder
     chat           chat templates
     gguf_file      llama.cpp's GGUF -> a Hugging Face folder

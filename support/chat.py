@@ -8,13 +8,13 @@ rendered in a sandbox as transformers' apply_chat_template does, or Qwen's ChatM
 """
 
 import datetime
+import re
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
-from support.hf_tokenizer import alternation
 from support.tokenizer import encode
 
 
@@ -30,13 +30,13 @@ def chat_parts(enc, text):
     """A user turn holding `text`, then the assistant's header, in the tokenizer's chat template: a
     list of strings (to encode as plain text) and ints (special ids, the template's markers).
 
-    The template is the folder's (hf_tokenizer's .chat_template, rendered with jinja2 in a sandbox
+    The template is the folder's (HFTokenizer's .chat_template, rendered with jinja2 in a sandbox
     as transformers' apply_chat_template(add_generation_prompt=True) does; SmolLM2's adds its
     default system turn), else ChatML without a system turn, as the ReFusion release's Qwen3 renders
     it. The template is rendered twice: with a stand-in for the text (USER_TEXT), which marks the
     template's own text around it, and with the text itself, of which the part between the two is
     what the template made of the user's text (a `| trim` strips its whitespace, as
-    apply_chat_template feeds it). The template's own text is split at the tokenizer's added
+    apply_chat_template feeds it). The template's own text is split at the tokenizer's special
     tokens, as the reference tokenizer splits a rendered prompt; the user's part stays text, so a
     special-token string in it is never a special id. Raises ValueError for a tokenizer without a
     template whose ChatML markers it lacks, or a template that does not show the stand-in once or
@@ -57,11 +57,21 @@ def chat_parts(enc, text):
         raise ValueError(f"the chat template of {enc.name} renders its own text differently around "
                          "this user text; such templates are not supported")
     users = rendered[len(before):len(rendered) - len(after)]   # what the template made of text
-    split = alternation(enc.special_tokens_set)
-    before, after = split(before), split(after)
+    before = split_at(before, enc.special_tokens_set)
+    after = split_at(after, enc.special_tokens_set)
     # text at even places, tokens at odd
     parts = before[:-1] + [before[-1] + users + after[0]] + after[1:]
     return [enc.encode_single_token(p) if k % 2 else p for k, p in enumerate(parts) if k % 2 or p]
+
+
+def split_at(text, tokens):
+    """[text, token, text, ..., text]: `text` split around every occurrence of the strings
+    `tokens`, leftmost first and the longest at a place first, as the `tokenizers` library finds
+    added tokens in a text."""
+    if not tokens:
+        return [text]
+    longest_first = sorted(tokens, key=len, reverse=True)
+    return re.split("(" + "|".join(map(re.escape, longest_first)) + ")", text)
 
 
 def render(enc, template, content):

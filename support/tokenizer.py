@@ -1,8 +1,8 @@
 """
-Text <-> token ids, with tiktoken: the built-in tokenizers and a Hugging Face folder's.
+Text <-> token ids: the built-in tokenizers (tiktoken) and a Hugging Face folder's (tokenizers).
 
-    get_tokenizer(name)      "bytes" (offline, the default), "gpt2", or "hf:FOLDER"
-                             -> a tiktoken Encoding
+    get_tokenizer(name)      "bytes" (offline, the default), "gpt2" -> a tiktoken Encoding;
+                             "hf:FOLDER" -> an HFTokenizer, called alike
     special_ids(enc)         (eos_id, mask_id, pad_id) that training appends,
                              masks with and pads with
     vocab_size(enc)          the embedding rows a model needs for it
@@ -17,26 +17,28 @@ from functools import cache
 
 import tiktoken
 
-# GPT-2's regex, folders' tokenizers
-from support.hf_tokenizer import GPT2_PAT, hf_special_ids, hf_tokenizer
+from support.hf_tokenizer import HFTokenizer, hf_special_ids, hf_tokenizer
 
 EOS, MASK, PAD = "<|endoftext|>", "<|mask|>", "<|pad|>"
 TOKENIZERS = ("bytes", "gpt2")
 
 # the byte tokenizer splits text with GPT-2's regex, as GPT-2 does
+GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
 
 @cache
-def get_tokenizer(name: str = "bytes") -> tiktoken.Encoding:
+def get_tokenizer(name: str = "bytes") -> tiktoken.Encoding | HFTokenizer:
     """
-    Return the tiktoken Encoding called `name`, with EOS, MASK and PAD as special tokens
+    Return the tokenizer called `name`, with EOS, MASK and PAD as special tokens
     (hf:FOLDER: the folder's own special tokens).
 
     "bytes": one token per byte (ids 0..255) + EOS=256, MASK=257, PAD=258; n_vocab = 259.
              Built in code, needs no download: the offline default.
     "gpt2":  GPT-2's BPE (ids 0..50255) + EOS=50256, MASK=50257, PAD=50258; n_vocab = 50259.
              tiktoken downloads the BPE file once and caches it (see TIKTOKEN_CACHE_DIR).
-    "hf:FOLDER": the tokenizer.json of a Hugging Face model folder (Qwen3, ReFusion, SmolLM2), see
-             hf_tokenizer.hf_tokenizer; its special ids come from hf_tokenizer.hf_special_ids.
+    "hf:FOLDER": the tokenizer.json of a Hugging Face model folder (Qwen3, ReFusion, SmolLM2) as
+             the `tokenizers` library reads it (hf_tokenizer.hf_tokenizer); its special ids come
+             from hf_tokenizer.hf_special_ids.
     Raises ValueError for an unknown name, FileNotFoundError if the GPT-2 BPE file cannot be had,
     and what hf_tokenizer raises.
     """
@@ -60,7 +62,7 @@ def get_tokenizer(name: str = "bytes") -> tiktoken.Encoding:
     raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS} or hf:FOLDER")
 
 
-def special_ids(enc: tiktoken.Encoding) -> tuple[int, int, int]:
+def special_ids(enc: tiktoken.Encoding | HFTokenizer) -> tuple[int, int, int]:
     """(eos_id, mask_id, pad_id) that training appends, masks with and pads with.
 
     bytes / gpt2: EOS, MASK and PAD of get_tokenizer. hf:FOLDER (hf_special_ids): the first EOS id
@@ -74,34 +76,37 @@ def special_ids(enc: tiktoken.Encoding) -> tuple[int, int, int]:
     return enc.encode_single_token(EOS), enc.encode_single_token(MASK), enc.encode_single_token(PAD)
 
 
-def vocab_size(enc: tiktoken.Encoding) -> int:
+def vocab_size(enc: tiktoken.Encoding | HFTokenizer) -> int:
     """Rows a model's embedding needs for this tokenizer: every id,
     the mask id of special_ids included."""
     return max(enc.n_vocab, max(special_ids(enc)) + 1)
 
 
-def encode(enc: tiktoken.Encoding, text: str) -> list[int]:
+def encode(enc: tiktoken.Encoding | HFTokenizer, text: str) -> list[int]:
     """Token ids of `text`. Special-token strings in the text stay plain text, never special ids.
 
-    A tokenizer from a Hugging Face folder (hf:FOLDER) encodes as its reference tokenizer does
-    (pretrained.HFEncoding: NFC when its tokenizer.json says so, its non-special added tokens).
+    A tokenizer from a Hugging Face folder (hf:FOLDER) encodes as the `tokenizers` library does
+    (its normalizer, its non-special added tokens found in text).
     """
+    if isinstance(enc, HFTokenizer):  # the library takes a whitespace run of any length whole
+        return enc.encode_ordinary(text)
     ids = []
     for piece in _pieces(text):
         ids += enc.encode_ordinary(piece)
     return ids
 
 
-def encode_prompt(enc: tiktoken.Encoding, text: str) -> list[int]:
+def encode_prompt(enc: tiktoken.Encoding | HFTokenizer, text: str) -> list[int]:
     """Token ids of `text` as a prompt (or a training sample's prompt): encode(enc, text) with the
-    ids a Hugging Face folder's post-processor puts around a sequence (Llama 3: its BOS first;
-    support.hf_tokenizer.post_processor_ids), as AutoTokenizer(text) gives them. A chat prompt
-    takes its markers from its template instead (support.chat)."""
-    before, after = getattr(enc, "around", ((), ()))
-    return [*before, *encode(enc, text), *after]
+    ids a Hugging Face folder's post-processor puts around a sequence (Llama 3: its BOS first),
+    as AutoTokenizer(text) gives them. A chat prompt takes its markers from its template instead
+    (support.chat)."""
+    if isinstance(enc, HFTokenizer):
+        return enc.encode_prompt(text)
+    return encode(enc, text)
 
 
-def decode(enc: tiktoken.Encoding, ids) -> str:
+def decode(enc: tiktoken.Encoding | HFTokenizer, ids) -> str:
     """Text of `ids` (ints, special ids included); broken UTF-8 becomes U+FFFD, never an error."""
     return enc.decode([int(i) for i in ids], errors="replace")
 

@@ -12,7 +12,6 @@ import sampler
 import train
 from model import ModelConfig, Transformer
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
-from support.hf_tokenizer import PRE_TOKENIZERS
 
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parent.parent  # the repository
@@ -77,6 +76,21 @@ def tiny_run_flags(tmp_path, qa_file, out, objective="refusion"):
             "--eval_iters=1", "--slot_sizes=2,4", "--gen_length=16", "--warmup_iters=10"]
 
 
+# Qwen2/3's pre-tokenizer: the regex of the Split step of their tokenizer.json
+QWEN2_PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+             r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def byte_level_chars():
+    """The 256 characters a byte-level BPE (GPT-2's, Qwen's, SmolLM2's) spells the bytes 0..255
+    with, in byte order: the 188 printable Latin-1 bytes are themselves, the other 68 chr(256),
+    chr(257), ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = iter(range(256, 256 + 68))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
 def save_tiny_hf_folder(folder, mask=True, seed=0, family="qwen3"):
     """A tiny random Qwen3 (or, with family "llama", a Llama as SmolLM2 is: no query/key norms) in
     Hugging Face's layout, as the releases ship it: config.json, model.safetensors and a byte-level
@@ -86,9 +100,9 @@ def save_tiny_hf_folder(folder, mask=True, seed=0, family="qwen3"):
     import json
     import os
 
+    import tokenizers
     from safetensors.torch import save_file
 
-    from support.hf_tokenizer import QWEN2_PAT, byte_of_char
     torch.manual_seed(seed)
     config = ModelConfig(vocab_size=300, block_size=256, n_layer=2, n_head=4, n_kv_head=2,
                          n_embd=32, head_dim=8, intermediate_size=64, rope_theta=1e6,
@@ -105,19 +119,17 @@ def save_tiny_hf_folder(folder, mask=True, seed=0, family="qwen3"):
     save_file({"model." + n: t.clone() for n, t in model.state_dict().items()
                if n != "lm_head.weight"},
               os.path.join(folder, "model.safetensors"))
-    char_of = {b: c for c, b in byte_of_char().items()}
+    vocab = {c: b for b, c in enumerate(byte_level_chars())}
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, []))
+    bpe.normalizer = tokenizers.normalizers.NFC()
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.Split(tokenizers.Regex(QWEN2_PAT), "isolated"),
+        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = tokenizers.decoders.ByteLevel()
     added = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + ["<|mask|>"] * mask
-    spec = {"normalizer": {"type": "NFC"},
-            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": QWEN2_PAT}, "behavior": "Isolated",
-                 "invert": False},
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-                 "use_regex": False}]},
-            "added_tokens": [{"id": 256 + i, "content": t, "special": True}
-                             for i, t in enumerate(added)],
-            "model": {"type": "BPE", "vocab": {char_of[b]: b for b in range(256)}, "merges": []}}
-    with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(spec, f)
+    bpe.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                            for t in added])
+    bpe.save(os.path.join(folder, "tokenizer.json"))
     return model
 
 
@@ -167,29 +179,20 @@ SETTINGS = [(4, 1, 0.9, 0.3), (4, 2, 0.9, 0.3), (4, 1, 0.5, 0.0), (8, 2, 0.0, 0.
             (2, 1, 0.7, 0.1), (4, 2, 0.0, 1.5), (1, 2, 0.5, 0.1), (2, 2, 0.0, 0.0)]
 
 
-def trained_tokenizer(folder, family, all_bytes=True):
-    """A `tokenizers` byte-level BPE of 600 tokens trained on TEXTS with a family's pre-tokenizer
-    (as PRE_TOKENIZERS spells it), special <|endoftext|>, <|im_start|>, <|im_end|>, and a
-    non-special added token <think> matched in text; saved as folder/tokenizer.json. Without
-    all_bytes, the bytes TEXTS never uses have no token (as 21 have none in SmolLM2's vocabulary).
+def trained_tokenizer(folder):
+    """A `tokenizers` byte-level BPE of 600 tokens trained on TEXTS with SmolLM2's pre-tokenizer
+    (every digit apart, then GPT-2's regex), special <|endoftext|>, <|im_start|>, <|im_end|>, and a
+    non-special added token <think> matched in text; saved as folder/tokenizer.json.
     Returns the reference."""
     tokenizers = pytest.importorskip("tokenizers")
-    steps, _ = PRE_TOKENIZERS[family]
-    built = {"Split": lambda s: tokenizers.pre_tokenizers.Split(
-                 tokenizers.Regex(s["pattern"]["Regex"]), "isolated"),
-             "ByteLevel": lambda s: tokenizers.pre_tokenizers.ByteLevel(
-                 add_prefix_space=False, use_regex=s["use_regex"]),
-             "Digits": lambda s: tokenizers.pre_tokenizers.Digits(individual_digits=True)}
     reference = tokenizers.Tokenizer(tokenizers.models.BPE())
-    reference.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([built[s["type"]](s)
-                                                                  for s in steps])
+    reference.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.Digits(individual_digits=True),
+        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     reference.decoder = tokenizers.decoders.ByteLevel()
-    if family == "Qwen2/3":
-        reference.normalizer = tokenizers.normalizers.NFC()
-    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet() if all_bytes else []
     trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=alphabet, show_progress=False)
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     reference.train_from_iterator(TEXTS * 3, trainer)
     reference.add_tokens([tokenizers.AddedToken("<think>", special=False, normalized=False)])
     reference.save(str(folder / "tokenizer.json"))
@@ -198,22 +201,18 @@ def trained_tokenizer(folder, family, all_bytes=True):
     return reference
 
 
+def give_ids(spec, ids):
+    """Give a save_tiny_hf_folder tokenizer.json's added tokens these ids, each also in the model's
+    vocabulary, as SmolLM2's tokenizer.json lists its special tokens: the `tokenizers` library
+    (and so transformers) takes an added token's id from there, and numbers the others after the
+    vocabulary whatever id the file gives them."""
+    for token, new in zip(spec["added_tokens"], ids):
+        token["id"] = new
+        spec["model"]["vocab"][token["content"]] = new
+
+
 def edit_json(path, edit):
     """Rewrite the JSON file at path with edit(its object), which changes it in place."""
     obj = json.loads(Path(path).read_text(encoding="utf-8"))
     edit(obj)
     Path(path).write_text(json.dumps(obj), encoding="utf-8")
-
-
-def loadable_by_tokenizers(spec):
-    """Fill in a save_tiny_hf_folder tokenizer.json's fields that the `tokenizers` library requires
-    (and our reader defaults), so that transformers' AutoTokenizer loads the folder too."""
-    for token in spec["added_tokens"]:
-        token.update({"single_word": False, "lstrip": False, "rstrip": False,
-                      "normalized": False} | token)
-    spec["model"].update({"dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                          "end_of_word_suffix": None, "fuse_unk": False,
-                          "byte_fallback": False, "ignore_merges": False} | spec["model"])
-    spec.update({"version": "1.0", "truncation": None, "padding": None, "post_processor": None,
-                 "decoder": {"type": "ByteLevel", "add_prefix_space": True,
-                             "trim_offsets": True, "use_regex": True}} | spec)

@@ -10,14 +10,14 @@ import json
 
 import pytest
 
-from helpers import edit_json, loadable_by_tokenizers, save_tiny_hf_folder, trained_tokenizer
+from helpers import save_tiny_hf_folder, trained_tokenizer
 from support.chat import chat_prompt
 from support.hf_tokenizer import hf_tokenizer
 
 
 def test_chat_template_of_a_folder_renders_as_transformers_does(tmp_path):
     transformers = pytest.importorskip("transformers")
-    reference = trained_tokenizer(tmp_path, "SmolLM2")
+    reference = trained_tokenizer(tmp_path)
     template = ("{% for message in messages %}"
                 "{% if loop.first and messages[0]['role'] != 'system' %}"
                 "{{ '<|im_start|>system\\nYou are a helpful AI assistant<|im_end|>\\n' }}"
@@ -55,7 +55,6 @@ def test_a_chat_template_is_fed_as_it_renders_the_user_s_text(tmp_path, template
     (transformers defines both) renders as there."""
     transformers = pytest.importorskip("transformers")
     save_tiny_hf_folder(tmp_path)
-    edit_json(tmp_path / "tokenizer.json", loadable_by_tokenizers)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     enc = hf_tokenizer(str(tmp_path))
@@ -64,3 +63,22 @@ def test_a_chat_template_is_fed_as_it_renders_the_user_s_text(tmp_path, template
                                                  add_generation_prompt=True, tokenize=True,
                                                  return_dict=False)
         assert chat_prompt(enc, text) == list(expected), text
+
+
+def test_a_template_file_and_its_bos_token_render_as_transformers_renders_them(tmp_path):
+    """chat_template.jinja, which transformers reads before tokenizer_config.json's chat_template,
+    and the bos_token string tokenizer_config.json names (Llama 3's templates begin with it)."""
+    transformers = pytest.importorskip("transformers")
+    save_tiny_hf_folder(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|endoftext|>", "chat_template": "{{ 'not this one' }}"}))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    expected = reference.apply_chat_template([{"role": "user", "content": "hi"}],
+                                             add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+    assert chat_prompt(hf_tokenizer(str(tmp_path)), "hi") == list(expected)
+    # <|endoftext|>, then <|im_start|>
+    assert expected[:2] == [256, 257]

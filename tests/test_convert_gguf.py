@@ -25,18 +25,18 @@ import torch
 from safetensors.numpy import load_file
 
 import sampler
-from helpers import ROOT, TEXTS
+from helpers import ROOT, TEXTS, byte_level_chars
 from sampler import DecodeSettings, generate_next_token
 from support import gguf_file
 from support.chat import chat_parts, chat_prompt
 from support.gguf_file import GGUF_TYPES, convert_gguf
 from support.hf_folder import from_pretrained
-from support.hf_tokenizer import byte_of_char, hf_special_ids, hf_tokenizer
+from support.hf_tokenizer import hf_special_ids, hf_tokenizer
 
 Q = gguf.GGMLQuantizationType
 N_EMBD, N_HEAD, N_KV_HEAD, FFN = 256, 4, 2, 256   # rows of 256 values: every type's block fits
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-BYTE_CHARS = list(byte_of_char())           # the 256 byte-level characters
+BYTE_CHARS = byte_level_chars()            # the 256 byte-level characters
 MERGES = ["Ġ t", "h e", "Ġt he"]
 TOKENS = SPECIALS + BYTE_CHARS + ["Ġt", "he", "Ġthe", "<think>"]
 # control, normal, user-defined
@@ -289,9 +289,9 @@ def utf8_texts():
 
 
 def test_smollm2_tokenizer_matches_the_reference(tmp_path):
-    """Our tiktoken encoding of the converted tokenizer.json against a `tokenizers` BPE built here
-    from the GGUF's vocabulary and merges with SmolLM2's pre-tokenizer (digits split, then GPT-2's
-    regex)."""
+    """Our tokenizer of the converted tokenizer.json against a `tokenizers` BPE built here from the
+    GGUF's vocabulary and merges with SmolLM2's pre-tokenizer (digits split, then GPT-2's regex):
+    the converter writes the pre-tokenizer the file names, and its added tokens."""
     tokenizers = pytest.importorskip("tokenizers")
     meta = gguf_file.gguf_fields(gguf.GGUFReader(smollm2_path()))
     tokenizer, config = gguf_file.gguf_tokenizer_files(meta, "SmolLM2")
@@ -308,8 +308,8 @@ def test_smollm2_tokenizer_matches_the_reference(tmp_path):
     # special-token strings in text stay text, as in our encode
     reference.encode_special_tokens = True
     enc = hf_tokenizer(str(tmp_path))
-    # 21 byte values have no token: dropped, never a panic
-    assert enc.n_vocab == 49152 and len(enc.missing) == 21
+    # 21 byte values have no token: dropped, as the reference drops them
+    assert enc.n_vocab == 49152 and len(set(BYTE_CHARS) - set(tokens)) == 21
     texts = TEXTS + utf8_texts() + ["<|im_end|> stays text", "\x04\x06 x\x13y !\x14! \x1d",
                                     chr(0x40000) + "a" + chr(0x80000)]
     for text in texts:
@@ -376,21 +376,21 @@ def test_every_metadata_field_the_converter_reads_is_checked(tmp_path, key, valu
 
 def test_a_key_set_twice_and_a_folder_that_would_not_load_are_refused_leaving_nothing(tmp_path):
     """A GGUF file whose metadata sets a key twice (the reader's KeyError) is refused in one line;
-    one whose converted folder the readers would refuse (here a merge order tiktoken would apply
-    otherwise) is refused before the folder exists: a written folder always loads."""
+    one whose converted folder the readers would refuse (here a merge making a token the vocabulary
+    lacks) is refused before the folder exists: a written folder always loads."""
     path = write_gguf(tmp_path / "twice.gguf", extra_meta=[("llama.block_counX", 1)])
     raw = open(path, "rb").read().replace(b"llama.block_counX", b"llama.block_count")
     open(path, "wb").write(raw)
     with pytest.raises(ValueError, match=r"twice.gguf is not a readable GGUF file .*Duplicate"):
         convert_gguf(path, str(tmp_path / "out"))
     global MERGES
-    merges, MERGES = MERGES, ["h e", "Ġ t", "Ġt he"]   # "Ġt" merged after "he": out of id order
+    merges, MERGES = MERGES, ["Ġ t", "h e", "Ġt h"]    # "Ġth" is no token
     try:
         path = write_gguf(tmp_path / "unordered.gguf")
     finally:
         MERGES = merges
-    with pytest.raises(ValueError, match=r"converts into a folder that does not load .*not in "
-                                         r"merge order.*nothing was written"):
+    with pytest.raises(ValueError, match=r"converts into a folder that does not load .*Token "
+                                         r"`Ġth` out of vocabulary.*nothing was written"):
         convert_gguf(path, str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path)) == ["twice.gguf", "unordered.gguf"]
 

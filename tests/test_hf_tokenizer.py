@@ -1,8 +1,8 @@
 """
-tokenizer.json -> tiktoken (support/hf_tokenizer.py): checked against a reference tokenizer built by
-the `tokenizers` library from Qwen's real vocabulary and against byte-level BPEs trained here; a
-folder's special ids, stop ids and BOS as transformers reads them; files tiktoken would read
-otherwise refused.
+A Hugging Face folder's tokenizer (support/hf_tokenizer.py): its ids and texts against transformers'
+AutoTokenizer on Qwen's real vocabulary, special-token strings kept as text, a missing or damaged
+tokenizer.json named; a folder's special ids, stop ids and BOS as transformers reads them; the
+model rows its tokenizer has no token for never generated.
 
 Run: python -m pytest -q tests/test_hf_tokenizer.py
      (needs requirements-test.txt; skips what is missing)
@@ -14,24 +14,22 @@ import os
 import re
 import shutil
 import unicodedata
-from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 from safetensors.torch import load_file, save_file
 
 import sampler
-from helpers import (TEXTS, edit_json, loadable_by_tokenizers, save_tiny_hf_folder,
-                     trained_tokenizer)
+from helpers import TEXTS, edit_json, give_ids, save_tiny_hf_folder
 from support import tokenizer
 from support.chat import CHATML, chat_prompt
-from support.hf_tokenizer import (PRE_TOKENIZERS, QWEN2_PAT, byte_of_char, hf_special_ids,
-                                  hf_tokenizer, undecodable_ids)
+from support.hf_tokenizer import hf_special_ids, hf_tokenizer, undecodable_ids
 from support.sampling import load_model
 
 
 # ----------------------------------------------------------------------------------------------
-# hf_tokenizer against Qwen's real vocabulary
+# Qwen's real vocabulary, against transformers
 
 # Qwen3's added tokens, ids 151643.. in order (as its tokenizer.json lists them), then
 # ReFusion's two
@@ -50,93 +48,77 @@ REFUSION_ADDED = ["<|beginoftext|>", "<|mask|>"]
 QWEN3_TEXT_TOKENS = QWEN3_ADDED[14:]
 
 
+# texts with special tokens' strings, which stay text, and markers that are not special
+MARKED_TEXTS = ["<|im_end|>", "user: <|mask|><|endoftext|> done", "<think>\nok\n</think>",
+                "<tool_call>x<|im_start|>"]
+
+
 @pytest.fixture(scope="module")
-def qwen_tokenizers(tmp_path_factory):
-    """(reference tokenizers.Tokenizer, folder with ReFusion's tokenizer.json, folder with Qwen3's).
+def qwen_folders(tmp_path_factory):
+    """(transformers' AutoTokenizer of the ReFusion folder, folder with ReFusion's tokenizer.json,
+    folder with Qwen3's).
 
     Source of the vocabulary: the `dashscope` package (Alibaba's DashScope SDK) ships Qwen's 151,643
     BPE ranks as dashscope/resources/qwen.tiktoken (shared by Qwen1, 2 and 3) and Qwen's regex as
     dashscope.tokenizers.qwen_tokenizer.PAT_STR. From them transformers' TikTokenConverter builds a
-    `tokenizers` byte-level BPE (its own byte alphabet, vocab and merges); NFC normalization and the
-    added tokens are set as in Qwen's tokenizer.json. That tokenizer, saved, is what hf_tokenizer
-    reads, and the same object, a Rust BPE that applies merges, is the reference it must agree with.
+    `tokenizers` byte-level BPE; NFC normalization and the added tokens are set as in Qwen's
+    tokenizer.json. The reference keeps special-token strings as text (split_special_tokens), as
+    our encode does.
     """
     spec = importlib.util.find_spec("dashscope")
     if spec is None:
         pytest.skip("dashscope is not installed (it ships Qwen's vocabulary): "
                     "pip install -r requirements-test.txt")
-    pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
     from dashscope.tokenizers.qwen_tokenizer import PAT_STR
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     ranks_file = os.path.join(spec.submodule_search_locations[0], "resources", "qwen.tiktoken")
-    reference = TikTokenConverter(vocab_file=ranks_file, pattern=PAT_STR).converted()
-    reference.normalizer = tokenizers.normalizers.NFC()
-    # every token built by merges, no whole-word lookup: unlike tiktoken
-    reference.model.ignore_merges = False
+    built = TikTokenConverter(vocab_file=ranks_file, pattern=PAT_STR).converted()
+    built.normalizer = tokenizers.normalizers.NFC()
     # in id order; Qwen3's tool, FIM and thinking markers are not special
     for t in QWEN3_ADDED + REFUSION_ADDED:
-        (reference.add_tokens if t in QWEN3_TEXT_TOKENS else reference.add_special_tokens)(
+        (built.add_tokens if t in QWEN3_TEXT_TOKENS else built.add_special_tokens)(
             [tokenizers.AddedToken(t, special=t not in QWEN3_TEXT_TOKENS, normalized=False)])
-    assert reference.get_vocab_size() == 151671 and reference.token_to_id("<|mask|>") == 151670
+    assert built.get_vocab_size() == 151671 and built.token_to_id("<|mask|>") == 151670
     refusion, qwen3 = tmp_path_factory.mktemp("refusion"), tmp_path_factory.mktemp("qwen3")
-    reference.save(str(refusion / "tokenizer.json"))
+    built.save(str(refusion / "tokenizer.json"))
     spec_json = json.loads((refusion / "tokenizer.json").read_text(encoding="utf-8"))
     spec_json["added_tokens"] = [t for t in spec_json["added_tokens"]
                                  if t["content"] not in REFUSION_ADDED]
     (qwen3 / "tokenizer.json").write_text(json.dumps(spec_json), encoding="utf-8")
+    reference = transformers.AutoTokenizer.from_pretrained(str(refusion), split_special_tokens=True)
     return reference, refusion, qwen3
 
 
-def test_hf_tokenizer_matches_reference_on_qwen_vocabulary(qwen_tokenizers):
-    reference, folder, _ = qwen_tokenizers
+def test_ids_and_texts_equal_transformers_on_qwen_vocabulary(qwen_folders):
+    """Special tokens' strings stay text, never special ids; Qwen3's markers that are not special
+    (<think>) are found in text, as transformers finds them; decode writes special tokens."""
+    reference, folder, _ = qwen_folders
     enc = tokenizer.get_tokenizer(f"hf:{folder}")
     assert enc.n_vocab == 151671
-    for text in TEXTS:
-        assert tokenizer.encode(enc, text) == \
-            reference.encode(text, add_special_tokens=False).ids, text
-
-
-def test_qwen_ids_of_known_text(qwen_tokenizers):
-    enc = hf_tokenizer(str(qwen_tokenizers[1]))
-    assert tokenizer.encode(enc, "Hello world") == [9707, 1879]
-    # Qwen splits numbers into single digits
-    assert tokenizer.encode(enc, "12345") == [16, 17, 18, 19, 20]
-    # NFC first, as tokenizer.json says
-    assert tokenizer.encode(enc, "cafe\u0301") == tokenizer.encode(enc, "café")
-
-
-def test_decode_inverts_encode_and_writes_special_tokens(qwen_tokenizers):
-    enc = hf_tokenizer(str(qwen_tokenizers[1]))
-    for text in TEXTS:
-        assert tokenizer.decode(enc, tokenizer.encode(enc, text)) == \
-            unicodedata.normalize("NFC", text)
-    assert tokenizer.decode(enc, [151645, 151669, 151670]) == "<|im_end|><|beginoftext|><|mask|>"
-
-
-def test_special_token_text_in_input_stays_plain_text(qwen_tokenizers):
-    reference, folder, _ = qwen_tokenizers
-    enc = hf_tokenizer(str(folder))
-    as_text = type(reference).from_str(reference.to_str())
-    # the reference's switch for "special-token strings are plain text"
-    as_text.encode_special_tokens = True
-    for text in ["<|im_end|>", "user: <|mask|><|endoftext|> done", "<think>\nok\n</think>",
-                 "<tool_call>x<|im_start|>"]:
+    # a whitespace run longer than tiktoken takes whole (support.tokenizer.MAX_SPACE_RUN)
+    for text in TEXTS + MARKED_TEXTS + ["x" + " " * 20_001 + "y" + "\n" * 10_001]:
         ids = tokenizer.encode(enc, text)
-        assert ids == as_text.encode(text, add_special_tokens=False).ids
-        # no special id, markers that are not special
+        assert ids == reference(text, add_special_tokens=False).input_ids, text
+        assert tokenizer.decode(enc, ids) == reference.decode(ids) == \
+            unicodedata.normalize("NFC", text)
         assert all(i < 151643 or 151657 <= i <= 151668 for i in ids)
-    # found in text, as the reference does
     assert tokenizer.encode(enc, "<think>\nok\n</think>")[::4] == [151667, 151668]
-    # what was avoided
-    assert reference.encode("<|im_end|>", add_special_tokens=False).ids == [151645]
+    special = [151645, 151669, 151670]
+    assert tokenizer.decode(enc, special) == reference.decode(special) == \
+        "<|im_end|><|beginoftext|><|mask|>"
+    # Qwen's own ids: numbers split into single digits
+    assert tokenizer.encode(enc, "Hello world") == [9707, 1879]
+    assert tokenizer.encode(enc, "12345") == [16, 17, 18, 19, 20]
 
 
-def test_hf_special_ids(qwen_tokenizers, tmp_path):
-    _, refusion, qwen3 = qwen_tokenizers
+def test_hf_special_ids(qwen_folders, tmp_path):
+    _, refusion, qwen3 = qwen_folders
     assert hf_special_ids(str(refusion)) == ((151645, 151643), 151670, 151643)
     assert hf_special_ids(str(qwen3)) == ((151645, 151643), None, 151643)
+    # a plain Qwen3 fine-tuned into ReFusion: a mask id after the tokenizer's own
+    assert tokenizer.special_ids(hf_tokenizer(str(qwen3))) == (151645, 151669, 151643)
     shutil.copy(qwen3 / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "config.json").write_text(json.dumps({"mask_token_id": 151660,
                                                       "pad_token_id": 151662}))
@@ -144,111 +126,23 @@ def test_hf_special_ids(qwen_tokenizers, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# hf_tokenizer's errors (hand-written files, no package needed)
+# files that do not load, and folders whose ids do not fit their model
 
 
-def write_tokenizer_json(folder, **changes):
-    """A Qwen-style tokenizer.json with five tokens ("Ġ" is the byte-level spelling of a space)."""
-    qwen_pre = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": QWEN2_PAT}, "behavior": "Isolated", "invert": False},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-         "use_regex": False}]}
-    spec = {"normalizer": {"type": "NFC"}, "pre_tokenizer": qwen_pre,
-            "added_tokens": [{"id": 5, "content": "<|endoftext|>", "special": True}],
-            "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4},
-                      "merges": [["a", "b"], ["Ġ", "a"]]}}
-    Path(folder, "tokenizer.json").write_text(json.dumps(spec | changes), encoding="utf-8")
-
-
-def test_hf_tokenizer_reads_a_qwen_style_file(tmp_path):
-    write_tokenizer_json(tmp_path)
-    enc = hf_tokenizer(str(tmp_path))
-    # "ab" ranks before " a"
-    assert tokenizer.encode(enc, " abba") == [2, 3, 1, 0] and tokenizer.encode(enc, " a") == [4]
-    assert tokenizer.decode(enc, [4, 5]) == " a<|endoftext|>"
-    # our own tokenizers unchanged
-    assert tokenizer.special_ids(tokenizer.get_tokenizer("bytes")) == (256, 257, 258)
-    # EOS <|endoftext|>, a mask id after the tokenizer's, pad = EOS
-    assert tokenizer.special_ids(enc) == (5, 6, 5)
-
-
-@pytest.mark.parametrize("changes, error, message", [
-    (None, FileNotFoundError, "no tokenizer.json"),
-    ({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True, "use_regex": True}},
-     ValueError, "pre_tokenizer .*'add_prefix_space': True.* not supported"),
-    ({"normalizer": {"type": "NFKC"}}, ValueError, "normalizer {'type': 'NFKC'} not supported"),
-    ({"model": {"type": "Unigram", "vocab": []}}, ValueError, "model 'Unigram' not supported"),
-    ({"model": {"type": "BPE", "vocab": {"a": 0, "\x00": 1}}}, ValueError,
-     "outside the byte-level alphabet"),
-    ({"added_tokens": [{"id": 1, "content": "<|endoftext|>"}]}, ValueError,
-     "clashes with the vocabulary's 'b'"),
-    ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4},
-                "merges": [["Ġ", "a"], ["a", "b"]]}}, ValueError,
-     r"not in merge order \(merge 1 makes id 3"),
-    ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġa": 4, "ba": 6},
-                "merges": [["a", "b"], ["Ġ", "a"]]}}, ValueError,
-     "tokens 6 are longer than a byte but no merge makes"),
-    ({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [], "byte_fallback": True}},
-     ValueError, "BPE options"),
-    ({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": [], "unk_token": "a"}},
-     ValueError, "have no token and model.unk_token is set"),
-    ({"decoder": {"type": "WordPiece"}}, ValueError, "decoder 'WordPiece' not supported"),
-    ({"added_tokens": [{"id": 5, "content": "<x>", "special": False, "lstrip": True,
-                        "normalized": False}]}, ValueError,
-     "'<x>' is not special and has lstrip set"),
-    ({"added_tokens": [{"id": 5, "content": "<x>", "special": False, "normalized": True}]},
-     ValueError, "'<x>' is not special and has normalized set"),
-], ids=["no-file", "prefix-space", "nfkc", "unigram", "not-byte-level", "id-clash",
-        "not-merge-order", "unmade-token", "byte-fallback", "unk-token", "decoder", "lstrip",
-        "normalized"])
-def test_hf_tokenizer_errors(tmp_path, changes, error, message):
-    if changes is not None:
-        write_tokenizer_json(tmp_path, **changes)
-    with pytest.raises(error, match=message):
+def test_a_folder_without_tokenizer_json_is_named_with_the_fix(tmp_path):
+    """A damaged tokenizer.json: tests/test_hf_folder.py's MALFORMED, through the command lines."""
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer.json in '.*': hf:FOLDER must name "
+                                                 "a Hugging Face model folder holding one"):
         hf_tokenizer(str(tmp_path))
 
 
 def test_hf_special_ids_needs_an_eos_token(tmp_path):
-    write_tokenizer_json(tmp_path, added_tokens=[{"id": 5, "content": "<|mask|>", "special": True}])
+    save_tiny_hf_folder(tmp_path)
+    # <|im_start|> alone
+    edit_json(tmp_path / "tokenizer.json",
+              lambda spec: spec.update(added_tokens=spec["added_tokens"][1:2]))
     with pytest.raises(ValueError, match=re.escape("neither <|im_end|> nor <|endoftext|>")):
         hf_special_ids(str(tmp_path))
-
-
-# ----------------------------------------------------------------------------------------------
-# the byte-level BPE families, each against a `tokenizers` BPE trained here with its pre-tokenizer
-
-
-FAMILY_TEXTS = TEXTS + ["<|im_end|> stays text, <think>\nthought\n</think> is found",
-                        "x<think>y <think>  <think>"]
-
-
-@pytest.mark.parametrize("family", list(PRE_TOKENIZERS))
-def test_byte_level_families_match_the_reference(tmp_path, family):
-    reference = trained_tokenizer(tmp_path, family)
-    enc = hf_tokenizer(str(tmp_path))
-    assert enc.n_vocab == reference.get_vocab_size() and not enc.missing
-    for text in FAMILY_TEXTS + ["".join(map(chr, range(256)))]:
-        ids = tokenizer.encode(enc, text)
-        assert ids == reference.encode(text, add_special_tokens=False).ids, text
-        assert tokenizer.decode(enc, ids) == reference.decode(ids, skip_special_tokens=False)
-    think = reference.token_to_id("<think>")
-    assert tokenizer.encode(enc, "<think>") == [think] and \
-        think not in tokenizer.encode(enc, "<thin k>")
-
-
-def test_bytes_without_a_token_are_dropped_as_the_reference_drops_them(tmp_path):
-    reference = trained_tokenizer(tmp_path, "SmolLM2", all_bytes=False)
-    enc = hf_tokenizer(str(tmp_path))
-    assert b"\x04" in enc.missing and b"\xf1" in enc.missing and b"a" not in enc.missing
-    for text in ["a\x04b", "\x04", "!\x04!", "x" + chr(0x40000) + "y", "1\x042 \x04 3",
-                 "<think>\x04<think>"]:
-        assert tokenizer.encode(enc, text) == \
-            reference.encode(text, add_special_tokens=False).ids, text
-
-
-# ----------------------------------------------------------------------------------------------
-# files from elsewhere that do not fit: padded rows, ids beyond the rows, merges tiktoken applies
-# otherwise, malformed files
 
 
 def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
@@ -260,7 +154,7 @@ def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
     folder = tmp_path / "padded"
     save_tiny_hf_folder(folder)
     # <|mask|>: 259-261 a gap
-    edit_json(folder / "tokenizer.json", lambda spec: spec["added_tokens"][3].update(id=262))
+    edit_json(folder / "tokenizer.json", lambda spec: give_ids(spec, [256, 257, 258, 262]))
     edit_json(folder / "config.json", lambda config: config.update(tie_word_embeddings=False))
     tensors = load_file(folder / "model.safetensors")
     lm_head = torch.randn(300, 32)
@@ -286,7 +180,7 @@ def test_padded_vocabulary_rows_are_never_generated(tmp_path, capsys):
 
 @pytest.mark.parametrize("edit, ids", [
     (lambda folder: edit_json(folder / "tokenizer.json",
-                              lambda spec: spec["added_tokens"][2].update(id=300)), "300"),
+                              lambda spec: give_ids(spec, [256, 257, 300, 259])), "300"),
     (lambda folder: edit_json(folder / "config.json",
                               lambda config: config.update(pad_token_id=301)), "301"),
 ], ids=["tokenizer-id", "config-pad-id"])
@@ -310,93 +204,22 @@ def test_token_ids_beyond_the_models_rows_are_refused_at_load(tmp_path, qa_file,
     assert not (tmp_path / "ft" / "ckpt.pt").exists()
 
 
-def write_byte_level_bpe(folder, merges, ignore_merges=False, vocab_changes=None, added=()):
-    """A GPT-2-style tokenizer.json: the 256 bytes (ids 0..255), then the token each merge makes (a
-    pair "left right" of tokens spelled in the byte-level alphabet), in merge order."""
-    char_of = {b: c for c, b in byte_of_char().items()}
-    vocab = {char_of[b]: b for b in range(256)}
-    for merge in merges:
-        vocab.setdefault(merge.replace(" ", ""), len(vocab))
-    spec = {"added_tokens": list(added), "normalizer": None,
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                              "use_regex": True},
-            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                        "use_regex": True},
-            "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": ignore_merges,
-                      "vocab": vocab | (vocab_changes or {}),
-                      "merges": [m.split(" ") for m in merges]}}
-    Path(folder, "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
-
-
-# "abc" is made by the merge (a, bc), but the reference, which joins a and b first, never has that
-# pair: it leaves "ab" "c", while tiktoken joins any adjacent pair that makes a token
-# ("ab" + "c" = "abc").
-JOINED_OTHERWISE = ["a b", "b c", "a bc"]
-
-
-ABC = (r"merges join the bytes of token 258 \('abc'\) into \['ab', 'c'\], "
-       r"where tiktoken makes \['abc'\]")
-
-
-@pytest.mark.parametrize("merges, ignore_merges, changes, added, differs, message", [
-    (JOINED_OTHERWISE, False, None, (), "abc", ABC),
-    # a whole token is taken whole by both, but not inside a piece
-    (JOINED_OTHERWISE, True, None, (), "abcd", ABC),
-    (["a b"], False, {"ba": 256}, (), None, "model.vocab gives id 256 to both 'ab' and 'ba'"),
-    (["a b"], False, None, [{"id": 257, "content": "<x>", "special": True},
-                            {"id": 257, "content": "<y>", "special": True}], None,
-     "added_tokens lists 257 more than once"),
-], ids=["merged-otherwise", "merged-otherwise-ignore-merges", "id-twice", "added-id-twice"])
-def test_a_tokenizer_tiktoken_would_encode_otherwise_is_refused(tmp_path, merges, ignore_merges,
-                                                                changes, added, differs, message):
-    """hf_tokenizer encodes exactly as the reference `tokenizers` or refuses the file at load.
-    tiktoken joins any adjacent pair that makes a token, the lowest id first; the reference only the
-    pairs its merges list: a vocabulary whose merges make a token of its own bytes otherwise is
-    refused (shown to encode differently by the reference itself), as is an id given to two tokens,
-    which tiktoken cannot decode (it panicked). The same merges in their reference order load and
-    encode alike."""
-    write_byte_level_bpe(tmp_path, merges, ignore_merges, changes, added)
-    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "tokenizer.json")) + ": .*" +
-                       message):
-        hf_tokenizer(str(tmp_path))
-    if differs:
-        tokenizers = pytest.importorskip("tokenizers")
-        reference = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-        # "ab" "c", where tiktoken made "abc"
-        assert reference.encode(differs).ids[:2] == [256, ord("c")]
-        folder = tmp_path / "in-order"
-        folder.mkdir()
-        # "abc" from the pair the reference has
-        write_byte_level_bpe(folder, ["a b", "b c", "ab c"], ignore_merges)
-        reference = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-        enc = hf_tokenizer(str(folder))
-        for text in ["abc", "abcd", "xabc", "bcab", "abcabc", "cab c"]:
-            assert tokenizer.encode(enc, text) == reference.encode(text).ids, text
-
-
 # ----------------------------------------------------------------------------------------------
-# a folder's tokenizer and generation config as transformers reads them (bad input, fourth round)
+# a folder's post-processor and generation config as transformers reads them
 
 
-def with_bos_post_processor(folder, bos="<|begin_of_text|>", bos_id=260):
-    """Give a save_tiny_hf_folder folder Llama 3's post-processor: the BOS token before every
-    sequence (TemplateProcessing), as an added special token."""
-    def add(spec):
-        spec["added_tokens"].append({"id": bos_id, "content": bos, "special": True})
-        loadable_by_tokenizers(spec)
-        spec["post_processor"] = {
-            "type": "Sequence", "processors": [
-                {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
-                 "use_regex": True},
-                {"type": "TemplateProcessing",
-                 "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
-                            {"Sequence": {"id": "A", "type_id": 0}}],
-                 "pair": [{"Sequence": {"id": "A", "type_id": 0}},
-                          {"Sequence": {"id": "B", "type_id": 1}}],
-                 "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}]}
-    edit_json(folder / "tokenizer.json", add)
+def with_bos_post_processor(folder):
+    """Give a save_tiny_hf_folder folder (ids up to 259) Llama 3's post-processor: its BOS, a
+    special token of id 260, before every sequence; and a truncation to 3 tokens and a padding to
+    40, which transformers does not apply unless asked."""
+    bpe = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    bos = tokenizers.AddedToken("<|begin_of_text|>", special=True, normalized=False)
+    bpe.add_special_tokens([bos])
+    bpe.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 260)])
+    bpe.enable_truncation(3)
+    bpe.enable_padding(length=40)
+    bpe.save(str(folder / "tokenizer.json"))
 
 
 def test_a_post_processor_s_bos_begins_every_prompt_as_transformers_encodes_it(tmp_path, qa_file,
@@ -404,7 +227,7 @@ def test_a_post_processor_s_bos_begins_every_prompt_as_transformers_encodes_it(t
     """Llama 3's tokenizer.json adds BOS before every sequence (its post_processor): prompts and
     training samples begin with it as AutoTokenizer's encoding does (transformers#30947: ignored,
     every prompt silently lacked it); a chat prompt takes its markers from the template alone, as
-    apply_chat_template does; a post-processor this does not implement is refused by name."""
+    apply_chat_template does."""
     transformers = pytest.importorskip("transformers")
     save_tiny_hf_folder(tmp_path / "llama3", family="llama")
     with_bos_post_processor(tmp_path / "llama3")
@@ -413,6 +236,7 @@ def test_a_post_processor_s_bos_begins_every_prompt_as_transformers_encodes_it(t
     for text in ("hi", "What is 7 + 7?", TEXTS[2]):
         assert tokenizer.encode_prompt(enc, text) == reference(text).input_ids
         assert tokenizer.encode_prompt(enc, text)[0] == 260
+        assert tokenizer.encode(enc, text) == list(text.encode())
     assert chat_prompt(enc, "hi") == reference.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True,
         return_dict=False, chat_template=CHATML)
@@ -424,11 +248,6 @@ def test_a_post_processor_s_bos_begins_every_prompt_as_transformers_encodes_it(t
     sampler.main([f"--init_from={tmp_path / 'llama3'}", "--prompt=hi", "--method=next_token",
                   "--max_new_tokens=2", "--json"])
     assert json.loads(capsys.readouterr().out)["prompt"] == "<|begin_of_text|>hi"
-    edit_json(tmp_path / "llama3" / "tokenizer.json",
-              lambda spec: spec.update(post_processor={"type": "RobertaProcessing"}))
-    hf_tokenizer.cache_clear()
-    with pytest.raises(ValueError, match="post_processor 'RobertaProcessing' is not supported"):
-        hf_tokenizer(str(tmp_path / "llama3"))
 
 
 def test_stop_ids_are_read_as_transformers_reads_them_and_a_negative_pad_id_is_none(tmp_path):

@@ -18,7 +18,7 @@ PACKAGES = {                                       # the packages each kind of f
     "script": {"torch", "numpy", "tiktoken", "tqdm"},
     "test_refusion": {"torch", "numpy", "pytest"},
 }
-HEAVY = ("gguf", "safetensors", "jinja2", "regex", "filelock", "torch.distributed.fsdp",
+HEAVY = ("gguf", "safetensors", "jinja2", "tokenizers", "filelock", "torch.distributed.fsdp",
          "matplotlib", "support")
 
 
@@ -193,7 +193,7 @@ def test_the_checker_names_each_kind_of_forbidden_import(tmp_path):
 
 def test_the_method_imports_without_the_plumbings_packages():
     """Importing the loss, the layouts and the decoders loads no FSDP, GGUF, safetensors, jinja2,
-    matplotlib or support/."""
+    tokenizers, matplotlib or support/."""
     code = ("import sys, model, kvcache, data, train, sampler, test_refusion; "
             f"print([m for m in {HEAVY!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
