@@ -14,21 +14,6 @@ KEY_BUCKET = 64     # a pass attends to a multiple of this many keys (the extra 
 CACHE_BUCKET = 256  # the decoders' caches hold a multiple of this many tokens (cache_length)
 
 
-WIDE = 32           # bucket(T): a pass of more tokens keeps its width
-
-
-def bucket(T):
-    """The width a pass of T new tokens is padded to where padding is free (SPEC section 4.4)."""
-    # one token (next-token decoding's pass) stays one: its kernels differ from a wide pass's
-    if T == 1:
-        return 1
-    # past WIDE a pass costs its tokens even on a GPU: padding would only add work
-    if T > WIDE:
-        return T
-    # the next power of two, at least 8: widths 8, 16, 32
-    return max(8, 1 << (T - 1).bit_length())
-
-
 def round_up(n, multiple):
     """The least multiple of `multiple` that is >= n (n, multiple: int >= 1)."""
     return -(-n // multiple) * multiple

@@ -179,10 +179,8 @@ def passing_slots(drafts, passed, eos_ids):
     n_passed = int(leading_true(passed.view(1, -1)))
     prefix = drafts.view(-1)[:n_passed].tolist()
     stop = first_eos(prefix, eos_ids)
-    if stop is None:
-        n = n_passed // S * S
-    else:
-        n = stop + 1
+    # the whole slots the prefix covers, or its tokens up to and including its first EOS
+    n = n_passed // S * S if stop is None else stop + 1
     return [prefix[i:min(i + S, n)] for i in range(0, n, S)], stop is not None
 
 
@@ -239,12 +237,12 @@ def decode_serial_block(state, pool, settings):
     eos = False
     while pool:
         # 1. Plan: draft every masked slot, select the confident ones.
-        starts, drafts = plan_slots(state, pool, settings.slot_threshold)
+        starts, at, drafts = plan_slots(state, pool, settings.slot_threshold)
         # 2. Verify: the selected drafts in one causal pass; its whole passing slots commit.
-        commit, accepted = verify_drafts(state, starts, drafts, settings.token_threshold)
+        commit, accepted = verify_drafts(state, starts, at, drafts, settings.token_threshold)
         # 3. Infill: not one whole slot passed verify, so finish every selected slot in parallel.
-        if not commit:
-            commit = infill_slots(state, starts, drafts, accepted, settings.token_threshold)
+        if not commit.starts:
+            commit = infill_slots(state, starts, at, drafts, accepted, settings.token_threshold)
         # 4. Commit: the finished slots join the buffer.
         commit_slots(state, commit)
         eos = eos or commit.eos
@@ -281,12 +279,9 @@ class DecodeState:
         self.nfe = 0
         self.trace = []
         self.step_nfe = []
-        self.speculative = SpeculativeInfill.of(settings, len(prompt))  # SPEC 4.1, or None
-
-    def positions(self, starts):
-        """(k, S) int64: the true positions of the slots starting at starts (k ints)."""
-        cols = torch.arange(self.slot_size, device=self.device)
-        return torch.tensor(starts, device=self.device)[:, None] + cols
+        self.speculative = None
+        if settings.infill == "speculative":  # SPEC 4.1
+            self.speculative = SpeculativeInfill(len(prompt))
 
     def forward(self, tokens, positions, keep=None, logits_from=0):
         """One counted pass of tokens (B, T) at true positions (B, T) after the cache -> logits
@@ -304,9 +299,10 @@ class DecodeState:
 def plan_slots(state, pool, slot_threshold):
     """Step 1, plan: one diffusion step over the masked slots starting at pool (true starts,
     ascending), after the pending prompt on the first call; the masks' keys/values are not kept.
-    Returns (the selected slots' starts, ascending; their drafts (k, S) int64)."""
+    Returns the selected slots' (starts, ascending; true positions (k, S) int64; drafts (k, S))."""
     P = state.pending.shape[1]
-    at = state.positions(pool)
+    cols = torch.arange(state.slot_size, device=state.device)
+    at = torch.tensor(pool, device=state.device)[:, None] + cols        # (len(pool), S)
     # Every token of the pool's slots is a mask at its true position.
     masks = torch.full_like(at, state.mask_id).view(1, -1)
     # KV cache: on the first call the prompt is fed before the masks (the buffer is fed once)
@@ -325,19 +321,20 @@ def plan_slots(state, pool, slot_threshold):
     # Select the slots whose first token passes slot_threshold (the step's read).
     selected = select_slots(probs[:, 0], slot_threshold)
     starts = [pool[k] for k in selected]
-    return starts, drafts[selected]
+    return starts, at[selected], drafts[selected]
 
 
-def verify_drafts(state, starts, drafts, token_threshold):
-    """Step 2, verify: one causal pass over the drafts (k, S) int64 of the slots at true starts,
-    concatenated. Its longest passing prefix commits the slots up to the first EOS, or the whole
-    slots it covers (their keys/values stay cached); if none, the Commit is empty. Returns
-    (commit, accepted: (k,) int64 each slot's own accepted prefix, for infill_slots)."""
+def verify_drafts(state, starts, at, drafts, token_threshold):
+    """Step 2, verify: one causal pass over the drafts (k, S) int64 of the slots at true starts
+    (at: (k, S) int64 their positions), concatenated. Its longest passing prefix commits the
+    slots up to the first EOS, or the whole slots it covers (their keys/values stay cached); if
+    none, the Commit is empty. Returns (commit, accepted: (k,) int64 each slot's own accepted
+    prefix, for infill_slots)."""
     k, S = drafts.shape
     buffer_length = state.cache.length
     # One causal pass over the selected drafts, concatenated.
     tokens = drafts.view(1, k * S)
-    logits = state.forward(tokens, state.positions(starts).view(1, k * S))     # (1, k * S, V)
+    logits = state.forward(tokens, at.view(1, k * S))     # (1, k * S, V)
     # A token passes when its probability passes token_threshold, or it is a slot's first.
     passed = (next_token_probs(logits, tokens) > token_threshold).view(k, S)
     passed[:, 0] = True
@@ -359,9 +356,6 @@ class Commit:
     starts: list[int]
     tokens: list[list[int]]
     eos: bool = False
-
-    def __len__(self):
-        return len(self.starts)
 
 
 @dataclass
@@ -391,15 +385,15 @@ class InfillRows:
         self.lengths = self.lengths[:n]
 
 
-def infill_slots(state, starts, drafts, accepted, token_threshold):
-    """Step 3, parallel autoregressive infill: each selected slot (k true starts; drafts (k, S)
-    and accepted (k,) as verify judged them) in its own cache row after the buffer, finished in at
-    most S rounds of draft_rows, verify_rows, end_rows_at_eos and kept_prefix. Returns a Commit of
-    the k' <= k finished slots, laid after the buffer in the cache's row 0."""
+def infill_slots(state, starts, at, drafts, accepted, token_threshold):
+    """Step 3, parallel autoregressive infill: each selected slot (k true starts, at (k, S) their
+    positions; drafts (k, S) and accepted (k,) as verify judged them) in its own cache row after
+    the buffer, finished in at most S rounds of draft_rows, verify_rows, end_rows_at_eos and
+    kept_prefix. Returns a Commit of the k' <= k finished slots, in the cache's row 0."""
     k, S = drafts.shape
     buffer_length = state.cache.length          # the committed buffer, shared by every row
     # Each selected slot in a row of its own, from what verify accepted of it.
-    rows = InfillRows(list(starts), state.positions(starts), drafts.clone(), accepted, [S] * k)
+    rows = InfillRows(list(starts), at, drafts.clone(), accepted, [S] * k)
     if state.speculative:  # SPEC 4.1
         rows.accepted = state.speculative.restart_later_rows(rows.accepted)
     # KV cache: every row starts from the buffer's keys/values (row 0's, repeated)
@@ -523,11 +517,6 @@ class SpeculativeInfill:
         self.next_logits = None
         self.ends = []
 
-    @classmethod
-    def of(cls, settings, prompt_len):
-        """One for a decode with infill="speculative"; None with the paper's infill."""
-        return cls(prompt_len) if settings.infill == "speculative" else None
-
     def plan(self, state, pool, logits, lead, drafts, probs):
         """Step 1: a leftmost slot at the frontier takes its first draft and score from the kept
         prediction (first logits[0]: the prompt's last). drafts, probs: (len(pool), S) as
@@ -560,12 +549,15 @@ class SpeculativeInfill:
         left neighbour, fed in this draft pass (logits (k, T, V) from column `shared`), predicts.
         Returns the rows' new tokens (k, S) int64; rows.tokens is unchanged."""
         k, S = rows.tokens.shape
-        j = rows.accepted.clamp(max=S - 1)[:, None]         # (k, 1); a finished row keeps its own
-        left = (j - 1 - shared).clamp(min=0)[:, :, None].expand(-1, -1, logits.shape[-1])
-        predicted = ban(logits.gather(1, left)[:, 0], state.banned).argmax(dim=-1)   # (k,)
+        row = torch.arange(k, device=state.device)
+        # each row's first unaccepted column (S - 1 for a finished row, which keeps its token)
+        j = rows.accepted.clamp(max=S - 1)
+        # the prediction of its left neighbour, fed in this pass at column j - 1
+        predicted = ban(logits[row, (j - 1 - shared).clamp(min=0)], state.banned).argmax(dim=-1)
         unfinished = rows.accepted < torch.tensor(rows.lengths, device=state.device)
-        own = rows.tokens.gather(1, j)[:, 0]
-        return rows.tokens.scatter(1, j, torch.where(unfinished, predicted, own)[:, None])
+        tokens = rows.tokens.clone()
+        tokens[row, j] = torch.where(unfinished, predicted, tokens[row, j])
+        return tokens
 
     def rows_verified(self, logits):
         """Step 3b: only row 0 saw the slots committed before it: its last token's logits."""

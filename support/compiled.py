@@ -35,7 +35,7 @@ decoding around it:
   next pass to prove that no decoder reads a stale one);
 - the KV cache is a static tensor, every row allocated, one per (max_len, max_batch) kept for
   every decode (new_kv_cache), written in place between passes, never copied into the graph;
-- the shapes are few: bucketed widths (above, kvcache.bucket), and decoders' caches of bucketed
+- the shapes are few: bucketed widths (above, bucket), and decoders' caches of bucketed
   lengths (kvcache.cache_length), so that a graph is recorded once per shape and replayed after.
 
 So a decode setting compiles a few graphs: one per bucket it feeds, per kind of pass (with a KV
@@ -52,7 +52,22 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from kvcache import WIDE, KVCache, bucket
+from kvcache import KVCache
+
+
+# a pass of more tokens than WIDE keeps its width (bucket): where a pass is bound by its arithmetic,
+# padding costs what it saves
+WIDE = 32
+
+
+def bucket(T):
+    """The width a compiled pass of T new tokens is padded to: 1 for 1 (next-token decoding's pass,
+    whose kernels differ from a wide pass's), the next power of two from 8 up to WIDE, T above."""
+    if T == 1:
+        return 1
+    if T > WIDE:
+        return T
+    return max(8, 1 << (T - 1).bit_length())
 
 
 def check_compile(cfg):

@@ -159,7 +159,7 @@ class PathCounter:
 
         def counted_verify(state, *args):
             commit, accepted = verify(state, *args)
-            if len(commit):
+            if commit.starts:
                 self.seen["verify ends at EOS" if commit.eos else "verify commits whole slots"] += 1
             return commit, accepted
 

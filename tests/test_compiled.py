@@ -10,8 +10,7 @@ from helpers import PROMPTS, SETTINGS, tiny_model
 from support import sampling
 from sampler import DEFAULTS, make_decoder
 from support.benchmark import compiled_vs_eager
-from kvcache import WIDE, bucket
-from support.compiled import CompiledModel
+from support.compiled import WIDE, bucket, CompiledModel
 
 
 def uncompiled(model):
