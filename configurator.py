@@ -10,6 +10,7 @@ default, and every value must have the default's type, so a typo fails loudly in
 import ast
 import difflib
 import io
+import math
 import numbers
 import os
 import sys
@@ -273,3 +274,122 @@ def run_cli(main, argv):
         # what is still buffered goes nowhere
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(1) from None
+
+
+# -----------------------------------------------------------------------------
+# the decoders' settings (sampler.py's DecodeSettings, RefusionSettings, MDMSettings): the values
+# they may take, checked when a settings object is built, and a model checked against them
+
+# ReFusion's step 3: the paper's infill, or the next-token pathway in charge (SPEC 4.1)
+INFILL_MODES = ("paper", "speculative")
+# what the MDM's low-confidence remasking ranks a step's drafts by (SPEC section 4): "prob", the
+# drafted token's probability (LLaDA); "margin" and "entropy", Dream's rules (opt-in)
+MDM_CONFIDENCES = ("prob", "margin", "entropy")
+
+
+def check_decode_settings(s):
+    """Refuse a DecodeSettings whose max_new_tokens, temperature or eos_every cannot work.
+    Raises ValueError naming the setting and the fix."""
+    if s.max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={s.max_new_tokens}: ask for at least one new token")
+    if not 0 <= s.temperature < math.inf:  # also catches NaN
+        raise ValueError(f"temperature={s.temperature}: use 0 for greedy decoding or a finite "
+                         "positive value to sample")
+    if s.eos_every is not None and s.eos_every < 1:
+        raise ValueError(f"eos_every={s.eos_every}: look for EOS at least every token (1), or "
+                         "leave it None (every token on a CPU, every 16 on a GPU)")
+
+
+def check_refusion_settings(s):
+    """Refuse a RefusionSettings that cannot work (check_decode_settings, then ReFusion's knobs):
+    thresholds are finite probabilities >= 0, any value >= 1 meaning "never". Raises ValueError."""
+    check_decode_settings(s)
+    if s.infill not in INFILL_MODES:
+        renamed = " (infill='ar' is now called 'speculative')" if s.infill == "ar" else ""
+        raise ValueError(f"infill={s.infill!r}: choose 'paper' (the forced token of each infill "
+                         "round is its masked draft, as in the paper) or 'speculative' (the "
+                         f"next-token prediction, SPEC 4.1){renamed}")
+    if s.slot_size <= 0:
+        raise ValueError(f"slot_size={s.slot_size}: a slot holds at least one token (the paper "
+                         "uses 4 to 32)")
+    if s.serial_num_blocks <= 0:
+        raise ValueError(f"serial_num_blocks={s.serial_num_blocks}: use at least one serial block")
+    for name in ("slot_threshold", "token_threshold"):
+        if not 0 <= getattr(s, name) < math.inf:  # also catches NaN
+            raise ValueError(f"{name}={getattr(s, name)}: thresholds are finite probabilities "
+                             ">= 0 (any value >= 1 already means never)")
+
+
+def check_mdm_settings(s):
+    """Refuse an MDMSettings that cannot work (check_decode_settings, then LLaDA's schedule):
+    block_length divides max_new_tokens, the blocks divide steps, steps <= max_new_tokens, and
+    confidence is one of MDM_CONFIDENCES. Raises ValueError naming the setting and the fix."""
+    check_decode_settings(s)
+    n = s.max_new_tokens
+    if s.steps <= 0 or s.block_length <= 0:
+        raise ValueError(f"steps={s.steps}, block_length={s.block_length}: both must be positive")
+    if n % s.block_length:
+        raise ValueError(f"max_new_tokens={n} is not a multiple of block_length={s.block_length}; "
+                         f"pick a block_length dividing {n}")
+    if s.steps % s.n_semi_ar_blocks:
+        raise ValueError(f"steps={s.steps} cannot be shared equally by the {s.n_semi_ar_blocks} "
+                         f"semi-autoregressive blocks of {s.block_length} tokens; pick steps as a "
+                         f"multiple of {s.n_semi_ar_blocks}")
+    if s.steps > n:
+        raise ValueError(f"steps={s.steps} > max_new_tokens={n}: some steps would commit no "
+                         f"token; use at most {n} steps (one token per step)")
+    if s.confidence not in MDM_CONFIDENCES:
+        raise ValueError(f"confidence={s.confidence!r}: choose one of "
+                         f"{', '.join(MDM_CONFIDENCES)}")
+
+
+def check_confidence(cfg):
+    """Refuse a --confidence not among MDM_CONFIDENCES, whichever the method, so that a misspelt
+    rule is never silently ignored. Raises ValueError."""
+    if cfg["confidence"] not in MDM_CONFIDENCES:
+        raise ValueError(f"--confidence={cfg['confidence']!r}: choose one of "
+                         f"{', '.join(MDM_CONFIDENCES)} (it ranks the MDM's drafts)")
+
+
+class ContextTooLong(ValueError):
+    """A prompt + generation longer than the model's context: prompt_len, settings (whose gen_length
+    is the generation's length in tokens) and limit (the context, in positions) say by how much;
+    the message names the settings to change."""
+
+    def __init__(self, prompt_len, settings, limit):
+        how = ""
+        fix = "lower max_new_tokens"
+        if hasattr(settings, "slot_size"):  # ReFusion's generation: whole serial blocks of slots
+            how = (f", max_new_tokens={settings.max_new_tokens} rounded up to "
+                   f"{settings.serial_num_blocks} serial block(s) of whole {settings.slot_size}-"
+                   "token slots")
+            fix = "lower max_new_tokens, slot_size or serial_num_blocks"
+        super().__init__(f"prompt ({prompt_len} tokens) + generation ({settings.gen_length} "
+                         f"tokens{how}) exceeds the model's context of {limit} positions; shorten "
+                         f"the prompt or {fix}")
+        self.prompt_len = prompt_len
+        self.settings = settings
+        self.limit = limit
+
+
+def check_context(model, prompt_len, settings):
+    """Refuse an empty prompt (ValueError) or a prompt + generation (settings.gen_length positions)
+    that does not fit the model's positions (ContextTooLong)."""
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty: give at least one token of context")
+    if prompt_len + settings.gen_length > model.config.block_size:
+        raise ContextTooLong(prompt_len, settings, model.config.block_size)
+
+
+def check_attention(model, method):
+    """Refuse a decoding method the model's attention was not trained for (model.config.causal):
+    refusion and next_token feed tokens after a KV cache, which needs causal attention; mdm
+    denoises a sequence of masks, which needs bidirectional attention. Raises ValueError."""
+    if method == "mdm" and model.config.causal:
+        raise ValueError("this model was trained with a causal objective (refusion or ar), so it "
+                         "cannot denoise a sequence of masks bidirectionally; use "
+                         "--method=refusion or --method=next_token")
+    if method != "mdm" and not model.config.causal:
+        raise ValueError(f"this model has bidirectional attention (trained with "
+                         f"--objective=mdm), but --method={method} decodes causally after a KV "
+                         "cache; use --method=mdm")

@@ -29,7 +29,9 @@ from functools import partial
 
 import torch
 
-from configurator import Defaults, explicit_keys, parse_args, run_cli
+from configurator import (Defaults, check_attention, check_confidence, check_context,
+                          check_decode_settings, check_mdm_settings, check_refusion_settings,
+                          explicit_keys, parse_args, run_cli)
 from kvcache import cache_length
 
 # -----------------------------------------------------------------------------
@@ -188,8 +190,8 @@ def first_eos_row(tokens, accepted, eos_ids):
     """Step 3c: (r, its length up to and including EOS) for the first row of tokens (k, S) int64
     whose accepted tokens (the first accepted[r], accepted: (k,) int64) hold an EOS, or None."""
     columns = torch.arange(tokens.shape[1], device=tokens.device)
-    eos = torch.tensor(eos_ids, device=tokens.device)
-    is_eos = torch.isin(tokens, eos) & (columns < accepted[:, None])
+    is_eos = torch.isin(tokens, torch.tensor(eos_ids, device=tokens.device))
+    is_eos &= columns < accepted[:, None]
     holds_eos = is_eos.any(dim=1).tolist()
     if True not in holds_eos:
         return None
@@ -492,8 +494,7 @@ def commit_slots(state, commit):
     assert not any(p in state.response for p, _ in step), "a position was committed twice"
     state.response.update(step)
     # KV cache: its row 0 holds exactly the committed buffer, the prompt and every committed slot
-    buffer_length = state.prompt_len + len(state.response)
-    assert state.cache.length == buffer_length, "the cache holds the buffer"
+    assert state.cache.length == state.prompt_len + len(state.response), "the cache is the buffer"
     state.trace.append(step)
     state.step_nfe.append(state.nfe - sum(state.step_nfe))
     if state.speculative:  # SPEC 4.1
@@ -710,27 +711,12 @@ class DecodeSettings:
     eos_every: int | None = None
 
     def __post_init__(self):
-        if self.eos_every is not None and self.eos_every < 1:
-            raise ValueError(f"eos_every={self.eos_every}: look for EOS at least every token (1), "
-                             "or leave it None (every token on a CPU, every 16 on a GPU)")
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: ask for at least one new "
-                             "token")
-        if not 0 <= self.temperature < math.inf:  # also catches NaN
-            raise ValueError(f"temperature={self.temperature}: use 0 for greedy decoding or a "
-                             "finite positive value to sample")
+        check_decode_settings(self)
 
     @property
     def gen_length(self):
         """Positions the generation occupies in the context (tokens)."""
         return self.max_new_tokens
-
-    def length_words(self):
-        """(how max_new_tokens became gen_length, what to lower), for ContextTooLong's message."""
-        return "", "lower max_new_tokens"
-
-
-INFILL_MODES = ("paper", "speculative")
 
 
 @dataclass
@@ -749,22 +735,7 @@ class RefusionSettings(DecodeSettings):
     infill: str = "paper"
 
     def __post_init__(self):
-        super().__post_init__()
-        if self.infill not in INFILL_MODES:
-            renamed = " (infill='ar' is now called 'speculative')" if self.infill == "ar" else ""
-            raise ValueError(f"infill={self.infill!r}: choose 'paper' (the forced token of each "
-                             "infill round is its masked draft, as in the paper) or 'speculative' "
-                             f"(the next-token prediction, SPEC 4.1){renamed}")
-        if self.slot_size <= 0:
-            raise ValueError(f"slot_size={self.slot_size}: a slot holds at least one token (the "
-                             "paper uses 4 to 32)")
-        if self.serial_num_blocks <= 0:
-            raise ValueError(f"serial_num_blocks={self.serial_num_blocks}: use at least one "
-                             "serial block")
-        for name in ("slot_threshold", "token_threshold"):
-            if not 0 <= getattr(self, name) < math.inf:  # also catches NaN
-                raise ValueError(f"{name}={getattr(self, name)}: thresholds are finite "
-                                 "probabilities >= 0 (any value >= 1 already means never)")
+        check_refusion_settings(self)
 
     @property
     def n_slots(self):
@@ -782,16 +753,6 @@ class RefusionSettings(DecodeSettings):
         """max_new_tokens rounded up to whole serial blocks of whole slots (tokens)."""
         return self.n_slots * self.slot_size
 
-    def length_words(self):
-        return (f", max_new_tokens={self.max_new_tokens} rounded up to {self.serial_num_blocks} "
-                f"serial block(s) of whole {self.slot_size}-token slots",
-                "lower max_new_tokens, slot_size or serial_num_blocks")
-
-
-# what the MDM's low-confidence remasking ranks a step's drafts by (SPEC section 4): "prob", the
-# drafted token's probability (LLaDA); "margin" and "entropy", Dream's rules (opt-in)
-MDM_CONFIDENCES = ("prob", "margin", "entropy")
-
 
 @dataclass
 class MDMSettings(DecodeSettings):
@@ -807,70 +768,16 @@ class MDMSettings(DecodeSettings):
     confidence: str = "prob"  # what a step ranks its drafts by: one of MDM_CONFIDENCES
 
     def __post_init__(self):
-        super().__post_init__()
+        # None: one token per step, one semi-autoregressive block
         n = self.max_new_tokens
         self.steps = n if self.steps is None else self.steps
         self.block_length = n if self.block_length is None else self.block_length
-        if self.steps <= 0 or self.block_length <= 0:
-            raise ValueError(f"steps={self.steps}, block_length={self.block_length}: both must be "
-                             "positive")
-        if n % self.block_length:
-            raise ValueError(f"max_new_tokens={n} is not a multiple of "
-                             f"block_length={self.block_length}; pick a block_length dividing {n}")
-        if self.steps % self.n_semi_ar_blocks:
-            raise ValueError(f"steps={self.steps} cannot be shared equally by the "
-                             f"{self.n_semi_ar_blocks} semi-autoregressive blocks of "
-                             f"{self.block_length} tokens; pick steps as a multiple of "
-                             f"{self.n_semi_ar_blocks}")
-        if self.steps > n:
-            raise ValueError(f"steps={self.steps} > max_new_tokens={n}: some steps would commit no "
-                             f"token; use at most {n} steps (one token per step)")
-        if self.confidence not in MDM_CONFIDENCES:
-            raise ValueError(f"confidence={self.confidence!r}: choose one of "
-                             f"{', '.join(MDM_CONFIDENCES)}")
+        check_mdm_settings(self)
 
     @property
     def n_semi_ar_blocks(self):
         """Semi-autoregressive blocks of block_length tokens, decoded left to right."""
         return self.max_new_tokens // self.block_length
-
-
-class ContextTooLong(ValueError):
-    """A prompt + generation longer than the model's context: prompt_len, settings (whose gen_length
-    is the generation's length in tokens) and limit (the context, in positions) say by how much;
-    the message names the settings to change (settings.length_words)."""
-
-    def __init__(self, prompt_len, settings, limit):
-        how, fix = settings.length_words()
-        super().__init__(f"prompt ({prompt_len} tokens) + generation ({settings.gen_length} "
-                         f"tokens{how}) exceeds the model's context of {limit} positions; shorten "
-                         f"the prompt or {fix}")
-        self.prompt_len = prompt_len
-        self.settings = settings
-        self.limit = limit
-
-
-def check_context(model, prompt_len, settings):
-    """Refuse an empty prompt (ValueError) or a prompt + generation (settings.gen_length positions)
-    that does not fit the model's positions (ContextTooLong)."""
-    if prompt_len == 0:
-        raise ValueError("the prompt is empty: give at least one token of context")
-    if prompt_len + settings.gen_length > model.config.block_size:
-        raise ContextTooLong(prompt_len, settings, model.config.block_size)
-
-
-def check_attention(model, method):
-    """Refuse a decoding method the model's attention was not trained for (model.config.causal):
-    refusion and next_token feed tokens after a KV cache, which needs causal attention; mdm
-    denoises a sequence of masks, which needs bidirectional attention. Raises ValueError."""
-    if method == "mdm" and model.config.causal:
-        raise ValueError("this model was trained with a causal objective (refusion or ar), so it "
-                         "cannot denoise a sequence of masks bidirectionally; use "
-                         "--method=refusion or --method=next_token")
-    if method != "mdm" and not model.config.causal:
-        raise ValueError(f"this model has bidirectional attention (trained with "
-                         f"--objective=mdm), but --method={method} decodes causally after a KV "
-                         "cache; use --method=mdm")
 
 
 # -----------------------------------------------------------------------------
@@ -1048,14 +955,6 @@ def make_decoder(cfg, ids, generator):
         kwargs["mask_id"] = ids["mask_id"]
     decode = partial(DECODERS[cfg["method"]][0], settings=settings, generator=generator, **kwargs)
     return decode, settings
-
-
-def check_confidence(cfg):
-    """Refuse a --confidence not among MDM_CONFIDENCES, whichever the method, so that a misspelt
-    rule is never silently ignored. Raises ValueError."""
-    if cfg["confidence"] not in MDM_CONFIDENCES:
-        raise ValueError(f"--confidence={cfg['confidence']!r}: choose one of "
-                         f"{', '.join(MDM_CONFIDENCES)} (it ranks the MDM's drafts)")
 
 
 def main(argv):

@@ -275,9 +275,8 @@ def point_config(method, knobs, **extra):
 
 def refusion_sweep(sweep, name, infill_modes):
     """(label, knobs) of every ReFusion point of a sweep, for the model called name: each infill
-    mode (sampler.INFILL_MODES; support/ does not import the scripts) x slot size x (slot, token)
-    thresholds x serial blocks, in that order. sweep: {"slot_sizes", "thresholds",
-    "serial_num_blocks"}."""
+    mode (configurator.INFILL_MODES) x slot size x (slot, token) thresholds x serial blocks, in
+    that order. sweep: {"slot_sizes", "thresholds", "serial_num_blocks"}."""
     for infill in infill_modes:
         for S in sweep["slot_sizes"]:
             for slot_thr, token_thr in sweep["thresholds"]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import PROMPTS, SETTINGS, PathCounter, tiny_model
-from sampler import INFILL_MODES, ContextTooLong
+from configurator import INFILL_MODES, ContextTooLong
 from sampler import DEFAULTS, make_decoder
 from support.batching import CPU_PAD, BatchedCache, forward_batch, generate_batch, pad_passes
 from test_refusion import EOS, MASK, V, BadDrafterOracle, OracleModel, oracle_target

@@ -45,9 +45,9 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train
-from configurator import explicit_keys, parse_args, require, run_cli, settings_in
+from configurator import INFILL_MODES, explicit_keys, parse_args, require, run_cli, settings_in
 from model import ModelConfig, Transformer
-from sampler import INFILL_MODES, MDMSettings, RefusionSettings
+from sampler import MDMSettings, RefusionSettings
 from support.batching import prompt_generator
 from support.benchmark import (TimedModel, batch_throughput, check_batch_settings,
                                compiled_vs_eager, confidence_points, free_tokens, hf_generate,

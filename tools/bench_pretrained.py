@@ -42,8 +42,8 @@ if not __package__:  # run as a file (python tools/X.py): the repository's root 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train
-from configurator import explicit_keys, parse_args, require, run_cli, settings_in
-from sampler import INFILL_MODES, RefusionSettings
+from configurator import INFILL_MODES, explicit_keys, parse_args, require, run_cli, settings_in
+from sampler import RefusionSettings
 from support.benchmark import (Point, batch_throughput, check_batch_settings, compiled_vs_eager,
                                confidence_points, free_tokens, model_pass_costs, point_config,
                                refusion_sweep, train_or_reuse)

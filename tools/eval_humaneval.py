@@ -56,13 +56,12 @@ from tqdm import tqdm
 if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configurator import (check_device, check_seed, explicit_keys, parse_args, require, run_cli,
-                          settings_in)
-from sampler import check_attention
+from configurator import (check_attention, check_confidence, check_device, check_seed,
+                          explicit_keys, parse_args, require, run_cli, settings_in)
 from support.batching import generate_batch, prompt_generator
 from support.chat import chat_prompt
 from support.files import write_atomic
-from sampler import METHOD_OF, check_confidence, decoder_settings, make_decoder
+from sampler import METHOD_OF, decoder_settings, make_decoder
 from support.sampling import fit_mdm_layout, load_model, note_mismatch
 from support.tokenizer import decode, encode, encode_prompt
 

@@ -47,8 +47,7 @@ except ImportError as missing:
                       "with: pip install lm-eval==0.4.13 (or pip install -r "
                       "requirements-test.txt)") from None
 
-from configurator import parse_args, run_cli
-from sampler import check_attention
+from configurator import check_attention, parse_args, run_cli
 from support.batching import prompt_generator
 from support.chat import chat_prompt
 from support.checkpoint import decoder_ids, load_checkpoint
