@@ -2,12 +2,13 @@
 How the benchmarks report what support/benchmark.py measured: the README's and bench.md's
 tables, the picture of quality against speed, and the files of a run.
 
+    markdown_table                       a markdown table, as every tool writes one
     headline, highlights_table           the tables (the README's, bench.md's)
     best_mdm, fastest_close, most_accurate, first_quality
                                          which points a table picks
     throughput_table, compiled_table     batched and compiled decoding, as markdown
     plot                                 quality against tokens/s, per task (matplotlib)
-    write_report                         bench.json, bench.md and bench.png, written atomically
+    write_json_and_md, write_report      a run's JSON and markdown; bench.json, .md and .png
 """
 
 import json
@@ -42,8 +43,7 @@ def headline(rows):
     infill mode the best ReFusion point of either model (its fastest point within 1 point of the
     ARM's quality, or, when none is, its most accurate point, the fastest of those that tie), as
     markdown. rows: bench.json's points, the ARM's first in each task."""
-    lines = ["| task | decoder | quality | tokens | TPF | tokens/s | vs ARM | vs MDM |",
-             "| --- " * 8 + "|"]
+    cells = []
     for task in dict.fromkeys(r["task"] for r in rows):
         task_rows = [r for r in rows if r["task"] == task]
         ar_quality = first_quality(task_rows[0])
@@ -52,11 +52,11 @@ def headline(rows):
         for infill in dict.fromkeys(r["settings"]["infill"] for r in refusion):
             points = [r for r in refusion if r["settings"]["infill"] == infill]
             picks.append(fastest_close(points, ar_quality) or most_accurate(points))
-        for r in picks:
-            lines.append(f"| {task} | {r['label']} | {quality_text(r)} | {r['tokens']} | "
-                         f"{r['tpf']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup_vs_ar']:.2f}x | "
-                         f"{speedup_text(r.get('speedup_vs_mdm'), 1)} |")
-    return "\n".join(lines)
+        cells += [[task, r["label"], quality_text(r), r["tokens"], f"{r['tpf']:.2f}",
+                  f"{r['tokens_per_s']:.0f}", f"{r['speedup_vs_ar']:.2f}x",
+                  speedup_text(r.get("speedup_vs_mdm"), 1)] for r in picks]
+    header = ["task", "decoder", "quality", "tokens", "TPF", "tokens/s", "vs ARM", "vs MDM"]
+    return markdown_table(header, cells)
 
 
 def first_quality(row):
@@ -74,11 +74,12 @@ def quality_text(row):
     return ", ".join(f"{m} {q:.1%}" for m, q in row["quality"].items())
 
 
-def markdown_table(header, rows):
-    """The lines of a markdown table: header, the column names; rows, each a list of cells (any
-    value, written with str)."""
-    lines = ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]
-    return lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+def markdown_table(header, rows, right=()):
+    """A markdown table: header, the column names; rows, each a list of cells (any value, written
+    with str); right, the indices of the columns aligned right."""
+    rule = ["---:" if i in right else "---" for i in range(len(header))]
+    lines = [header, rule] + [list(map(str, row)) for row in rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
 
 def highlights_table(rows):
@@ -90,7 +91,7 @@ def highlights_table(rows):
               f"{r['ms_per_forward']:.2f}", f"{r['bookkeeping_share']:.0%}",
               f"{r['speedup_vs_ar']:.2f}x", speedup_text(r.get("speedup_vs_mdm"), 1)]
              for r in rows]
-    return "\n".join(markdown_table(header, cells))
+    return markdown_table(header, cells)
 
 
 # the plot's series: (colour, marker)
@@ -168,28 +169,26 @@ def plot(rows, path):
 
 def compiled_table(compiled, task):
     """compiled_vs_eager's result as markdown."""
-    rows = compiled["rows"]
-    lines = [f"Compiled decoding (--compile; {task}, {compiled['n_prompts']} prompts, one at a "
-             "time):", "",
-             "| decoder | eager tokens/s | compiled tokens/s | vs eager | identical to eager | "
-             "graphs | compile (s) |", "| --- " * 7 + "|"]
-    lines += [f"| {r['decoder']} | {r['tokens_per_s']:.0f} | {r['compiled_tokens_per_s']:.0f} | "
-              f"{r['vs_eager']:.2f}x | {r['identical']:.0%} | {r['graphs']} | "
-              f"{r['compile_s']:.0f} |" for r in rows]
-    return "\n".join(lines)
+    header = ["decoder", "eager tokens/s", "compiled tokens/s", "vs eager", "identical to eager",
+              "graphs", "compile (s)"]
+    rows = [[r["decoder"], f"{r['tokens_per_s']:.0f}", f"{r['compiled_tokens_per_s']:.0f}",
+             f"{r['vs_eager']:.2f}x", f"{r['identical']:.0%}", r["graphs"], f"{r['compile_s']:.0f}"]
+            for r in compiled["rows"]]
+    return (f"Compiled decoding (--compile; {task}, {compiled['n_prompts']} prompts, one at a "
+            "time):\n\n" + markdown_table(header, rows))
 
 
 def throughput_table(rows, task, n_prompts):
     """batch_throughput's rows as markdown, then a line per decoder after the first saying at which
     batch size the first (the ARM) is as fast as it, if it is within the sizes measured."""
     first = rows[0]["decoder"]
+    header = ["decoder", "batch", "tokens/s", "vs batch 1", f"vs {first}",
+              "latency per prompt (ms)", "identical to batch 1"]
+    cells = [[r["decoder"], r["batch_size"], f"{r['tokens_per_s']:.0f}", f"{r['vs_batch_1']:.2f}x",
+              f"{r['vs_first']:.2f}x", f"{r['latency_ms']:.0f}", f"{r['identical']:.0%}"]
+             for r in rows]
     lines = [f"Batched decoding ({task}, {n_prompts} prompts; tokens/s over all of them):", "",
-             f"| decoder | batch | tokens/s | vs batch 1 | vs {first} | latency per prompt (ms) | "
-             "identical to batch 1 |", "| --- " * 7 + "|"]
-    lines += [f"| {r['decoder']} | {r['batch_size']} | {r['tokens_per_s']:.0f} | "
-              f"{r['vs_batch_1']:.2f}x | {r['vs_first']:.2f}x | {r['latency_ms']:.0f} | "
-              f"{r['identical']:.0%} |" for r in rows]
-    lines.append("")
+             markdown_table(header, cells), ""]
     for label in dict.fromkeys(r["decoder"] for r in rows if r["decoder"] != first):
         own = [r for r in rows if r["decoder"] == label]
         caught = next((r["batch_size"] for r in own if r["vs_first"] <= 1), None)
@@ -199,13 +198,20 @@ def throughput_table(rows, task, n_prompts):
     return "\n".join(lines)
 
 
+def write_json_and_md(out_dir, name, report, markdown):
+    """out_dir/<name>.json (report, a dict; a value JSON has no type for written with str) and
+    out_dir/<name>.md (markdown, its text), each written atomically, out_dir made if need be."""
+    os.makedirs(out_dir, exist_ok=True)
+    write_atomic(os.path.join(out_dir, f"{name}.json"),
+                 lambda f: f.write(json.dumps(report, indent=2, default=str).encode()))
+    write_atomic(os.path.join(out_dir, f"{name}.md"), lambda f: f.write((markdown + "\n").encode()))
+
+
 def write_report(out_dir, report, table):
-    """Write a run into out_dir, each file atomically: bench.json (report: a dict whose "rows" are
-    the points), bench.md (table: its markdown) and, with matplotlib, bench.png (plot); print the
-    table and what was written."""
-    write_atomic(os.path.join(out_dir, "bench.json"),
-                 lambda f: f.write(json.dumps(report, indent=2).encode()))
-    write_atomic(os.path.join(out_dir, "bench.md"), lambda f: f.write((table + "\n").encode()))
+    """Write a run into out_dir (write_json_and_md): bench.json (report: a dict whose "rows" are the
+    points), bench.md (table: its markdown) and, with matplotlib, bench.png (plot); print the table
+    and what was written."""
+    write_json_and_md(out_dir, "bench", report, table)
     print("\n" + table)
     if plot(report["rows"], os.path.join(out_dir, "bench.png")):
         print(f"wrote {out_dir}/bench.png")

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from model import ModelConfig, Transformer
 from support.checkpoint import FORMAT, checkpoint_path, save_checkpoint, sharded_info_path
 from support.files import raise_if_disk_full, write_atomic
+from support.report import markdown_table
 
 # The shapes of the two Qwen3 models the configs fine-tune, from their releases' config.json
 # (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
@@ -77,17 +78,17 @@ def unit_sizes(model):
 def memory_table(world=8):
     """docs/training.md's table (markdown): parameters and model-state memory per GPU of each model
     in QWEN3_SHAPES under DDP and under FSDP over `world` GPUs (training_memory; GB = 1e9 bytes)."""
-    rows = [f"| model | parameters | largest FSDP unit | DDP, each GPU "
-            f"| FSDP over {world} GPUs, each GPU |",
-            "| --- | ---: | ---: | ---: | ---: |"]
+    header = ["model", "parameters", "largest FSDP unit", "DDP, each GPU",
+              f"FSDP over {world} GPUs, each GPU"]
+    rows = []
     for name, shape in QWEN3_SHAPES.items():
         with torch.device("meta"):  # shapes only: no memory, no values
             model = Transformer(ModelConfig(**shape))
         n, unit = model.num_params(), max(unit_sizes(model))
-        rows.append(f"| {name} | {n / 1e9:.2f}B | {unit / 1e9:.2f}B "
-                    f"| {training_memory(n) / 1e9:.1f} GB "
-                    f"| {training_memory(n, world, fsdp=True, gathered=unit) / 1e9:.1f} GB |")
-    return "\n".join(rows)
+        rows.append([name, f"{n / 1e9:.2f}B", f"{unit / 1e9:.2f}B",
+                     f"{training_memory(n) / 1e9:.1f} GB",
+                     f"{training_memory(n, world, fsdp=True, gathered=unit) / 1e9:.1f} GB"])
+    return markdown_table(header, rows, right=(1, 2, 3, 4))
 
 
 # -----------------------------------------------------------------------------

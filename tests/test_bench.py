@@ -12,6 +12,7 @@ from helpers import ROOT, tiny_model
 from sampler import DecodeSettings, generate_next_token
 from support.checkpoint import load_checkpoint, save_checkpoint
 from support.corpora import score, transform_records
+from support.report import markdown_table
 from tools import bench
 
 ROW_FIELDS = {"task", "dataset", "label", "method", "model", "settings", "train_iters", "val_loss",
@@ -227,3 +228,10 @@ def test_nothing_is_close_to_an_arm_that_got_nothing_right():
     assert bench.fastest_close(points, 0.005)["tokens_per_s"] == 20.0  # 0% is within 1 of 0.5%
     assert bench.fastest_close(points + [{"quality": {"exact": 0.5}, "tokens_per_s": 1.0}],
                                0.5)["tokens_per_s"] == 1.0
+
+
+def test_a_markdown_table_writes_every_cell_with_str_and_aligns_the_columns_asked():
+    assert markdown_table(["a", "b"], [[1, "x"], [2.5, None]]) == (
+        "| a | b |\n| --- | --- |\n| 1 | x |\n| 2.5 | None |")
+    assert markdown_table(["a", "b", "c"], [], right=(0, 2)) == (
+        "| a | b | c |\n| ---: | --- | ---: |")

@@ -65,8 +65,3 @@ def test_past_the_budget_the_sections_not_started_are_skipped(tmp_path, monkeypa
         assert sections[name]["skipped"].startswith("skipped: the budget of 0.1 s was spent")
     md = (tmp_path / "bench_gpu.md").read_text()
     assert md.count("Skipped: the budget of 0.1 s was spent") == 5
-
-
-def test_a_table_is_markdown():
-    assert gpu_report.table(["a", "b"], [[1, "x"], [2.5, None]]) == (
-        "| a | b |\n| --- | --- |\n| 1 | x |\n| 2.5 | None |")

@@ -229,10 +229,10 @@ def length_table(rows, fits, lead):
     """bench.md: a row per (length, decoder), the fitted growth, and ReFusion's lead per length."""
     header = ["length", "decoder", "quality", "tokens", "NFE", "TPF", "tokens/s", "ms/token",
               "vs ARM", "vs MDM"]
-    lines = markdown_table(header, [[r["length"], r["label"], quality_text(r), r["tokens"],
+    lines = [markdown_table(header, [[r["length"], r["label"], quality_text(r), r["tokens"],
                                      r["nfe"], f"{r['tpf']:.2f}", f"{r['tokens_per_s']:.0f}",
                                      f"{r['ms_per_token']:.2f}", speedup_text(r["speedup_vs_ar"]),
-                                     speedup_text(r["speedup_vs_mdm"])] for r in rows])
+                                     speedup_text(r["speedup_vs_mdm"])] for r in rows])]
     lines += ["", "Growth of ms per token with the answer's length (ms/token ~ length^b):", ""]
     lines += [f"- {label}: b = {'-' if b is None else f'{b:.2f}'}" for label, b in fits.items()]
     lines += ["", "ReFusion against the MDM at each length (the points of the table's rule; then "

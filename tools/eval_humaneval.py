@@ -62,6 +62,7 @@ from support.batching import generate_batch, prompt_generator
 from support.chat import chat_prompt
 from support.files import write_atomic
 from sampler import METHOD_OF, decoder_settings, make_decoder
+from support.report import markdown_table
 from support.sampling import fit_mdm_layout, load_model, note_mismatch
 from support.tokenizer import decode, encode, encode_prompt
 
@@ -382,10 +383,11 @@ def summarize(results, skipped, seconds=None):
 
 def summary_table(s):
     """One markdown table row of the summary s (from summarize), with its header."""
-    return ("| problems run | skipped | pass@1 (%) | tokens | NFE | TPF | seconds | tokens/s |\n"
-            "|---|---|---|---|---|---|---|---|\n"
-            f"| {s['run']} | {s['skipped']} | {s['pass@1']:.2f} | {s['tokens']} | {s['nfe']} "
-            f"| {s['tpf']:.2f} | {s['seconds']:.2f} | {s['tokens_per_s']:.1f} |")
+    header = ["problems run", "skipped", "pass@1 (%)", "tokens", "NFE", "TPF", "seconds",
+              "tokens/s"]
+    return markdown_table(header, [[s["run"], s["skipped"], f"{s['pass@1']:.2f}", s["tokens"],
+                                    s["nfe"], f"{s['tpf']:.2f}", f"{s['seconds']:.2f}",
+                                    f"{s['tokens_per_s']:.1f}"]])
 
 
 def select_problems(cfg, enc, context, gen_length):

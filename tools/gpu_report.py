@@ -29,7 +29,6 @@ what it measured. Every figure comes from the run.
 """
 
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -53,9 +52,9 @@ from support.batching import generate_batch
 from support.benchmark import counting, free_tokens, pass_costs, train_or_reuse
 from support.checkpoint import load_checkpoint, model_from_checkpoint
 from support.compiled import CompiledModel, check_compile
-from support.files import write_atomic
 from support.hardware import machine, num_params
 from support.prepare import prepare
+from support.report import markdown_table, write_json_and_md
 
 # -----------------------------------------------------------------------------
 # default config
@@ -147,7 +146,7 @@ def free_device_memory():
 
 def run_report(cfg):
     """Run cfg["sections"] in turn (SECTIONS), each guarded, skipped once the budget is spent, and
-    write both files after each. Returns the report (a dict)."""
+    write both files after each (support.report.write_json_and_md). Returns the report (a dict)."""
     clock = Clock(cfg["budget_s"])
     report = {"config": cfg, "notes": cfg.pop("notes"), "sections": {}}
     for name in cfg["sections"]:
@@ -159,7 +158,7 @@ def run_report(cfg):
             report["sections"][name] = guarded(lambda: SECTIONS[name](cfg, clock))
             free_device_memory()
         report["seconds"] = clock.spent()
-        write_files(cfg["out"], report)
+        write_json_and_md(cfg["out"], "bench_gpu", report, report_md(report))
     return report
 
 # -----------------------------------------------------------------------------
@@ -509,13 +508,6 @@ SECTIONS = {"machine": machine_section, "quick_start": quick_start_section,
 # the report: markdown, then both files
 
 
-def table(header, rows):
-    """A markdown table: header (column names), rows (lists of cells, shown with str)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def machine_md(r):
     """The machine section as markdown."""
     gpu = r.get("gpu") or "none"
@@ -525,19 +517,18 @@ def machine_md(r):
             ["torch", r["torch"]], ["CUDA (torch's build)", r["cuda"] or "-"],
             ["GPUs visible", r.get("gpus_visible", 0)], ["Python", r["python"]],
             ["CPU", f"{r['processor']} ({r['cpu_kind']}), {r['cpu_threads']} threads"]]
-    return table(["", ""], rows)
+    return markdown_table(["", ""], rows)
 
 
 def quick_start_md(r):
     """The quick start section as markdown."""
     names = {"refusion": "ReFusion (the quick start)", "mdm": "MDM, same data and budget"}
+    header = ["model", "iterations", "parameters (M)", "wall time (s)", "best val loss"]
     rows = [[names[key], r[key]["iters"], f"{r[key]['params_m']:.2f}", f"{r[key]['wall_s']:.1f}",
              f"{r[key]['best_val_loss']:.4f}"] for key in names]
     return (f"`{r['command']}` (the MDM: the same with `--objective=mdm`, its canvas as the "
             f"decoders'); the data prepared first (or found ready) in {r['prepare_s']:.1f} s."
-            "\n\n" +
-            table(["model", "iterations", "parameters (M)", "wall time (s)", "best val loss"],
-                  rows))
+            "\n\n" + markdown_table(header, rows))
 
 
 def decoding_md(r):
@@ -567,8 +558,8 @@ def decoding_md(r):
             f"config/sample_quotes.py decodes ({knobs}, max_new_tokens={r['max_new_tokens']}); "
             "next-token decoding of the same model; the MDM one token per step on its canvas of "
             f"{r['mdm_max_new_tokens']}. Compiled: support.compiled.CompiledModel (CUDA graphs on "
-            "a GPU), its first run over the lines untimed (compile).\n\n" + table(header, rows) +
-            notes)
+            "a GPU), its first run over the lines untimed (compile).\n\n" +
+            markdown_table(header, rows) + notes)
 
 
 def attention_md(r):
@@ -586,7 +577,7 @@ def attention_md(r):
                             f"{run['model_ms_per_pass']:.2f}", f"{run['decoder_ms_per_pass']:.2f}"])
     return (f"{r['lines']} validation lines, eager, batch 1, each decode under one backend "
             "(torch.nn.attention.sdpa_kernel); the last row reads next-token decoding's tokens "
-            "after every token instead of every 16th.\n\n" + table(header, rows))
+            "after every token instead of every 16th.\n\n" + markdown_table(header, rows))
 
 
 def recipe_85m_md(r):
@@ -607,7 +598,7 @@ def recipe_85m_md(r):
             ["evaluations (each compiling its graph where the shape is new)", f"{evals} s"],
             ["loss", f"{r['loss_first']:.3f} at the first step, {r['loss_last']:.3f} at the "
                      "last"]]
-    return f"`{r['command']}`\n\n" + table(["", ""], rows)
+    return f"`{r['command']}`\n\n" + markdown_table(["", ""], rows)
 
 
 def pass_costs_md(r):
@@ -625,7 +616,7 @@ def pass_costs_md(r):
         rows = [[variant] + [f"{c[k]:.2f}" for k in ks] + [part["result"]["free_tokens"][variant]]
                 for variant, c in ms.items()]
         parts.append(f"**{name}** ({part['result']['params_m']:.1f}M parameters):\n\n" +
-                     table(["", *(f"k={k}" for k in ks), "free tokens"], rows))
+                     markdown_table(["", *(f"k={k}" for k in ks), "free tokens"], rows))
     return "\n\n".join(parts)
 
 
@@ -659,16 +650,7 @@ def report_md(report):
         rendered = guarded(lambda: SECTION_MD[name](section["result"]))
         lines.append(rendered.get("result") or f"(not shown: `{rendered.get('error')}`)")
         lines += ["", f"({section['seconds']:.1f} s)"]
-    return "\n".join(lines) + "\n"
-
-
-def write_files(directory, report):
-    """bench_gpu.json and bench_gpu.md in directory, each written atomically."""
-    os.makedirs(directory, exist_ok=True)
-    write_atomic(os.path.join(directory, "bench_gpu.json"),
-                 lambda f: f.write(json.dumps(report, indent=2, default=str).encode()))
-    write_atomic(os.path.join(directory, "bench_gpu.md"),
-                 lambda f: f.write(report_md(report).encode()))
+    return "\n".join(lines)
 
 # -----------------------------------------------------------------------------
 # the command line

@@ -43,6 +43,7 @@ from support.compiled import CompiledModel, check_compile
 from support.drawing import picture_path, pyplot
 from support.hardware import machine, pick_dtype
 from support.hf_folder import from_pretrained
+from support.report import markdown_table
 
 # -----------------------------------------------------------------------------
 out_dir = "out-quotes"     # a run's out_dir (its ckpt.pt; the quick start's by default) ...
@@ -135,20 +136,19 @@ def report_text(r):
              f"{host['cpu_threads']} threads, torch {host['torch']}", "",
              f"One cached forward pass of k tokens after {r['prompt_len']} cached ones (ms, median "
              f"of {r['repeats']}, interleaved):", "",
-             "| dtype | " + " | ".join(f"k={k}" for k in fed) + " | free tokens (<= 1.25x k=1) |",
-             "|---" * (len(fed) + 2) + "|"]
-    lines += [f"| {d} | " + " | ".join(f"{c[k]:.2f}" for k in fed) + f" | {r['free_tokens'][d]} |"
-              for d, c in r["ms"].items()]
+             markdown_table(["dtype", *(f"k={k}" for k in fed), "free tokens (<= 1.25x k=1)"],
+                            [[d, *(f"{c[k]:.2f}" for k in fed), r["free_tokens"][d]]
+                             for d, c in r["ms"].items()])]
     if r["dropped"]:
         lines.append(f"(k = {', '.join(map(str, r['dropped']))} not timed: past the context)")
     best = r["ms"][r["next_token_dtype"]][1]
     mix = ", ".join(map(str, r["pass_mix"]))
     lines += ["", f"ReFusion at {r['tpf']:g} tokens per forward pass, its passes fed {mix} tokens, "
               f"against the fastest next-token decoding here ({r['next_token_dtype']}, "
-              f"{best:.2f} ms a token):", "", "| dtype | ms per token | speed-up |",
-              "|---|---|---|"]
-    for d, speedup in r["refusion_speedup"].items():
-        lines.append(f"| {d} | {best / speedup:.2f} | {speedup:.2f}x |")
+              f"{best:.2f} ms a token):", "",
+              markdown_table(["dtype", "ms per token", "speed-up"],
+                             [[d, f"{best / speedup:.2f}", f"{speedup:.2f}x"]
+                              for d, speedup in r["refusion_speedup"].items()])]
     lines += ["", r["auto_why"].replace("--dtype=auto: ", "--dtype=auto takes ")]
     if len(r["ms"]) > 1:
         # the rule against this measurement: "bfloat16 compiled" is bfloat16's weights
