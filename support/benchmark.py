@@ -3,8 +3,9 @@ What the benchmarks (python -m tools.bench, tools.bench_pretrained, tools.bench_
 tools.probe, tools.gpu_report) measure; support/report.py turns it into tables and pictures.
 
     train_or_reuse                       a benchmark's model: trained, reused or resumed
-    TimedModel, counting, speed_figures  forward passes counted and timed; a point's figures
-    Point                                one decoder over the prompts, called prompt by prompt
+    Timed, TimedModel                    calls (a model's forward passes) counted and timed
+    Point                                one decoder over the prompts, called prompt by prompt,
+                                         and its figures
     peak_above                           the peak resident memory of a decode above the weights
     hf_generate                          Hugging Face's generate on the same weights, measured
                                          (support/hf_reference.py decodes)
@@ -23,7 +24,6 @@ import statistics
 import time
 
 import torch
-import torch.nn as nn
 
 from configurator import explicit_keys, parse_args
 from support.batching import generate_batch, prompt_generator
@@ -84,39 +84,51 @@ def train_or_reuse(train_main, train_defaults, flags, retrain=False):
 # measuring
 
 
-class TimedModel(nn.Module):
-    """The model, with the wall-clock seconds of its forward passes counted (see counting), so that
-    decode time splits into model time and bookkeeping."""
+def synchronize(device):
+    """Wait for the work queued on device where it is a GPU (a CPU's is done when a call
+    returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timed:
+    """fn (a model, its forward, or any function) with its calls timed: seconds, the wall-clock
+    seconds of each call, waiting for the device before and after it, so that they hold the
+    device's work for that call and no other; results, what each call returned, where keep is
+    true (a forward pass's logits are not kept)."""
+
+    def __init__(self, fn, device, keep=False):
+        self.fn = fn
+        self.device = torch.device(device)
+        self.keep = keep
+        self.seconds = []
+        self.results = []
+
+    def __call__(self, *args, **kwargs):
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        synchronize(self.device)
+        self.seconds.append(time.perf_counter() - t0)
+        if self.keep:
+            self.results.append(out)
+        return out
+
+
+class TimedModel(Timed):
+    """A model as the decoders call it (model.DecoderModel: a Transformer, a CompiledModel), its
+    forward passes timed (Timed), so that decode time splits into the model's and the decoder's."""
 
     def __init__(self, model):
-        super().__init__()
-        self.model, self.config = model, model.config
-        self.forward, self.calls = counting(model.forward, next(model.parameters()).device)
-
-    def new_kv_cache(self, max_len, max_batch=1):
-        return self.model.new_kv_cache(max_len, max_batch)
-
-
-def counting(forward, device):
-    """forward wrapped to count its calls and their wall-clock seconds (waiting for the GPU where
-    there is one): (wrapped, {"n": calls, "seconds": s})."""
-    calls, sync = ({"n": 0, "seconds": 0.0},
-                   torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
-
-    def wrapped(*args, **kwargs):
-        sync()
-        t0 = time.perf_counter()
-        out = forward(*args, **kwargs)
-        sync()
-        calls["n"] += 1
-        calls["seconds"] += time.perf_counter() - t0
-        return out
-    return wrapped, calls
+        super().__init__(model, next(model.parameters()).device)
+        self.config = model.config
+        self.new_kv_cache = model.new_kv_cache
+        self.parameters = model.parameters
 
 
 class Point:
     """One decoder of a benchmark over its prompts, called prompt by prompt (the benchmarks call
-    every point in turn): its forward passes timed (TimedModel, or counting Hugging Face's
+    every point in turn): its forward passes timed (TimedModel, or Timed around Hugging Face's
     forward), its outputs, seconds, NFE and the peak memory of its decodes above the loaded models.
     model: a Transformer, or with decode None a Hugging Face model (hf_model); decode: a one-prompt
     decoder as sampler.make_decoder returns it."""
@@ -126,18 +138,19 @@ class Point:
         device = next(model.parameters()).device
         if decode is None:
             self.hf = model
-            self.hf.forward, self.calls = counting(model.forward, device)
+            self.timer = Timed(model.forward, device)
+            self.hf.forward = self.timer
         else:
             self.model = TimedModel(model)
-            self.calls = self.model.calls
+            self.timer = self.model
         self.device, self.outs, self.seconds, self.nfe, self.peak_mb = device, [], 0.0, 0, 0.0
 
     def run(self, prompt, i):
         """Decode prompt i (an id list): (its tokens, EOS included, seconds, forward passes)."""
         if self.decode is None:
-            before = self.calls["n"]
+            before = len(self.timer.seconds)
             tokens, seconds = hf_decode(self.hf, prompt, self.ids, self.max_new_tokens)
-            return tokens, seconds, self.calls["n"] - before
+            return tokens, seconds, len(self.timer.seconds) - before
         out = self.decode(self.model, prompt, generator=prompt_generator(self.device, 0, i))
         return out.tokens, out.seconds, out.nfe
 
@@ -149,14 +162,30 @@ class Point:
         self.peak_mb = max(self.peak_mb, peak or 0.0)
 
     def warm_up(self, prompt):
-        """One untimed decode (the first forward passes pay one-time costs), then the counts
-        reset."""
+        """One untimed decode (the first forward passes pay one-time costs), then the timer
+        emptied."""
         self.run(prompt, 0)
-        self.calls.update(n=0, seconds=0.0)
+        self.timer.seconds.clear()
+
+    def measure(self, prompts):
+        """A warm-up on the first prompt, then every prompt in turn. Returns (the id lists without
+        EOS, figures())."""
+        self.warm_up(prompts[0])
+        for i, prompt in enumerate(prompts):
+            self(prompt, i)
+        return [[t for t in o if t not in self.ids["eos_ids"]] for o in self.outs], self.figures()
 
     def figures(self):
-        """The point's speed figures so far (speed_figures)."""
-        return speed_figures(sum(len(o) for o in self.outs), self.nfe, self.seconds, self.calls)
+        """The point's speed figures so far: tokens, NFE (as the decoder counts it), TPF (tokens /
+        NFE), seconds, tokens/s, the forward calls the model saw (equal to NFE), ms per forward
+        pass and the share of decode time spent outside the model's forward passes."""
+        tokens = sum(len(o) for o in self.outs)
+        forward_s = sum(self.timer.seconds)
+        return {"tokens": tokens, "nfe": self.nfe, "tpf": tokens / self.nfe,
+                "seconds": self.seconds, "tokens_per_s": tokens / self.seconds,
+                "forward_calls": len(self.timer.seconds),
+                "ms_per_forward": 1e3 * forward_s / len(self.timer.seconds),
+                "bookkeeping_share": 1 - forward_s / self.seconds}
 
 
 def pass_costs(models, prompt_len=64, fed=(1, 2, 4, 8, 16, 32, 64, 128), repeats=12):
@@ -164,30 +193,26 @@ def pass_costs(models, prompt_len=64, fed=(1, 2, 4, 8, 16, 32, 64, 128), repeats
     model of models ({name: Transformer}, e.g. one per dtype) and every k in fed: the median of
     repeats, interleaved (each round times every model and k once, in turn, after a first round
     that warms up) so that all see the same machine load. Returns {name: {k: ms}}."""
-    caches, times = {}, {name: {k: [] for k in fed} for name in models}
     devices = {name: next(model.parameters()).device for name, model in models.items()}
+    timers = {name: {k: Timed(model, devices[name]) for k in fed} for name, model in models.items()}
+    caches = {}
     with torch.inference_mode():
         for name, model in models.items():
             device = devices[name]
             caches[name] = model.new_kv_cache(prompt_len + max(fed))
             model(torch.zeros(1, prompt_len, dtype=torch.long, device=device),
                   torch.arange(prompt_len, device=device)[None], kv_cache=caches[name])
-        for round_ in range(repeats + 1):
-            for name, model in models.items():
+        for _ in range(repeats + 1):
+            for name in models:
                 device = devices[name]
-                sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
                 for k in fed:
-                    sync()
-                    t0 = time.perf_counter()
-                    model(torch.zeros(1, k, dtype=torch.long, device=device),
-                          torch.arange(prompt_len, prompt_len + k, device=device)[None],
-                          kv_cache=caches[name])
-                    sync()
-                    if round_:
-                        times[name][k].append(time.perf_counter() - t0)
+                    timers[name][k](torch.zeros(1, k, dtype=torch.long, device=device),
+                                    torch.arange(prompt_len, prompt_len + k, device=device)[None],
+                                    kv_cache=caches[name])
                     caches[name].crop(prompt_len)
-    return {name: {k: 1e3 * statistics.median(t) for k, t in ks.items()}
-            for name, ks in times.items()}
+    # each timer's first call was the warm-up round's
+    return {name: {k: 1e3 * statistics.median(t.seconds[1:]) for k, t in ks.items()}
+            for name, ks in timers.items()}
 
 
 def model_pass_costs(model, dtype, repeats, prompt_len=32, fed=(1, 8, 16, 32, 64)):
@@ -213,30 +238,13 @@ def refusion_speedups(costs, tpf, pass_mix):
             for name, c in costs.items()}
 
 
-def speed_figures(tokens, nfe, seconds, calls):
-    """A point's speed figures: tokens, NFE (as the decoder counts it), TPF (tokens / NFE), seconds,
-    tokens/s, the forward calls the model saw (counting: equal to NFE), ms per forward pass and the
-    share of decode time spent outside the model's forward passes."""
-    return {"tokens": tokens, "nfe": nfe, "tpf": tokens / nfe, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "forward_calls": calls["n"],
-            "ms_per_forward": 1e3 * calls["seconds"] / calls["n"],
-            "bookkeeping_share": 1 - calls["seconds"] / seconds}
-
-
 def hf_generate(model, prompts, ids, max_new_tokens):
-    """The reference a user would otherwise pick, over every prompt: hf_decode of hf_model(model)
-    (a warm-up first, untimed). Returns (texts: the id lists without EOS, speed figures), or None
-    without transformers."""
+    """The reference a user would otherwise pick, over every prompt: hf_decode of hf_model(model),
+    measured as a Point. Returns (texts: the id lists without EOS, speed figures), or None without
+    transformers."""
     hf = hf_model(model)
-    if hf is None:
-        return None
-    hf_decode(hf, prompts[0], ids, max_new_tokens)  # warm-up, untimed
-    hf.forward, calls = counting(hf.forward, next(model.parameters()).device)
-    outs = [hf_decode(hf, p, ids, max_new_tokens) for p in prompts]
-    tokens = sum(len(o) for o, _ in outs)
-    seconds = sum(s for _, s in outs)
-    return ([[t for t in o if t not in ids["eos_ids"]] for o, _ in outs],
-            speed_figures(tokens, calls["n"], seconds, calls))
+    return None if hf is None else Point(hf, ids, max_new_tokens).measure(prompts)
+
 
 def resident_kb(field):
     """A field of this process's memory, in kB, from /proc/self/status: "VmRSS" (resident now) or

@@ -3,13 +3,15 @@
 import importlib.util
 import json
 import math
+import time
 
 import pytest
 import torch
 
 from configurator import parse_args
 from helpers import ROOT, tiny_model
-from sampler import DecodeSettings, generate_next_token
+from sampler import DecodeSettings, generate_next_token, make_decoder
+from support.benchmark import Point, Timed, point_config
 from support.checkpoint import load_checkpoint, save_checkpoint
 from support.corpora import score, transform_records
 from support.report import markdown_table
@@ -235,3 +237,34 @@ def test_a_markdown_table_writes_every_cell_with_str_and_aligns_the_columns_aske
         "| a | b |\n| --- | --- |\n| 1 | x |\n| 2.5 | None |")
     assert markdown_table(["a", "b", "c"], [], right=(0, 2)) == (
         "| a | b | c |\n| ---: | --- | ---: |")
+
+
+def test_a_timer_keeps_each_calls_seconds_and_on_asking_what_it_returned(monkeypatch):
+    ticks = iter([10.0, 10.5, 20.0, 22.0, 30.0, 31.0])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks))
+    timed = Timed(lambda x: 2 * x, "cpu", keep=True)
+    assert [timed(3), timed(4)] == [6, 8]
+    assert timed.seconds == [0.5, 2.0] and timed.results == [6, 8]
+    unkept = Timed(lambda x: 2 * x, "cpu")
+    assert unkept(5) == 10 and unkept.seconds == [1.0] and unkept.results == []
+
+
+def test_a_timer_waits_for_a_gpu_before_and_after_each_call_and_never_for_a_cpu(monkeypatch):
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: events.append(device))
+    Timed(lambda: events.append("call"), "cuda:1")()
+    assert events == [torch.device("cuda:1"), "call", torch.device("cuda:1")]
+    Timed(lambda: events.append("call on the CPU"), "cpu")()
+    assert events[3:] == ["call on the CPU"]
+
+
+def test_a_point_times_every_forward_pass_of_its_decodes_and_none_of_its_warm_up():
+    model, ids = tiny_model(), {"eos_ids": (39,), "mask_id": 38, "pad_id": 37}
+    decode, _ = make_decoder(point_config("next_token", {"max_new_tokens": 5}), ids, None)
+    point = Point(model, ids, 5, decode)
+    _, figures = point.measure([[1, 2, 3], [4, 5, 6, 7]])
+    assert figures["forward_calls"] == len(point.timer.seconds) == figures["nfe"] == 10
+    forward_s = sum(point.timer.seconds)
+    assert all(s > 0 for s in point.timer.seconds) and forward_s < figures["seconds"]
+    assert figures["ms_per_forward"] == 1e3 * forward_s / 10
+    assert figures["bookkeeping_share"] == 1 - forward_s / figures["seconds"]

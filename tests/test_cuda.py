@@ -18,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -27,10 +28,10 @@ import sampler
 import train
 from helpers import ROOT, qa_rows, tiny_model, tiny_run_flags, write
 from support.batching import generate_batch
+from support.benchmark import Timed
 from support.checkpoint import checkpoint_path, decoder_ids, load_checkpoint, model_from_checkpoint
 from support.compiled import CompiledModel
 from support.shard import consolidate
-from tools.gpu_report import calls_timed
 
 DEVICE = os.environ.get("REFUSION_TEST_DEVICE", "cuda")  # cpu: to try these tests without a GPU
 pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),
@@ -141,9 +142,10 @@ def trained(tmp_path_factory):
             f"--device={DEVICE}", "--dtype=bfloat16", f"--compile={mode == 'compiled'}",
             "--max_iters=40", "--eval_interval=20", "--n_layer=2", "--n_embd=32",
             "--batch_size=16", "--learning_rate=3e-3"]
-        with calls_timed(train, "train_step", DEVICE) as steps:     # (seconds, its result)
+        steps = Timed(train.train_step, DEVICE, keep=True)         # each step's result
+        with patch.object(train, "train_step", steps):
             train.main(flags)
-        runs[mode] = (str(tmp / mode), [result[0][0].item() for _, result in steps])
+        runs[mode] = (str(tmp / mode), [result[0][0].item() for result in steps.results])
     return runs
 
 

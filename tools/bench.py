@@ -34,6 +34,7 @@ MBPP figure). Every figure comes from this run.
 import math
 import os
 import shutil
+import statistics
 import sys
 import time
 
@@ -48,10 +49,9 @@ import train
 from configurator import INFILL_MODES, explicit_keys, parse_args, require, run_cli, settings_in
 from model import ModelConfig, Transformer
 from sampler import MDMSettings, RefusionSettings
-from support.batching import prompt_generator
-from support.benchmark import (TimedModel, batch_throughput, check_batch_settings,
+from support.benchmark import (Point, Timed, batch_throughput, check_batch_settings,
                                compiled_vs_eager, confidence_points, free_tokens, hf_generate,
-                               model_pass_costs, point_config, refusion_sweep, speed_figures)
+                               model_pass_costs, point_config, refusion_sweep)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.hardware import machine, num_params, settle_dtype
@@ -202,18 +202,9 @@ def run_decoder(method, model, prompts, ids, settings):
     """Decode every prompt with sampler's decoder for `method` (settings: a dict of its knobs, with
     max_new_tokens), prompt i with its own generator seeded with i (prompt_generator; used when the
     settings ask for a temperature above 0), so no decode depends on the warm-up or on the others.
-    Returns the generated id lists (EOS dropped) and the summed speed figures."""
-    timed = TimedModel(model)
-    cfg = point_config(method, settings)
-    device = next(model.parameters()).device
-    decode_fn, _ = make_decoder(cfg, ids, torch.Generator(device))  # the warm-up's generator
-    decode_fn(timed, prompts[0])  # warm-up, untimed
-    timed.calls.update(n=0, seconds=0.0)
-    outs = [decode_fn(timed, p, generator=prompt_generator(device, 0, i))
-            for i, p in enumerate(prompts)]
-    texts = [[t for t in o.tokens if t not in ids["eos_ids"]] for o in outs]
-    return texts, speed_figures(sum(len(o.tokens) for o in outs), sum(o.nfe for o in outs),
-                                sum(o.seconds for o in outs), timed.calls)
+    Returns the generated id lists (EOS dropped) and the summed speed figures (Point.measure)."""
+    decode_fn, _ = make_decoder(point_config(method, settings), ids, None)
+    return Point(model, ids, settings["max_new_tokens"], decode_fn).measure(prompts)
 
 
 def decoder_points(cfg, task):
@@ -352,8 +343,8 @@ def training_step_times(cfg, task, steps=20):
     r, device = recipe(cfg, task), cfg["device"]
     train_data = TokenDataset(prepare(r["dataset"], "bytes", r["block_size"]), "train")
     meta = train_data.meta
-    models, optims, times = {}, {}, {"refusion": 0.0, "ar": 0.0}
-    for objective in times:
+    models, optims = {}, {}
+    for objective in ("refusion", "ar"):
         torch.manual_seed(cfg["seed"])
         models[objective] = Transformer(ModelConfig(vocab_size=meta["vocab_size"],
                                                     block_size=r["block_size"],
@@ -361,26 +352,25 @@ def training_step_times(cfg, task, steps=20):
                                                     n_embd=r["n_embd"])).to(device)
         optims[objective] = torch.optim.AdamW(models[objective].parameters(), lr=1e-4)
     step_cfg = dict(train.DEFAULTS, slot_sizes=(4, 8))
-    # wait for queued GPU work
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    # the first 3 rounds warm up, untimed
+
+    def train_step(objective, rng, gen):
+        """One step of the objective on the batch that rng and gen draw."""
+        tokens, prompt_len, length = train_data.get_batch(r["batch_size"], rng, device)
+        batch = train.make_batch(dict(step_cfg, objective=objective), tokens, prompt_len, length,
+                                 meta, gen)
+        with train.autocast_for(device, training_dtype(device)):
+            logits = models[objective](batch.idx, batch.position_ids, attn_mask=batch.attn_mask)
+        train.hybrid_loss(logits.float(), batch)[0].backward()
+        optims[objective].step()
+        optims[objective].zero_grad(set_to_none=True)
+
+    timers = {objective: Timed(train_step, device) for objective in models}
     for i in range(steps + 3):
-        for objective in sorted(times, reverse=i % 2 == 1):         # alternate which one goes first
+        for objective in sorted(models, reverse=i % 2 == 1):        # alternate which one goes first
             # same batch for both
-            rng, gen = np.random.default_rng(i), torch.Generator().manual_seed(i)
-            sync()
-            t0 = time.perf_counter()
-            tokens, prompt_len, length = train_data.get_batch(r["batch_size"], rng, device)
-            batch = train.make_batch(dict(step_cfg, objective=objective), tokens, prompt_len,
-                                     length, meta, gen)
-            with train.autocast_for(device, training_dtype(device)):
-                logits = models[objective](batch.idx, batch.position_ids, attn_mask=batch.attn_mask)
-            train.hybrid_loss(logits.float(), batch)[0].backward()
-            optims[objective].step()
-            optims[objective].zero_grad(set_to_none=True)
-            sync()
-            if i >= 3:
-                times[objective] += (time.perf_counter() - t0) / steps
+            timers[objective](objective, np.random.default_rng(i), torch.Generator().manual_seed(i))
+    # the first 3 rounds warmed up
+    times = {objective: statistics.mean(t.seconds[3:]) for objective, t in timers.items()}
     return dict(times, ratio=times["refusion"] / times["ar"])
 
 

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 import traceback
-from contextlib import contextmanager
+from unittest.mock import patch
 
 if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,7 +49,7 @@ from configurator import check_device, explicit_keys, parse_args, require, run_c
 from model import ModelConfig, Transformer
 from support import sampling
 from support.batching import generate_batch
-from support.benchmark import counting, free_tokens, pass_costs, train_or_reuse
+from support.benchmark import Timed, TimedModel, free_tokens, pass_costs, train_or_reuse
 from support.checkpoint import load_checkpoint, model_from_checkpoint
 from support.compiled import CompiledModel, check_compile
 from support.hardware import machine, num_params
@@ -99,7 +99,7 @@ FED = (1, 2, 4, 8, 16, 32, 64, 128)  # pass_costs: tokens fed (--quick: 1, 8, 32
 SPLIT_NOTE = ("ms per pass: the timed run's wall time over its forward passes (a batched pass "
               "counted once). Model and decoder: a second run over the same lines, untimed "
               "otherwise, whose model is wrapped in a proxy that waits for the device before and "
-              "after each forward call (torch.cuda.synchronize; support.benchmark.counting): the "
+              "after each forward call (torch.cuda.synchronize; support.benchmark.TimedModel): the "
               "model's share is those calls' wall time, the decoder's the rest of that run, each "
               "per pass. The timed run has no such waits.")
 
@@ -344,21 +344,6 @@ def attention_section(cfg, clock):
     return {"lines": len(prompts), "runs": runs}
 
 
-class Timed:
-    """A model as the decoders call it (a Transformer or a CompiledModel: support.benchmark's
-    TimedModel needs a forward method, which a CompiledModel has not), its forward calls counted
-    and timed, waiting for the device around each (support.benchmark.counting): calls {"n",
-    "seconds"}."""
-
-    def __init__(self, model):
-        self.config, self.parameters = model.config, model.parameters
-        self.new_kv_cache = model.new_kv_cache
-        self.forward, self.calls = counting(model, next(model.parameters()).device)
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
-
 def decode_lines(model, decode, prompts, batch_size):
     """Every prompt decoded (greedy), batch_size at a time. Returns (Generations, the forward
     passes run: a batched pass once, a prompt alone's NFE)."""
@@ -376,20 +361,17 @@ def decode_run(model, decode, prompts, batch_size, judge, warm):
     into model and decoder (SPLIT_NOTE). judge(prompt, Generation) -> (text, verdict).
     Returns (the timed run's Generations, its figures)."""
     graphs = model.graphs if warm else 0            # the process's count so far
+    run = Timed(decode_lines, next(model.parameters()).device)
     # untimed: the first passes' one-time costs (with warm, compiling every graph the lines need)
-    t0 = time.perf_counter()
-    decode_lines(model, decode, prompts if warm else prompts[:1], batch_size)
-    warm_s = time.perf_counter() - t0
+    run(model, decode, prompts if warm else prompts[:1], batch_size)
     # the timed run
-    t0 = time.perf_counter()
-    outs, passes = decode_lines(model, decode, prompts, batch_size)
-    seconds = time.perf_counter() - t0
+    outs, passes = run(model, decode, prompts, batch_size)
     # the timing run: the model's forward calls timed apart, waiting for the device around each
-    timed = Timed(model)
-    t0 = time.perf_counter()
-    decode_lines(timed, decode, prompts, batch_size)
-    split_s = time.perf_counter() - t0
-    model_s, calls = timed.calls["seconds"], timed.calls["n"]
+    timed = TimedModel(model)
+    run(timed, decode, prompts, batch_size)
+    warm_s, seconds, split_s = run.seconds
+    model_s = sum(timed.seconds)
+    calls = len(timed.seconds)
     # the timed run's figures, its quality by the sampler's verdicts
     tokens = sum(len(o.tokens) for o in outs)
     nfe = sum(o.nfe for o in outs)
@@ -424,48 +406,31 @@ def recipe_85m_section(cfg, clock):
     prepare_s = time.perf_counter() - t0
     # a run from scratch, each step and each evaluation timed as train.py calls them
     shutil.rmtree(out_dir, ignore_errors=True)
+    steps = Timed(train.train_step, cfg["device"], keep=True)      # each (losses, tokens, FLOPs)
+    evaluations = Timed(train.estimate_loss, cfg["device"])
     t0 = time.perf_counter()
-    with calls_timed(train, "train_step", cfg["device"]) as steps:
-        with calls_timed(train, "estimate_loss", cfg["device"]) as evaluations:
+    with patch.object(train, "train_step", steps):
+        with patch.object(train, "estimate_loss", evaluations):
             train.main(flags)
     wall_s = time.perf_counter() - t0
     ckpt = load_checkpoint(out_dir, settings_only=True)
-    # the steady state: the medians over the last steps, each (seconds, (losses, tokens, FLOPs))
-    steady = steps[-cfg["steady_iters"]:]
+    # the steady state: the medians over the last steps
+    steady = list(zip(steps.seconds, steps.results))[-cfg["steady_iters"]:]
     step_s = statistics.median(s for s, _ in steady)
     flops_s = statistics.median(out[2] / s for s, out in steady)
     tokens_s = statistics.median(out[1] / s for s, out in steady)
     return {"dataset": settings["dataset"], "prepare_s": prepare_s, "wall_s": wall_s,
             "params_m": num_params(ModelConfig(**ckpt["model_args"])) / 1e6,
             "batch_size": settings["batch_size"],
-            "compile": settings["compile"], "iters": len(steps), "steady_iters": len(steady),
-            "first_step_s": steps[0][0], "steady_step_ms": 1e3 * step_s,
-            "compile_s": steps[0][0] - step_s, "evaluation_s": [s for s, _ in evaluations],
+            "compile": settings["compile"], "iters": len(steps.seconds),
+            "steady_iters": len(steady), "first_step_s": steps.seconds[0],
+            "steady_step_ms": 1e3 * step_s, "compile_s": steps.seconds[0] - step_s,
+            "evaluation_s": evaluations.seconds,
             "tflops": flops_s / 1e12, "mfu": flops_s / 1e12 / cfg["peak_tflops"],
             "peak_tflops": cfg["peak_tflops"], "tokens_per_s": tokens_s,
-            "loss_first": steps[0][1][0][0].item(), "loss_last": steps[-1][1][0][0].item(),
+            "loss_first": steps.results[0][0][0].item(),
+            "loss_last": steps.results[-1][0][0].item(),
             "command": train_command(flags)}
-
-
-@contextmanager
-def calls_timed(module, name, device):
-    """While the block runs, module.name (a function the module calls by its name, e.g.
-    train.train_step) records each call as (wall-clock seconds, waiting for the device before and
-    after; its result), in the list the block gets."""
-    original, calls = getattr(module, name), []
-    wrapped, _ = counting(original, torch.device(device))
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        result = wrapped(*args, **kwargs)
-        calls.append((time.perf_counter() - t0, result))
-        return result
-
-    setattr(module, name, timed)
-    try:
-        yield calls
-    finally:
-        setattr(module, name, original)
 
 
 def pass_costs_section(cfg, clock):
