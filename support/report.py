@@ -14,6 +14,7 @@ tables, the picture of quality against speed, and the files of a run.
 import json
 import os
 
+from support.drawing import pyplot
 from support.files import write_atomic
 
 
@@ -126,11 +127,8 @@ def plot(rows, path):
     model and infill mode, with its frontier (the points no other point beats in both), the ARM, the
     MDM points of both MDMs and the Hugging Face row. Needs matplotlib; returns False without it."""
     try:
-        import matplotlib
-        import matplotlib.ticker
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+        plt = pyplot()
+    except ValueError:                                  # no matplotlib
         return False
     task_names = list(dict.fromkeys(r["task"] for r in rows))
     fig, axes = plt.subplots(1, len(task_names), figsize=(6 * len(task_names), 4.5), squeeze=False)
@@ -155,9 +153,9 @@ def plot(rows, path):
                                              for x2, y2 in zip(xs, ys)))
                 ax.plot(*zip(*frontier), color=color, alpha=0.6)
         ax.set_xscale("log")
-        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.xaxis.set_major_locator(plt.LogLocator(subs=(1, 2, 5)))
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x:g}x"))
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
         ax.set_xlabel("tokens/s relative to the ARM (log scale)")
         ax.set_ylabel(next(iter(task_rows[0]["quality"])))
         ax.set_title(task)

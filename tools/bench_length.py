@@ -40,6 +40,7 @@ from model import ModelConfig
 from support.benchmark import Point, point_config, train_or_reuse
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import BLOCK_TOKENS, LONG_LETTERS, score
+from support.drawing import pyplot
 from support.files import write_atomic
 from support.hardware import machine, settle_dtype
 from support.prepare import TokenDataset, prepare
@@ -252,11 +253,8 @@ def plot_lengths(rows, path):
     """ms per token against the answer's length, log-log, a line per decoder. Needs matplotlib;
     returns False without it."""
     try:
-        import matplotlib
-        import matplotlib.ticker
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+        plt = pyplot()
+    except ValueError:                                  # no matplotlib
         return False
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     colors = {"ARM": "tab:gray", "MDM": "tab:green", "ReFusion": "tab:red"}
@@ -271,7 +269,7 @@ def plot_lengths(rows, path):
     ax.set_yscale("log")
     lengths = sorted({r["length"] for r in rows})
     ax.set_xticks(lengths, [str(L) for L in lengths])
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:g}"))
     ax.set_xlabel("answer length (tokens)")
     ax.set_ylabel("ms per generated token")
     ax.legend(fontsize=7)
