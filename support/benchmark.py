@@ -11,6 +11,7 @@ tools.probe, tools.gpu_report) measure; support/report.py turns it into tables a
                                          (support/hf_reference.py decodes)
     point_config, refusion_sweep, confidence_points
                                          the settings of a benchmark's points
+    decode_lines                         prompts decoded one at a time or in batches
     batch_throughput, compiled_vs_eager  tokens/s and latency at batch 1, 4, 16, 64; compiled
     pass_costs, model_pass_costs, free_tokens, refusion_speedups
                                          what one forward pass costs against the tokens it is fed,
@@ -307,6 +308,18 @@ def confidence_points(label, knobs, dream):
             for rule in ("prob",) + (DREAM_RULES if dream else ())]
 
 
+def decode_lines(model, decode, prompts, batch_size):
+    """Every prompt decoded, batch_size at a time (support.batching.generate_batch), or at 1 each
+    prompt alone, the reference. Returns (Generations, the forward passes run: a batched pass
+    once, a prompt alone's NFE)."""
+    if batch_size == 1:
+        outs = [decode(model, p) for p in prompts]
+        return outs, sum(o.nfe for o in outs)
+    passes = []
+    outs = generate_batch(model, decode, prompts, batch_size, forwards=passes)
+    return outs, len(passes)
+
+
 def batch_throughput(decoders, prompts, batch_sizes, rounds=1):
     """Throughput and latency of each decoder decoding the first max(batch_sizes) prompts,
     batch_size prompts at a time (the sizes above the prompts there are left out).
@@ -325,18 +338,19 @@ def batch_throughput(decoders, prompts, batch_sizes, rounds=1):
     batch_sizes = [B for B in batch_sizes if B <= len(prompts)]
     print(f"decode in batches of {', '.join(map(str, batch_sizes))}: {len(prompts)} prompts",
           flush=True)
-    runs = {}                                    # (label, batch size) -> [(seconds, outs)] a round
+    runs = {}                                  # (label, batch size) -> decode_lines, timed
     for _ in range(rounds):
         for B in batch_sizes:
             for label, (model, decode) in decoders.items():
-                t0 = time.perf_counter()
-                outs = ([decode(model, p) for p in prompts] if B == 1 else
-                        generate_batch(model, decode, prompts, B))
-                runs.setdefault((label, B), []).append((time.perf_counter() - t0, outs))
+                device = next(model.parameters()).device
+                run = runs.setdefault((label, B), Timed(decode_lines, device, keep=True))
+                run(model, decode, prompts, B)
     rows = []
-    for (label, B), timed in runs.items():
-        seconds, outs = sorted(timed, key=lambda t: t[0])[len(timed) // 2]
-        alone = runs[label, batch_sizes[0]][0][1]
+    for (label, B), run in runs.items():
+        # the median round's seconds and Generations
+        by_time = sorted(zip(run.seconds, run.results), key=lambda t: t[0])
+        seconds, (outs, _) = by_time[len(by_time) // 2]
+        alone = runs[label, batch_sizes[0]].results[0][0]
         tokens = sum(len(o.tokens) for o in outs)
         rows.append({"decoder": label, "batch_size": B, "tokens": tokens, "seconds": seconds,
                      "tokens_per_s": tokens / seconds,

@@ -48,8 +48,8 @@ import train
 from configurator import check_device, explicit_keys, parse_args, require, run_cli, settings_in
 from model import ModelConfig, Transformer
 from support import sampling
-from support.batching import generate_batch
-from support.benchmark import Timed, TimedModel, free_tokens, pass_costs, train_or_reuse
+from support.benchmark import (Timed, TimedModel, decode_lines, free_tokens, pass_costs,
+                               train_or_reuse)
 from support.checkpoint import load_checkpoint, model_from_checkpoint
 from support.compiled import CompiledModel, check_compile
 from support.hardware import machine, num_params
@@ -342,17 +342,6 @@ def attention_section(cfg, clock):
                      **({"error": outcome["error"]} if "error" in outcome
                         else outcome["result"][1])))
     return {"lines": len(prompts), "runs": runs}
-
-
-def decode_lines(model, decode, prompts, batch_size):
-    """Every prompt decoded (greedy), batch_size at a time. Returns (Generations, the forward
-    passes run: a batched pass once, a prompt alone's NFE)."""
-    if batch_size == 1:
-        outs = [decode(model, p) for p in prompts]
-        return outs, sum(o.nfe for o in outs)
-    passes = []
-    outs = generate_batch(model, decode, prompts, batch_size, forwards=passes)
-    return outs, len(passes)
 
 
 def decode_run(model, decode, prompts, batch_size, judge, warm):
