@@ -111,20 +111,20 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
             else:
                 # 3. Infill: each selected slot in a row of its own, from what verify accepted.
                 accepted = leading_true(passed)                 # (rows,) accepted tokens
-                ends = torch.full_like(accepted, S)             # (rows,) each row's length
+                lengths = torch.full_like(accepted, S)          # (rows,) each row's length
                 while True:
                     # c. A row ends at its first accepted EOS (verify's prefix may hold one);
                     # the rows after it go.
                     found = first_eos_row(drafts, accepted, eos_ids)
                     if found:
-                        r, end = found
+                        r, length = found
                         drafts = drafts[:r + 1]
                         at = at[:r + 1]
-                        ends = ends[:r + 1]
-                        ends[r] = end
-                        accepted = torch.minimum(accepted[:r + 1], ends)
+                        lengths = lengths[:r + 1]
+                        lengths[r] = length
+                        accepted = torch.minimum(accepted[:r + 1], lengths)
                         ended = True
-                    if (accepted >= ends).all():
+                    if (accepted >= lengths).all():
                         break
                     # a. Draft: one pass predicts every masked token of every row.
                     masked = cols >= accepted[:, None]
@@ -133,9 +133,9 @@ def generate_refusion_plain(model, prompt, settings, *, mask_id, eos_ids, genera
                     # b. Verify: one causal pass; each row keeps its longest passing prefix.
                     probs = next_token_probs(forward(drafts, at), drafts)
                     passed = (probs > settings.token_threshold) | (cols <= accepted[:, None])
-                    accepted = torch.minimum(leading_true(passed), ends)
+                    accepted = torch.minimum(leading_true(passed), lengths)
                 # 4. Commit every row up to its end; the rows never saw each other.
-                slots = [row[:end] for row, end in zip(drafts.tolist(), ends.tolist())]
+                slots = [row[:n] for row, n in zip(drafts.tolist(), lengths.tolist())]
                 done = commit(starts, slots, infilled=True)
 
             # The committed slots leave the pool; after an EOS, so does every slot past it.
@@ -281,9 +281,7 @@ class DecodeState:
         self.nfe = 0
         self.trace = []
         self.step_nfe = []
-        self.speculative = None
-        if settings.infill == "speculative":  # SPEC 4.1
-            self.speculative = SpeculativeInfill(len(prompt))
+        self.speculative = SpeculativeInfill.of(settings, len(prompt))  # SPEC 4.1, or None
 
     def forward(self, tokens, positions, keep=None, logits_from=0):
         """One counted pass of tokens (B, T) at true positions (B, T) after the cache -> logits
@@ -517,6 +515,11 @@ class SpeculativeInfill:
         self.frontier = prompt_len
         self.next_logits = None
         self.ends = []
+
+    @classmethod
+    def of(cls, settings, prompt_len):
+        """One for a decode with infill="speculative"; None with the paper's infill."""
+        return cls(prompt_len) if settings.infill == "speculative" else None
 
     def plan(self, state, pool, logits, lead, drafts, probs):
         """Step 1: a leftmost slot at the frontier takes its first draft and score from the kept

@@ -9,7 +9,7 @@ import pytest
 
 import sampler
 import train
-from configurator import ConfigError, parse_args
+from configurator import ConfigError, check_confidence, parse_args
 from helpers import ROOT
 from support import runs, sampling
 from tools import bench, consolidate, eval_humaneval
@@ -60,7 +60,7 @@ def test_every_config_file_names_known_keys_and_passes_the_scripts_checks(path):
     assert path.startswith(("train_", "finetune_", "sample_", "bench_")), \
         "name a config after the script that reads it"
     script, check = ((train, runs.check_train_config) if path.startswith(("train_", "finetune_"))
-                     else (sampling, check_sample_config) if path.startswith("sample_")
+                     else (sampler, check_sample_config) if path.startswith("sample_")
                      else (bench, bench.check_bench_config))
     cfg = parse_args(script.DEFAULTS, [str(ROOT / "config" / path), "--device=cpu"])
     # raises on a setting that cannot work
@@ -79,7 +79,7 @@ def test_a_value_the_parser_cannot_read_names_the_type_expected(flag, expected):
         parse_args(d, [flag])
 
 
-@pytest.mark.parametrize("script", [train, sampling, bench, eval_humaneval],
+@pytest.mark.parametrize("script", [train, sampler, bench, eval_humaneval],
                          ids=lambda m: m.__name__)
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_lists_every_setting_with_its_default_and_description_then_exits_0(script, flag,
@@ -89,9 +89,8 @@ def test_help_lists_every_setting_with_its_default_and_description_then_exits_0(
         script.main(["--no_such_key=1", flag])
     assert stop.value.code == 0
     lines = capsys.readouterr().out.splitlines()
-    # sampler.py's command line is support/sampling.py's main
-    command = ("sampler.py" if script is sampling else f"-m {script.__name__}"
-               if script.__name__.startswith("tools.") else f"{script.__name__}.py")
+    command = (f"-m {script.__name__}" if script.__name__.startswith("tools.")
+               else f"{script.__name__}.py")
     assert lines[0] == f"usage: python {command} [config.py ...] [--key=value ...]"
     for key, value in script.DEFAULTS.items():
         shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
@@ -106,7 +105,7 @@ def test_a_file_that_is_not_a_py_config_is_refused_and_never_run(tmp_path):
     marker = tmp_path / "code-ran"
     # valid Python, as a config file is
     code = f"open({str(marker)!r}, 'w')\n"
-    for script, name, flag in [(sampling, "my_prompt.txt", "--prompt_file="),
+    for script, name, flag in [(sampler, "my_prompt.txt", "--prompt_file="),
                                (train, "data.json", "--dataset="), (consolidate, "notes.md", None)]:
         path = tmp_path / name
         path.write_text(code)
@@ -220,6 +219,7 @@ def check_sample_config(cfg):
     """What sampler.main checks before any weights are read: the command line's settings, then the
     decoder's (when --method is given)."""
     sampling.check_sample_config(cfg)
+    check_confidence(cfg)
     sampler.decoder_settings(dict(cfg, method=cfg["method"] or "refusion"))  # its knobs, checked
 
 

@@ -13,7 +13,6 @@ import pytest
 import sampler
 import train
 from helpers import ROOT, save_tiny_hf_folder, tiny_run_flags
-from support import sampling
 from support.tokenizer import decode, get_tokenizer
 from tools import eval_humaneval
 from tools.eval_humaneval import build_prompt, check_generation, human_eval, run_program
@@ -213,7 +212,7 @@ def test_flags_out_of_range_are_refused_before_any_work(tmp_path, monkeypatch, f
                                          "cannot write there"):
         eval_humaneval.main([f"--out_dir={tmp_path / 'none'}", f"--out_json={tmp_path}"])
     if flag.startswith("--seed"):
-        for script in (sampling, train):
+        for script in (sampler, train):
             with pytest.raises(ValueError, match=rf"^{re.escape(flag)}: must be a whole number "
                                                  r"from 0 to 2\*\*63 - 1"):
                 script.main([f"--out_dir={tmp_path / 'none'}", flag])

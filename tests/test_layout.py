@@ -201,16 +201,23 @@ def test_the_method_imports_without_the_plumbings_packages():
     assert out.strip() == "[]"
 
 
+def docstring_line_numbers(text):
+    """The numbers of a module's lines that are docstrings (the module's, a class's, a
+    function's)."""
+    found = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and \
+                isinstance(first.value.value, str):
+            found.update(range(first.lineno, first.end_lineno + 1))
+    return found
+
+
 def code_line_numbers(text):
     """The numbers of a module's lines that hold code: not blank, not only a comment, not in a
     docstring (as STYLE.md counts a budget: explanation is free)."""
-    tree = ast.parse(text)
-    docstrings = set()
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
-                isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
-            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    docstrings = docstring_line_numbers(text)
     code = set()
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
@@ -280,6 +287,39 @@ def test_the_method_reads_on_one_screen():
              (isinstance(node, ast.Attribute) and node.attr == "infill" or
               isinstance(node, ast.Constant) and node.value in ("paper", "speculative"))]
     assert reads == []
+
+
+def calls_per_code_line(text, node=None):
+    """Calls (ast.Call nodes) per code line of a module, or of one of its functions (node)."""
+    code = code_line_numbers(text)
+    if node is None:
+        node = ast.parse(text)
+    else:
+        code &= set(range(node.lineno, node.end_lineno + 1))
+    return sum(isinstance(n, ast.Call) for n in ast.walk(node)) / len(code)
+
+
+def test_the_method_is_as_dense_as_the_anchors():
+    """As nanoGPT, gpt-fast, nanochat and LLaDA write: at most 0.25 docstring lines per code line
+    over the method files (docstrings say what, shapes, returns, raises and a SPEC pointer), at
+    most 0.75 calls per code line in each, and 0.9 in the decoder on one screen."""
+    lines = {m: (ROOT / f"{m}.py").read_text(encoding="utf-8") for m in sorted(METHOD)}
+    docs = sum(len(docstring_line_numbers(text)) for text in lines.values())
+    code = sum(len(code_line_numbers(text)) for text in lines.values())
+    assert docs <= 0.25 * code
+    assert {m: round(calls_per_code_line(text), 2) for m, text in lines.items()
+            if calls_per_code_line(text) > 0.75} == {}
+    plain = next(node for node in ast.parse(lines["sampler"]).body
+                 if getattr(node, "name", "") == "generate_refusion_plain")
+    assert calls_per_code_line(lines["sampler"], plain) <= 0.9
+
+
+def test_density_is_counted_as_stated():
+    text = ('"""A module."""\n\n\ndef f(x):\n    """Its doc,\n    two lines."""\n'
+            '    y = g(h(x))\n    return y\n')
+    assert sorted(docstring_line_numbers(text)) == [1, 5, 6]
+    assert calls_per_code_line(text) == 2 / 3          # 2 calls, 3 code lines
+    assert calls_per_code_line(text, ast.parse(text).body[1]) == 2 / 3
 
 
 # a test's citation of the sentence it proves: "# SPEC 4, step 2: ..." or "SPEC section 3"

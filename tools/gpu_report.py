@@ -28,6 +28,7 @@ are skipped, with a note. Both files are rewritten after every section, so a run
 what it measured. Every figure comes from the run.
 """
 
+import dataclasses
 import gc
 import os
 import shutil
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import time
 import traceback
+from functools import partial
 from unittest.mock import patch
 
 if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
@@ -309,9 +311,9 @@ def attention_section(cfg, clock):
     """Which of SDPA's attention kernels decoding should take on this device, by measurement:
     next-token and ReFusion decoding of the quick start's lines, eager at batch 1, under each
     backend (torch.nn.attention.sdpa_kernel; one that cannot take the decoders' masks is recorded
-    with its error), then next-token decoding reading its tokens after every token
-    (sampler.EOS_EVERY) beside every GPU_EOS_EVERY-th, the default off a CPU: fewer reads against
-    the passes run past an EOS."""
+    with its error), then next-token decoding reading its tokens after every token (eos_every=1)
+    beside every GPU_EOS_EVERY-th, the default off a CPU: fewer reads against the passes run past
+    an EOS."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     sample, model, ids, prompts, judge = quick_start_model(cfg)
     runs = []
@@ -330,14 +332,9 @@ def attention_section(cfg, clock):
             runs.append(dict(row, **({"error": outcome["error"]} if "error" in outcome
                                      else outcome["result"][1])))
     # next-token decoding reading every token, beside the device's default (the runs above)
-    decode = sampler.make_decoder(dict(sample, method="next_token"), ids, None)[0]
-    every = dict(sampler.EOS_EVERY)
-    sampler.EOS_EVERY[model.embed_tokens.weight.device.type] = 1
-    try:
-        outcome = guarded(lambda: decode_run(model, decode, prompts, 1, judge, False))
-    finally:
-        sampler.EOS_EVERY.clear()
-        sampler.EOS_EVERY.update(every)
+    decode, settings = sampler.make_decoder(dict(sample, method="next_token"), ids, None)
+    decode = partial(decode, settings=dataclasses.replace(settings, eos_every=1))
+    outcome = guarded(lambda: decode_run(model, decode, prompts, 1, judge, False))
     runs.append(dict({"decoder": "next_token, a read every token", "backend": "default"},
                      **({"error": outcome["error"]} if "error" in outcome
                         else outcome["result"][1])))
