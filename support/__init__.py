@@ -1,9 +1,6 @@
 """
-What the scripts need that is not the method: tokenizers, corpora, a user's data files and prepared
-data, checkpoints and atomic files, the command lines' plumbing, FSDP, other people's formats
-(Hugging Face folders, tokenizer.json, chat templates, GGUF) and drawing. The method is the top
-level (model.py, kvcache.py, data.py, train.py, sampler.py); nothing there imports this package
-except the command lines' main functions.
+What the scripts need that is not the method (the top level: model.py, kvcache.py, data.py,
+train.py, sampler.py, of which only the command lines' main functions import this package).
 
     tokenizer      text <-> token ids: bytes and GPT-2 (tiktoken), a Hugging Face folder's
     corpora        the built-in data sets (records) and their checkers
@@ -14,10 +11,8 @@ except the command lines' main functions.
     runs           train.py's plumbing: checks, out_dir lock, start modes, data, signals, saving
     progress       train.py's progress bar: loss, tokens/s and FLOP/s over the last interval
     hardware       the machine's matrix units, --dtype=auto's choice, what a figure ran on
-    sampling       what sampler.py's command line needs besides the decoders: models, prompts,
-                   the live trace, what is printed
-    batching       many prompts at once (SPEC 4.2): the one-prompt decoders' passes run together;
-                   each prompt's random stream
+    sampling       sampler.py's command line besides the decoders: models, prompts, trace, output
+    batching       many prompts at once (SPEC 4.2): the decoders' passes run together
     compiled       compiled decoding (SPEC 4.3): torch.compile graphs, CUDA graphs on a GPU
     device_reads   what a decode makes a GPU wait for, counted on any device
     shard          FSDP: sharded training and sharded checkpoints

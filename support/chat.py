@@ -1,9 +1,8 @@
 """
-Chat templates: a user's text wrapped in a model's chat template (the folder's Jinja template,
-rendered in a sandbox as transformers' apply_chat_template does, or Qwen's ChatML), as token ids.
+Chat templates: a user's text in a model's chat template (the folder's Jinja template, rendered in
+a sandbox as transformers' apply_chat_template does, else Qwen's ChatML).
 
-    chat_parts(enc, text)     the user turn and the assistant's header, as text pieces
-                              and special ids
+    chat_parts(enc, text)     the user turn and the assistant's header: text pieces and special ids
     chat_prompt(enc, text)    the same as token ids (sampler.py --chat, HumanEval's chat prompts)
 """
 
@@ -27,21 +26,12 @@ USER_TEXT = "\uE000user text\uE000"
 
 
 def chat_parts(enc, text):
-    """A user turn holding `text`, then the assistant's header, in the tokenizer's chat template: a
-    list of strings (to encode as plain text) and ints (special ids, the template's markers).
-
-    The template is the folder's (HFTokenizer's .chat_template, rendered with jinja2 in a sandbox
-    as transformers' apply_chat_template(add_generation_prompt=True) does; SmolLM2's adds its
-    default system turn), else ChatML without a system turn, as the ReFusion release's Qwen3 renders
-    it. The template is rendered twice: with a stand-in for the text (USER_TEXT), which marks the
-    template's own text around it, and with the text itself, of which the part between the two is
-    what the template made of the user's text (a `| trim` strips its whitespace, as
-    apply_chat_template feeds it). The template's own text is split at the tokenizer's special
-    tokens, as the reference tokenizer splits a rendered prompt; the user's part stays text, so a
-    special-token string in it is never a special id. Raises ValueError for a tokenizer without a
-    template whose ChatML markers it lacks, or a template that does not show the stand-in once or
-    renders its own text differently around the real text.
-    """
+    """A user turn holding `text`, then the assistant's header, in the tokenizer's chat template
+    (else CHATML): a list of strings (plain text) and ints (special ids, the template's markers).
+    The template's own text (found by rendering it with USER_TEXT) is split at the special tokens;
+    the user's part stays text, so a special token's string in it is never a special id. Raises
+    ValueError for a tokenizer with neither a template nor ChatML's markers, or a template that
+    shows the user's text other than once or renders its own text differently around it."""
     template = getattr(enc, "chat_template", None)
     if template is None and not {"<|im_start|>", "<|im_end|>"} <= enc.special_tokens_set:
         raise ValueError("--chat needs a chat model's tokenizer "
@@ -65,9 +55,8 @@ def chat_parts(enc, text):
 
 
 def split_at(text, tokens):
-    """[text, token, text, ..., text]: `text` split around every occurrence of the strings
-    `tokens`, leftmost first and the longest at a place first, as the `tokenizers` library finds
-    added tokens in a text."""
+    """[text, token, text, ..., text]: `text` split around each of the strings `tokens`, the longest
+    first at a place, as the `tokenizers` library finds added tokens."""
     if not tokens:
         return [text]
     longest_first = sorted(tokens, key=len, reverse=True)
@@ -75,10 +64,9 @@ def split_at(text, tokens):
 
 
 def render(enc, template, content):
-    """The chat template rendered for one user message holding content, then the assistant's
-    header (jinja2 in a sandbox, with what transformers' apply_chat_template gives a template: the
-    bos and eos token strings, raise_exception, strftime_now, the {% generation %} block).
-    Raises ValueError when it cannot be rendered or raises."""
+    """`template` rendered for one user message holding content and the generation prompt, in a
+    sandbox with what apply_chat_template gives a template (bos_token, eos_token, raise_exception,
+    strftime_now, {% generation %}). Raises ValueError when it cannot be rendered or raises."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationBlock])
 
@@ -95,8 +83,7 @@ def render(enc, template, content):
 
 
 class GenerationBlock(jinja2.ext.Extension):
-    """{% generation %} ... {% endgeneration %}, as transformers defines it for templates that mark
-    the assistant's part (for its training masks): its body rendered as it is."""
+    """{% generation %} ... {% endgeneration %}, as transformers defines it: its body as it is."""
     tags = {"generation"}
 
     def parse(self, parser):
@@ -106,10 +93,7 @@ class GenerationBlock(jinja2.ext.Extension):
 
 
 def chat_prompt(enc, text):
-    """Token ids of a user turn holding `text`, then the assistant's header, in the model's chat
-    template (chat_parts: the folder's template, or Qwen's ChatML), as the ReFusion release's
-    evaluation builds its prompts (apply_chat_template with add_generation_prompt). The template's
-    markers are special ids; `text` stays plain text. Raises ValueError for a tokenizer with no
-    chat template."""
+    """chat_parts(enc, text) as token ids, as apply_chat_template(add_generation_prompt=True) gives
+    them. Raises what chat_parts raises."""
     return [i for part in chat_parts(enc, text)
             for i in ([part] if isinstance(part, int) else encode(enc, part))]

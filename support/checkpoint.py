@@ -1,12 +1,12 @@
 """
 Checkpoints: what train.py writes and sampler.py and the tools read.
 
-A checkpoint is one `ckpt.pt` in out_dir holding plain data only (tensors, numbers, strings, lists,
-dicts), loaded with `torch.load(weights_only=True)`, so opening one never runs code from it. It is
-written atomically (files.write_atomic), so a crash or a full disk mid-write leaves the previous
-checkpoint intact. A run trained with --fsdp=True has a sharded checkpoint instead
-(support/shard.py), named by `ckpt_sharded.pt`; `python -m tools.consolidate` consolidates it into a
-ckpt.pt.
+    save_checkpoint, load_checkpoint   out_dir/ckpt.pt, written atomically, read checked
+    model_from_checkpoint, decoder_ids the Transformer and the decoders' token ids of one
+
+A checkpoint holds plain data only (tensors, numbers, strings, lists, dicts), loaded with
+`torch.load(weights_only=True)`, so opening one never runs code. A run trained with --fsdp=True
+has a sharded checkpoint instead (support/shard.py); `python -m tools.consolidate` makes a ckpt.pt.
 """
 
 import dataclasses
@@ -18,7 +18,7 @@ import torch
 from support.files import write_atomic
 from model import ModelConfig, Transformer
 
-FORMAT = 1  # bumped when the layout changes; older files are refused with a message
+FORMAT = 1  # the layout's version; a file of another one is refused
 # what train.py always writes: a missing one would silently take ModelConfig's default (causal=True)
 MODEL_ARGS = ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "rope_theta",
               "qk_norm", "causal")
@@ -31,30 +31,25 @@ def checkpoint_path(out_dir):
 
 
 def sharded_info_path(out_dir):
-    """out_dir/ckpt_sharded.pt, the small file that makes a sharded checkpoint (support/shard.py):
-    the run's plain data and the name of the directory holding its shards."""
+    """out_dir/ckpt_sharded.pt: a sharded checkpoint's plain data and the name of its shards'
+    directory (support/shard.py)."""
     return os.path.join(out_dir, "ckpt_sharded.pt")
 
 
 def save_checkpoint(out_dir, ckpt):
-    """Write ckpt (a dict of plain data) to out_dir/ckpt.pt atomically (files.write_atomic).
-    Raises files.DiskFull (a ValueError) when the disk fills up; the previous checkpoint is kept."""
+    """Write ckpt (a dict of plain data) to out_dir/ckpt.pt atomically. Raises files.DiskFull (a
+    ValueError) when the disk fills up; the previous checkpoint is kept."""
     os.makedirs(out_dir, exist_ok=True)
     write_atomic(checkpoint_path(out_dir), lambda f: torch.save(dict(ckpt, format=FORMAT), f),
                  "checkpoint")
 
 
 def load_checkpoint(path_or_dir, device="cpu", settings_only=False):
-    """Read a checkpoint dict from a file or an out_dir holding ckpt.pt. settings_only: its
-    settings and counters, the tensors mapped from the file unread (torch.load's mmap), their
-    finiteness unchecked.
-
-    Warns on stderr when a sharded checkpoint beside it is newer (not consolidated since).
-    Raises FileNotFoundError when there is none (naming tools.consolidate when the run has only a
-    sharded one), ValueError when the file is not a readable checkpoint of this format (truncated,
-    foreign, crafted to run code, from another version, or inconsistent: check_consistent) or
-    holds NaN or infinite weights (check_finite).
-    """
+    """The checkpoint dict in a file or an out_dir holding ckpt.pt, tensors on device
+    (settings_only: mapped from the file unread, their finiteness unchecked). Warns on stderr when
+    a sharded checkpoint beside it is newer. Raises FileNotFoundError when there is none;
+    ValueError when the file is not a readable, consistent checkpoint of this FORMAT
+    (check_consistent) or holds NaN or infinite weights (check_finite)."""
     is_file = path_or_dir.endswith(".pt") or os.path.isfile(path_or_dir)
     path = path_or_dir if is_file else checkpoint_path(path_or_dir)
     out_dir = os.path.dirname(path) or "."
@@ -93,9 +88,8 @@ def load_checkpoint(path_or_dir, device="cpu", settings_only=False):
 
 
 def check_finite(weights, path):
-    """Refuse weights (a dict of name -> tensor) that hold NaN or infinity: a model decoded with
-    them writes garbage with normal statistics (every logit NaN), and one trained from them learns
-    nothing. path names the file. Raises ValueError naming the first such weight."""
+    """Raise ValueError naming the file `path` and the first of weights ({name: tensor}) that holds
+    NaN or infinity."""
     for name, t in weights.items():
         floats = isinstance(t, torch.Tensor) and t.is_floating_point()
         if floats and not bool(torch.isfinite(t).all()):
@@ -106,10 +100,9 @@ def check_finite(weights, path):
 
 
 def check_consistent(ckpt, path):
-    """Refuse a checkpoint whose parts disagree (written by another program, or edited): model_args
-    that ModelConfig does not know or that lack one of MODEL_ARGS, weights whose names or shapes are
-    not those model_args build, a meta without the tokenizer and its special ids (META), a config
-    without its objective. Raises ValueError naming the file and what is wrong."""
+    """Raise ValueError naming the file and the problem when a checkpoint's parts disagree:
+    model_args unknown to ModelConfig or lacking one of MODEL_ARGS, weights not those model_args
+    build, a meta lacking one of META, a config without objective or max_iters."""
     def refuse(problem):
         raise ValueError(f"{path} is inconsistent: {problem}; it was not written by this train.py "
                          "or was edited: retrain it or point to another file")
@@ -146,8 +139,7 @@ def check_consistent(ckpt, path):
 
 
 def upgrade(ckpt):
-    """Fill in the settings added since a checkpoint was written, with the values that reproduce its
-    run: a checkpoint from before lr_decay_iters existed decayed to min_lr at its own max_iters."""
+    """ckpt with lr_decay_iters, where it lacks it, set to max_iters: the decay it trained with."""
     ckpt["config"].setdefault("lr_decay_iters", ckpt["config"]["max_iters"])
     return ckpt
 
@@ -160,6 +152,6 @@ def model_from_checkpoint(ckpt, device="cpu"):
 
 
 def decoder_ids(meta):
-    """The token ids a decoder needs, from a checkpoint's meta: {"eos_ids": (its EOS id,),
-    "mask_id", "pad_id"} (the decoders take every EOS id as one tuple)."""
+    """The token ids a decoder takes, from a checkpoint's meta: {"eos_ids": (eos_id,), "mask_id",
+    "pad_id"}."""
     return {"eos_ids": (meta["eos_id"],), "mask_id": meta["mask_id"], "pad_id": meta["pad_id"]}

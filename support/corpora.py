@@ -1,18 +1,14 @@
 """
-The built-in corpora, as records: {"query", "response", "module", "name"}, and their checkers.
+The built-in corpora as records {"query", "response", "module", "name"}, and their checkers.
 
-    stdlib   every documented function of this Python's standard library (query: signature and
-             docstring; response: the rest of the body)
-    quotes   lines of the standard library's code, their string literals double-quoted (code
-             editing)
-    arith    20,000 worked multi-digit arithmetic problems whose answers code can check
-    arith-1m a million of them, for GPU runs; arith-small 20,000 with operands of 2 and 3 digits
-    transform 20,000 letter strings to copy, upper-case, shift or mirror (the parallel-friendly
-              task); transform-long the same, 30 to 510 letters
-    quotes-long runs of consecutive quotes lines, rewritten together, answers of 32 to 512 bytes
+    stdlib       every documented function of the standard library: signature and docstring -> body
+    quotes       a line of the standard library's code -> its string literals double-quoted
+    quotes-long  runs of such lines, answers of 32 to 512 bytes
+    arith        20,000 worked arithmetic problems (arith-1m: a million; arith-small: 2 to 3 digits)
+    transform    20,000 strings to copy, upper-case, shift or mirror (transform-long: 30 to 510)
+    score        the metrics of a generated response, for the corpora whose answers code can check
 
-Any other data set is a path: a user's data file (support/data_files.py). support/prepare.py
-tokenizes records once; nothing here knows about tokens.
+Any other data set is a path (support/data_files.py); support/prepare.py tokenizes records.
 """
 
 import ast
@@ -28,6 +24,7 @@ from itertools import zip_longest
 # the standard library's functions
 
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages"}
+MAX_LINE = 72  # the longest line of code the quotes tasks take, in characters
 
 
 def _stdlib_files(root: str) -> list[tuple[str, str]]:
@@ -59,25 +56,16 @@ def _functions(tree: ast.AST, prefix: str = ""):
 
 
 def _dedent(lines: list[str], indent: str) -> list[str]:
-    """
-    Remove the `def` line's `indent` from each line; whitespace-only lines become empty.
-
-    Not textwrap.dedent: one string literal written at column 0 would stop it dedenting anything.
-    Lines that do not start with `indent` (inside such literals) stay as written.
-    """
+    """`lines` less the `def` line's `indent` where they start with it; blank lines emptied. (Not
+    textwrap.dedent: one string literal at column 0 would stop it dedenting anything.)"""
     return [line.removeprefix(indent) if line.strip() else "" for line in lines]
 
 
 def function_records(source: str, module: str, max_chars: int | None = None) -> list[dict]:
-    """
-    Records of the documented functions in one module's `source` (newlines already '\\n').
-
-    query    = the lines from `def` (decorators excluded) to the docstring's last line;
-    response = the remaining lines of the body. Both end with "\\n" and lose the `def` line's
-    indentation; query + response is the function's source so dedented. Functions whose body
-    is only a docstring, or whose query + response exceeds `max_chars`, are left out.
-    Raises SyntaxError if `source` does not parse.
-    """
+    """Records of the documented functions in one module's `source` (newlines '\\n'): query, the
+    lines from `def` to the docstring's end; response, the rest of the body (both dedented, each
+    ending "\\n"). A function with nothing past its docstring, or longer than `max_chars`, is left
+    out. Raises SyntaxError if `source` does not parse."""
     lines = source.split("\n")
     records = []
     for name, node in _functions(ast.parse(source)):
@@ -96,14 +84,9 @@ def function_records(source: str, module: str, max_chars: int | None = None) -> 
     return records
 
 
-def stdlib_records(max_chars: int | None = None) -> list[dict]:
-    """
-    The built-in real corpus: every documented function of the running interpreter's standard
-    library, as {"query": signature + docstring, "response": rest of the body, "module", "name"}.
-
-    Test packages and site-packages are skipped; so are files that are not UTF-8 or do not parse
-    (their count is printed). The result depends on the Python version (stored in meta.json).
-    """
+def stdlib_records() -> list[dict]:
+    """stdlib: function_records of every module of this Python's standard library (tests and
+    site-packages left out; files not UTF-8 or not parsing skipped, their count printed)."""
     root = sysconfig.get_paths()["stdlib"]
     records = []
     unreadable = 0
@@ -113,7 +96,7 @@ def stdlib_records(max_chars: int | None = None) -> list[dict]:
         try:
             # ast counts \r\n and \r as line ends too; normalise so our line numbers agree
             source = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
-            records += function_records(source, module, max_chars)
+            records += function_records(source, module)
         except (UnicodeDecodeError, SyntaxError, ValueError):
             unreadable += 1
     if unreadable:
@@ -125,11 +108,9 @@ def stdlib_records(max_chars: int | None = None) -> list[dict]:
 
 
 def double_quoted(line: str) -> str:
-    """line with every single-quoted string literal written in double quotes, as the formatter black
-    normalizes them: 'a.b' -> "a.b", f'{x}' -> f"{x}". A literal whose text holds a quote or a
-    backslash, a triple-quoted one, and everything that is not a string literal stay as written.
-    Raises ValueError when the line does not tokenize as Python on its own (an unfinished bracket is
-    fine; an unterminated string is not)."""
+    """`line` with its single-quoted string literals double-quoted as black writes them ('a.b' ->
+    "a.b", f'{x}' -> f"{x}"); a literal holding a quote or backslash, or triple-quoted, stays.
+    Raises ValueError when the line does not tokenize as Python on its own."""
     try:
         tokens = list(tokenize.generate_tokens(io.StringIO(line).readline))
     except (tokenize.TokenError, SyntaxError) as e:
@@ -150,17 +131,10 @@ def double_quoted(line: str) -> str:
     return "".join(chars)
 
 
-def quote_records(max_line: int = 72) -> list[dict]:
-    """
-    The built-in code-editing corpus: one record per distinct line of the standard library's code
-    (stripped, at most max_line characters, comments left out) that holds a single-quoted string
-    black would rewrite, as {"query": "self.message('Disabled %s' % bp)\n",
-    "response": "self.message(\"Disabled %s\" % bp)\n", "module", "name"}, the response being
-    double_quoted(query). It is the prompt copied with a few characters changed in place, so every
-    response token is a function of the prompt token at a fixed distance: given the prompt, the
-    response's tokens hardly depend on each other. Real text, checked exactly. name: the line's
-    number in its module.
-    """
+def quote_records() -> list[dict]:
+    """quotes: one record per distinct stripped line of the standard library's code (at most
+    MAX_LINE characters, no comment) that double_quoted changes; query the line, response its
+    rewrite, each ending "\\n"; name the line's number in its module."""
     records = []
     seen = set()
     for path, module in _stdlib_files(sysconfig.get_paths()["stdlib"]):
@@ -171,7 +145,7 @@ def quote_records(max_line: int = 72) -> list[dict]:
             continue
         for number, line in enumerate(lines, 1):
             line = line.strip()
-            if not line or line.startswith("#") or len(line) > max_line or line in seen:
+            if not line or line.startswith("#") or len(line) > MAX_LINE or line in seen:
                 continue
             seen.add(line)
             try:
@@ -184,28 +158,19 @@ def quote_records(max_line: int = 72) -> list[dict]:
     return records
 
 
-# quotes-long: runs of consecutive lines rewritten together, with answers (the rewrite, its newline
-# and EOS) of exactly these many byte tokens: the length sweep's task (tools/bench_length.py)
+# quotes-long: answers (the rewrite, its newline and EOS) of exactly these many byte tokens, the
+# length sweep's task (tools/bench_length.py)
 BLOCK_TOKENS = (32, 64, 128, 256, 512)
 BLOCK_END = "=>\n"  # ends a quotes-long query: the rewrite follows
 
 
-def quote_block_records(n: int = 20000, seed: int = 0, lengths: tuple = BLOCK_TOKENS,
-                        max_line: int = 72) -> list[dict]:
-    """
-    The quotes task over runs of consecutive lines, answers of a chosen length: n records, n //
-    len(lengths) (and the rest in turn) of each length L, as {"query", "response", "module",
-    "name"}.
-
-    query    a run of a module's consecutive code lines (stripped, at most max_line ASCII
-             characters; blank and comment lines left out) starting at a line black would rewrite,
-             cut to L - 2 characters that hold a rewrite, then "\n" and BLOCK_END;
-    response the same L - 2 characters with double_quoted applied line by line, and "\n": with
-             EOS, L byte tokens. A run whose cut falls inside a string literal (its cut last line
-             does not rewrite to the prefix of its whole line's rewrite) is not used, so that the
-             query alone decides the response (score). name: the first line's number.
-    Deterministic for a given seed (random.Random(seed)).
-    """
+def quote_block_records(n: int = 20000, lengths: tuple = BLOCK_TOKENS) -> list[dict]:
+    """quotes-long: n records taking each length L of `lengths` in turn. query: a run of a
+    module's stripped ASCII code lines (at most MAX_LINE characters, no blank or comment line)
+    starting at one double_quoted changes, cut to L - 2 characters, then "\\n" and BLOCK_END;
+    response: those characters rewritten line by line, and "\\n" (L byte tokens with EOS). A run
+    cut inside a string literal is not used, so the query alone decides the response. name: the
+    first line's number. The same records on every call."""
     modules = []
     for path, module in _stdlib_files(sysconfig.get_paths()["stdlib"]):
         try:
@@ -214,7 +179,7 @@ def quote_block_records(n: int = 20000, seed: int = 0, lengths: tuple = BLOCK_TO
         except UnicodeDecodeError:
             continue
         modules.append((module, [line for line in lines if line and not line.startswith("#")
-                                 and len(line) <= max_line and line.isascii()]))
+                                 and len(line) <= MAX_LINE and line.isascii()]))
     rewrites = {}
 
     def rewrite(line):  # double_quoted, None where the line is not Python on its own
@@ -227,7 +192,7 @@ def quote_block_records(n: int = 20000, seed: int = 0, lengths: tuple = BLOCK_TO
 
     starts = [(m, i) for m, (_, lines) in enumerate(modules) for i, line in enumerate(lines)
               if rewrite(line) not in (None, line)]
-    rng = random.Random(seed)
+    rng = random.Random(0)
     records = []
     seen = set()
     while len(records) < n:
@@ -252,9 +217,8 @@ def quote_block_records(n: int = 20000, seed: int = 0, lengths: tuple = BLOCK_TO
 
 
 def quote_block_expected(query: str) -> str:
-    """The correct response (its final newline left out) to a quote_block_records query, computed
-    from its text. Raises ValueError if the query does not end with BLOCK_END or a line of it is not
-    Python on its own."""
+    """The correct response to a quotes-long query, its last newline left out. Raises ValueError if
+    the query does not end with BLOCK_END or a line of it is not Python on its own."""
     if not query.endswith("\n" + BLOCK_END):
         raise ValueError(f"not a quotes-long query (it must end with {BLOCK_END!r}): {query!r}")
     return "\n".join(map(double_quoted, query[:-len(BLOCK_END) - 1].split("\n")))
@@ -283,8 +247,8 @@ def _add_steps(a: int, b: int) -> list[str]:
 
 
 def _subtract_steps(a: int, b: int) -> list[str]:
-    """One line per column of a - b (a >= b), e.g. "12-3-1=8 borrow 1": the top digit is shown
-    with the 10 it borrowed, so every line is literally true."""
+    """One line per column of a - b (a >= b), e.g. "12-3-1=8 borrow 1" (the top digit shown with
+    the 10 it borrowed)."""
     lines = []
     borrow = 0
     for i, (x, y) in enumerate(zip_longest(_columns(a), _columns(b), fillvalue=0)):
@@ -308,8 +272,7 @@ def _multiply_steps(a: int, m: int) -> list[str]:
 
 
 def _operand(rng: random.Random, digits: tuple[int, int]) -> int:
-    """A number whose digit count is uniform over digits (min, max), so short and long ones are
-    equally common."""
+    """A number whose digit count is uniform over digits (min, max)."""
     digits = rng.randint(*digits)
     return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
 
@@ -330,15 +293,10 @@ def _arith_problem(rng: random.Random, digits: tuple[int, int]) -> tuple[str, li
 
 def arithmetic_records(n: int = 20000, seed: int = 0,
                        digits: tuple[int, int] = ARITH_DIGITS) -> list[dict]:
-    """
-    The built-in checkable corpus: n distinct multi-digit arithmetic problems, generated in code.
-
-    query    e.g. "Add 4821 and 937.\n", "Subtract 937 from 4821.\n", "Multiply 4821 by 7.\n"
-             (operands of digits = (3, 6) digits by default; the multiplier one digit, 2 to 9);
-    response one line per column, least significant first, then "answer: <n>\n", e.g.
-             "1+7=8 carry 0\n2+3+0=5 carry 0\n8+9+0=17 carry 1\n4+0+1=5 carry 0\nanswer: 5758\n".
-    module "arith", name the record's index. Deterministic for a given seed (random.Random(seed)).
-    """
+    """arith: n distinct problems. query: "Add 4821 and 937.\\n", "Subtract 937 from 4821.\\n" or
+    "Multiply 4821 by 7.\\n" (operands of `digits` digits, a multiplier of 2 to 9); response: a line
+    per column, least significant first ("1+7=8 carry 0\\n..."), then "answer: 5758\\n". name: the
+    record's index. Deterministic for a given seed."""
     rng = random.Random(seed)
     records = []
     seen = set()
@@ -361,10 +319,7 @@ ARITH_QUERIES = (  # (query pattern, the answer from its two numbers), independe
 
 
 def arithmetic_expected(query: str) -> str:
-    """The correct answer to an arithmetic_records query, computed from its text with Python ints.
-
-    Raises ValueError if the query is not one of the three forms.
-    """
+    """The correct answer to an arith query. Raises ValueError for a query of no known form."""
     for pattern, op in ARITH_QUERIES:
         match = pattern.fullmatch(query.strip())
         if match:
@@ -373,19 +328,16 @@ def arithmetic_expected(query: str) -> str:
 
 
 def arithmetic_answer(text: str) -> str | None:
-    """The final answer in a (generated) response: the text after the last "answer: " up to the
-    line end, stripped; None when the text has no "answer: " (e.g. a truncated generation)."""
+    """A response's final answer: the rest of the line after its last "answer: ", stripped; None
+    without one."""
     _, found, tail = text.rpartition("answer: ")
     return tail.split("\n", 1)[0].strip() if found else None
 
 # -----------------------------------------------------------------------------
 # the built-in transform corpus: responses that depend on the prompt, not on themselves
 
-# name -> (letters per string, the response for a string of lowercase letters). Each output letter
-# is a function of the prompt letter at a fixed distance before it (the string's length is fixed per
-# transformation), so given the prompt the response's letters do not depend on each other: the case
-# where slot-parallel decoding can commit many tokens per pass. Responses (with their newline) are
-# 17 to 64 byte tokens.
+# name -> (letters per string, the response to a string of lowercase letters). Each output letter
+# depends on one prompt letter only: where slot-parallel decoding commits many tokens a pass
 TRANSFORMS = {
     "copy": (16, lambda s: s),
     "upper": (32, str.upper),
@@ -396,19 +348,11 @@ TRANSFORMS = {
 }
 
 
-def transform_records(n: int = 20000, seed: int = 0, lengths: tuple = ()) -> list[dict]:
-    """
-    The built-in parallel-friendly corpus: n distinct string transformations, generated in code.
-
-    query    "<transform>: <letters>\n", e.g. "shift: kqzm...\n": one of TRANSFORMS (copy 16 random
-             lowercase letters, upper 32, shift 48: each letter to the next, z to a, mirror 63:
-             a to z, b to y, ...), or, with lengths, as many letters as one of lengths, drawn
-             uniformly (transform-long);
-    response the transformed letters and "\n", e.g. "lran...\n".
-    module "transform", name the record's index. Deterministic for a given seed
-             (random.Random(seed)).
-    """
-    rng = random.Random(seed)
+def transform_records(n: int = 20000, lengths: tuple = ()) -> list[dict]:
+    """transform: n distinct records. query: "<name>: <letters>\\n" for a name of TRANSFORMS and
+    its count of random lowercase letters (with `lengths`, a count drawn from them); response: the
+    transformed letters and "\\n". name: the record's index. The same records on every call."""
+    rng = random.Random(0)
     records = []
     seen = set()
     while len(records) < n:
@@ -426,10 +370,8 @@ def transform_records(n: int = 20000, seed: int = 0, lengths: tuple = ()) -> lis
 
 
 def transform_expected(query: str) -> str:
-    """The correct response's first line for a transform_records query, computed from its text.
-
-    Raises ValueError if the query is not "<transform>: <lowercase letters>".
-    """
+    """The correct response to a transform query, its newline left out. Raises ValueError for a
+    query that is not "<transform>: <lowercase letters>"."""
     match = re.fullmatch(r"(\w+): ([a-z]+)", query.strip())
     if not match or match[1] not in TRANSFORMS:
         raise ValueError(f"not a transform query: {query!r}")
@@ -440,17 +382,11 @@ def transform_expected(query: str) -> str:
 
 
 def score(dataset: str, query: str, text: str, reference: str = "") -> dict[str, float] | None:
-    """{metric: 1.0 or 0.0} of one generated response `text` (without EOS) to `query`, for the
-    built-in corpora whose answers code can check; None for any other data set. The first metric is
-    the data set's quality measure:
-
-    quotes, transform: "exact", the response is the expected line exactly;
-    transform-long, quotes-long: "exact", and "letters", the share of the expected characters at
-    their place;
-    arith*: "accuracy", the final answer is right;
-    stdlib: "parse_rate", the function parses with at least one statement after its docstring (the
-    prompt alone already parses), and "first_line", its first line is the reference's.
-    """
+    """{metric: float} of a generated response `text` (no EOS) to `query`; None for a data set
+    code cannot check. The first metric is the quality measure: "exact" (quotes, transform; with
+    "letters", the share of characters right, for quotes-long and transform-long), "accuracy"
+    (arith*), "parse_rate" (stdlib: a statement parses after the docstring; with "first_line",
+    the first line is the `reference`'s)."""
     if dataset == "quotes":
         return {"exact": float(text == double_quoted(query.rstrip("\n")) + "\n")}
     if dataset == "transform":
@@ -471,13 +407,9 @@ def score(dataset: str, query: str, text: str, reference: str = "") -> dict[str,
             "first_line": float(text.split("\n")[0] == reference.split("\n")[0])}
 
 
-# transform-long: the transformations with answers (letters, newline, EOS) of 32 to 512 byte
-# tokens, a fifth of the records each: the length sweep's task (tools/bench_length.py)
+# transform-long: answers (letters, newline, EOS) of 32 to 512 byte tokens (tools/bench_length.py)
 LONG_LETTERS = (30, 62, 126, 254, 510)
-# built-in corpora; anything else is a path. "arith-1m" holds 1,000,000 problems (116M byte tokens
-# of training data) for GPU runs; its first 20,000 are "arith"'s, in the same splits. "arith-small"
-# has operands of 2 and 3 digits (responses of up to 63 bytes): the benchmark's serial task, which a
-# small ARM learns on a CPU.
+# arith-1m's first 20,000 records are arith's, in the same splits
 DATASETS = {"stdlib": stdlib_records, "quotes": quote_records, "arith": arithmetic_records,
             "transform": transform_records,
             "transform-long": lambda: transform_records(20000, lengths=LONG_LETTERS),

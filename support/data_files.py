@@ -1,13 +1,10 @@
 """
 A user's data files as records: {"query", "response", "module": the file's name, "name": index}.
 
-    .json    a JSON list of objects with string "query" and "response" fields (the ReFusion
-             release's format)
-    .jsonl   one such object per line
-    other    plain text, cut into windows of at most TEXT_WINDOW_BYTES UTF-8 bytes
-
-read_utf8 reads any file a user names (a data file, sampler.py's --prompt_file). The built-in data
-sets are support/corpora.py's; support/prepare.py tokenizes records once.
+    load_records(path)   .json: a list of objects with string "query" and "response" fields (the
+                         ReFusion release's format); .jsonl: one such object a line; other: plain
+                         text, cut into windows of at most TEXT_WINDOW_BYTES UTF-8 bytes
+    read_utf8(path)      the text of any file a user names (a data file, --prompt_file)
 """
 
 import json
@@ -23,15 +20,10 @@ TOO_DEEP = "nested deeper than Python's JSON parser can read; a record is an obj
 
 
 def read_utf8(path: str, name: str, limit: int | None = None) -> str:
-    """
-    The text of the file at `path`, its bytes decoded as UTF-8 as they are (CRLF stays CRLF); a
-    byte order mark at its start is removed, with a note on stderr.
-
-    path may be "-" (standard input) or a pipe (`<(command)`, /dev/stdin), read once. At most
-    `limit` bytes are read (None: all), so an endless stream stops there. `name` names the file in
-    messages (e.g. "--prompt_file=p.txt"). Raises FileNotFoundError, or ValueError for a directory,
-    a file longer than `limit`, or a byte that is not UTF-8 (giving its offset).
-    """
+    """The text of the file at `path` ("-": standard input; a pipe is read once), decoded as UTF-8
+    as it is, a leading byte order mark removed with a note on stderr. limit: the most bytes read
+    (None: all); name: the file in messages ("--prompt_file=p.txt"). Raises FileNotFoundError, or
+    ValueError for a directory, a file over `limit` bytes, or bytes not UTF-8 (their offset)."""
     if path == "-":
         raw = sys.stdin.buffer.read(-1 if limit is None else limit + 1)
     elif not os.path.exists(path):
@@ -55,8 +47,7 @@ def read_utf8(path: str, name: str, limit: int | None = None) -> str:
 
 
 def _read_text(path: str) -> str:
-    """The data file's text (read_utf8). Raises FileNotFoundError, or ValueError if it is empty or
-    not UTF-8."""
+    """read_utf8 of a data file. Raises ValueError also for an empty one."""
     text = read_utf8(path, f"data file {path}")
     if not text.strip():
         raise ValueError(f"{path}: the file is empty; {FORMAT_HELP}")
@@ -64,8 +55,8 @@ def _read_text(path: str) -> str:
 
 
 def _check_record(obj, where: str, path: str) -> dict:
-    """{"query", "response"} of one JSON record; raises ValueError naming the record (`where`)
-    when it is not an object of two non-empty strings."""
+    """{"query", "response"} of one JSON record. Raises ValueError naming it (`where`) when it is
+    not an object with two non-empty strings."""
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: {where} is a {type(obj).__name__}, not an object; {FORMAT_HELP}")
     for key in ("query", "response"):
@@ -81,8 +72,8 @@ def _check_record(obj, where: str, path: str) -> dict:
 
 
 def _parse_json(text: str, path: str) -> list[dict]:
-    """The records of a .json file's text. Raises ValueError naming the line and column of bad
-    JSON, or the record that is wrong."""
+    """The records of a .json file's text. Raises ValueError naming where the JSON or a record is
+    wrong."""
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
@@ -113,13 +104,10 @@ def _parse_jsonl(text: str, path: str) -> list[dict]:
 
 
 def _parse_text(text: str, path: str, window_bytes: int) -> list[dict]:
-    """
-    The records of plain text: consecutive windows of at most window_bytes UTF-8 bytes, cut
-    between characters, the first quarter of each window's characters (at least one) the query and
-    the rest the response. Every token is at least one byte, so no window exceeds window_bytes
-    tokens whatever the script. A last window of one character takes the last character of the
-    window before it. Raises ValueError when the text is one character or a window cannot hold two.
-    """
+    """The records of plain text: consecutive windows of at most window_bytes UTF-8 bytes (so at
+    most as many tokens), cut between characters, each window's first quarter of characters (at
+    least one) the query. Raises ValueError when the text is one character or a window cannot hold
+    two."""
     if len(text) == 1:
         raise ValueError(f"{path}: holds a single character; a sample needs a query and a response")
     too_small = ValueError(f"{path}: windows of {window_bytes} bytes cannot hold two characters "
@@ -153,13 +141,9 @@ def _parse_text(text: str, path: str, window_bytes: int) -> list[dict]:
 
 
 def load_records(path: str, window_bytes: int = TEXT_WINDOW_BYTES) -> list[dict]:
-    """
-    A user's records from the data file at `path`, as {"query", "response", "module": file name,
-    "name": index}: .json, .jsonl, or any other file as plain text in windows of at most
-    window_bytes UTF-8 bytes (the module's docstring). Raises FileNotFoundError for a missing file
-    and ValueError (naming the record, line, column or byte offset) for an empty file, bad UTF-8,
-    bad JSON, or a malformed record.
-    """
+    """The records of the data file at `path` (the module's docstring; plain text in windows of
+    window_bytes). Raises FileNotFoundError for a missing file, ValueError (naming the record, line,
+    column or byte offset) for an empty file, bad UTF-8, bad JSON or a malformed record."""
     text = _read_text(path)
     ext = os.path.splitext(path)[1].lower()
     if ext == ".json":

@@ -1,21 +1,15 @@
 """
-What a decode would make a GPU wait for, counted on any device (the CPU too), so that a regression
-fails a test without a GPU (tests/test_device_reads.py; tools.gpu_report prints the counts).
+What a decode would make a GPU wait for, counted on any device, the CPU too (SPEC 4.4).
 
     with DecodeCounter() as seen:       # around one decode or many
         for prompt in prompts:
             seen.new_decode()
             decode(model, prompt)
-    seen.reads          the reads from the device: a Counter of the operations that made them
+    seen.reads          the reads from the device (int(t), t.item(), nonzero, boolean indexing,
+                        tolist): a Counter of the operations that made them
     seen.made           tensors made from Python data after a decode's first pass (its prefill)
     seen.shapes         the distinct attention calls: (query, key and mask shapes, key strides)
     seen.passes         forward passes seen
-
-A GPU runs the passes a decode queues while the host goes on, unless the host reads a value from
-the device (the decoder then waits for every pass queued before it: `_local_scalar_dense`, as
-`int(t)`, `bool(t)` and `t.item()` make it; `nonzero` and boolean indexing, whose result's size
-is on the device; `tolist`). A tensor made from Python data is a copy from the host, a launch of
-its own. And every new attention shape costs a plan in cuDNN's attention (kvcache.py).
 """
 
 import collections
@@ -33,7 +27,7 @@ READS = {aten._local_scalar_dense.default: "a value", aten.item.default: "a valu
 
 class DecodeCounter(TorchDispatchMode):
     """Counts reads from the device, tensors made from Python data and attention shapes (module
-    doc). A pass is counted where it starts, at its token embedding (aten.embedding)."""
+    docstring); a pass where it starts, at its token embedding."""
 
     def __init__(self):
         super().__init__()

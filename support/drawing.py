@@ -1,17 +1,13 @@
 """
-Pictures of what the code computes, drawn from its own output, never by hand (needs matplotlib):
+Pictures of what the code computes, drawn from its own output (needs matplotlib):
 
-    plot_decode   one decode: which step committed each response position, and each step's forward
-                  passes (python sampler.py --plot=decode.png draws it)
+    plot_decode     one decode: the step that committed each response position (--plot=decode.png)
     animate_decode  the same decode as an animated GIF, a frame per step (--plot=decode.gif)
-    plot_layout   ReFusion's training buffer (SPEC section 3): the prompt, the clean slots in a
-                  random order, the masked slots in their own order, each token at its true
-                  position, and the labels of each loss term (AR: the next token inside a clean
-                  slot; MDM: a masked token's own token)
+    plot_layout     ReFusion's training buffer and its labels (SPEC 3)
+    picture_path    the file a --plot flag names, checked before any work
 
 python -m tools.figures draws the pictures of docs/ with them.
 """
-
 
 import os
 import sys
@@ -30,8 +26,7 @@ TERMS = {"no label": "white", "AR loss: next token in the slot": "tab:green",
 
 
 def pyplot():
-    """matplotlib.pyplot, drawing to files only (Agg). Raises ValueError saying how to install
-    it."""
+    """matplotlib.pyplot, drawing to files only (Agg). Raises ValueError saying how to get it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -42,10 +37,9 @@ def pyplot():
 
 
 def picture_path(path, flag, extensions=(".png",)):
-    """The file a picture asked for as `flag`=path is written to: path itself when it ends in one of
-    extensions, path + extensions[0] when it has no extension. Checked before any work (Raises
-    ValueError for another extension or a directory of that name, FileNotFoundError when its
-    directory does not exist)."""
+    """The file `flag`=path writes: path when it ends in one of extensions, path + extensions[0]
+    without one. Raises ValueError for another extension, a directory or a folder that cannot be
+    written, FileNotFoundError when its folder does not exist."""
     if os.path.isdir(path):
         raise ValueError(f"{flag}={path} is a directory; name a file, e.g. {flag}="
                          f"{os.path.join(path, 'decode' + extensions[0])}")
@@ -77,8 +71,8 @@ def save_png(fig, path):
 
 
 def cell_text(enc, token, eos_ids, mask_id=None):
-    """One token as a picture draws it in its cell (str): EOS as ■, a mask as ░, a newline as ↵ and
-    a space as ␣, anything else decoded (at most 3 characters)."""
+    """A token as a cell shows it: EOS ■, the mask ░, newline ↵, space ␣, else at most 3 characters
+    of its text."""
     if token in eos_ids:
         return "■"
     if token == mask_id:
@@ -87,17 +81,11 @@ def cell_text(enc, token, eos_ids, mask_id=None):
 
 
 def plot_decode(out, prompt_len, path, title="", texts=None, canvas=0):
-    """--plot: draw one decode and save it to path (PNG); returns the matplotlib Figure.
-
-    out: the Generation; prompt_len: its prompt's length in tokens. x: response position (true
-    position - prompt_len), y: decoding step, from the top. Row s shows every token committed by
-    step s, coloured by the step that committed it: step s's own tokens in full colour, earlier
-    ones faded. The right margin gives each step's forward passes (out.step_nfe); a dashed line
-    marks where the returned response ends (cut after EOS, or at max_new_tokens). texts: optional
-    dict position -> str, drawn in the cell of the step that commits it. canvas: the response
-    positions drawn (the settings' gen_length, so that positions never decoded show empty); at least
-    every committed one. Raises ValueError without matplotlib.
-    """
+    """Draw the Generation `out` as a PNG at path and return the Figure: response position against
+    decoding step, each position coloured by the step that committed it, each step's forward passes
+    in the margin, a dashed line where the returned response ends. texts: {position: str} drawn in
+    the committing cell; canvas: the fewest response positions drawn (gen_length). Raises
+    ValueError without matplotlib."""
     plt = pyplot()
     import numpy as np
     from matplotlib.ticker import MaxNLocator
@@ -134,9 +122,8 @@ def plot_decode(out, prompt_len, path, title="", texts=None, canvas=0):
 
 
 def committing_steps(out, prompt_len, canvas=0):
-    """(width,) int64 numpy array: the step (1-based) that committed each response position of the
-    Generation out, 0 for a position never committed; width is canvas or the last committed
-    position + 1, whichever is larger."""
+    """(width,) int64 numpy array: the step (from 1) that committed each response position of out,
+    0 for none; width: canvas or the last committed position + 1, whichever is larger."""
     import numpy as np
     width = max(canvas, max(p for step in out.trace for p, _ in step) - prompt_len + 1)
     step_of = np.zeros(width, dtype=np.int64)
@@ -147,22 +134,15 @@ def committing_steps(out, prompt_len, canvas=0):
 
 
 MAX_FRAMES = 64  # a longer decode's GIF shows several steps a frame (animate_decode)
+FRAME_MS = 600   # how long a GIF shows a frame, the last three times as long
 
 
-def animate_decode(out, prompt_len, path, title="", texts=None, canvas=0, per_row=32,
-                   frame_ms=600):
-    """--plot=*.gif: one decode as an animated GIF at path, one frame per decoding step (so
-    len(out.trace) frames, at most MAX_FRAMES: a longer decode shows several steps a frame, spread
-    evenly, the last frame its end, with a note on stderr), each shown frame_ms milliseconds (the
-    last three times as long). A frame draws every position once, so a GIF costs its frames times
-    the positions, never the steps squared.
-
-    Frame k draws the response positions in rows of per_row: those committed by its last step
-    coloured by their committing step (viridis, as plot_decode), those committed since the frame
-    before outlined in red, the rest grey with ░; its title counts the forward passes so far
-    (out.step_nfe) and the tokens committed. texts, canvas: as plot_decode. Written atomically
-    with Pillow (matplotlib's dependency). Returns (the frames as RGB PIL images, each frame's
-    caption). Raises ValueError without matplotlib."""
+def animate_decode(out, prompt_len, path, title="", texts=None, canvas=0, per_row=32):
+    """Draw the Generation `out` as an animated GIF at path, a frame per decoding step (at most
+    MAX_FRAMES, a note on stderr when steps are merged): the response positions in rows of per_row,
+    coloured as plot_decode once committed, those new in the frame outlined in red. texts, canvas:
+    as plot_decode. Returns (the frames as RGB PIL images, their captions). Raises ValueError
+    without matplotlib."""
     plt = pyplot()
     import numpy as np
     from matplotlib.patches import Rectangle
@@ -208,16 +188,15 @@ def animate_decode(out, prompt_len, path, title="", texts=None, canvas=0, per_ro
         fig.canvas.draw()
         frames.append(Image.fromarray(np.asarray(fig.canvas.buffer_rgba())).convert("RGB"))
     plt.close(fig)
-    durations = [frame_ms] * (len(frames) - 1) + [3 * frame_ms]
+    durations = [FRAME_MS] * (len(frames) - 1) + [3 * FRAME_MS]
     write_atomic(path, lambda f: frames[0].save(f, format="GIF", save_all=True, loop=0,
                                                 append_images=frames[1:], duration=durations))
     return frames, captions
 
 
 def layout_codes(batch, prompt_len, length, mask_id):
-    """What layout.png colours, per buffer place of a Batch (data.py), as (B, T) int64 tensors:
-    part (0 prompt, 1 clean slot, 2 masked slot, 3 padding, from the position ids and tokens) and
-    term (0 no label, 1 AR label, 2 MDM label, from the labels and mdm_weight)."""
+    """(part, term), each (B, T) int64, of every buffer place of a Batch: part 0 prompt, 1 clean
+    slot, 2 masked slot, 3 padding; term 0 no label, 1 AR label, 2 MDM label."""
     pos = batch.position_ids
     part = torch.where(pos < prompt_len[:, None], 0,
                        torch.where(pos >= length[:, None], 3,
@@ -227,15 +206,10 @@ def layout_codes(batch, prompt_len, length, mask_id):
 
 
 def plot_layout(batch, prompt_len, length, slot_size, mask_id, path, texts=None, title=""):
-    """Draw row 0 of a reorganized Batch (reorganize_slots or layout_slots) and save it to path
-    (PNG); returns the matplotlib Figure.
-
-    prompt_len, length: (B,) int64 as given to reorganize_slots; slot_size: that row's S. Top: true
-    position (position_ids) against buffer place, coloured by part, each slot named; below, one
-    strip of the input tokens coloured by part and one of the labels coloured by loss term
-    (layout_codes). texts: optional (input texts, label texts), one str per buffer place.
-    Raises ValueError without matplotlib.
-    """
+    """Draw row 0 of a reorganized Batch as a PNG at path and return the Figure: true position
+    against buffer place, then the inputs by part and the labels by loss term (layout_codes).
+    prompt_len, length: (B,) int64, as reorganize_slots takes them; slot_size: row 0's. texts:
+    (input texts, label texts), a str per buffer place. Raises ValueError without matplotlib."""
     plt = pyplot()
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch

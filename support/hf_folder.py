@@ -1,13 +1,10 @@
 """
-Hugging Face model folders (config.json and safetensors weights) read into this project's
-Transformer.
+Hugging Face model folders (config.json and safetensors weights) read into our Transformer.
 
     from_pretrained(folder)        a Qwen3 or Llama-family folder (Llama, SmolLM2) -> Transformer
-    hf_model_config(folder)        its config.json -> ModelConfig,
-                                   refusing what the model does not implement
+    hf_model_config(folder)        its config.json -> ModelConfig, refusing what model.py lacks
 
-Its tokenizer is support/hf_tokenizer.py, its chat template support/chat.py; support/gguf_file.py
-writes such a folder from a GGUF file.
+Its tokenizer is support/hf_tokenizer.py's, its chat template support/chat.py's.
 """
 
 import math
@@ -22,8 +19,7 @@ from support.files import abridged, expect, is_int, read_json
 
 
 def need(folder, name):
-    """The path of `name` in a Hugging Face model folder.
-    Raises FileNotFoundError when it is not there."""
+    """The path of `name` in a model folder. Raises FileNotFoundError when it is not there."""
     path = os.path.join(folder, name)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: a Hugging Face model folder holds config.json, "
@@ -33,10 +29,9 @@ def need(folder, name):
 
 
 def weight_file_in(folder, name, index):
-    """name, a weights file that the index file `index` of the model folder `folder` lists, checked
-    to be a file of that folder: not an absolute path, no "..", no symlink leading out of it (the
-    links of a Hugging Face cache snapshot into its own blobs/ directory are the folder's own).
-    Returns name. Raises ValueError naming the index and the entry, so nothing outside is read."""
+    """name, a weights file the index `index` lists, once checked to be a file of `folder` (not
+    absolute, no "..", no symlink out of it but a cache snapshot's into its blobs/). Raises
+    ValueError naming the index and the entry."""
     root = os.path.realpath(folder)
     roots = [root]
     # ~/.cache/huggingface/hub/models--*/snapshots/REV
@@ -56,12 +51,9 @@ def weight_file_in(folder, name, index):
 # -----------------------------------------------------------------------------
 # model folders: config.json and safetensors -> Transformer
 
-# What differs between the families from_pretrained loads: the query/key norms, the value
-# transformers' config class (Qwen3Config, LlamaConfig; transformers 5) gives each field config.json
-# leaves out, and the fields it derives when null (num_key_value_heads from num_attention_heads,
-# head_dim from hidden_size / num_attention_heads); tests/test_hf_folder.py checks them against
-# the classes. Anything else in config.json that the Transformer does not implement is refused by
-# name (see hf_model_config).
+# What differs between the families: the query/key norms, the defaults of transformers' config
+# class (Qwen3Config, LlamaConfig) for fields config.json leaves out, and the fields it derives when
+# null (tests/test_hf_folder.py checks them against the classes).
 FAMILIES = {
     "qwen3": dict(qk_norm=True, derived=("num_key_value_heads",), layer_types=True, defaults=dict(
         vocab_size=151936, max_position_embeddings=32768, num_hidden_layers=32,
@@ -78,8 +70,7 @@ DEFAULT_ROPE_THETA = 10000.0  # both classes' default_theta
 # the activations transformers' ACT2FN maps to SiLU
 SILU = ("silu", "swish")
 
-# config.json's fields the model is built from: the sizes, each a positive whole number (WHOLE), and
-# the others with what each must be (FIELD_KINDS)
+# what config.json's fields must be: the sizes WHOLE, the others FIELD_KINDS
 WHOLE = ("a positive whole number", lambda v: is_int(v, 1))
 POSITIVE = ("a positive finite number", lambda v: isinstance(v, (int, float))
             and not isinstance(v, bool) and 0 < v < math.inf)
@@ -90,11 +81,10 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def sliding_layers(hf, family, path):
-    """The layers a config.json's model attends with through a sliding window, as transformers
-    reads it: a Qwen3's layer_types names them ("sliding_attention"), and without layer_types they
-    are those from max_window_layers (default 28) on when use_sliding_window is true
-    (Qwen3Config.__post_init__); a Llama has none but takes use_sliding_window true as all of them.
-    Raises ValueError naming the file for a layer_types that is not one known name per layer."""
+    """The layers that config.json `hf` attends with through a sliding window, as transformers reads
+    it: Qwen3's layer_types, else max_window_layers (default 28) on with use_sliding_window; every
+    layer of a Llama with use_sliding_window. Raises ValueError naming the file for a bad
+    layer_types or max_window_layers."""
     layers = hf.get("num_hidden_layers", 32)
     if not is_int(layers):
         return []                                    # refused with the other sizes
@@ -112,17 +102,11 @@ def sliding_layers(hf, family, path):
 
 
 def hf_model_config(folder):
-    """The ModelConfig of a folder's config.json (a Qwen3 or Llama-family model,
-    SPEC section 5's start).
-
-    Qwen3 normalizes each head's queries and keys (qk_norm), Llama does not; both may tie lm_head to
-    the embedding (tie_word_embeddings). Raises FileNotFoundError without config.json; ValueError
-    naming the file and each field this model does not implement (model_type, rope scaling,
-    attention or MLP bias, sliding window, activation, quantization_config), a field of the wrong
-    type (FIELD_KINDS), or a file that is not JSON (read_json). Every field is read as
-    transformers' config class reads it: one left out takes its default (FAMILIES), RoPE's base
-    comes from rope_scaling or rope_parameters before a top-level rope_theta, "swish" is SiLU.
-    """
+    """The ModelConfig of a folder's config.json (a Qwen3 or Llama-family model; SPEC 5), each
+    field read as transformers' config class reads it (defaults: FAMILIES). Raises
+    FileNotFoundError without config.json; ValueError naming the file and each field this model
+    does not implement (model_type, rope scaling, attention or MLP bias, sliding window, activation,
+    quantization), a field of the wrong type (FIELD_KINDS), or a file that is not JSON."""
     path = need(folder, "config.json")
     hf = read_json(path)
     if "quantization_config" in hf:
@@ -179,9 +163,8 @@ def hf_model_config(folder):
 
 
 def open_safetensors(path):
-    """safe_open(path) for torch, the header read and checked against the file's size. Raises
-    ValueError naming the file when it is not a whole safetensors file (truncated, an unfinished
-    download or a Git LFS pointer, another format)."""
+    """safe_open(path) for torch. Raises ValueError naming the file when it is not a whole
+    safetensors file (truncated, a Git LFS pointer, another format)."""
     try:
         return safe_open(path, framework="pt")
     except (SafetensorError, OSError) as e:
@@ -190,30 +173,18 @@ def open_safetensors(path):
 
 
 def from_pretrained(folder, dtype=torch.float32):
-    """A Qwen3 or Llama-family checkpoint in Hugging Face's layout (Qwen3's, ReFusion's or SmolLM2's
-    release, or convert_gguf's output), on the CPU.
-
-    folder: config.json and model.safetensors, or the shards model.safetensors.index.json lists, as
-            transformers' save_pretrained writes them. Tensor names are ours prefixed "model."
-            (model.layers.0.self_attn.q_proj.weight: (n_head * head_dim, n_embd)), but
-            lm_head.weight, absent when tie_word_embeddings.
-    dtype:  of the parameters (the releases store bfloat16; float32 takes twice the memory).
-    Every name and shape is checked in the files' headers first; then the model, built on the meta
-    device (no memory, no random init), takes each shard's tensors as its parameters, so the weights
-    are held once. Returns the causal Transformer in eval mode
-    (block_size = max_position_embeddings); its forward gives (B, T, vocab_size) float32 logits.
-    Raises FileNotFoundError for a missing folder, config.json or weights file; ValueError naming
-    the file for what hf_model_config refuses, an index that is not JSON or has no weight_map
-    (read_json) or names a file outside the folder (weight_file_in), a weights file that is not
-    whole (open_safetensors), weights that are not floats (integer or 8-bit: quantized), NaN or
-    infinite weights (support.checkpoint.check_finite), or tensors whose names or shapes do not
-    match config.json.
-    """
+    """The causal Transformer (block_size: max_position_embeddings), in eval mode on the CPU with
+    `dtype` parameters, of a Qwen3 or Llama-family folder as save_pretrained writes it (Qwen3's,
+    ReFusion's or SmolLM2's release, convert_gguf's output): config.json and model.safetensors or
+    the shards its index lists, tensor names ours prefixed "model." but lm_head.weight. Names and
+    shapes are checked in the headers first; the weights are then held once. Raises
+    FileNotFoundError for a missing file; ValueError naming the file for what hf_model_config
+    refuses, a bad index, a file outside the folder, a weights file that is not whole, weights that
+    are not floats (quantized), NaN or infinite ones, or names or shapes not config.json's."""
     config = hf_model_config(folder)
     with torch.device("meta"):
         model = Transformer(config)
-    # Hugging Face name -> shape; named_parameters lists a tied lm_head.weight once, as
-    # embed_tokens.weight
+    # Hugging Face name -> shape (a tied lm_head.weight listed once, as embed_tokens.weight)
     expected = {("" if name == "lm_head.weight" else "model.") + name: list(p.shape)
                 for name, p in model.named_parameters()}
 
@@ -246,8 +217,8 @@ def from_pretrained(folder, dtype=torch.float32):
     if config.tie_embeddings:
         # a stored copy of the tied matrix is ignored, as transformers does
         found.pop("lm_head.weight", None)
-    # older conversions store RoPE's inverse frequencies, which follow from rope_theta: transformers
-    # ignores them (PreTrainedModel._adjust_missing_and_unexpected_keys), and so does this
+    # RoPE's inverse frequencies, which some conversions store, follow from rope_theta: transformers
+    # ignores them, and so does this
     found = {name: shape for name, shape in found.items()
              if not name.endswith("rotary_emb.inv_freq")}
     missing, unexpected = sorted(expected.keys() - found.keys()), \

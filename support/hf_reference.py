@@ -1,7 +1,6 @@
 """
-The reference a user would otherwise pick: Hugging Face transformers' model with our Transformer's
-weights, decoding greedily with its own KV cache (support/benchmark.py measures it beside ours;
-support/hf_folder.py reads a folder into our Transformer).
+The reference a user would otherwise pick: transformers' model with our Transformer's weights,
+decoding greedily with its own KV cache (support/benchmark.py measures it beside ours).
 
     hf_model(model)     Qwen3ForCausalLM or LlamaForCausalLM holding the same weights
     hf_decode(hf, ...)  one prompt through its generate, greedy
@@ -12,11 +11,10 @@ import time
 import torch
 
 
-def hf_model(model, dtype=None):
-    """Hugging Face transformers' model with the same weights as our Transformer `model` (module
-    names map one to one): Qwen3ForCausalLM where it normalizes queries and keys, else
-    LlamaForCausalLM (SmolLM2), in dtype (default: the model's), in eval mode on its device.
-    Returns None where transformers is not installed."""
+def hf_model(model):
+    """transformers' model with the weights of our Transformer `model`: Qwen3ForCausalLM with
+    qk_norm, else LlamaForCausalLM, in eval mode on its device and dtype. Returns None where
+    transformers is not installed."""
     try:
         import transformers
     except ImportError:
@@ -37,13 +35,13 @@ def hf_model(model, dtype=None):
     hf.load_state_dict({("" if k == "lm_head.weight" else "model.") + k: v
                         for k, v in model.state_dict().items()})
     weights = next(model.parameters())
-    return hf.to(weights.device, dtype or weights.dtype).eval()
+    return hf.to(weights.device, weights.dtype).eval()
 
 
 def hf_decode(hf, prompt, ids, max_new_tokens):
-    """Greedy `generate` of one prompt (ids: a list) with its KV cache, the mask and pad ids
-    suppressed as ours are (ids: {"eos_ids", "mask_id", "pad_id"}); a batch of one stops at its
-    first EOS. Returns (the generated ids, EOS included, wall-clock seconds)."""
+    """Greedy `generate` of prompt (a list of ids) by hf, stopping at the first EOS, the mask and
+    pad ids suppressed (ids: {"eos_ids", "mask_id", "pad_id"}). Returns (the generated ids, EOS
+    included, wall-clock seconds)."""
     device = next(hf.parameters()).device
     x = torch.tensor([prompt], device=device)
     suppress = [i for i in (ids["mask_id"], ids["pad_id"])

@@ -1,11 +1,10 @@
 """
-A Hugging Face folder's tokenizer: its tokenizer.json read by the `tokenizers` library (which
-normalizes, splits, merges and decodes as the file says), its chat template, and its special ids.
+A Hugging Face folder's tokenizer: its tokenizer.json read by the `tokenizers` library, its chat
+template, and its special ids.
 
     hf_tokenizer(folder)           tokenizer.json -> HFTokenizer, called as a tiktoken Encoding
     hf_special_ids(folder)         its EOS, mask and pad ids
     undecodable_ids(enc, rows)     a model's embedding rows its tokenizer has no token for
-                                   (never generated)
 """
 
 import os
@@ -17,16 +16,11 @@ from support.files import DAMAGED, abridged, expect, is_int, read_json
 
 
 class HFTokenizer:
-    """A tokenizer.json as the `tokenizers` library reads it, with the calls of a tiktoken Encoding
-    that support/tokenizer.py and support/chat.py make. A special token's string in a text stays
-    text (the library's encode_special_tokens); an added token that is not special (Qwen3's
-    <think>) is found in text, as transformers finds it; decode writes every token.
-
-    tokenizer: the library's Tokenizer; name: "hf:FOLDER"; token_ids: every id it has a token
-    for; n_vocab: the highest plus one; special_tokens: the added tokens marked special -> their
-    ids; chat_template: the folder's Jinja template or None; template_tokens: the bos_token and
-    eos_token strings tokenizer_config.json gives a template.
-    """
+    """The library's Tokenizer with the calls of a tiktoken Encoding that support/tokenizer.py and
+    support/chat.py make: a special token's string in a text stays text, an added token that is not
+    special (Qwen3's <think>) is found, decode writes every token. name: "hf:FOLDER"; token_ids:
+    every id with a token; special_tokens: {token: id}; chat_template: a Jinja template or None;
+    template_tokens: the bos_token and eos_token strings a template is given."""
 
     def __init__(self, tokenizer, name, chat_template, template_tokens):
         # transformers encodes whole texts, whatever truncation or padding the file sets
@@ -53,8 +47,8 @@ class HFTokenizer:
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids: list[int], errors="replace") -> str:
-        """Text of ids, special tokens included. errors: tiktoken's argument; the library always
-        writes broken UTF-8 as U+FFFD."""
+        """Text of ids, special tokens included, broken UTF-8 as U+FFFD (errors: tiktoken's
+        argument, unused)."""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def encode_single_token(self, token: str) -> int:
@@ -64,10 +58,9 @@ class HFTokenizer:
 
 @cache
 def hf_tokenizer(folder: str) -> HFTokenizer:
-    """The tokenizer of a Hugging Face folder: its tokenizer.json, and the chat template of its
-    tokenizer_config.json (or chat_template.jinja).
-    Raises FileNotFoundError without tokenizer.json; ValueError naming the file that the library
-    cannot read (damaged, or not a tokenizer.json), or a chat template that is not one text."""
+    """The HFTokenizer of a folder's tokenizer.json, with the chat template of its
+    tokenizer_config.json or chat_template.jinja. Raises FileNotFoundError without tokenizer.json;
+    ValueError naming a file the library cannot read, or a chat template that is not one text."""
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no tokenizer.json in {folder!r}: hf:FOLDER must name a "
@@ -103,21 +96,12 @@ EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")     # the end of a chat turn, then 
 
 
 def hf_special_ids(folder: str) -> tuple[tuple[int, ...], int | None, int]:
-    """
-    (eos_ids, mask_id, pad_id) of a Hugging Face folder, from its files as transformers reads them.
-
-    eos_ids: the ids generation stops at, as transformers' generate takes them: generation_config
-             .json's eos_token_id (an id or a list; where it names an end-of-turn token only there,
-             vllm#4180), else config.json's; a folder naming none stops at <|im_end|> (the end of a
-             chat turn) and <|endoftext|>, those its tokenizer has as special tokens, in that order.
-    mask_id: <|mask|> (151670 in ReFusion's release), else config.json's mask_token_id; None for a
-             plain Qwen3 or Llama, which has no mask token and so cannot be decoded with ReFusion.
-    pad_id:  config.json's pad_token_id (a negative one, as transformers takes it, means none),
-             else the last EOS id: <|endoftext|>, Qwen's padding token.
-    Raises what hf_tokenizer raises, and ValueError when no EOS id is found, or naming the file
-    when one of its ids is not a whole number, or when they or the tokenizer's ids do not fit the
-    model's embedding rows, its vocab_size (undecodable_ids).
-    """
+    """(eos_ids, mask_id, pad_id) of a folder, as transformers reads its files. eos_ids (a tuple):
+    generation_config.json's eos_token_id, else config.json's, else EOS_TOKENS that are special
+    tokens; mask_id: MASK_TOKEN, else config.json's mask_token_id, else None (a plain Qwen3 or
+    Llama); pad_id: config.json's pad_token_id (a negative one: none), else the last EOS id.
+    Raises what hf_tokenizer raises; ValueError when no EOS id is found, or naming the file for an
+    id that is not a whole number or ids beyond its vocab_size (undecodable_ids)."""
     enc = hf_tokenizer(folder)
     added = enc.special_tokens
     config_path = os.path.join(folder, "config.json")
@@ -154,17 +138,10 @@ def hf_special_ids(folder: str) -> tuple[tuple[int, ...], int | None, int]:
 
 
 def undecodable_ids(enc, rows, model, special_ids=()):
-    """The ids below `rows` that the tokenizer `enc` (an HFTokenizer, or a tiktoken Encoding, whose
-    ids run from 0 to n_vocab - 1) has no token for, a tuple: a model's embedding rows past its
-    tokenizer's ids (Qwen3's and ReFusion's 151,936 rows hold 151,671 ids, the rest pad the matrix
-    to a multiple of 128) and any gap between ids. A model may still give them probability; the
-    decoders are told to ban them (sampler.make_decoder), as they ban the mask id, since decode()
-    has no text for them.
-    rows: the model's embedding rows (vocab_size); model: names it in messages; special_ids: the ids
-    the model is used with (EOS, mask, pad; None for none), checked with the tokenizer's own.
-    Raises ValueError naming enc and the model when any of these ids is at or beyond rows: the model
-    has no embedding row for it (IndexError when it is fed), so the tokenizer is not this model's.
-    """
+    """The ids below `rows` (a model's vocab_size) that `enc` (an HFTokenizer or tiktoken
+    Encoding) has no token for, a tuple: the decoders ban them (sampler.make_decoder). model: names
+    the model in messages; special_ids: the ids it is used with (None for none). Raises ValueError
+    when one of these or enc's ids is at or beyond rows: the tokenizer is not this model's."""
     known = enc.token_ids if isinstance(enc, HFTokenizer) else set(range(enc.n_vocab))
     beyond = sorted({i for i in known | set(special_ids) if i is not None and i >= rows})
     if beyond:

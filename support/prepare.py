@@ -1,14 +1,13 @@
 """
 Tokenize a corpus once into files that training reads back as memmaps (as nanoGPT's prepare.py):
 
-    records {"query", "response"}  ->  prepare()  ->  data/<name>-<tokenizer>-<block_size>/
-        train.bin, val.bin                 all samples' tokens, uint16 (uint32 past 65,536 ids),
-                                           back to back
-        train_samples.npy, val_samples.npy (N, 3) int64: [start in .bin, prompt_len, total_len]
-        meta.json                          tokenizer, special ids, counts, data_sha1; written last
+    prepare(dataset, tokenizer, block_size) -> data/<name>-<tokenizer>-<block_size>/ holding
+        train.bin, val.bin                   every sample's tokens back to back, uint16 or uint32
+        train_samples.npy, val_samples.npy   (N, 3) int64: [start in .bin, prompt_len, total_len]
+        meta.json                            tokenizer, special ids, counts, data_sha1; written last
+    TokenDataset(data_dir, split)            a split read back, in batches
 
-A sample is the query's tokens (the prompt, never predicted) followed by the response's tokens
-and one EOS. TokenDataset (below) reads a split back.
+A sample is the query's tokens (the prompt), the response's tokens and one EOS.
 """
 
 import hashlib
@@ -27,19 +26,13 @@ from support.files import write_atomic
 from support.tokenizer import encode, encode_prompt, get_tokenizer, special_ids, vocab_size
 
 VAL_PERCENT = 5  # share of records that go to the validation split
-# version of the prepared data, in meta.json (2: data_sha1; 3: prompts begin with what a folder's
-# post-processor adds, support.tokenizer.encode_prompt)
-FORMAT = 3
+FORMAT = 3  # the prepared data's layout, in meta.json: another one is prepared anew
 
 
 def split_of(record: dict, by_content: bool = False) -> str:
-    """
-    "train" or "val" for a record, from a stable hash (VAL_PERCENT% val) of f"{module}:{name}" (the
-    built-in corpora), or with by_content of its query and response (a user's file, whose records
-    are named by their index: identical records then share a split, so a repeated record cannot put
-    a validation sample into training). The same record lands in the same split on every machine and
-    every run.
-    """
+    """"train" or "val" for a record, the same on every machine: a hash (VAL_PERCENT% val) of
+    f"{module}:{name}", or with by_content of its query and response (a user's file: identical
+    records share a split)."""
     key = json.dumps(_content(record)) if by_content else f"{record['module']}:{record['name']}"
     digest = hashlib.sha1(key.encode()).digest()
     # 8 bytes, not 1: a single byte % 100 would favour 0..55 and give ~5.9% val
@@ -51,17 +44,16 @@ def _content(record: dict) -> tuple[str, str]:
     return record["query"], record["response"]
 
 
-
 def token_dtype(enc) -> str:
-    """How token ids are stored: uint16 while the vocabulary (mask id included) fits, else
-    uint32."""
+    """"uint16" while the vocabulary (mask id included) fits, else "uint32"."""
     return "uint16" if vocab_size(enc) <= 2**16 else "uint32"
 
 
 def _tokenize(records: list[dict], enc, block_size: int,
               too_long: str) -> tuple[np.ndarray, np.ndarray, int]:
-    """(tokens (n,) uint16 or uint32, samples (N, 3) int64, number of records skipped as too long).
-    too_long: "skip" such records, or "fail" (ValueError naming the record and the limit)."""
+    """(tokens (n,) uint16 or uint32, samples (N, 3) int64, records skipped as too long). too_long:
+    "skip" or "fail" (ValueError naming the record). Raises ValueError for an empty query or
+    response."""
     eos_id = special_ids(enc)[0]
     dtype = token_dtype(enc)
     chunks, samples, skipped, start = [], [], 0, 0
@@ -107,26 +99,19 @@ def _is_prepared(data_dir: str, expected: dict) -> bool:
             and not any(damaged_file(data_dir, meta, split) for split in ("train", "val")))
 
 
-
 def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "data",
             too_long: str = "skip") -> str:
-    """
-    Tokenize `dataset` (a DATASETS name or a path for load_records) once and return the data dir,
-    data_root/<name>-<tokenizer>-<block_size>, where a file's name is its base name and the first 8
-    hex digits of its content's SHA-1 (e.g. data/qa-1f0c9e2a-bytes-384). A finished, matching
-    preparation is reused.
-
-    Samples longer than block_size tokens (EOS included) are skipped and counted (too_long="skip")
-    or refused with a ValueError naming the first one (too_long="fail").
-    Raises FileNotFoundError for an unknown dataset, ValueError if a split gets no samples, and
-    files.DiskFull (a ValueError) when the disk fills up (nothing half-written is left).
-    """
+    """Tokenize `dataset` (a DATASETS name or a data file's path) once; return its data dir,
+    data_root/<name>-<tokenizer>-<block_size> (a file's name: its base name and its SHA-1's first 8
+    hex digits, e.g. data/qa-1f0c9e2a-bytes-384). A finished, matching preparation is reused.
+    too_long: samples over block_size tokens (EOS included) are skipped ("skip") or refused
+    ("fail"). Raises FileNotFoundError for an unknown dataset, ValueError if a split gets no
+    samples, files.DiskFull (a ValueError) when the disk fills up (nothing half-written is left)."""
     if dataset not in DATASETS and not os.path.isfile(dataset):
         raise FileNotFoundError(f"no built-in dataset or file named {dataset!r}; "
                                 f"built-ins: {sorted(DATASETS)}, or give a path to a data file")
     sha1 = _source_sha1(dataset)
-    # a file's name carries its content's hash, so two files both called train.json never share a
-    # dir
+    # two files both called train.json never share a dir
     name = dataset if dataset in DATASETS \
         else f"{os.path.splitext(os.path.basename(dataset))[0]}-{sha1[:8]}"
     # a Hugging Face tokenizer (hf:FOLDER) is named by its folder's base name
@@ -140,7 +125,7 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
     # a file is known by its content (source_sha1), however its path is written
     if dataset in DATASETS:
         expected["dataset"] = dataset
-    else:  # a file prepared before its records were split by content is prepared again
+    else:  # a user's file: its records split by content (split_of)
         expected["split"] = "content"
     if _is_prepared(data_dir, expected):
         return data_dir
@@ -162,10 +147,9 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
     return data_dir
 
 
-
 def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> None:
-    """Tokenize the records into data_dir's train/val .bin and _samples.npy, then write meta.json
-    last, with data_sha1: the SHA-1 of both splits' tokens and sample tables, as written."""
+    """Write data_dir's .bin and _samples.npy files, then meta.json, with data_sha1: the SHA-1 of
+    both splits' tokens and sample tables."""
     meta_path = os.path.join(data_dir, "meta.json")
     if os.path.exists(meta_path):
         os.remove(meta_path)  # a stale meta must not vouch for half-rewritten files
@@ -214,7 +198,8 @@ def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> Non
 # reading prepared data back
 
 class TokenDataset:
-    """One split of a prepared data dir: samples of prompt + response + EOS tokens."""
+    """One split of a prepared data dir: samples of prompt + response + EOS tokens. Raises
+    FileNotFoundError for a missing file, ValueError for damaged data (damaged_file)."""
 
     def __init__(self, data_dir: str, split: str):
         names = ("meta.json", f"{split}.bin", f"{split}_samples.npy")
@@ -245,10 +230,8 @@ class TokenDataset:
         return ids[:prompt_len], ids[prompt_len:]
 
     def first_fitting(self, n: int, room: int, block_size: int):
-        """The first n samples (prompt_ids, response_ids), in split order, whose prompt leaves room
-        for `room` new tokens in a context of block_size: the validation prompts every command
-        decodes (the sampler's --num_samples, the benchmarks' num_prompts), so that the first 10
-        are the first 10 of any larger set. Fewer when fewer fit."""
+        """The first n (prompt_ids, response_ids), in split order, whose prompt leaves room for
+        `room` new tokens in block_size (fewer when fewer fit): the prompts commands decode."""
         fits = []
         for i in range(len(self)):
             if len(fits) == n:
@@ -259,15 +242,12 @@ class TokenDataset:
         return fits
 
     def get_batch(self, batch_size: int, rng: np.random.Generator, device="cpu"):
-        """get_batch_at for `batch_size` sample indices drawn uniformly (with replacement) by
-        rng."""
+        """get_batch_at of `batch_size` indices drawn uniformly, with replacement, by rng."""
         return self.get_batch_at(rng.integers(0, len(self), size=batch_size), device)
 
     def get_batch_at(self, indices, device="cpu"):
-        """
-        The samples at `indices`, right-padded with pad_id to the longest of them (T tokens):
-        tokens (B, T) int64, prompt_len (B,) int64, length (B,) int64 (tokens incl. EOS, no pad).
-        """
+        """The samples at `indices`, right-padded with pad_id to the longest (T): tokens (B, T),
+        prompt_len (B,), length (B,) (EOS included), int64 tensors on device."""
         rows = self.samples[np.asarray(indices, dtype=np.int64)]  # (B, 3)
         tokens = np.full((len(rows), int(rows[:, 2].max())), self.pad_id, dtype=np.int64)
         for b, (start, _, total_len) in enumerate(rows):
@@ -276,10 +256,9 @@ class TokenDataset:
         return tuple(torch.from_numpy(a).to(device) for a in (tokens, prompt_len, length))
 
 
-
 def damaged_file(data_dir: str, meta: dict, split: str) -> str | None:
-    """The path of the first of a split's files that is missing or does not hold as many tokens or
-    samples as meta.json counts (e.g. cut short by a full disk), or None when both are whole."""
+    """The path of the first of a split's files that is missing or holds other counts than
+    meta.json's (cut short by a full disk), or None when both are whole."""
     counts = meta.get("counts", {}).get(split, {})
     bin_path, samples_path = (os.path.join(data_dir, f"{split}{end}")
                               for end in (".bin", "_samples.npy"))

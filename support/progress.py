@@ -1,11 +1,10 @@
 """
 train.py's progress bar: tqdm's bar with the loss and the speed of the last interval (tokens/s,
-TFLOP/s, and MFU on CUDA), or, off a terminal, a line every log_interval steps. Time spent
-compiling or evaluating is never counted as training.
+TFLOP/s, MFU on CUDA), or off a terminal a line every log_interval steps. Compiling and evaluating
+are not counted as training.
 
     Rates      tokens/s and FLOP/s over the last interval, on any clock
-    Progress   what the training loop calls: iterate it for the steps; write, skip, step_begins,
-               step_ends
+    Progress   the training loop's steps: iterate it; write, skip, step_begins, step_ends
 """
 
 import sys
@@ -19,10 +18,8 @@ BAR_SECONDS = 1.0
 
 
 class Rates:
-    """Tokens/s and FLOP/s over the last interval of training: the steps counted since the last
-    take(), over the seconds they took on clock (a function returning seconds: time.perf_counter, or
-    a test's). What skip() leaves out is in neither: an evaluation and its checkpoint, a step that
-    compiled. Tokens and FLOPs are those of every process."""
+    """Tokens/s and FLOP/s of the steps counted since the last take(), over the seconds they took
+    on clock (a function returning seconds); time skip() leaves out is in neither."""
 
     def __init__(self, clock):
         self.clock = clock
@@ -39,7 +36,7 @@ class Rates:
         return seconds
 
     def count(self, tokens, flops):
-        """A step that ended now: its tokens and FLOPs, over the seconds since the mark."""
+        """Count a step that ended now: its tokens and FLOPs, over the seconds since the mark."""
         self.seconds += self._lap()
         self.tokens += tokens
         self.flops += flops
@@ -50,7 +47,7 @@ class Rates:
 
     def take(self):
         """(tokens/s, FLOP/s) of the interval, which then starts again; None when it counted no
-        time (its steps all compiled)."""
+        time."""
         rates = None
         if self.seconds > 0:
             rates = (self.tokens / self.seconds, self.flops / self.seconds)
@@ -61,18 +58,16 @@ class Rates:
 
 
 def compiled_frames(cfg):
-    """How many frames torch.compile has compiled in this process so far (0 without --compile): a
-    step during which the count grew spent time compiling (the first one, a new sequence length)."""
+    """The frames torch.compile has compiled in this process so far (0 without --compile)."""
     if not cfg["compile"]:
         return 0
     return torch._dynamo.utils.counters["frames"]["total"]
 
 
 class Progress:
-    """The steps of a run from iter_num to cfg["max_iters"], as train.py's loop iterates them,
-    with the bar (rank 0, on a terminal) or the lines (rank 0, off one) that show them. cfg: the
-    run's settings (max_iters, log_interval, compile, device, peak_tflops); world: the processes,
-    whose tokens and FLOPs each step's are multiplied by."""
+    """The steps from iter_num to cfg["max_iters"], shown by rank 0 on a bar (on a terminal) or in
+    lines. cfg: max_iters, log_interval, compile, device, peak_tflops; world: the processes, by
+    which a step's tokens and FLOPs are multiplied."""
 
     def __init__(self, cfg, iter_num, rank, world):
         self.cfg = cfg
@@ -106,8 +101,7 @@ class Progress:
 
     def step_ends(self, it, losses, tokens, flops):
         """Step `it` ended now: losses (loss, ar_loss, mdm_loss) floats; tokens and flops this
-        process's. A step that compiled is left out of the speed (the first one's time said
-        once); then the bar or the line shows it (show)."""
+        process's. A step that compiled is left out of the speed; then show."""
         if compiled_frames(self.cfg) > self.frames:
             seconds = self.rates.skip()
             if it == self.start:
@@ -117,10 +111,8 @@ class Progress:
         self.show(it, losses)
 
     def show(self, it, losses):
-        """Show a step's losses and the speed of the last interval (Rates) on the bar, once
-        BAR_SECONDS of training were counted; off a terminal, print a line every log_interval
-        steps instead (without the speed when none was counted: the steps since the last line all
-        compiled)."""
+        """Show a step's losses and the interval's speed on the bar once BAR_SECONDS were counted;
+        off a terminal, print a line every log_interval steps."""
         lines = not self.live and self.rank == 0
         loss, ar_loss, mdm_loss = losses
         if lines:

@@ -1,9 +1,8 @@
 """
-How the benchmarks report what support/benchmark.py measured: the README's and bench.md's
-tables, the picture of quality against speed, and the files of a run.
+How the benchmarks report what support/benchmark.py measured.
 
     markdown_table                       a markdown table, as every tool writes one
-    headline, highlights_table           the tables (the README's, bench.md's)
+    headline, highlights_table           the README's table, bench.md's
     best_mdm, fastest_close, most_accurate, first_quality
                                          which points a table picks
     throughput_table, compiled_table     batched and compiled decoding, as markdown
@@ -19,15 +18,15 @@ from support.files import write_atomic
 
 
 def best_mdm(rows):
-    """The MDM point that "vs MDM" compares with: the best quality of any MDM point (either model,
-    any schedule), and the fastest of the points that reach it; None where no row is an MDM's."""
+    """The MDM point "vs MDM" compares with: the most accurate MDM row, the fastest of those that
+    tie; None without one."""
     return max((r for r in rows if r["method"] == "mdm"),
                key=lambda r: (first_quality(r), r["tokens_per_s"]), default=None)
 
 
 def fastest_close(points, ar_quality):
-    """The fastest of the points whose quality is within 1 point of the ARM's, or None when none
-    is, or when the ARM got nothing right (a --quick run's models): then nothing is close to it."""
+    """The fastest of the points within 1 point of the ARM's quality; None when none is, or when
+    the ARM got nothing right."""
     if ar_quality <= 0:
         return None
     close = [r for r in points if first_quality(r) >= ar_quality - 0.01]
@@ -40,10 +39,9 @@ def most_accurate(points):
 
 
 def headline(rows):
-    """The README's table: per task the ARM, the MDM point "vs MDM" compares with, and for each
-    infill mode the best ReFusion point of either model (its fastest point within 1 point of the
-    ARM's quality, or, when none is, its most accurate point, the fastest of those that tie), as
-    markdown. rows: bench.json's points, the ARM's first in each task."""
+    """The README's table, as markdown: per task the ARM, best_mdm, and per infill mode the
+    ReFusion point fastest_close picks (else most_accurate). rows: bench.json's points, the ARM's
+    first in each task."""
     cells = []
     for task in dict.fromkeys(r["task"] for r in rows):
         task_rows = [r for r in rows if r["task"] == task]
@@ -76,8 +74,8 @@ def quality_text(row):
 
 
 def markdown_table(header, rows, right=()):
-    """A markdown table: header, the column names; rows, each a list of cells (any value, written
-    with str); right, the indices of the columns aligned right."""
+    """A markdown table of header (column names) and rows (lists of cells, written with str);
+    right: the indices of the columns aligned right."""
     rule = ["---:" if i in right else "---" for i in range(len(header))]
     lines = [header, rule] + [list(map(str, row)) for row in rows]
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
@@ -110,8 +108,7 @@ NAMES = {"ar": "ARM", "mdm": "MDM", "mdm-ft": "MDM-ft", "refusion": "ReFusion",
 
 
 def series(row):
-    """The plot's series of a point: its row's "series", or for the small benchmark's rows (which
-    have none) the model and, for ReFusion, the infill mode."""
+    """The plot's series of a point: its "series", else its model and, for ReFusion, infill mode."""
     if "series" in row:
         return row["series"]
     if row["method"] == "hf":
@@ -123,9 +120,9 @@ def series(row):
 
 
 def plot(rows, path):
-    """Per task, quality against tokens/s relative to the ARM (log scale): every ReFusion point, per
-    model and infill mode, with its frontier (the points no other point beats in both), the ARM, the
-    MDM points of both MDMs and the Hugging Face row. Needs matplotlib; returns False without it."""
+    """Draw rows as a PNG at path: per task, quality against tokens/s relative to the ARM (log
+    scale), a series per model and infill mode, each ReFusion one with its frontier. Returns False
+    without matplotlib, else True."""
     try:
         plt = pyplot()
     except ValueError:                                  # no matplotlib
@@ -177,8 +174,8 @@ def compiled_table(compiled, task):
 
 
 def throughput_table(rows, task, n_prompts):
-    """batch_throughput's rows as markdown, then a line per decoder after the first saying at which
-    batch size the first (the ARM) is as fast as it, if it is within the sizes measured."""
+    """batch_throughput's rows as markdown, then a line per other decoder: the batch size from which
+    the first one (the ARM) is as fast, if measured."""
     first = rows[0]["decoder"]
     header = ["decoder", "batch", "tokens/s", "vs batch 1", f"vs {first}",
               "latency per prompt (ms)", "identical to batch 1"]
@@ -197,8 +194,8 @@ def throughput_table(rows, task, n_prompts):
 
 
 def write_json_and_md(out_dir, name, report, markdown):
-    """out_dir/<name>.json (report, a dict; a value JSON has no type for written with str) and
-    out_dir/<name>.md (markdown, its text), each written atomically, out_dir made if need be."""
+    """Write out_dir/<name>.json (the dict report, a value JSON has no type for as str) and
+    out_dir/<name>.md (markdown), atomically, making out_dir if need be."""
     os.makedirs(out_dir, exist_ok=True)
     write_atomic(os.path.join(out_dir, f"{name}.json"),
                  lambda f: f.write(json.dumps(report, indent=2, default=str).encode()))
@@ -206,9 +203,8 @@ def write_json_and_md(out_dir, name, report, markdown):
 
 
 def write_report(out_dir, report, table):
-    """Write a run into out_dir (write_json_and_md): bench.json (report: a dict whose "rows" are the
-    points), bench.md (table: its markdown) and, with matplotlib, bench.png (plot); print the table
-    and what was written."""
+    """Write bench.json (report, its "rows" the points), bench.md (table) and, with matplotlib,
+    bench.png (plot) into out_dir; print the table and what was written."""
     write_json_and_md(out_dir, "bench", report, table)
     print("\n" + table)
     if plot(report["rows"], os.path.join(out_dir, "bench.png")):

@@ -3,8 +3,7 @@ Text <-> token ids: the built-in tokenizers (tiktoken) and a Hugging Face folder
 
     get_tokenizer(name)      "bytes" (offline, the default), "gpt2" -> a tiktoken Encoding;
                              "hf:FOLDER" -> an HFTokenizer, called alike
-    special_ids(enc)         (eos_id, mask_id, pad_id) that training appends,
-                             masks with and pads with
+    special_ids(enc)         (eos_id, mask_id, pad_id) that training appends, masks and pads with
     vocab_size(enc)          the embedding rows a model needs for it
     encode(enc, text)        token ids; special-token strings in the text stay plain text
     encode_prompt(enc, text) the same with what a folder's post-processor adds (Llama 3's BOS)
@@ -28,20 +27,10 @@ GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\
 
 @cache
 def get_tokenizer(name: str = "bytes") -> tiktoken.Encoding | HFTokenizer:
-    """
-    Return the tokenizer called `name`, with EOS, MASK and PAD as special tokens
-    (hf:FOLDER: the folder's own special tokens).
-
-    "bytes": one token per byte (ids 0..255) + EOS=256, MASK=257, PAD=258; n_vocab = 259.
-             Built in code, needs no download: the offline default.
-    "gpt2":  GPT-2's BPE (ids 0..50255) + EOS=50256, MASK=50257, PAD=50258; n_vocab = 50259.
-             tiktoken downloads the BPE file once and caches it (see TIKTOKEN_CACHE_DIR).
-    "hf:FOLDER": the tokenizer.json of a Hugging Face model folder (Qwen3, ReFusion, SmolLM2) as
-             the `tokenizers` library reads it (hf_tokenizer.hf_tokenizer); its special ids come
-             from hf_tokenizer.hf_special_ids.
-    Raises ValueError for an unknown name, FileNotFoundError if the GPT-2 BPE file cannot be had,
-    and what hf_tokenizer raises.
-    """
+    """The tokenizer called `name`: "bytes" (ids 0..255, EOS=256, MASK=257, PAD=258; no download),
+    "gpt2" (GPT-2's BPE, EOS=50256, MASK=50257, PAD=50258; tiktoken downloads its file once, see
+    TIKTOKEN_CACHE_DIR) or "hf:FOLDER" (hf_tokenizer). Raises ValueError for an unknown name,
+    FileNotFoundError if the GPT-2 BPE file cannot be had, and what hf_tokenizer raises."""
     if name.startswith("hf:"):
         return hf_tokenizer(os.path.expanduser(name[len("hf:"):]))
     if name == "bytes":
@@ -63,13 +52,9 @@ def get_tokenizer(name: str = "bytes") -> tiktoken.Encoding | HFTokenizer:
 
 
 def special_ids(enc: tiktoken.Encoding | HFTokenizer) -> tuple[int, int, int]:
-    """(eos_id, mask_id, pad_id) that training appends, masks with and pads with.
-
-    bytes / gpt2: EOS, MASK and PAD of get_tokenizer. hf:FOLDER (hf_special_ids): the first EOS id
-    (<|im_end|> for Qwen3), <|mask|>, or for a folder without one (a plain Qwen3, fine-tuned into a
-    ReFusion model) the first id after the tokenizer's own, and the pad id. Raises what
-    hf_special_ids raises.
-    """
+    """(eos_id, mask_id, pad_id) that training appends, masks and pads with: for hf:FOLDER,
+    hf_special_ids's first EOS id and pad id, and its mask id or, for a folder without one, the
+    first id after the tokenizer's own. Raises what hf_special_ids raises."""
     if enc.name.startswith("hf:"):
         eos_ids, mask_id, pad_id = hf_special_ids(enc.name[len("hf:"):])
         return eos_ids[0], enc.n_vocab if mask_id is None else mask_id, pad_id
@@ -77,17 +62,13 @@ def special_ids(enc: tiktoken.Encoding | HFTokenizer) -> tuple[int, int, int]:
 
 
 def vocab_size(enc: tiktoken.Encoding | HFTokenizer) -> int:
-    """Rows a model's embedding needs for this tokenizer: every id,
-    the mask id of special_ids included."""
+    """The embedding rows a model needs for enc: every id, special_ids' included."""
     return max(enc.n_vocab, max(special_ids(enc)) + 1)
 
 
 def encode(enc: tiktoken.Encoding | HFTokenizer, text: str) -> list[int]:
-    """Token ids of `text`. Special-token strings in the text stay plain text, never special ids.
-
-    A tokenizer from a Hugging Face folder (hf:FOLDER) encodes as the `tokenizers` library does
-    (its normalizer, its non-special added tokens found in text).
-    """
+    """Token ids of `text`; a special token's string in it stays plain text (a folder's added
+    tokens that are not special are found, as the `tokenizers` library finds them)."""
     if isinstance(enc, HFTokenizer):  # the library takes a whitespace run of any length whole
         return enc.encode_ordinary(text)
     ids = []
@@ -97,10 +78,8 @@ def encode(enc: tiktoken.Encoding | HFTokenizer, text: str) -> list[int]:
 
 
 def encode_prompt(enc: tiktoken.Encoding | HFTokenizer, text: str) -> list[int]:
-    """Token ids of `text` as a prompt (or a training sample's prompt): encode(enc, text) with the
-    ids a Hugging Face folder's post-processor puts around a sequence (Llama 3: its BOS first),
-    as AutoTokenizer(text) gives them. A chat prompt takes its markers from its template instead
-    (support.chat)."""
+    """encode(enc, text) with the ids a folder's post-processor puts around a prompt (Llama 3's
+    BOS), as AutoTokenizer(text) gives them."""
     if isinstance(enc, HFTokenizer):
         return enc.encode_prompt(text)
     return encode(enc, text)
@@ -111,19 +90,16 @@ def decode(enc: tiktoken.Encoding | HFTokenizer, ids) -> str:
     return enc.decode([int(i) for i in ids], errors="replace")
 
 
-# tiktoken's pre-tokenizing regex (GPT-2's, whose whitespace alternative looks ahead) runs out of
-# its backtracking stack on a run of about 500,000 whitespace characters and panics: encode() feeds
-# it a longer run than this in pieces
+# tiktoken's regex runs out of its backtracking stack on about 500,000 whitespace characters in a
+# row: encode() feeds it a longer run than this in pieces
 MAX_SPACE_RUN = 10_000
 # from the run's start: linear time
 _LONG_SPACE_RUN = re.compile(r"(?<!\s)\s{%d,}" % (MAX_SPACE_RUN + 1))
 
 
 def _pieces(text: str) -> list[str]:
-    """text cut every MAX_SPACE_RUN characters inside each run of more whitespace than that, for
-    encode(); text without such a run is one piece. A cut is exact for the byte tokenizer (one token
-    per byte however the text is cut); a BPE may merge such a run's whitespace differently at a
-    cut."""
+    """text cut every MAX_SPACE_RUN characters inside each longer run of whitespace (exact for the
+    byte tokenizer; a BPE may merge whitespace differently at a cut)."""
     cuts = [0]
     for run in _LONG_SPACE_RUN.finditer(text):
         cuts += range(run.start() + MAX_SPACE_RUN, run.end(), MAX_SPACE_RUN)
