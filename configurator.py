@@ -21,9 +21,8 @@ import torch
 
 
 class Defaults(dict):
-    """A script's settings and their default values (a dict), the path of the file that declares
-    them (its comments describe them in --help) and the command that runs it (None: the file's
-    own, command_of(script))."""
+    """A script's settings {name: default}, the file that declares them (its comments are --help's
+    descriptions) and the command that runs it (None: command_of(script))."""
 
     def __init__(self, values, script=None, command=None):
         super().__init__(values)
@@ -32,9 +31,8 @@ class Defaults(dict):
 
 
 def settings_in(namespace):
-    """The settings a script declares as module-level assignments (lowercase names holding an int,
-    float, bool, str or tuple, in the order written), as Defaults: `settings_in(globals())`
-    right after the block of defaults, as nanoGPT's train.py does."""
+    """The settings a module declares at its top level (lowercase names holding an int, float,
+    bool, str or tuple, in order) as Defaults: `settings_in(globals())` after the defaults block."""
     kinds = (int, float, bool, str, tuple)
     return Defaults({k: v for k, v in namespace.items()
                      if not k.startswith("_") and k.islower() and isinstance(v, kinds)},
@@ -42,10 +40,8 @@ def settings_in(namespace):
 
 
 def descriptions(script):
-    """{setting: the trailing comment of its module-level assignment} in the Python file `script`
-    (`beta1, beta2 = 0.9, 0.95  # AdamW's betas` describes both), or of its entry in a dict
-    written in a module-level assignment (`"seed": 1337,  # ...`); what --help prints beside
-    each."""
+    """{setting: the trailing comment of its module-level assignment (each name of a tuple
+    target), or of its entry in a dict so assigned} in the Python file `script`, for --help."""
     with open(script, encoding="utf-8") as f:
         source = f.read()
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
@@ -69,8 +65,7 @@ def descriptions(script):
 
 
 def command_of(script):
-    """How a script is run: `train.py` for a file at the top level, `-m tools.bench` for a module of
-    a package (a directory holding __init__.py), run from the repository's root."""
+    """How `script` runs from the root: `train.py`, or `-m tools.bench` for a package's module."""
     if not script:
         return "script.py"
     folder, name = os.path.split(os.path.abspath(script))
@@ -80,8 +75,7 @@ def command_of(script):
 
 
 def usage(defaults):
-    """The --help text: how to call the script, then one line per setting: --key=default and its
-    description (from the script's source when defaults are Defaults)."""
+    """The --help text: the call, then per setting --key=default and its description."""
     script = getattr(defaults, "script", None)
     command = getattr(defaults, "command", None) or command_of(script)
     about = descriptions(script) if script else {}
@@ -99,9 +93,7 @@ class ConfigError(ValueError):
 
 
 def _literal(text):
-    """The Python literal that `text` spells (1500, 2e-3, (4, 8), True), or the text itself when it
-    spells none (a word, 08 with its leading zero, an unclosed bracket): the type check then says
-    what was expected."""
+    """The Python literal `text` spells (1500, 2e-3, (4, 8), True), else `text` itself."""
     try:
         return ast.literal_eval(text)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
@@ -109,10 +101,8 @@ def _literal(text):
 
 
 def _coerce(key, value, default, where="the command line"):
-    """Check value against the default's type. Ints are accepted for floats; a list, a single value
-    or a comma-separated string for a tuple (--tasks=arith,stdlib); a number of another kind
-    (numpy's float64 and int64, in a config file) as the number it is. A path setting (PATHS)
-    starting with ~ is the user's home, as a shell would expand it. Raises ConfigError."""
+    """`value` as the default's type: an int for a float; a list, one value or "a,b" for a tuple;
+    a numpy number as ours; ~ expanded in a PATHS setting. Raises ConfigError."""
     shown = f"--{key}={value!r}" if where == "the command line" else f"{key} = {value!r} in {where}"
     if key in PATHS and isinstance(value, str) and value.startswith("~"):
         return os.path.expanduser(value)
@@ -131,8 +121,6 @@ def _coerce(key, value, default, where="the command line"):
             raise ConfigError(f"{shown}: expected a tuple of {type(default[0]).__name__} "
                               f"like {default!r}")
         return value
-    if isinstance(default, float) and type(value) is int:
-        return float(value)
     if isinstance(default, float) and value in ("nan", "inf", "-inf"):
         return float(value)
     if type(value) is not type(default):
@@ -143,8 +131,7 @@ def _coerce(key, value, default, where="the command line"):
 
 
 def _check_key(key, defaults, where):
-    """Refuse a key defaults lacks, naming the new name of a renamed one (RENAMED) or the close
-    matches. Raises ConfigError."""
+    """Refuse a key defaults lacks, naming its new name (RENAMED) or close matches (ConfigError)."""
     if key not in defaults and RENAMED.get(key) in defaults:
         new = RENAMED[key]
         raise ConfigError(f"{key!r} in {where} was renamed {new!r}: write "
@@ -168,21 +155,17 @@ RENAMED = {"num_blocks": "serial_num_blocks", "compare_ar": "compare_next_token"
 
 
 def explicit_keys(cfg, defaults, argv):
-    """The settings a run chose itself: named by a --key flag, or given a value other than the
-    default (by a config file). Returns a set of keys."""
+    """The set of keys a run chose: named by a --key flag, or off its default by a config file."""
     return ({a[2:].partition("=")[0] for a in argv if a.startswith("--")}
             | {k for k in cfg if cfg[k] != defaults[k]})
 
 
 def parse_args(defaults, argv):
-    """Apply config files and --key=value flags in argv to a copy of defaults (a dict); return it.
+    """Apply the config files and --key=value flags of argv, in order, to a copy of defaults.
 
-    A boolean key may be given bare (--json means --json=True). --help or -h prints usage(defaults)
-    and exits (SystemExit 0).
-    Raises ConfigError (a ValueError) naming the key and the fix for an unknown key, a wrong type,
-    a malformed flag, a missing config file, or an argument without -- that is not a .py file (a
-    prompt or a data file is never run as a config: the message names the flag that reads it).
-    """
+    A bare boolean flag means True; --help or -h prints usage(defaults) and exits 0. Returns the
+    dict. Raises ConfigError naming the fix for an unknown key, a wrong type, a malformed flag, a
+    missing config file, or an argument that is neither a flag nor a .py file."""
     if {"--help", "-h"} & set(argv):
         print(usage(defaults))
         raise SystemExit(0)
@@ -225,17 +208,15 @@ def parse_args(defaults, argv):
             if not isinstance(defaults[key], bool):
                 raise ConfigError(f"flag {arg!r} has no value: write it as {arg}=VALUE")
             text = "True"  # a bare boolean flag such as --json switches it on
-        # text is taken as written: --out_dir=1e1 is the directory "1e1", --prompt='x' keeps its
-        # quotes
+        # a str setting takes the text as written: --out_dir=1e1, --prompt='x' with its quotes
         value = text if isinstance(defaults[key], str) else _literal(text)
         config[key] = _coerce(key, value, defaults[key])
     return config
 
 
 def require(cfg, keys, rule, test):
-    """Refuse the first of `keys` whose value in cfg fails test(value), as "--key=value: must be
-    <rule>". A NaN fails every comparison, so `lambda v: 0 < v < math.inf` refuses it too.
-    Raises ConfigError."""
+    """Refuse the first of `keys` whose cfg value fails test (a NaN fails any comparison) as
+    "--key=value: must be <rule>". Raises ConfigError."""
     for key in keys:
         if not test(cfg[key]):
             raise ConfigError(f"--{key}={cfg[key]}: must be {rule}")
@@ -254,15 +235,13 @@ def check_device(device):
 
 
 def check_seed(cfg):
-    """Refuse a --seed that torch's and numpy's generators cannot take (negative, or so large that
-    seed + a sample's index passes 64 bits). Raises ConfigError."""
+    """Refuse a --seed outside 0 .. 2**63 - 1 (numpy's and torch's generators): ConfigError."""
     require(cfg, ("seed",), "a whole number from 0 to 2**63 - 1", lambda v: 0 <= v < 2**63)
 
 
 def run_cli(main, argv):
-    """Run main(argv); a user's mistake (ValueError, FileNotFoundError) ends with its message, not a
-    traceback. Output piped into a reader that stops early (`| head -1`) ends the script quietly, as
-    it ends `yes`: no traceback, exit status 1."""
+    """Run main(argv); a ValueError or FileNotFoundError exits with its message, a closed output
+    pipe with status 1, neither with a traceback."""
     try:
         try:
             main(argv)
@@ -289,7 +268,7 @@ MDM_CONFIDENCES = ("prob", "margin", "entropy")
 
 def check_decode_settings(s):
     """Refuse a DecodeSettings whose max_new_tokens, temperature or eos_every cannot work.
-    Raises ValueError naming the setting and the fix."""
+    Raises ValueError."""
     if s.max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens={s.max_new_tokens}: ask for at least one new token")
     if not 0 <= s.temperature < math.inf:  # also catches NaN
@@ -301,8 +280,8 @@ def check_decode_settings(s):
 
 
 def check_refusion_settings(s):
-    """Refuse a RefusionSettings that cannot work (check_decode_settings, then ReFusion's knobs):
-    thresholds are finite probabilities >= 0, any value >= 1 meaning "never". Raises ValueError."""
+    """Refuse a RefusionSettings that cannot work (check_decode_settings, then infill, slot_size,
+    serial_num_blocks, thresholds >= 0 and finite). Raises ValueError."""
     check_decode_settings(s)
     if s.infill not in INFILL_MODES:
         renamed = " (infill='ar' is now called 'speculative')" if s.infill == "ar" else ""
@@ -321,9 +300,8 @@ def check_refusion_settings(s):
 
 
 def check_mdm_settings(s):
-    """Refuse an MDMSettings that cannot work (check_decode_settings, then LLaDA's schedule):
-    block_length divides max_new_tokens, the blocks divide steps, steps <= max_new_tokens, and
-    confidence is one of MDM_CONFIDENCES. Raises ValueError naming the setting and the fix."""
+    """Refuse an MDMSettings that cannot work (check_decode_settings, then LLaDA's schedule and
+    confidence in MDM_CONFIDENCES). Raises ValueError."""
     check_decode_settings(s)
     n = s.max_new_tokens
     if s.steps <= 0 or s.block_length <= 0:
@@ -344,17 +322,14 @@ def check_mdm_settings(s):
 
 
 def check_confidence(cfg):
-    """Refuse a --confidence not among MDM_CONFIDENCES, whichever the method, so that a misspelt
-    rule is never silently ignored. Raises ValueError."""
+    """Refuse a --confidence not in MDM_CONFIDENCES, whatever the method. Raises ValueError."""
     if cfg["confidence"] not in MDM_CONFIDENCES:
         raise ValueError(f"--confidence={cfg['confidence']!r}: choose one of "
                          f"{', '.join(MDM_CONFIDENCES)} (it ranks the MDM's drafts)")
 
 
 class ContextTooLong(ValueError):
-    """A prompt + generation longer than the model's context: prompt_len, settings (whose gen_length
-    is the generation's length in tokens) and limit (the context, in positions) say by how much;
-    the message names the settings to change."""
+    """A prompt + generation past the model's context; the message names the settings to change."""
 
     def __init__(self, prompt_len, settings, limit):
         how = ""
@@ -367,14 +342,11 @@ class ContextTooLong(ValueError):
         super().__init__(f"prompt ({prompt_len} tokens) + generation ({settings.gen_length} "
                          f"tokens{how}) exceeds the model's context of {limit} positions; shorten "
                          f"the prompt or {fix}")
-        self.prompt_len = prompt_len
-        self.settings = settings
-        self.limit = limit
 
 
 def check_context(model, prompt_len, settings):
-    """Refuse an empty prompt (ValueError) or a prompt + generation (settings.gen_length positions)
-    that does not fit the model's positions (ContextTooLong)."""
+    """Refuse an empty prompt (ValueError) or prompt_len + settings.gen_length past the model's
+    context (ContextTooLong)."""
     if prompt_len == 0:
         raise ValueError("the prompt is empty: give at least one token of context")
     if prompt_len + settings.gen_length > model.config.block_size:
@@ -382,9 +354,8 @@ def check_context(model, prompt_len, settings):
 
 
 def check_attention(model, method):
-    """Refuse a decoding method the model's attention was not trained for (model.config.causal):
-    refusion and next_token feed tokens after a KV cache, which needs causal attention; mdm
-    denoises a sequence of masks, which needs bidirectional attention. Raises ValueError."""
+    """Refuse a method the model's attention cannot run: refusion and next_token need causal
+    attention, mdm bidirectional (model.config.causal). Raises ValueError."""
     if method == "mdm" and model.config.causal:
         raise ValueError("this model was trained with a causal objective (refusion or ar), so it "
                          "cannot denoise a sequence of masks bidirectionally; use "

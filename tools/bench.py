@@ -1,34 +1,16 @@
 """
-The paper's comparison at small scale, in one run: ReFusion against an autoregressive model (ARM)
-and a LLaDA-style masked diffusion model (MDM), same size, same data, same training budget, on three
-tasks that span the range from parallel-friendly to strictly serial:
-
-    transform  each response letter is a function of one prompt letter (copy, upper, shift, mirror):
-               given the prompt, the response's tokens do not depend on each other
-    arith      worked column arithmetic: each line depends on the line before (its carry)
-    stdlib     real code: the bodies of the standard library's documented functions
+The paper's comparison at small scale: ReFusion against an autoregressive model (ARM) and a
+LLaDA-style masked diffusion model (MDM) of the same size, data and training budget, on three tasks
+from parallel-friendly to strictly serial (TASKS: transform, arith, stdlib; docs/benchmark.md).
 
     python -m tools.bench              # the full run (TASKS' recipes), 92 minutes on 2 CPU cores
-                                         (docs/benchmark.md)
-    python -m tools.bench --quick      # one task, tiny models, a small sweep: a smoke run of under
-                                         a minute, into bench-quick/
+    python -m tools.bench --quick      # one task, tiny models, a small sweep, into bench-quick/
 
-For each task it trains (or reuses, from out_dir) an ARM, a ReFusion model and an MDM with the same
-budget, and the paper's recipe: ReFusion fine-tuned from the ARM, next to an MDM fine-tuned from it
-the same way (as Dream starts from Qwen; their extra budget in their rows). The MDMs are trained on
-the canvas they decode (LLaDA's EOS padding). It decodes the same validation prompts with the ARM,
-both MDMs at 1, 2 and 4 tokens per step, ReFusion over a sweep of slot size, thresholds and serial
-blocks (SWEEP), each with the paper's infill and infill="speculative" (SPEC section 4.1), and, when
-`transformers` is installed, Hugging Face's `generate` on the ARM's weights. Each point records its
-quality, tokens, forward passes (NFE), TPF, tokens/s, milliseconds per forward pass and the share of
-decode time spent outside the model (bookkeeping). On one task (throughput_task) the ARM, ReFusion's
-headline point and the MDM also decode in batches (generate_batch; 1, 4, 16 and 64 prompts
-at a time): tokens/s, latency per prompt, and the share of prompts whose batched tokens equal the
-one-prompt decode's. It writes out_dir/bench.json (every point),
-bench.md (the headline, then the table: the baselines, and per ReFusion model and infill mode its
-fastest setting within 1 point of the ARM's quality, its most accurate setting and its fastest
-setting) and, with matplotlib, bench.png (quality against speed relative to the ARM, as the paper's
-MBPP figure). Every figure comes from this run.
+Per task it trains (or reuses, from out_dir) an ARM, a ReFusion model and an MDM, and ReFusion and
+an MDM fine-tuned from the ARM, then decodes the same validation prompts at every point
+(decoder_points), and on throughput_task also in batches. It writes out_dir/bench.json (every
+point), bench.md (the headline, then the highlights) and, with matplotlib, bench.png (quality
+against speed relative to the ARM).
 """
 
 import math
@@ -90,13 +72,9 @@ retrain = False            # train again even when out_dir holds the models
 # -----------------------------------------------------------------------------
 DEFAULTS = settings_in(globals())
 
-# Each task's recipe: the data, the model and the budget, sized so that the ARM reaches its quality
-# level on 2 CPU cores (see docs/benchmark.md). Every model of a task has the same shape and data;
-# the three trained from scratch the same budget (max_iters at learning_rate), the two started from
-# the ARM the same extra budget (finetune_iters at finetune_lr). ReFusion-ft's training options
-# (SPEC section 3, off in the paper's recipe): on arith and stdlib, whose answers are serial,
-# slot_end_labels and ar_fraction keep the ARM's next-token pathway, which infill="speculative"
-# decodes with (the fine-tune table in docs/benchmark.md measured them on arith).
+# Each task's recipe, sized so that the ARM reaches its quality on 2 CPU cores (docs/benchmark.md).
+# ReFusion-ft's options (SPEC section 3): on the serial tasks they keep the ARM's next-token
+# pathway, which infill="speculative" decodes with.
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, batch_size=32, learning_rate=3e-3)
 KEEP_THE_ARM = dict(finetune_lr=1e-3,
                     refusion_ft_options=dict(slot_end_labels=True, ar_fraction=0.5))
@@ -126,19 +104,16 @@ QUICK = dict(out_dir="bench-quick", tasks=("transform",), num_prompts=8,
 
 
 def recipe(cfg, task):
-    """The task's recipe with the run's overrides (--quick's, then every setting given as
-    non-zero)."""
+    """TASKS[task] with the run's overrides: --quick's, then every setting given non-zero."""
     r = dict(TASKS[task], **(QUICK["model"] if cfg["quick"] else {}))
     return r | {key: cfg[key] for key in OVERRIDES if cfg[key]}
 
 
 def train_model(cfg, task, name, objective, init_from=None):
-    """Train one model into out_dir/<task>-<name> and return the dir: from scratch for the recipe's
-    max_iters at its learning_rate, or, from the checkpoint init_from (the ARM's), for
-    finetune_iters at finetune_lr; an MDM on the canvas it decodes
-    (train.py --gen_length=max_new_tokens). A finished model trained with the same settings (and,
-    for a fine-tune, after the checkpoint it starts from) is reused; one interrupted part-way is
-    resumed; anything else is trained again."""
+    """Train `task`'s model `name` (objective `objective`) into out_dir/<task>-<name>; return the
+    directory. From scratch, or from the checkpoint init_from with the fine-tune budget; an MDM on
+    the canvas it decodes. One finished with the same settings (after init_from) is reused, one cut
+    short is resumed."""
     r = recipe(cfg, task)
     out = os.path.join(cfg["out_dir"], f"{task}-{name}")
     ckpt_file = os.path.join(out, "ckpt.pt")
@@ -176,9 +151,8 @@ def train_model(cfg, task, name, objective, init_from=None):
     return out
 
 def validation_prompts(cfg, task):
-    """The first num_prompts validation samples whose prompt leaves room for every decoder's
-    generation (ReFusion's rounded up to whole blocks of slots): (prompts, references), lists of
-    token-id lists. Raises ValueError when none fits."""
+    """(prompts, references), lists of token-id lists: the first num_prompts validation samples that
+    leave room for every decoder's generation. Raises ValueError when none does."""
     r = recipe(cfg, task)
     L = r["max_new_tokens"]
     room = max([L] + [RefusionSettings(L, **knobs).gen_length
@@ -199,21 +173,16 @@ def validation_prompts(cfg, task):
 
 
 def run_decoder(method, model, prompts, ids, settings):
-    """Decode every prompt with sampler's decoder for `method` (settings: a dict of its knobs, with
-    max_new_tokens), prompt i with its own generator seeded with i (prompt_generator; used when the
-    settings ask for a temperature above 0), so no decode depends on the warm-up or on the others.
-    Returns the generated id lists (EOS dropped) and the summed speed figures (Point.measure)."""
+    """Decode every prompt with `method`'s decoder (settings: its knobs and max_new_tokens), prompt
+    i with its own generator. Returns (id lists without EOS, speed figures): Point.measure."""
     decode_fn, _ = make_decoder(point_config(method, settings), ids, None)
     return Point(model, ids, settings["max_new_tokens"], decode_fn).measure(prompts)
 
 
 def decoder_points(cfg, task):
-    """(label, method, model name, decoder knobs) for every point of a task: the ARM, both MDMs at
-    1, 2 and 4 tokens per step (one block at 1 token per step; LLaDA's semi-autoregressive blocks at
-    2 and 4, of 32 tokens or the largest divisor of the length below that; the MDM-ft at 2 and 4
-    also by Dream's confidence rules, support.benchmark.DREAM_RULES, SPEC section 4), then both
-    ReFusion models over the sweep, each point with the paper's infill and with infill="speculative"
-    (SPEC section 4.1)."""
+    """[(label, method, model name, knobs)] of a task: the ARM; both MDMs at 1, 2 and 4 tokens a
+    step (the MDM-ft also by Dream's rules, SPEC 4); both ReFusion models over the sweep, each point
+    with each infill mode (SPEC 4.1)."""
     L = recipe(cfg, task)["max_new_tokens"]
     sweep = QUICK["sweep"] if cfg["quick"] else SWEEP
     points = [("ARM", "next_token", "ar", {})]
@@ -234,10 +203,9 @@ def decoder_points(cfg, task):
 
 
 def bench_task(cfg, task, prompts, references):
-    """Train or reuse the five models of one task, decode its validation prompts at every point and
-    return (rows, minutes): one dict per point (quality, speed figures, and the speed-ups over the
-    ARM and the MDM at one token per step) and the wall-clock minutes spent
-    {"train": ..., "decode": ...} (training near 0 when every model was reused)."""
+    """Train or reuse a task's five models and decode its prompts at every point. Returns (rows: a
+    dict per point, with quality, speed and speed-ups over the ARM and the MDM; {"train", "decode"}
+    minutes; batched_points' result on throughput_task, else None)."""
     r = recipe(cfg, task)
     iters, ft = r["max_iters"], r["finetune_iters"]
     t0 = time.perf_counter()
@@ -287,9 +255,8 @@ def bench_task(cfg, task, prompts, references):
 
 
 def batched_points(cfg, rows, models, ids, prompts, max_new_tokens):
-    """The throughput table's rows (support.benchmark.batch_throughput): the ARM, ReFusion's point
-    of the headline (its fastest within 1 point of the ARM's quality, or its most accurate) and the
-    MDM compared with, decoding the first max(batch_sizes) prompts at each batch size."""
+    """The throughput table (support.benchmark.batch_throughput) of the ARM, ReFusion's headline
+    point and the MDM compared with, at each batch size; with compile, compiled beside eager."""
     ar_quality = first_quality(rows[0])
     refusion = [r for r in rows if r["method"] == "refusion"]
     picks = [rows[0], fastest_close(refusion, ar_quality) or most_accurate(refusion),
@@ -304,11 +271,8 @@ def batched_points(cfg, rows, models, ids, prompts, max_new_tokens):
 
 
 def highlights(rows):
-    """The rows of the table: the baselines (the MDM point "vs MDM" compares with tagged so), then
-    per ReFusion model and infill mode three points of its sweep, each tagged with why: its fastest
-    point whose quality is within 1 point of the ARM's (when one is), its most accurate point (the
-    fastest of those that tie) and its fastest point overall. A point that is several of these is
-    listed once, with every reason."""
+    """The table's rows, row["why"] saying why: the baselines; per ReFusion model and infill mode
+    its fastest point within 1 point of the ARM's quality, its most accurate, its fastest."""
     chosen = []
     for task in dict.fromkeys(r["task"] for r in rows):
         task_rows = [r for r in rows if r["task"] == task]
@@ -331,15 +295,13 @@ def highlights(rows):
 
 
 def training_dtype(device):
-    """The benchmark's models train as the recorded ones did: bf16 autocast on a GPU, float32 on
-    a CPU, where models this small train no faster in bf16 even with bf16 units."""
+    """The dtype the benchmark's models train in: bfloat16 autocast on a GPU, else float32."""
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def training_step_times(cfg, task, steps=20):
-    """Seconds per training step (batch draw, the objective's batch layout, forward, backward,
-    AdamW) of the ReFusion and AR objectives on the same batches and model shape, interleaved so
-    both see the same machine load. Returns {"refusion": s, "ar": s, "ratio": refusion / ar}."""
+    """Seconds per training step of the ReFusion and AR objectives on the same batches and model,
+    interleaved. Returns {"refusion": s, "ar": s, "ratio": refusion / ar}."""
     r, device = recipe(cfg, task), cfg["device"]
     train_data = TokenDataset(prepare(r["dataset"], "bytes", r["block_size"]), "train")
     meta = train_data.meta
@@ -375,17 +337,14 @@ def training_step_times(cfg, task, steps=20):
 
 
 def arm_pass_costs(cfg, task):
-    """What one forward pass of the task's ARM costs here against the tokens it is fed (as
-    tools.probe measures it, in the decodes' dtype): {k: ms} for k up to what its context holds
-    after 32 cached tokens."""
+    """{k: ms} of one cached forward pass of the task's ARM fed k tokens (model_pass_costs)."""
     model = model_from_checkpoint(load_checkpoint(os.path.join(cfg["out_dir"], f"{task}-ar")),
                                   cfg["device"])
     return model_pass_costs(model, cfg["dtype"], 3 if cfg["quick"] else 12)
 
 
 def check_bench_config(cfg):
-    """Check every setting (not the data: see validation_prompts) before any training starts.
-    Raises ValueError with the fix."""
+    """Check every setting before any training (the data: validation_prompts). Raises ValueError."""
     for task in cfg["tasks"]:
         if task not in TASKS:
             raise ValueError(f"--tasks={task}: the benchmark knows {', '.join(TASKS)}")

@@ -1,24 +1,15 @@
 """
 How each decoder's cost grows with the length of the answer: an ARM, an MDM and a ReFusion model of
-the same size on one task whose answers run from 32 to 512 tokens, decoded at every length.
+the same size on one task whose answers run from 32 to 512 tokens (docs/benchmark.md, "Cost against
+the answer's length").
 
-    python -m tools.bench_length           # the whole run, into bench-length/ (docs/benchmark.md)
+    python -m tools.bench_length           # the whole run, into bench-length/
     python -m tools.bench_length --quick   # a smoke run: tiny models, two short lengths
 
-The task (--dataset, support/corpora.py) is quotes-long: runs of consecutive standard-library lines
-rewritten together with double quotes, cut so that an answer (the rewrite, a newline and EOS) is 32,
-64, 128, 256 or 512 byte tokens, or transform-long: the transform task's strings (copy, upper,
-shift, mirror) of 30 to 510 random letters, answers of the same lengths. The prompt holds the text
-too. It trains (or reuses, from out_dir) the ARM from scratch, then, from the ARM, ReFusion (the
-paper's objective) and an MDM (bidirectional, Dream's shifted prediction unless --mdm_shift=False),
-as tools.bench does. The MDM is trained without EOS padding, and decodes a canvas of exactly the
-answer's length: the case most favourable to it. For each length it decodes the first num_prompts
-validation prompts whose answer has that length with every decoder (DECODERS), each prompt by
-every decoder in turn, the order rotating.
-Each point records quality (exact answers, and the share of characters in place), tokens, NFE, TPF,
-tokens/s and ms per token; per decoder the growth of ms per token with length, fitted as a power
-(ms per token ~ length^b); per length ReFusion's lead over the MDM. It writes out_dir/bench.json,
-bench.md, bench.png (quality against speed, a panel per length) and bench_length.png (ms per
+It trains (or reuses, from out_dir) the ARM from scratch, then ReFusion and an MDM from it, and
+decodes the first num_prompts validation prompts of each length with every decoder (decoders),
+interleaved. It writes out_dir/bench.json, bench.md (the rows, the growth of ms per token as a power
+of the length, ReFusion's lead over the MDM per length), bench.png and bench_length.png (ms per
 token against length).
 """
 
@@ -83,10 +74,9 @@ NAMES = {"ar": "ARM", "refusion": "ReFusion", "mdm": "MDM"}
 
 
 def decoders(L):
-    """(label, series, method, model, knobs) of every decoder at answer length L: the ARM; the MDM
-    at 1 to 32 tokens per step (one block at 1; LLaDA's semi-autoregressive blocks of 32, or of L
-    when shorter, from 2 on: at 32 a step, one step a block); ReFusion with slots of 8, the paper's
-    infill, at two thresholds."""
+    """[(label, series, method, model, knobs)] at answer length L: the ARM; the MDM at 1 to 32
+    tokens a step (one block at 1, blocks of min(32, L) from 2 on); ReFusion with slots of 8, the
+    paper's infill, at two thresholds."""
     points = [("ARM next token", "ARM", "next_token", "ar", {})]
     for per_step in (1, 2, 4, 8, 16, 32):
         block = L if per_step == 1 else min(32, L)
@@ -104,8 +94,8 @@ def decoders(L):
 
 
 def train_models(cfg):
-    """Train, reuse or resume the three models (support.benchmark.train_or_reuse): the ARM from
-    scratch, ReFusion and the MDM from it. Returns {name: (directory, minutes)}."""
+    """Train, reuse or resume (support.benchmark.train_or_reuse) the ARM from scratch, then ReFusion
+    and the MDM from it. Returns {name: (directory, minutes)}."""
     shape = [f"--{k}={cfg[k]}" for k in ("block_size", "n_layer", "n_head", "n_embd",
                                          "batch_size", "seed", "device")]
     dtype = "bfloat16" if cfg["device"].startswith("cuda") else "float32"  # as tools.bench
@@ -131,8 +121,8 @@ def train_models(cfg):
 
 
 def prompts_of_length(cfg, L):
-    """The first num_prompts validation samples whose answer is L tokens (EOS included) and fits
-    the context: (prompts, answers), lists of token-id lists. Raises ValueError when none is."""
+    """(prompts, answers), lists of token-id lists: the first num_prompts validation samples whose
+    answer is L tokens (EOS included) and fits the context. Raises ValueError when none is."""
     val = TokenDataset(prepare(cfg["dataset"], "bytes", cfg["block_size"]), "val")
     found = []
     for i in range(len(val)):
@@ -185,8 +175,8 @@ def bench_length(cfg, L, models, ckpts, ids, enc):
 
 
 def growth(rows):
-    """Per decoder label, the exponent b of ms per token ~ length^b, fitted by least squares on
-    the logarithms over every length measured (None with fewer than two lengths)."""
+    """{decoder label: the exponent b of ms per token ~ length^b, a least-squares fit of the logs},
+    None with fewer than two lengths."""
     out = {}
     for label in dict.fromkeys(r["label"] for r in rows):
         pts = [(r["length"], r["ms_per_token"]) for r in rows if r["label"] == label]
@@ -196,10 +186,9 @@ def growth(rows):
 
 
 def leads(rows):
-    """Per length, ReFusion's point (its fastest within 1 point of the ARM's quality, else its most
-    accurate) against the MDM's (its best quality, the fastest of those), and against the MDM at one
-    token a step (LLaDA's default schedule): {L: {"refusion", "mdm" (labels), "ratio" (tokens/s
-    over the MDM's), "as_good" (quality >= the MDM's), "ratio_one_per_step", "as_good_one"}}."""
+    """{L: ReFusion's point (its fastest within 1 point of the ARM, else its most accurate) against
+    the MDM's best point and the MDM at one token a step: "refusion", "mdm" (labels), "ratio",
+    "as_good", "ratio_one_per_step", "as_good_one" (tokens/s ratios; quality >= the MDM's)}."""
     out = {}
     for L in dict.fromkeys(r["length"] for r in rows):
         at = [r for r in rows if r["length"] == L]
@@ -216,8 +205,8 @@ def leads(rows):
 
 
 def holds_from(lead, key, as_good, x=18):
-    """The lengths at which ReFusion's lead (lead[L][key]) passes x at equal or better quality
-    (lead[L][as_good]), in words: "from L on" where it holds at L and every longer length."""
+    """In words, the lengths at which lead[L][key] passes x with lead[L][as_good]: "from length L
+    on" when it holds at L and every longer length."""
     past = [L for L, v in lead.items() if v[key] > x and v[as_good]]
     if not past:
         return "at no length measured"
@@ -250,8 +239,8 @@ def length_table(rows, fits, lead):
 
 
 def plot_lengths(rows, path):
-    """ms per token against the answer's length, log-log, a line per decoder. Needs matplotlib;
-    returns False without it."""
+    """Draw ms per token against the answer's length (log-log, a line per decoder) into path.
+    Returns False without matplotlib."""
     try:
         plt = pyplot()
     except ValueError:                                  # no matplotlib

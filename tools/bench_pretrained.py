@@ -1,34 +1,16 @@
 """
-The paper's recipe on a real model, side by side on a laptop: SmolLM2-135M-Instruct fine-tuned into
-ReFusion against the same model fine-tuned by next-token prediction (the baseline a user would
-otherwise pick), on tasks whose answers code checks, decoded in one process in bfloat16.
+The paper's recipe on a real model, on a laptop: SmolLM2-135M-Instruct fine-tuned into ReFusion
+against the same model fine-tuned by next-token prediction (and by the MDM objective where a task
+has its config file), on tasks whose answers code checks (docs/pretrained.md).
 
     python -m tools.convert_gguf smollm2       # once: the model (docs/pretrained.md)
     python -m tools.bench_pretrained           # both tasks; fine-tunes found in out_dir are reused
 
-For each task (TASKS) it fine-tunes, or reuses from out_dir, two models with the task's config
-files, the same data, steps and settings: ReFusion (config/finetune_smollm2_<task>.py) and next
-token (config/finetune_smollm2_<task>_ar.py), and a third, an MDM, where the task has its config
-(below). Then it decodes the same validation prompts with every
-point, each prompt by every point in turn, the order rotating, so that all see the same machine:
-
-    the next-token fine-tune   our generate_next_token in the dtype asked for, the same in float32
-                               (what bf16 changes), and Hugging Face's generate on the same weights
-    the ReFusion fine-tune     its own next-token decoding, and ReFusion decoding over a sweep of
-                               slot sizes and thresholds, each with the paper's infill and
-                               "speculative"
-    the MDM fine-tune          where the task has one (config/finetune_smollm2_<task>_mdm.py):
-                               generate_mdm over MDM_SWEEP's tokens per step and blocks, and at
-                               dream_at tokens per step also by Dream's confidence rules
-
-Each point records its quality, tokens, NFE, TPF, tokens/s, ms per forward pass, the share of decode
-time spent outside the model, the peak memory above the loaded models (MB) and, against the first
-point, how many prompts got the same tokens. On one task (throughput_task) the next-token fine-tune
-and ReFusion's headline point also decode in batches of 1, 4, 16 and 64 prompts
-(generate_batch): tokens/s, latency per prompt, and from which batch size next-token
-decoding catches up. It writes out_dir/bench.json (the rows of
-tools/bench.py's bench.json, the model named), bench.md and bench.png. docs/pretrained.md holds a
-recorded run.
+For each task (TASKS) it fine-tunes, or reuses from out_dir, a model per config file
+(config/finetune_smollm2_<task>.py, _ar.py, _mdm.py), then decodes the same validation prompts at
+every point (smollm2_points), each prompt by every point in turn, and on throughput_task also in
+batches. It writes out_dir/bench.json (the rows of tools.bench's, the model named), bench.md and
+bench.png.
 """
 
 import os
@@ -77,10 +59,9 @@ compile = False            # also decode them compiled, each beside eager (suppo
 DEFAULTS = settings_in(globals())
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# each task (config/finetune_smollm2_<task>.py and _ar.py): its data set and the decoders'
-# generation length (its longest validation response is 45 SmolLM2 tokens, EOS included). arith
-# is arith-small, operands of 2 and 3 digits: responses of at most 43 tokens, so that 30 minutes of
-# a CPU fine-tune (about 11,000 samples) can teach the next-token baseline the task
+# each task's data set and the decoders' generation length (its longest validation response: 45
+# SmolLM2 tokens, EOS included); arith-small's operands of 2 and 3 digits let a 30-minute CPU
+# fine-tune teach the next-token baseline the task
 TASKS = {"quotes": dict(dataset="quotes", max_new_tokens=48),
          "arith": dict(dataset="arith-small", max_new_tokens=48)}
 # the ReFusion sweep: every slot size x (slot_threshold, token_threshold) x serial blocks x infill
@@ -113,9 +94,8 @@ def kinds(task):
 
 
 def fine_tune(cfg, task, kind):
-    """Fine-tune cfg["init_from"] with the task's config file into out_dir/<task>-<kind>, or reuse
-    or resume it there (support.benchmark.train_or_reuse); returns (the directory, its wall-clock
-    minutes)."""
+    """Fine-tune init_from with the task's config file into out_dir/<task>-<kind>, or reuse or
+    resume it (support.benchmark.train_or_reuse). Returns (the directory, its minutes)."""
     out = os.path.join(cfg["out_dir"], f"{task}-{kind}")
     flags = [config_file(task, kind), f"--init_from={cfg['init_from']}", f"--out_dir={out}",
              f"--data_root={cfg['data_root']}", f"--device={cfg['device']}"]
@@ -127,9 +107,9 @@ def fine_tune(cfg, task, kind):
 
 
 def smollm2_points(cfg, task):
-    """(label, series, method, model, dtype, knobs) of every point of a task, the baseline first:
-    the next-token fine-tune decoded by us (in cfg's dtype and in float32) and by Hugging Face's
-    generate, then the ReFusion fine-tune's next-token decoding and its ReFusion sweep."""
+    """[(label, series, method, model, dtype, knobs)] of a task, the baseline first: the next-token
+    fine-tune by us (in cfg's dtype and float32) and by Hugging Face's generate; the ReFusion
+    fine-tune's next-token decoding and its sweep, each infill mode; the MDM over MDM_SWEEP."""
     dt, sweep = cfg["dtype"], QUICK["sweep"] if cfg["quick"] else SWEEP
     ar, rf = NAMES["ar"], NAMES["refusion"]
     points = [(f"{ar} next token", f"{ar} next token", "next_token", "ar", dt, {}),
@@ -154,8 +134,8 @@ def smollm2_points(cfg, task):
 
 
 def smollm2_prompts(cfg, task, enc_name, block_size):
-    """The first num_prompts validation samples whose prompt leaves room for every point's
-    generation in the context: (prompts, references), lists of token-id lists."""
+    """(prompts, references), lists of token-id lists: the first num_prompts validation samples that
+    leave room for every point's generation. Raises ValueError when none does."""
     L = TASKS[task]["max_new_tokens"]
     room = max([L] + [RefusionSettings(L, **p[5]).gen_length for p in smollm2_points(cfg, task)
                       if p[2] == "refusion"])
@@ -173,14 +153,13 @@ TRAIN_OPTIONS = ("slot_sizes", "slot_end_labels", "ar_fraction", "mdm_shift", "g
 
 
 def train_options(config):
-    """The training settings a row records, from a checkpoint's config; a setting newer than the
-    checkpoint (absent from it) had train.py's default when it was trained."""
+    """TRAIN_OPTIONS from a checkpoint's config, train.py's default for one it lacks."""
     return {k: config.get(k, train.DEFAULTS[k]) for k in TRAIN_OPTIONS}
 
 
 def bench_smollm2_task(cfg, task):
-    """Fine-tune or reuse the task's two models, decode its validation prompts with every point,
-    interleaved, and return the rows (bench.json's format) and the minutes spent."""
+    """Fine-tune or reuse a task's models and decode its prompts at every point, interleaved.
+    Returns (rows, {"train", "decode"} minutes, smollm2_batched_points' result or None)."""
     t0 = time.perf_counter()
     tuned = {kind: fine_tune(cfg, task, kind) for kind in kinds(task)}
     t1 = time.perf_counter()
@@ -239,10 +218,9 @@ def bench_smollm2_task(cfg, task):
 
 
 def smollm2_batched_points(cfg, rows, points, models, ids, prompts, max_new_tokens):
-    """The throughput table's rows (support.benchmark.batch_throughput): the next-token fine-tune
-    and ReFusion's point of the headline (its fastest within 1 point of the baseline's quality, or
-    its most accurate), in cfg's dtype, decoding the first max(batch_sizes) prompts at each batch
-    size."""
+    """The throughput table (support.benchmark.batch_throughput) of the next-token fine-tune,
+    ReFusion's headline point and the best MDM point (if any), in cfg's dtype, at each batch size;
+    with compile, compiled beside eager."""
     refusion = [r for r in rows if r["method"] == "refusion"]
     picks = [rows[0], fastest_close(refusion, first_quality(rows[0])) or most_accurate(refusion)]
     picks += [r for r in [best_mdm(rows)] if r is not None]

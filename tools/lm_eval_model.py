@@ -1,31 +1,16 @@
 """
-Our checkpoints and decoders as an lm-evaluation-harness model (`refusion`), so that a checkpoint,
-a Hugging Face folder or SmolLM2 fine-tuned into ReFusion runs on the tasks everyone reports:
+Our checkpoints and decoders as the lm-evaluation-harness model `refusion` (docs/evaluation.md):
 
     python -m tools.lm_eval_model --model refusion \\
         --model_args out_dir=out-quotes,method=refusion,slot_size=8 --tasks gsm8k
     python -m tools.lm_eval_model --model refusion \\
         --model_args init_from=smollm2,method=next_token --tasks arc_challenge
 
-The command takes lm_eval's own flags (lm_eval run --help) and registers the model first; from
-Python, `RefusionLM(out_dir=...)` is an lm_eval LM for lm_eval.simple_evaluate. The model args are
-sampler.py's settings (python sampler.py --help: out_dir, init_from, tokenizer, dtype, device,
-method, slot_size, serial_num_blocks, slot_threshold, token_threshold, infill, steps,
-block_length, confidence, temperature, seed, chat), each as sampler.py reads it, plus batch_size
-(log-likelihood requests of one length per forward pass); NOT_MODEL_ARGS are refused.
-docs/evaluation.md maps them to SPEC.
-
-    generate_until   the project's decoders (sampler.py: ReFusion, next-token, the MDM) with
-                     max_gen_toks as max_new_tokens (an MDM on the canvas it was trained on, its
-                     answer cut to max_gen_toks), cut at the first `until` string; the tokens,
-                     NFE, TPF and tokens/s of these requests are printed and kept (speed)
-    loglikelihood    exact for a causal model (ReFusion's and the ARM's next-token pathway): one
-                     forward pass per length, log-softmax summed over the continuation
-    loglikelihood_rolling  the same over rolling windows of the context
-    An MDM (bidirectional attention) has no exact log-likelihood: its requests are refused, naming
-    why (LLaDA's Monte Carlo bound is not implemented here).
-
-lm-eval is a test-only dependency (requirements-test.txt): pip install lm-eval==0.4.13.
+The command is lm_eval's own (lm_eval run --help) with the model registered; from Python,
+`RefusionLM(out_dir=...)` is an lm_eval LM for lm_eval.simple_evaluate. The model args are
+sampler.py's settings plus batch_size; NOT_MODEL_ARGS are refused. Generation requests run the
+project's decoders, their tokens, NFE, TPF and tokens/s printed to stderr; log-likelihoods are exact
+for a causal model and refused for an MDM. Needs lm-eval==0.4.13 (requirements-test.txt).
 """
 
 import json
@@ -64,11 +49,10 @@ NOT_MODEL_ARGS = {"max_new_tokens", "prompt", "prompt_file", "num_samples", "com
 
 @register_model("refusion")
 class RefusionLM(LM):
-    """lm-evaluation-harness's LM over a checkpoint (out_dir) or a Hugging Face folder (init_from)
-    decoded by this project's decoders. settings: sampler.py's settings (sampler.DEFAULTS)
-    as keyword arguments, plus batch_size (the most log-likelihood requests of one length in a
-    forward pass). Raises ValueError / FileNotFoundError as sampler.py does for the same settings.
-    """
+    """lm_eval's LM over a checkpoint (out_dir) or a Hugging Face folder (init_from), decoded by
+    sampler.py's decoders. settings: sampler.py's settings as keywords; batch_size: the most
+    log-likelihood requests of one length in a forward pass. Raises ValueError or FileNotFoundError
+    as sampler.py does."""
 
     def __init__(self, batch_size=16, **settings):
         super().__init__()
@@ -102,9 +86,8 @@ class RefusionLM(LM):
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict, additional_config=None):
-        """--model_args out_dir=...,method=refusion as lm_eval parsed them, each read as sampler.py
-        reads its flags. lm_eval's own --batch_size is taken; its --device is not (it names
-        cuda:0 unasked): the device is a model arg, device=cuda, as sampler.py's --device."""
+        """lm_eval's --model_args as a dict, each read as sampler.py reads its flags; lm_eval's
+        --batch_size is taken, its --device is not (the model arg device=... is)."""
         settings = dict(arg_dict)
         batch_size = (additional_config or {}).get("batch_size")
         if isinstance(batch_size, int) and "batch_size" not in settings:
@@ -121,10 +104,9 @@ class RefusionLM(LM):
     # generation
 
     def generate_until(self, requests, disable_tqdm=False):
-        """Each request's args (context, gen_kwargs): the context encoded as sampler.py encodes a
-        prompt (in the chat template with chat=True), decoded with max_gen_toks new tokens at most
-        (gen_kwargs' temperature when given), the text cut at the first of gen_kwargs' `until`
-        strings. Returns the texts, in order."""
+        """[text] for each request's args (context, gen_kwargs): the context as sampler.py's prompt,
+        decoded with at most max_gen_toks new tokens (at gen_kwargs' temperature, if given), cut at
+        the first `until` string."""
         texts = []
         for i, request in enumerate(requests):
             context, gen_kwargs = request.args
@@ -164,8 +146,7 @@ class RefusionLM(LM):
         return prompt[-room:]
 
     def speed(self):
-        """The generation requests' statistics so far: requests, tokens, NFE, TPF, seconds,
-        tokens_per_s (SPEC section 4, "Statistics")."""
+        """The generation requests' requests, tokens, nfe, tpf, seconds and tokens_per_s so far."""
         g = self.generated
         return dict(g, tpf=g["tokens"] / max(g["nfe"], 1),
                     tokens_per_s=g["tokens"] / max(g["seconds"], 1e-9))
@@ -180,16 +161,14 @@ class RefusionLM(LM):
     # log-likelihood (a causal model's next-token pathway)
 
     def loglikelihood(self, requests, disable_tqdm=False):
-        """Each request's args (context, continuation) -> (sum of log p(continuation token | all
-        before it), whether every continuation token is the argmax), exactly, in float32; an empty
-        context stands after the first EOS id. Raises ValueError for an MDM."""
+        """[(log p(continuation | context), whether every token is the argmax)] for each request's
+        args (context, continuation), exact, in float32. Raises ValueError for an MDM."""
         pairs = [self.pair_ids(*request.args) for request in requests]
         return self.score_pairs(pairs)
 
     def loglikelihood_rolling(self, requests, disable_tqdm=False):
-        """Each request's args (text,) -> the log-likelihood of the whole text, over windows of the
-        model's context (each token predicted once, with as much context as fits), the first token
-        after the first EOS id. Returns floats."""
+        """[log-likelihood of the whole text] for each request's args (text,), over windows of the
+        model's context."""
         results = []
         for request in requests:
             tokens = encode(self.enc, request.args[0])
@@ -202,9 +181,8 @@ class RefusionLM(LM):
         return results
 
     def pair_ids(self, context, continuation):
-        """(context ids, continuation ids) as lm_eval's causal models split them: the text encoded
-        whole and the context's ids taken off its front, a context's trailing spaces moved into the
-        continuation; an empty context becomes the first EOS id."""
+        """(context ids, continuation ids) split as lm_eval's causal models split them; an empty
+        context becomes the first EOS id."""
         spaces = len(context) - len(context.rstrip())
         if spaces:
             continuation = context[-spaces:] + continuation
@@ -217,9 +195,9 @@ class RefusionLM(LM):
 
     @torch.inference_mode()
     def score_pairs(self, pairs):
-        """[(context ids, continuation ids)] -> [(log-likelihood, greedy)], the requests of one
-        total length batch_size at a time in one forward pass each; a sequence past the context
-        keeps its last block_size + 1 tokens."""
+        """[(log-likelihood, greedy)] of [(context ids, continuation ids)], batch_size of one length
+        a forward pass, a sequence past the context cut to its last block_size + 1 tokens. Raises
+        ValueError for an MDM."""
         if self.cfg["method"] == "mdm" or not self.model.config.causal:
             raise ValueError("loglikelihood: this model has bidirectional attention (an MDM), so "
                              "it has no exact log-likelihood, and LLaDA's Monte Carlo estimate is "
@@ -275,13 +253,9 @@ metric_list:
 
 
 def write_local_task(folder, out_dir, num_samples=50, max_gen_toks=128, room=None):
-    """An lm_eval task of a checkpoint's own validation lines, read offline: folder/local_<data
-    set>.jsonl (query: a prompt's text, target: its response's text without EOS) and
-    local_<data set>.yaml (generate_until with max_gen_toks new tokens, no stop string but EOS,
-    scored by exact match). The lines are the first num_samples whose prompt leaves room for
-    `room` new tokens (default max_gen_toks): with room the decoder's gen_length (ReFusion's:
-    max_gen_toks rounded up to whole slots), the lines sampler.py decodes with --num_samples.
-    Returns the task's name (lm_eval --tasks NAME --include_path folder)."""
+    """Write an lm_eval task of checkpoint out_dir's first num_samples validation lines that leave
+    room for `room` new tokens (default max_gen_toks) into folder: local_<data set>.jsonl and .yaml
+    (generate_until, exact match; docs/evaluation.md). Returns the task's name."""
     ckpt = load_checkpoint(out_dir, settings_only=True)
     enc = get_tokenizer(ckpt["meta"]["tokenizer"])
     eos_ids = decoder_ids(ckpt["meta"])["eos_ids"]
@@ -300,9 +274,7 @@ def write_local_task(folder, out_dir, num_samples=50, max_gen_toks=128, room=Non
 
 
 def main(argv):
-    """python -m tools.lm_eval_model [lm_eval's flags]: lm_eval's command line with the model
-    `refusion` registered (the generation requests' speed goes to stderr after each batch of
-    them, beside lm_eval's log)."""
+    """lm_eval's command line with the model `refusion` registered."""
     from lm_eval.__main__ import cli_evaluate
     sys.argv = ["lm_eval", *argv]
     cli_evaluate()

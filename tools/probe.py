@@ -1,29 +1,18 @@
 """
-What a forward pass costs on this machine, and what that allows ReFusion here.
+What a forward pass costs on this machine, and what that allows ReFusion here (docs/benchmark.md,
+"What a forward pass costs").
 
     python -m tools.probe                                 # the quick start's model (out-quotes)
     python -m tools.probe --init_from=smollm2 --plot=probe.png
     python -m tools.probe --init_from=smollm2 --tpf=5.0 --pass_mix=8,32
     python -m tools.probe --compile=True      # each dtype's passes also compiled
 
-ReFusion's lever is a pass that takes many tokens for about the price of one: decoding at TPF t
-(tokens per forward pass) with passes of m tokens costs cost(m) / t per token, against cost(1) per
-token for next-token decoding. For each dtype it times one cached forward pass of k tokens after
-prompt_len cached ones, for every k in fed (the median of repeats, interleaved: each round times
-every dtype and k once, so that all see the same machine load), and prints:
-
-    the ms of each pass, and the "free" tokens: the most a pass takes for at most 1.25x the cost
-    of one (a GPU's: dozens; SmolLM2 on 2 cores with bf16 units, in bf16: 4 to 8; without: 1)
-    the speed-up ReFusion can reach at --tpf with passes of --pass_mix tokens, against the fastest
-    next-token decoding the machine offers (the cheapest 1-token pass of any dtype)
-    which dtype --dtype=auto takes here and why (support.hardware: a rule, bf16 where the device
-    multiplies it natively), beside the faster one for ReFusion decoding by these costs, and the
-    --dtype to pass where they differ
-
-with the machine: CPU model, the code paths torch takes (AVX2, AVX512, AVX512 BF16, AMX: a CPU
-whose kind ends in BF16 or AMX multiplies bf16 natively) or the GPU's name. --plot draws the
-curve (matplotlib), --json prints the figures as one JSON object. docs/benchmark.md, "What a
-forward pass costs", explains the curve with two CPU kinds measured.
+For each dtype it times one cached forward pass of k tokens after prompt_len cached ones, for every
+k in fed (the median of repeats, interleaved), and prints the machine, the ms of each pass, the
+"free" tokens (the most a pass takes for at most 1.25x the cost of one), the speed-up ReFusion can
+reach at --tpf with passes of --pass_mix tokens against the fastest next-token decoding, and the
+dtype --dtype=auto takes here beside the faster one by these costs. --plot draws the curve
+(matplotlib), --json prints the figures as one JSON object.
 """
 
 import copy
@@ -86,9 +75,8 @@ def check_probe_config(cfg):
 
 def load(cfg):
     """(float32 model in eval mode on cfg["device"], its name) from --init_from (a Hugging Face
-    folder, or as train.py's --init_from a run's out_dir or ckpt.pt) or --out_dir.
-    Raises ValueError for a masked diffusion model's checkpoint: it runs neither decoding the probe
-    prices (a cached pass serves ReFusion and next-token decoding alone)."""
+    folder, a run's out_dir or ckpt.pt) or --out_dir. Raises ValueError for an MDM's checkpoint (it
+    makes no cached pass)."""
     source = cfg["init_from"] or cfg["out_dir"]
     if cfg["init_from"] and os.path.isfile(os.path.join(source, "config.json")):
         return from_pretrained(source).to(cfg["device"]), source
@@ -129,8 +117,9 @@ def probe(cfg):
 def report_text(r):
     """The probe's figures as the tables it prints."""
     host = r["machine"]
-    where = host["gpu"] if r["device"].startswith("cuda") else \
-        f"{host['processor']}, {host['cpu_kind']} (torch's capability {host['cpu_capability']})"
+    where = (host["gpu"] if r["device"].startswith("cuda") else
+             f"{host['processor']}, {host['cpu_kind']} "
+             f"(torch's capability {host['cpu_capability']})")
     fed = list(next(iter(r["ms"].values())))
     lines = [f"{r['model']} ({r['params_m']:.1f}M parameters) on {r['device']}: {where}, "
              f"{host['cpu_threads']} threads, torch {host['torch']}", "",
