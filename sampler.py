@@ -1,24 +1,16 @@
 """
-The decoders (SPEC section 4): ReFusion's decoding on one screen, then the same with the KV cache as
-named steps, then the baselines, their settings and the command line.
+The decoders (SPEC section 4): ReFusion on one screen, the same with the KV cache as named steps,
+the baselines, their settings, and the command line.
 
     generate_refusion_plain  the paper's algorithm in one function: no cache, no extension
-    generate_refusion        the same with the KV cache: serial blocks, one after another
-    decode_serial_block      one serial block: plan, verify, infill (if verify commits none), commit
-    plan_slots       step 1  one diffusion step over the masked slots: draft, select the confident
-    verify_drafts    step 2  one causal pass over the selected drafts: their longest passing prefix
-    infill_slots     step 3  finish the selected slots in parallel, left to right, a cache row each
-    commit_slots     step 4  record the finished slots, whose keys/values now follow the buffer
-    SpeculativeInfill        infill="speculative" (SPEC 4.1, beyond the paper): one object, or None
+    generate_refusion        the same with the KV cache, serial block after serial block
+    plan_slots, verify_drafts, infill_slots, commit_slots    steps 1 to 4
+    SpeculativeInfill        infill="speculative" (SPEC 4.1, beyond the paper)
     generate_next_token, generate_mdm    the baselines: next-token decoding, LLaDA-style MDM
-    main, DEFAULTS, make_decoder         the command line: its settings, the decoder of --method
+    DEFAULTS, make_decoder, main         the command line
 
     python sampler.py config/sample_quotes.py            # the quick start's model, 10 prompts
-    python sampler.py config/sample_quotes.py --show --num_samples=1 --plot=decode.png
     python sampler.py --init_from=smollm2 --chat --prompt="What is a hash table?"   # a real model
-
-What the command line needs besides the decoders (models, prompts, the live trace, printing) is
-support/sampling.py; many prompts at once (--batch_size, SPEC 4.2) is support/batching.py.
 """
 
 import math
@@ -209,12 +201,10 @@ def first_eos_row(tokens, accepted, eos_ids):
 @torch.inference_mode()
 def generate_refusion(model, prompt, settings, *, mask_id, eos_ids, generator=None, on_step=None,
                       banned_ids=()):
-    """ReFusion's decoding of one prompt (token ids) with the KV cache (SPEC section 4). model: a
-    causal DecoderModel in eval mode; settings: RefusionSettings; mask_id: fed at masked positions;
-    eos_ids: tuple; generator: for temperature > 0; on_step: given each step's committed
-    (position, token) pairs; banned_ids: never generated, besides the mask id. Returns a
-    Generation of at most max_new_tokens tokens. Raises ValueError for a bidirectional model,
-    ContextTooLong past the model's context."""
+    """ReFusion's decoding of one prompt (token ids) with the KV cache (SPEC section 4). settings:
+    RefusionSettings; eos_ids: a tuple; generator: for temperature > 0; on_step: called with each
+    step's (position, token) pairs; banned_ids: never drafted, besides mask_id. Returns a
+    Generation. Raises ValueError for a bidirectional model, ContextTooLong past its context."""
     check_attention(model, "refusion")
     check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
@@ -255,10 +245,9 @@ def decode_serial_block(state, pool, settings):
 
 
 class DecodeState:
-    """What the decoder carries from step to step (SPEC section 4, "State"): the committed buffer
-    as `response` (true position -> token) and the cache's row 0 (`cache.length` is its length);
-    `pending`, the prompt until the first plan feeds it; nfe; per step its trace and step_nfe;
-    speculative, a SpeculativeInfill or None."""
+    """What a decode carries from step to step (SPEC section 4, "State"): the committed response
+    (position -> token) and the cache, whose row 0 is the buffer; pending, the prompt until the
+    first plan feeds it; nfe, trace, step_nfe; speculative (a SpeculativeInfill or None)."""
 
     def __init__(self, model, prompt, settings, mask_id, eos_ids, generator, on_step, banned_ids):
         self.model = model
@@ -325,11 +314,9 @@ def plan_slots(state, pool, slot_threshold):
 
 
 def verify_drafts(state, starts, at, drafts, token_threshold):
-    """Step 2, verify: one causal pass over the drafts (k, S) int64 of the slots at true starts
-    (at: (k, S) int64 their positions), concatenated. Its longest passing prefix commits the
-    slots up to the first EOS, or the whole slots it covers (their keys/values stay cached); if
-    none, the Commit is empty. Returns (commit, accepted: (k,) int64 each slot's own accepted
-    prefix, for infill_slots)."""
+    """Step 2, verify: one causal pass over the selected drafts (k, S) int64 at positions at (k, S),
+    concatenated; the passing prefix's whole slots (or up to its EOS) commit, their keys/values
+    kept. Returns (Commit, possibly empty; accepted (k,) int64, each slot's own passing prefix)."""
     k, S = drafts.shape
     buffer_length = state.cache.length
     # One causal pass over the selected drafts, concatenated.
@@ -349,10 +336,8 @@ def verify_drafts(state, starts, at, drafts, token_threshold):
 
 @dataclass
 class Commit:
-    """Finished slots, as verify_drafts or infill_slots hand them to commit_slots (SPEC step 4),
-    their keys/values already after the buffer in the cache's row 0, in slot order. starts: true
-    start positions, ascending; tokens: one list of ids per slot, cut after EOS; eos: the last slot
-    ends with EOS."""
+    """Finished slots, their keys/values already after the buffer in the cache's row 0 (SPEC step
+    4): starts (ascending), tokens (a list per slot, cut after EOS), eos (the last ends at EOS)."""
     starts: list[int]
     tokens: list[list[int]]
     eos: bool = False
@@ -360,10 +345,9 @@ class Commit:
 
 @dataclass
 class InfillRows:
-    """The slots of one parallel infill (SPEC step 3): row i of every field, and of the cache, is
-    slot i. Between passes: cache row i holds the buffer, then tokens[i, :shared], a prefix every
-    row has accepted; tokens[i, :accepted[i]] never change again; slot i commits
-    tokens[i, :lengths[i]] (S, or up to its EOS); accepted <= lengths."""
+    """The slots of one infill (SPEC step 3), row i of each field and of the cache slot i: cache row
+    i holds the buffer, then a prefix every row accepted; tokens[i, :accepted[i]] are final; slot i
+    commits tokens[i, :lengths[i]]."""
     starts: list[int]          # true start position of each slot, ascending
     positions: torch.Tensor    # (k, S) int64 true position of every token
     tokens: torch.Tensor       # (k, S) int64
@@ -386,10 +370,9 @@ class InfillRows:
 
 
 def infill_slots(state, starts, at, drafts, accepted, token_threshold):
-    """Step 3, parallel autoregressive infill: each selected slot (k true starts, at (k, S) their
-    positions; drafts (k, S) and accepted (k,) as verify judged them) in its own cache row after
-    the buffer, finished in at most S rounds of draft_rows, verify_rows, end_rows_at_eos and
-    kept_prefix. Returns a Commit of the k' <= k finished slots, in the cache's row 0."""
+    """Step 3, parallel infill: each selected slot (starts; at, drafts (k, S); accepted (k,) from
+    verify) in its own cache row, finished in at most S rounds of draft_rows, verify_rows,
+    end_rows_at_eos, kept_prefix. Returns the Commit of the slots kept, in the cache's row 0."""
     k, S = drafts.shape
     buffer_length = state.cache.length          # the committed buffer, shared by every row
     # Each selected slot in a row of its own, from what verify accepted of it.
@@ -505,11 +488,10 @@ def commit_slots(state, commit):
 
 
 class SpeculativeInfill:
-    """SPEC section 4.1: the next-token pathway writes each infill round's forced token, as the
-    target model corrects a rejected draft in speculative decoding. Each of the paper's steps calls
-    one method. frontier: the first uncommitted response position; next_logits: (position, (V,)),
-    the prediction for the frontier made seeing every position before it, or None; ends: the step's
-    logits (V,) at the end of each slot it commits that saw the slots committed before it."""
+    """infill="speculative" (SPEC section 4.1): each of the paper's steps calls one method.
+    frontier: the first uncommitted response position; next_logits: (position, (V,) logits)
+    predicting it from every position before it, or None; ends: the logits (V,) at the end of each
+    slot the step commits that saw the slots committed before it."""
 
     def __init__(self, prompt_len):
         self.frontier = prompt_len
@@ -597,12 +579,10 @@ GPU_EOS_EVERY = 16
 @torch.inference_mode()
 def generate_next_token(model, prompt, settings, *, eos_ids, generator=None, on_step=None,
                         banned_ids=()):
-    """Next-token decoding with the KV cache: the ARM baseline (SPEC section 4). settings:
-    DecodeSettings. The prompt's prefill predicts the first token, then one pass per token, drawn
-    as draft_tokens does, never banned_ids, until EOS or max_new_tokens; EOS is looked for every
-    settings.eos_every tokens (with on_step, every token). Returns a Generation, one (position,
-    token) pair per step. Raises ValueError for a bidirectional model, ContextTooLong past the
-    context."""
+    """Next-token decoding with the KV cache, the ARM baseline (SPEC section 4): a prefill, then one
+    pass a token, drawn as draft_tokens draws, until EOS or max_new_tokens; EOS is looked for every
+    settings.eos_every tokens (every token with on_step). Returns a Generation, a step a token.
+    Raises ValueError for a bidirectional model, ContextTooLong past its context."""
     check_attention(model, "next_token")
     check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
@@ -652,15 +632,11 @@ def tokens_per_step(n_masked, steps):
 @torch.inference_mode()
 def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, on_step=None,
                  banned_ids=()):
-    """LLaDA-style masked-diffusion decoding with low-confidence remasking: the MDM baseline.
-    settings: MDMSettings. prompt + max_new_tokens masks, recomputed whole at every step (no
-    cache; NFE = steps). Each step drafts every masked position of the current semi-autoregressive
-    block (as draft_tokens does; never the mask id or banned_ids; from the position's own logits,
-    or with settings.mdm_shift the previous position's, as Dream) and commits the k most confident
-    (tokens_per_step; by settings.confidence, dream_confidence); the blocks go left to right.
-    Cut after the first EOS. Returns a Generation, each step's committed (position, token) pairs
-    in its trace (and to on_step). Raises ValueError for a causal model or a prompt + generation
-    longer than the context."""
+    """LLaDA-style masked diffusion with low-confidence remasking, the MDM baseline (SPEC 4): the
+    prompt and max_new_tokens masks recomputed whole each step (NFE = steps); a step drafts the
+    masked positions of the current semi-autoregressive block (from position p - 1's logits with
+    settings.mdm_shift) and commits the k most confident (tokens_per_step; settings.confidence).
+    Returns a Generation. Raises ValueError for a causal model, ContextTooLong past its context."""
     check_attention(model, "mdm")
     check_context(model, len(prompt), settings)
     t0 = time.perf_counter()
@@ -705,10 +681,9 @@ def generate_mdm(model, prompt, settings, *, mask_id, eos_ids, generator=None, o
 
 @dataclass
 class DecodeSettings:
-    """What every decoder needs: max_new_tokens (> 0; at most this many tokens are returned) and
-    temperature (0: argmax; > 0, finite: Gumbel-max in float64, SPEC section 4); the next-token
-    baseline's eos_every (>= 1, or None: every token on a CPU, GPU_EOS_EVERY on a GPU). Raises
-    ValueError when a value cannot work."""
+    """What every decoder takes (SPEC section 4): max_new_tokens, temperature (0: argmax, else
+    Gumbel-max), and next-token decoding's eos_every (None: every token on a CPU, GPU_EOS_EVERY on
+    a GPU). Raises ValueError naming the setting and the fix (check_decode_settings)."""
     max_new_tokens: int
     temperature: float = 0.0
     eos_every: int | None = None
@@ -724,13 +699,9 @@ class DecodeSettings:
 
 @dataclass
 class RefusionSettings(DecodeSettings):
-    """ReFusion's knobs (SPEC section 4): slot_size (S), serial_num_blocks, the two thresholds and
-    the infill: "paper" (the default: the paper's and the authors' code) or "speculative" (SPEC
-    4.1). gen_length is max_new_tokens rounded up to whole serial blocks of whole slots.
-    Thresholds are probabilities compared with `>`: any finite value >= 0, 1 or more meaning
-    "never" (one slot per plan step / only forced tokens accepted).
-    Raises ValueError naming the setting and the fix.
-    """
+    """ReFusion's knobs (SPEC section 4): slot_size (S), serial_num_blocks, slot_threshold and
+    token_threshold (compared with `>`; >= 1 means never), infill ("paper", or "speculative":
+    SPEC 4.1). Raises ValueError naming the setting and the fix (check_refusion_settings)."""
     slot_size: int = 8
     serial_num_blocks: int = 1
     slot_threshold: float = 0.9
@@ -759,12 +730,9 @@ class RefusionSettings(DecodeSettings):
 
 @dataclass
 class MDMSettings(DecodeSettings):
-    """LLaDA's schedule (SPEC section 4, "Baseline decoders"): `steps` denoising steps over
-    semi-autoregressive blocks of `block_length` tokens, decoded left to right. steps None: one
-    token per step; block_length None: one semi-autoregressive block. block_length must divide
-    max_new_tokens, the number of blocks must divide steps, and steps <= max_new_tokens.
-    Raises ValueError naming the setting and the fix.
-    """
+    """LLaDA's schedule (SPEC section 4, "Baseline decoders"): `steps` denoising steps (None: one
+    token a step) over semi-autoregressive blocks of `block_length` tokens (None: one block).
+    Raises ValueError naming the setting and the fix (check_mdm_settings)."""
     steps: int | None = None
     block_length: int | None = None
     mdm_shift: bool = False  # Dream's shifted prediction (SPEC section 3): the model's, not a knob
@@ -789,11 +757,9 @@ class MDMSettings(DecodeSettings):
 
 @dataclass
 class Generation:
-    """The result of one decode and its statistics (SPEC section 4, "Statistics"): tokens (the
-    response's ids in position order, cut after the first EOS), nfe (forward passes, the prefill
-    included), seconds (wall clock), trace (per step, the (true position, token) pairs it
-    committed), step_nfe (per step, its forward passes), cache_bytes (the most bytes its KV cache
-    held; 0 for the MDM, which has none)."""
+    """One decode's result (SPEC section 4, "Statistics"): tokens (cut after the first EOS), nfe,
+    seconds, trace (per step its (position, token) pairs), step_nfe (per step its passes),
+    cache_bytes (the most its KV cache held; 0 for the MDM)."""
     tokens: list[int]
     nfe: int
     seconds: float
@@ -817,10 +783,8 @@ class Generation:
 
 
 def ban(scores, token_ids):
-    """Set scores[..., id] = -inf for each id, in place, and return scores (..., V) about to be
-    maximized, so no banned token is chosen; confidences stay the raw softmax probabilities (SPEC
-    section 4). ReFusion and the MDM ban the mask id; the command line also bans the pad id.
-    token_ids: (n,) int64 on the scores' device (the decoders make it once), or a list."""
+    """Set scores[..., id] = -inf for each banned id, in place, and return scores (..., V).
+    token_ids: (n,) int64 on scores' device, or a list."""
     if not torch.is_tensor(token_ids):
         token_ids = torch.tensor(list(token_ids), dtype=torch.long, device=scores.device)
     return scores.index_fill_(-1, token_ids, -math.inf)
@@ -844,10 +808,9 @@ def draft_tokens(logits, temperature, generator, banned=()):
 
 
 def dream_confidence(logits, tokens, rule, banned=()):
-    """Dream's confidence in each drafted token (SPEC section 4, "Baseline decoders"): logits
-    (N, V), tokens (N,) int64 drafted from them -> (N,) float32. rule "margin": the token's raw
-    softmax probability minus that of the most probable other token not `banned`; "entropy": minus
-    the entropy (nats) of the raw softmax. Raises ValueError for another rule."""
+    """Dream's confidence (SPEC section 4): logits (N, V), tokens (N,) int64 drafted from them ->
+    (N,) float32: "margin", the token's raw probability minus the best other's (not banned);
+    "entropy", minus the softmax's entropy. Raises ValueError for another rule."""
     probs = torch.softmax(logits.float(), dim=-1)
     if rule == "entropy":
         return (probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
@@ -941,11 +904,10 @@ def decoder_settings(cfg):
 
 
 def make_decoder(cfg, ids, generator):
-    """(decode, its settings) for cfg["method"] and cfg's knobs: decode(model, prompt,
-    generator=None, on_step=None) -> Generation. ids: {"eos_ids", "mask_id", "pad_id",
-    optionally "undecodable_ids"}: the mask and pad ids and the undecodable ones are never
-    generated (unless one is an EOS). Raises ValueError for an unknown method, ReFusion or MDM
-    without a mask token, or invalid settings."""
+    """(decode, settings) of cfg["method"]: decode(model, prompt, generator=None, on_step=None) ->
+    Generation. ids: {"eos_ids", "mask_id", "pad_id", "undecodable_ids" (optional)}: all but the
+    EOS ids are banned. Raises ValueError for an unknown method, a decoder that needs a mask id
+    the model lacks, or invalid settings."""
     settings = decoder_settings(cfg)
     if cfg["method"] != "next_token" and ids["mask_id"] is None:
         raise ValueError(f"--method={cfg['method']}: this model has no mask token (a plain "
