@@ -1,17 +1,11 @@
 """
-Many prompts at once (SPEC section 4.2, beyond the paper, opt-in: --batch_size): the one-prompt
-decoders of sampler.py, unchanged, with the forward passes of a batch's prompts run together.
+Many prompts at once (SPEC section 4.2, opt-in: --batch_size): each prompt runs sampler.py's
+one-prompt decoder in its own thread, on a BatchedModel, and the passes they wait for run together.
 
     generate_batch(model, decode, prompts, batch_size)   the Generations, in prompt order
     decode_together                                      one batch: a thread per prompt
     forward_batch, pad_passes, padded_pass               the passes they wait for, together
     BatchedCache                                         their KV caches side by side, padded
-
-Each prompt runs `decode` in its own thread, on a BatchedModel that posts its forward passes and
-waits. When every prompt still decoding waits (whatever its step: a plan, a verify, an infill
-round, a next token, a denoising step), forward_batch runs their passes (on a GPU as one padded
-pass per kind; on a CPU in passes of similar lengths, at most CPU_PAD of padding computed) and each
-prompt goes on with its own logits. So each prompt takes the steps and the NFE it takes alone.
 """
 
 import math
@@ -24,25 +18,16 @@ import torch.nn.functional as F
 from kvcache import KEY_BUCKET, round_up
 
 
-CPU_PAD = 0.125  # on a CPU a pass may compute this share of padding (generate_batch, pad_passes)
+CPU_PAD = 0.125  # the share of padding a pass may compute on a CPU, where it costs about its tokens
 
 
 def generate_batch(model, decode, prompts, batch_size, generators=None, forwards=None, pad=None):
-    """Decode prompts batch_size at a time with the one-prompt decoder `decode`, the forward passes
-    a batch's prompts wait for run together (SPEC section 4.2), in passes that compute at most a
-    share pad of padding (forward_batch's pad; None: inf, one padded pass per kind, on a GPU, where
-    a wider pass is nearly free; CPU_PAD elsewhere, where a pass costs about its tokens).
-
-    model: the Transformer. decode(model, prompt, generator=None) -> Generation: a one-prompt
-    decoder as sampler.make_decoder returns it. prompts: list of token-id lists. generators: one
-    torch.Generator per prompt (its draws at temperature > 0 are its own), or None for decode's.
-    forwards: optional list; each pass run appends the indexes of the prompts it carried.
-    A prompt that finishes leaves its batch; the next batch starts when all of it has finished. At
-    temperature 0 the tokens are the one-prompt decoder's up to rounding: a pass of another shape
-    sums float32 (or bfloat16) in another order, which can flip a near tie (SPEC section 4.2).
-    Returns the Generations in prompt order; their seconds are each prompt's latency in its batch.
-    Raises ValueError for batch_size < 1; the first error a prompt's decode raised.
-    """
+    """Decode prompts (token-id lists) batch_size at a time with the one-prompt decoder `decode`
+    (sampler.make_decoder's), the forward passes they wait for run together (SPEC section 4.2).
+    generators: a torch.Generator per prompt, or None for decode's. forwards: optional list; each
+    pass appends the indexes of the prompts it carried. pad: forward_batch's; None: inf on a GPU,
+    CPU_PAD elsewhere. Returns the Generations in prompt order, their seconds each prompt's latency
+    in its batch. Raises ValueError for batch_size < 1, and the first error a decode raised."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: decode at least one prompt at a time")
     generators = generators or [None] * len(prompts)
@@ -84,19 +69,16 @@ class BatchAborted(Exception):
 
 
 def decode_together(model, decode, prompts, generators, forwards, pad):
-    """One batch of generate_batch: a thread per prompt, and this loop running their forward
-    passes. The threads take turns (one runs at a time, until its next forward pass or its end),
-    so they never contend for the interpreter. Returns their Generations in order; raises the
-    first error one of them raised."""
+    """One batch of generate_batch: a thread per prompt, taking turns (one runs until its next
+    forward pass or its end), and this loop running their passes. Returns their Generations in
+    order; raises the first error one of them raised."""
     inbox = queue.SimpleQueue()
     proxies = [BatchedModel(model, inbox, i) for i in range(len(prompts))]
 
     def work(i):
-        # One intra-op thread for the decoder's own small operations: a thread that runs an
-        # OpenMP-parallel operation keeps its team spinning for a while after it, so every
-        # prompt's thread would spin on the cores the batched forward pass needs (on 2 AVX512
-        # cores, next-token decoding at batch 4 took 2.1x as long). The batched forward passes run
-        # in the calling thread, whose own thread count this leaves as it is.
+        # one intra-op thread: a thread that ran an OpenMP operation keeps its team spinning on the
+        # cores the batched pass needs (2 AVX512 cores, next-token decoding at batch 4: 2.1x as
+        # long); the batched passes run in the calling thread, with its own thread count
         torch.set_num_threads(1)
         try:
             gen = {} if generators[i] is None else {"generator": generators[i]}
@@ -147,13 +129,11 @@ def decode_together(model, decode, prompts, generators, forwards, pad):
 
 
 def forward_batch(model, requests, pad=math.inf, passes=None, kept=None):
-    """The forward passes several prompts asked for, run together: per kind (with a KV cache or
-    not), in order of new tokens T_i, a pass takes the next request while its padded tokens stay
-    within (1 + pad) x its real ones (pad_passes). pad=inf: one padded pass per kind; 0: one pass
-    per length, no padding computed. requests: as padded_pass's. passes: optional list; each pass
-    run appends the indexes of the requests it carried. kept: padded_pass's, or None. Returns the
-    logits of each request, in order. A request alone in its pass runs on its own cache, not a
-    copy."""
+    """The forward passes several prompts asked for, run together in the passes pad_passes forms (a
+    request alone in its pass on its own cache). requests: as padded_pass's. pad: the share of
+    padding a pass may compute (inf: one padded pass per kind; 0: none). passes: optional list;
+    each pass appends the indexes of the requests it carried. kept: padded_pass's, or None.
+    Returns the logits of each request, in order."""
     out = [None] * len(requests)
     for members in pad_passes(requests, pad):
         members = sorted(members)  # in the requests' order: a kept BatchedCache's rows stay put
@@ -189,10 +169,9 @@ def pad_passes(requests, pad):
 
 
 def kept_cache(caches, lengths, T, kept):
-    """The BatchedCache for a pass of these caches (padded_pass), laid out for it: the one kept
-    for them since an earlier pass where it fits, else a new one, kept in place of any other that
-    holds one of them (a cache is kept side by side with others once at most, so that its
-    changed_from speaks of that copy). kept: dict, BatchedCache.key -> BatchedCache, or None."""
+    """The BatchedCache for a pass of these caches, laid out for it: the one in `kept` where the
+    pass fits, else a new one, kept in place of any other holding one of them (so that a cache's
+    changed_from speaks of its one copy). kept: dict, BatchedCache.key -> BatchedCache, or None."""
     key = BatchedCache.key(caches)
     cache = (kept or {}).get(key)
     if cache is None or not cache.start_pass(lengths, T):
@@ -208,16 +187,11 @@ def kept_cache(caches, lengths, T, kept):
 
 @torch.inference_mode()
 def padded_pass(model, requests, kept=None):
-    """One forward pass for the forward passes several prompts asked for.
-
-    requests: list of (idx (R_i, T_i) int64, position_ids (R_i, T_i) int64, KVCache or None,
-    logits_from f_i), all with a cache (ReFusion, next-token decoding) or none (the MDM). Rows are
-    padded to the longest T_i (token 0 at position 0); cached rows attend through a BatchedCache
-    (kept: the ones kept from pass to pass, kept_cache), uncached ones to every key but the
-    padding. The output layer runs from the smallest f_i on.
-    Returns the logits of each request: (R_i, T_i - f_i, V) float32 (views of one tensor).
-    Raises ValueError when some requests have a cache and others do not.
-    """
+    """One padded forward pass for several prompts' requests: a list of (idx (R_i, T_i) int64,
+    position_ids (R_i, T_i) int64, KVCache or None, logits_from f_i), all cached or all not. Rows
+    are padded to the longest T_i; cached rows attend through a BatchedCache (kept_cache), uncached
+    ones to every key but the padding. Returns each request's logits (R_i, T_i - f_i, V) float32,
+    views of one tensor. Raises ValueError for a mix of cached and uncached requests."""
     T = max(r[0].shape[1] for r in requests)
     starts = [r[3] % r[0].shape[1] for r in requests]  # logits_from -1: the last token
     first = min(starts)
@@ -246,18 +220,12 @@ def padded_pass(model, requests, kept=None):
 
 
 class BatchedCache:
-    """Several prompts' KVCaches side by side, for the passes they run together, kept from pass to
-    pass while the same caches (with the same rows) run together: each pass copies into it only
-    what a cache changed since (KVCache.changed_from) and its new tokens, not the whole caches.
-
-    caches: the prompts' KVCaches, cache i with R_i active rows; max_len: the tokens a row
-    holds.
-    kv: (n_layer, 2, sum R_i, n_kv_head, max_len, head_dim): row r of cache i holds the cache's
-    tokens at [0, P_i), as the cache does. A pass (start_pass) writes its T new tokens of every
-    row at [length, length + T), length = max P_i (a row's keys between P_i and length are masked,
-    and so are the last T - T_i new ones); after it (advance) each cache's own T_i new keys/values
-    move to [P_i, P_i + T_i), in the cache and here, as if it had been decoded alone.
-    """
+    """Several prompts' KVCaches side by side, kept from pass to pass while the same caches (with
+    the same rows) run together, each pass copying in only what a cache changed since
+    (KVCache.changed_from). caches: cache i with R_i rows and P_i tokens; max_len: a row's tokens.
+    kv: (n_layer, 2, sum R_i, n_kv_head, max_len, head_dim), cache i's tokens at [0, P_i). A pass
+    writes its T new tokens at [length, length + T), length = max P_i, the keys between masked;
+    advance moves each cache's T_i real ones to [P_i, P_i + T_i), here and in the cache."""
 
     def __init__(self, caches, max_len):
         self.caches = caches
@@ -295,8 +263,7 @@ class BatchedCache:
         return True
 
     def key_length(self, T):
-        """The keys a pass attends to: length + T rounded up to a multiple of KEY_BUCKET (at most
-        max_len), as KVCache.key_length."""
+        """length + T rounded up to a multiple of KEY_BUCKET, at most max_len (KVCache's)."""
         return min(round_up(self.length + T, KEY_BUCKET), self.max_len)
 
     def attention_mask(self, T):
@@ -332,8 +299,6 @@ class BatchedCache:
 
 
 def prompt_generator(device, seed, i):
-    """The random stream that prompt i is decoded with (temperature > 0): a torch.Generator of its
-    own, seeded with seed + i, so a sample depends neither on a warm-up decode nor on the prompts
-    decoded before it, and seed s decodes the first prompt as the API does with
-    generator=torch.Generator().manual_seed(s)."""
+    """Prompt i's random stream: a torch.Generator on device seeded with seed + i, so a sample
+    depends on no other decode and seed s decodes the first prompt as Generator().manual_seed(s)."""
     return torch.Generator(device).manual_seed(seed + i)

@@ -1,21 +1,15 @@
 """
-What the benchmarks (python -m tools.bench, tools.bench_pretrained, tools.bench_length,
-tools.probe, tools.gpu_report) measure; support/report.py turns it into tables and pictures.
+What the benchmarks (tools.bench, bench_pretrained, bench_length, probe, gpu_report) measure;
+support/report.py turns it into tables and pictures.
 
     train_or_reuse                       a benchmark's model: trained, reused or resumed
-    Timed, TimedModel                    calls (a model's forward passes) counted and timed
-    Point                                one decoder over the prompts, called prompt by prompt,
-                                         and its figures
-    peak_above                           the peak resident memory of a decode above the weights
-    hf_generate                          Hugging Face's generate on the same weights, measured
-                                         (support/hf_reference.py decodes)
-    point_config, refusion_sweep, confidence_points
-                                         the settings of a benchmark's points
-    decode_lines                         prompts decoded one at a time or in batches
-    batch_throughput, compiled_vs_eager  tokens/s and latency at batch 1, 4, 16, 64; compiled
-    pass_costs, model_pass_costs, free_tokens, refusion_speedups
-                                         what one forward pass costs against the tokens it is fed,
-                                         and what that allows ReFusion (python -m tools.probe)
+    Timed, TimedModel, Point             calls timed; one decoder over the prompts, its figures
+    peak_above, hf_generate              a decode's peak memory; Hugging Face's generate, measured
+    point_config, refusion_sweep, confidence_points   the settings of a benchmark's points
+    decode_lines, batch_throughput       prompts decoded alone or in batches: tokens/s, latency
+    compiled_vs_eager                    compiled decoding against eager
+    pass_costs, model_pass_costs, free_tokens, refusion_speedups   a pass's cost by its width
+    check_batch_settings                 refuse --tasks, --throughput_task or --batch_sizes
 """
 
 import json
@@ -39,13 +33,10 @@ from support.runs import hold_out_dir
 
 
 def train_or_reuse(train_main, train_defaults, flags, retrain=False):
-    """Train a benchmark's model with train.py's flags into their out_dir, unless it is there: a
-    finished model trained with the same settings (those flags give, but out_dir, data_root,
-    device and init_from) and after the checkpoint it starts from is reused, one interrupted
-    part-way is resumed, anything else is trained anew. train_main, train_defaults: train.main and
-    train.DEFAULTS (support/ does not import the scripts). Returns the training's wall-clock
-    minutes, a resumed model's across its runs (the checkpoint's train_minutes), a reused model's
-    as recorded when it was trained (out_dir/train_minutes.json)."""
+    """Train a benchmark's model with train.py's flags (train_main, train_defaults: train.main,
+    train.DEFAULTS) into their out_dir, unless a finished model of the same settings, newer than the
+    checkpoint it starts from, is there (reused) or an interrupted one (resumed); retrain: anew.
+    Returns the wall-clock minutes it took to train, over all its runs."""
     wanted = parse_args(train_defaults, flags)
     out, start = wanted["out_dir"], wanted["init_from"]
     same_keys = explicit_keys(wanted, train_defaults, flags) - {"out_dir", "data_root", "device",
@@ -86,17 +77,14 @@ def train_or_reuse(train_main, train_defaults, flags, retrain=False):
 
 
 def synchronize(device):
-    """Wait for the work queued on device where it is a GPU (a CPU's is done when a call
-    returns)."""
+    """Wait for the work queued on device where it is a GPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 class Timed:
-    """fn (a model, its forward, or any function) with its calls timed: seconds, the wall-clock
-    seconds of each call, waiting for the device before and after it, so that they hold the
-    device's work for that call and no other; results, what each call returned, where keep is
-    true (a forward pass's logits are not kept)."""
+    """fn with its calls timed: seconds, the wall-clock seconds of each call, the device waited for
+    before and after it; results, what each call returned, where keep is true."""
 
     def __init__(self, fn, device, keep=False):
         self.fn = fn
@@ -128,11 +116,9 @@ class TimedModel(Timed):
 
 
 class Point:
-    """One decoder of a benchmark over its prompts, called prompt by prompt (the benchmarks call
-    every point in turn): its forward passes timed (TimedModel, or Timed around Hugging Face's
-    forward), its outputs, seconds, NFE and the peak memory of its decodes above the loaded models.
-    model: a Transformer, or with decode None a Hugging Face model (hf_model); decode: a one-prompt
-    decoder as sampler.make_decoder returns it."""
+    """One decoder of a benchmark over its prompts, prompt by prompt: outputs, seconds, NFE, timed
+    forward passes, peak memory above the loaded models. model: a Transformer, or with decode None
+    a Hugging Face model (hf_model); decode: a one-prompt decoder (sampler.make_decoder's)."""
 
     def __init__(self, model, ids, max_new_tokens, decode=None):
         self.ids, self.max_new_tokens, self.decode = ids, max_new_tokens, decode
@@ -163,23 +149,20 @@ class Point:
         self.peak_mb = max(self.peak_mb, peak or 0.0)
 
     def warm_up(self, prompt):
-        """One untimed decode (the first forward passes pay one-time costs), then the timer
-        emptied."""
+        """One untimed decode (paying one-time costs), then the timer emptied."""
         self.run(prompt, 0)
         self.timer.seconds.clear()
 
     def measure(self, prompts):
-        """A warm-up on the first prompt, then every prompt in turn. Returns (the id lists without
-        EOS, figures())."""
+        """A warm-up on prompts[0], then every prompt. Returns (id lists without EOS, figures())."""
         self.warm_up(prompts[0])
         for i, prompt in enumerate(prompts):
             self(prompt, i)
         return [[t for t in o if t not in self.ids["eos_ids"]] for o in self.outs], self.figures()
 
     def figures(self):
-        """The point's speed figures so far: tokens, NFE (as the decoder counts it), TPF (tokens /
-        NFE), seconds, tokens/s, the forward calls the model saw (equal to NFE), ms per forward
-        pass and the share of decode time spent outside the model's forward passes."""
+        """The point's figures so far (dict): tokens, nfe, tpf, seconds, tokens_per_s,
+        forward_calls, ms_per_forward, bookkeeping_share (decode time outside forward passes)."""
         tokens = sum(len(o) for o in self.outs)
         forward_s = sum(self.timer.seconds)
         return {"tokens": tokens, "nfe": self.nfe, "tpf": tokens / self.nfe,
@@ -190,10 +173,9 @@ class Point:
 
 
 def pass_costs(models, prompt_len=64, fed=(1, 2, 4, 8, 16, 32, 64, 128), repeats=12):
-    """Milliseconds of one cached forward pass of k tokens after prompt_len cached ones, for every
-    model of models ({name: Transformer}, e.g. one per dtype) and every k in fed: the median of
-    repeats, interleaved (each round times every model and k once, in turn, after a first round
-    that warms up) so that all see the same machine load. Returns {name: {k: ms}}."""
+    """Milliseconds of one cached forward pass of k tokens after prompt_len cached ones, for each
+    model ({name: Transformer}) and k in fed: the median of repeats rounds, each timing every model
+    and k in turn after a warm-up round. Returns {name: {k: ms}}."""
     devices = {name: next(model.parameters()).device for name, model in models.items()}
     timers = {name: {k: Timed(model, devices[name]) for k in fed} for name, model in models.items()}
     caches = {}
@@ -230,19 +212,17 @@ def free_tokens(costs, ratio=1.25):
 
 
 def refusion_speedups(costs, tpf, pass_mix):
-    """What ReFusion decoding can reach against the fastest next-token decoding of these costs
-    ({name: {k: ms}}): at `tpf` tokens per forward pass, its passes fed the numbers of tokens in
-    pass_mix (each as often), it spends mean(cost of those passes) / tpf ms per token, against the
-    smallest cost of a 1-token pass. Returns {name: speed-up}."""
+    """What ReFusion decoding can reach against the fastest 1-token pass of these costs ({name: {k:
+    ms}}): at `tpf` tokens per forward, its passes fed the widths in pass_mix (each as often), a
+    token costs mean(their costs) / tpf. Returns {name: speed-up}."""
     best = min(c[1] for c in costs.values())
     return {name: best / (statistics.mean(c[k] for k in pass_mix) / tpf)
             for name, c in costs.items()}
 
 
 def hf_generate(model, prompts, ids, max_new_tokens):
-    """The reference a user would otherwise pick, over every prompt: hf_decode of hf_model(model),
-    measured as a Point. Returns (texts: the id lists without EOS, speed figures), or None without
-    transformers."""
+    """hf_decode of hf_model(model) over every prompt, measured as a Point. Returns (the id lists
+    without EOS, speed figures), or None without transformers."""
     hf = hf_model(model)
     return None if hf is None else Point(hf, ids, max_new_tokens).measure(prompts)
 
@@ -276,8 +256,7 @@ def peak_above(fn):
 
 def point_config(method, knobs, **extra):
     """sampler.make_decoder's config of one benchmark point: greedy, the paper's infill and no MDM
-    schedule unless knobs (the point's settings) say otherwise, then extra (max_new_tokens) and
-    the method."""
+    schedule, then knobs (the point's settings), extra (max_new_tokens) and the method."""
     return {"temperature": 0.0, "steps": 0, "block_length": 0, "infill": "paper", **knobs,
             **extra, "method": method}
 
@@ -309,9 +288,8 @@ def confidence_points(label, knobs, dream):
 
 
 def decode_lines(model, decode, prompts, batch_size):
-    """Every prompt decoded, batch_size at a time (support.batching.generate_batch), or at 1 each
-    prompt alone, the reference. Returns (Generations, the forward passes run: a batched pass
-    once, a prompt alone's NFE)."""
+    """Every prompt decoded, batch_size at a time (1: each alone). Returns (Generations, the
+    forward passes run: a batched pass once, a prompt alone's NFE)."""
     if batch_size == 1:
         outs = [decode(model, p) for p in prompts]
         return outs, sum(o.nfe for o in outs)
@@ -320,36 +298,28 @@ def decode_lines(model, decode, prompts, batch_size):
     return outs, len(passes)
 
 
-def batch_throughput(decoders, prompts, batch_sizes, rounds=1):
-    """Throughput and latency of each decoder decoding the first max(batch_sizes) prompts,
-    batch_size prompts at a time (the sizes above the prompts there are left out).
-
-    decoders: {label: (model, a one-prompt decoder as sampler.make_decoder returns it)}, greedy;
-    the first is the one "vs first" compares with. batch_sizes: ascending, the first 1 (each prompt
-    decoded alone, as the rest of the benchmark does: the reference). Interleaved: each round runs
-    every batch size, and in it every decoder, in turn; the figures are the median round's.
+def batch_throughput(decoders, prompts, batch_sizes):
+    """Throughput and latency of each decoder over the first max(batch_sizes) prompts, batch_size
+    at a time (sizes above the number of prompts left out), each size running every decoder.
+    decoders: {label: (model, one-prompt decoder)}, greedy. batch_sizes: ascending from 1.
     Returns {"n_prompts", "rows"}: a row per (decoder, batch size) with tokens, seconds (wall),
-    tokens_per_s, latency_ms (the mean over prompts of its decode's seconds: from its batch's
-    start to its end), vs_batch_1 (tokens/s over the decoder's at batch 1), vs_first (over the
-    first decoder's at the same batch size) and identical (the share of prompts whose tokens equal
-    their batch-1 decode's).
-    """
+    tokens_per_s, latency_ms (the mean of each prompt's seconds from its batch's start to its end),
+    vs_batch_1 and vs_first (tokens/s over the decoder's at batch 1, over the first decoder's at
+    this size) and identical (the share of prompts whose tokens equal their batch-1 decode's)."""
     prompts = prompts[:max(batch_sizes)]
     batch_sizes = [B for B in batch_sizes if B <= len(prompts)]
     print(f"decode in batches of {', '.join(map(str, batch_sizes))}: {len(prompts)} prompts",
           flush=True)
     runs = {}                                  # (label, batch size) -> decode_lines, timed
-    for _ in range(rounds):
-        for B in batch_sizes:
-            for label, (model, decode) in decoders.items():
-                device = next(model.parameters()).device
-                run = runs.setdefault((label, B), Timed(decode_lines, device, keep=True))
-                run(model, decode, prompts, B)
+    for B in batch_sizes:
+        for label, (model, decode) in decoders.items():
+            device = next(model.parameters()).device
+            runs[label, B] = Timed(decode_lines, device, keep=True)
+            runs[label, B](model, decode, prompts, B)
     rows = []
     for (label, B), run in runs.items():
-        # the median round's seconds and Generations
-        by_time = sorted(zip(run.seconds, run.results), key=lambda t: t[0])
-        seconds, (outs, _) = by_time[len(by_time) // 2]
+        seconds = run.seconds[0]
+        outs, _ = run.results[0]
         alone = runs[label, batch_sizes[0]].results[0][0]
         tokens = sum(len(o.tokens) for o in outs)
         rows.append({"decoder": label, "batch_size": B, "tokens": tokens, "seconds": seconds,
@@ -368,13 +338,11 @@ def batch_throughput(decoders, prompts, batch_sizes, rounds=1):
 
 
 def compiled_vs_eager(decoders, prompts):
-    """Each decoder eager and compiled (support.compiled.CompiledModel, a fresh one per decoder, so
-    that its graphs are its own), greedy, over the prompts: first an untimed decode of every prompt
-    through the CompiledModel (what compiling costs: its graphs and seconds), then each prompt
-    eager and compiled in turn. decoders: {label: (model, a one-prompt decoder)}. Returns
-    {"n_prompts", "rows"}, a row per decoder: tokens_per_s (eager), compiled_tokens_per_s,
-    vs_eager, identical (the share of prompts whose tokens equal the eager decode's), graphs,
-    compile_s."""
+    """Each decoder ({label: (model, one-prompt decoder)}) eager and compiled (a fresh
+    CompiledModel each), greedy: an untimed decode of every prompt compiles the graphs, then each
+    prompt runs eager and compiled in turn. Returns {"n_prompts", "rows"}: per decoder
+    tokens_per_s (eager), compiled_tokens_per_s, vs_eager, identical (the share of prompts equal to
+    eager), graphs and compile_s."""
     rows = []
     for label, (model, decode) in decoders.items():
         compiled = CompiledModel(model)
@@ -401,5 +369,3 @@ def check_batch_settings(cfg):
     if not sizes or sizes[0] != 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
         raise ValueError(f"--batch_sizes={','.join(map(str, sizes))}: give ascending batch sizes "
                          "from 1 (the one-prompt reference), e.g. --batch_sizes=1,4,16,64")
-
-

@@ -1,47 +1,15 @@
 """
-Compiled decoding (SPEC section 4.3, beyond the paper, opt-in: --compile in sampler.py, tools.probe
-and the benchmarks): the model's forward pass under torch.compile, for every decoder of sampler.py,
-unchanged.
+Compiled decoding (SPEC section 4.3, opt-in: --compile in sampler.py, tools.probe and the
+benchmarks): sampler.py's decoders, unchanged, on a model whose forward passes run as
+torch.compile graphs on few shapes.
 
     CompiledModel(model)            the model as the decoders call it, each pass run by a graph
-    bucket(T)                       the length a pass of T tokens is padded to
-    CompiledModel.graphs            the graphs compiled so far (one per bucket and kind of pass)
+    bucket(T)                       the width a pass of T tokens is padded to (before its tokens)
+    check_compile(cfg)              turn off a --compile that cannot run here
 
-A compiled graph is fast for the shapes it was compiled for and recompiles for others, and a decode
-feeds many: every pass of ReFusion has its own width (a plan's masks, a verify's drafts, an infill
-round's rows), its cache its own length. So, as gpt-fast does, the shapes are bounded:
-
-- A pass of T <= WIDE tokens is padded to bucket(T) (1, 8, 16, 32): the padding goes *before* the
-  real tokens, so that the last input token is the last real one (a prefill's logits); no real
-  query sees it, and its keys/values are dropped. A wider pass (a prefill, a plan over many
-  slots) runs unpadded in one graph with a dynamic width: where a pass is bound by its
-  arithmetic, padding costs what it saves. (2 AVX512 cores; ReFusion-SmolLM2 in bf16, 8 prompts:
-  1.13x eager with WIDE = 32, 0.94x with buckets up to 128. The quick start's model, float32:
-  1.08x with 32, 1.07x to 1.36x in three runs up to 128, 1.01x with every pass of 2 tokens or
-  more in the dynamic graph.)
-- The KV cache is read, not written, inside the graph: a pass attends to the whole cache tensor
-  and its own new keys, masked to the P cached tokens and causally among the new ones, and the
-  real tokens' keys/values are written after the pass. The cache's length and rows (one per
-  infilled slot) are dynamic dimensions, so a new prompt length compiles nothing new.
-- The output layer runs for the last token only (logits_from=-1) or for all, sliced after.
-
-On CUDA the graphs run as CUDA graphs (torch.compile's "reduce-overhead": a pass is one launch,
-not hundreds). A CUDA graph reads and writes fixed addresses, which asks three things of the
-decoding around it:
-
-- each pass starts with torch.compiler.cudagraph_mark_step_begin(), and the next pass writes its
-  outputs where the last one's were: a decoder copies what it keeps past a pass (sampler.py's
-  SpeculativeInfill clones the logits it keeps; tests/test_compiled.py poisons every output at the
-  next pass to prove that no decoder reads a stale one);
-- the KV cache is a static tensor, every row allocated, one per (max_len, max_batch) kept for
-  every decode (new_kv_cache), written in place between passes, never copied into the graph;
-- the shapes are few: bucketed widths (above, bucket), and decoders' caches of bucketed
-  lengths (kvcache.cache_length), so that a graph is recorded once per shape and replayed after.
-
-So a decode setting compiles a few graphs: one per bucket it feeds, per kind of pass (with a KV
-cache or without, the last token's logits or all) and per rows (1, or more: ReFusion's infill).
-Greedy tokens equal eager decoding's up to rounding: a padded, compiled pass sums in another order,
-which can flip a near tie (SPEC section 4.2 says the same of batching).
+The KV cache is read inside the graph and the real tokens' keys/values written after it. On CUDA
+the graphs are CUDA graphs: the next pass overwrites a pass's outputs (a decoder clones what it
+keeps), and every decode reuses one static KV tensor per (max_len, max_batch).
 """
 
 import os
@@ -56,7 +24,8 @@ from kvcache import KVCache
 
 
 # a pass of more tokens than WIDE keeps its width (bucket): where a pass is bound by its arithmetic,
-# padding costs what it saves
+# padding costs what it saves (2 AVX512 cores, ReFusion-SmolLM2 in bf16, 8 prompts: 1.13x eager with
+# WIDE = 32, 0.94x with buckets up to 128)
 WIDE = 32
 
 
@@ -71,10 +40,8 @@ def bucket(T):
 
 
 def check_compile(cfg):
-    """--compile=True where torch.compile cannot run (an unsupported Python, or no C compiler for a
-    CPU run) becomes False, with a warning: running without it gives the same results, slower.
-    Under lowered CPU code paths (ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA set) Inductor keeps its
-    compiled kernels in a folder of those settings (separate_compile_cache)."""
+    """Turn cfg["compile"] off, with a warning, where torch.compile cannot run (an unsupported
+    Python, or no C compiler for a CPU run); else separate_compile_cache."""
     cpu = not cfg["device"].startswith(("cuda", "mps"))
     if cfg["compile"] and (not torch._dynamo.is_dynamo_supported()
                            or (cpu and not (shutil.which("cc") or shutil.which("gcc")))):
@@ -91,11 +58,9 @@ ISA_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 
 def separate_compile_cache():
     """Where ISA_SETTINGS are set and TORCHINDUCTOR_CACHE_DIR is not, point Inductor's cache at a
-    folder named after them (beside its default, torchinductor_<user> in the temporary folder;
-    one set by the user is kept):
-    kernels it compiled under other code paths, found in a shared cache, gave NaN losses under
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (torch 2.13, an AVX-512 CPU). Returns the
-    folder set, or None where nothing was changed."""
+    folder beside its default named after them. Returns the folder set, or None."""
+    # kernels compiled under other code paths, found in a shared cache, gave NaN losses under
+    # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (torch 2.13, an AVX-512 CPU)
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     settings = [f"{name.lower()}-{os.environ[name].lower()}" for name in ISA_SETTINGS
                 if os.environ.get(name)]
@@ -109,10 +74,9 @@ def separate_compile_cache():
 
 
 class NewKeys:
-    """The KV cache as a compiled pass sees it: read-only. A layer's new keys/values are kept (to
-    be written to the cache after the pass, outside the graph) and attended after the whole cache
-    (the mask hides what a query may not see). kv: the KVCache's tensor, (n_layer, 2, rows,
-    n_kv_head, L, head_dim)."""
+    """The KV cache as a compiled pass sees it: read-only. update keeps a layer's new keys/values
+    (written to the KVCache after the pass) and returns them after the whole cache. kv: the
+    KVCache's tensor, (n_layer, 2, rows, n_kv_head, L, head_dim)."""
 
     def __init__(self, kv):
         self.kv, self.new = kv, []
@@ -128,21 +92,16 @@ class NewKeys:
 
 
 class CompiledModel:
-    """A Transformer whose forward passes run as compiled graphs on bucketed shapes (module doc).
+    """A Transformer whose forward passes run as compiled graphs on bucketed shapes, called as the
+    Transformer is: (idx (B, T) int64, position_ids (B, T) int64, kv_cache=None, attn_mask=None,
+    logits_from=0) -> logits (B, T - logits_from, vocab_size) float32; new_kv_cache likewise.
+    Raises ValueError for a pass with both a KV cache and attn_mask (batched decoding)."""
 
-    Called as the Transformer is: (idx (B, T) int64, position_ids (B, T) int64, kv_cache=None,
-    attn_mask=None, logits_from=0) -> logits (B, T - logits_from, vocab_size) float32, and
-    new_kv_cache(max_len, max_batch) as the Transformer's. A pass with both a KV cache and
-    attn_mask (batched decoding, support/batching.py) is not taken: ValueError.
-    """
-
-    def __init__(self, model, mode=None):
-        """mode: torch.compile's; None takes "reduce-overhead" on CUDA (CUDA graphs: one launch a
-        pass) and the default elsewhere."""
+    def __init__(self, model):
         device = next(model.parameters()).device
-        if mode is None and device.type == "cuda":
-            mode = "reduce-overhead"
-        self.cuda_graphs = mode == "reduce-overhead" and device.type == "cuda"
+        # on CUDA, CUDA graphs: one launch a pass
+        self.cuda_graphs = device.type == "cuda"
+        mode = "reduce-overhead" if self.cuda_graphs else None
         self.model, self.config, self.parameters = model, model.config, model.parameters
         self.static = {}  # (max_len, max_batch) -> the KV tensor every decode's cache reuses
         model.rope_tables(device)  # built here, not inside a graph
@@ -151,9 +110,8 @@ class CompiledModel:
         self.compiled = torch.compile(self._forward, mode=mode, dynamic=False)
 
     def new_kv_cache(self, max_len, max_batch=1):
-        """An empty KVCache as the model's. With CUDA graphs, over one tensor per (max_len,
-        max_batch), every row allocated, kept for every decode (decodes run one at a time: a
-        compiled model takes no batch), whose address the graphs read (module doc)."""
+        """An empty KVCache as the model's; with CUDA graphs over one tensor per (max_len,
+        max_batch), every row allocated, reused by every decode (the graphs read its address)."""
         if not self.cuda_graphs:
             return self.model.new_kv_cache(max_len, max_batch)
         if (max_len, max_batch) not in self.static:
@@ -189,6 +147,7 @@ class CompiledModel:
     def __call__(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0):
         B, T = idx.shape
         pad, device = bucket(T) - T, idx.device
+        # padding before the real tokens: the last input token is the last real one
         idx, position_ids = F.pad(idx, (pad, 0)), F.pad(position_ids, (pad, 0))
         if kv_cache is not None:
             if attn_mask is not None:

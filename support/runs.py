@@ -1,7 +1,5 @@
 """
-What train.py's command line needs besides the objective and the loop: the settings' checks, the
-out_dir a run holds, where a run starts (--init_from: scratch, resume, a checkpoint, a Hugging Face
-folder), processes under torchrun, FSDP, signals, and the checkpoint it saves.
+train.py's command line besides the objective and the loop.
 
     take_resumed_settings(...) --init_from=resume: the checkpoint's settings, before the checks
     check_train_config(cfg)    refuse settings that cannot work, before any data is prepared
@@ -46,9 +44,8 @@ from support.tokenizer import TOKENIZERS, get_tokenizer, vocab_size
 OBJECTIVES = ("refusion", "ar", "mdm")
 # the model's shape, which --init_from=PATH takes from its checkpoint
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "qk_norm", "rope_theta")
-# settings a resumed run cannot change (a flag that contradicts one is refused); data_root may move
-# what a resumed run keeps: the model, its data, and every setting that changes what a label or an
-# output means (the objective and its layouts; mdm_shift: the output at i predicts token i + 1)
+# what a resumed run keeps (a flag that contradicts one is refused): the model, its data, and what a
+# label or an output means (the objective, its layouts, mdm_shift); data_root may move
 RESUME_KEYS = MODEL_KEYS + ("objective", "dataset", "tokenizer", "slot_sizes", "slot_end_labels",
                             "ar_fraction", "gen_length", "mdm_shift")
 
@@ -103,13 +100,11 @@ def check_train_config(cfg):
 
 
 def reuse_freed_memory():
-    """Keep the memory a training step frees for the next step, instead of giving it back to the
-    operating system. glibc returns every freed block over 32 MB (a batch's logits and their
-    gradient, the embedding's gradient) at once, and the next step faults it in again page by page:
-    for SmolLM2 on 2 CPU cores a step then takes 3.1 s, most of the extra in system time, against
-    1.6 to 1.9 s with the memory kept (docs/pretrained.md). mallopt without mmap and with a 1 GB
-    trim threshold keeps it, as PyTorch's CPU tuning guide does by preloading jemalloc or
-    tcmalloc. Returns True when applied; a C library other than glibc (macOS) is left as it is."""
+    """Keep the memory a training step frees for the next step instead of returning it to the
+    operating system (glibc's mallopt: no mmap, a 1 GB trim threshold). Returns True when applied,
+    False for a C library other than glibc."""
+    # glibc returns each freed block over 32 MB and the next step faults it in page by page: a
+    # SmolLM2 step on 2 CPU cores took 3.1 s, against 1.6 to 1.9 s with the memory kept
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4                # glibc's malloc.h
@@ -119,10 +114,8 @@ def reuse_freed_memory():
 
 
 def check_writable(out_dir):
-    """Create out_dir if needed, then write and remove a file in it (and, when its ckpt.pt is a
-    symlink, in the directory the link points into: the checkpoint is written through it), so that
-    a place that cannot hold the checkpoint is refused before the data is prepared and the model
-    trained. Raises ValueError naming the directory and the fix."""
+    """Create out_dir and check that a checkpoint can be written there (and where a symlinked
+    ckpt.pt points). Raises ValueError naming the directory and the fix."""
     ckpt = checkpoint_path(out_dir)
     target = os.path.dirname(os.path.realpath(ckpt))
     if os.path.islink(ckpt) and not os.path.isdir(target):
@@ -142,12 +135,10 @@ def check_writable(out_dir):
 
 @contextmanager
 def hold_out_dir(out_dir):
-    """Hold out_dir for one training run while the block runs: a lock (filelock; the operating
-    system releases it when the process ends, however it ends) and, beside it, who holds it (pid and
-    host). A second run into the same out_dir is refused, naming the first, instead of both writing
-    checkpoints there and one run being lost. out_dir is created (check_writable) and, when this run
-    created it and wrote nothing in it, removed again at the end.
-    Raises ValueError naming the directory and the run that holds it."""
+    """While the block runs, hold out_dir for one training run: a lock (released however the process
+    ends) and who holds it (pid, host). Creates out_dir (check_writable), and removes it at the end
+    when this run created it and wrote nothing there. Raises ValueError naming the directory and the
+    run that holds it."""
     created = not os.path.exists(out_dir)
     check_writable(out_dir)
     lock_path, holder_path = os.path.join(out_dir, ".lock"), os.path.join(out_dir, ".lock.holder")
@@ -178,18 +169,15 @@ def hold_out_dir(out_dir):
 
 
 def live_progress():
-    """True when stdout and stderr are both terminals, where tqdm redraws its progress bar in place.
-    Elsewhere (a log file, a pipe, a batch job) every frame of a bar would be kept, so progress is
-    printed as plain lines instead (train.py's loop decides the same way)."""
+    """True when stdout and stderr are both terminals, where a progress bar redraws in place; else
+    progress is printed as plain lines."""
     return sys.stdout.isatty() and sys.stderr.isatty()
 
 
 def setup_distributed(cfg):
-    """Join the process group when launched by torchrun (RANK set); returns (rank, world_size).
-
-    NCCL on CUDA, gloo on CPU. Each process handles gradient_accumulation_steps / world_size
-    micro-batches per step. Raises ValueError when they do not divide evenly.
-    """
+    """Join the process group when launched by torchrun (RANK set): NCCL on CUDA (cfg["device"]
+    becomes this process's GPU), gloo on CPU. Returns (rank, world_size). Raises ValueError unless
+    world_size divides gradient_accumulation_steps."""
     if "RANK" not in os.environ:
         return 0, 1
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -208,13 +196,9 @@ def setup_distributed(cfg):
 
 @contextmanager
 def deterministic_algorithms(compiled):
-    """While the block runs, kernels that give the same bits on every run of the same settings on a
-    GPU too (--deterministic=True), as PyTorch's reproducibility notes ask; compiled: also
-    torch.compile's. The cost is speed: cuBLAS keeps to a fixed workspace, index and scatter
-    gradients are summed in a fixed order instead of by atomic adds, and no kernel is picked by
-    timing; how much slower is not measured here (this project's machines have no GPU). An
-    operation with no deterministic kernel raises RuntimeError naming it rather than differing
-    silently. The previous settings are back after the block, however it ends."""
+    """While the block runs, deterministic kernels only (--deterministic=True; compiled: Inductor's
+    too), at some cost in speed; an operation without one raises RuntimeError naming it. The
+    previous settings are back after the block, however it ends."""
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     was_benchmark = torch.backends.cudnn.benchmark
     workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
@@ -239,11 +223,9 @@ def deterministic_algorithms(compiled):
 
 @contextmanager
 def process(cfg):
-    """This process's part in the run while the block runs: --deterministic's kernels
-    (deterministic_algorithms, before any CUDA work), on a CPU memory kept between steps
-    (reuse_freed_memory), and under torchrun its place in the process group (setup_distributed),
-    left however the block ends (its end, an error, Ctrl-C), so that NCCL frees its communicators
-    instead of warning at exit. Yields (rank, world_size)."""
+    """While the block runs: --deterministic's kernels, on a CPU memory kept between steps
+    (reuse_freed_memory), and under torchrun the process group (setup_distributed), left however the
+    block ends. Yields (rank, world_size)."""
     if cfg["device"] == "cpu":
         reuse_freed_memory()
     with deterministic_algorithms(cfg["compile"]) if cfg["deterministic"] else nullcontext():
@@ -258,10 +240,8 @@ def process(cfg):
 
 @contextmanager
 def stop_requests():
-    """While the block runs, none of STOP_SIGNALS ends the process: each is noted in the list the
-    block gets (train.train finishes its step and yields a last checkpoint, which train.main saves,
-    then the run says how to resume it); the
-    previous handlers are back after the block, however it ends."""
+    """While the block runs, STOP_SIGNALS do not end the process: each is appended to the list it
+    yields. The previous handlers are back after the block, however it ends."""
     requested = []
     previous = {sig: signal.signal(sig, lambda signum, frame: requested.append(signum))
                 for sig in STOP_SIGNALS}
@@ -278,12 +258,9 @@ def stop_requests():
 
 @dataclass
 class Start:
-    """How a run begins: the model's shape, the checkpoint whose weights it loads (load_weights),
-    and, when resuming, the optimizer state and counters to continue from (or, from a sharded
-    checkpoint, the directory of its shards: support.shard.load_sharded) and the SHA-1 of the
-    prepared data it was trained on (support/prepare.py's data_sha1; None in a checkpoint from
-    before it was recorded), and the wall-clock minutes of the runs that trained it so far
-    (train_minutes; None where a checkpoint from before they were recorded was resumed)."""
+    """How a run begins: the model's shape, the checkpoint whose weights it loads, and when resuming
+    the optimizer state (or the sharded checkpoint's shards directory), counters, the prepared
+    data's SHA-1 and the minutes trained so far (None: the checkpoint does not record them)."""
     model_args: dict
     weights: dict | None = None
     optimizer: dict | None = None
@@ -295,9 +272,8 @@ class Start:
 
 
 def inherit_settings(cfg, explicit, source, keys, what, also=()):
-    """Take `keys` from a checkpoint's config; flags set explicitly to other values are refused,
-    every one of them (and the problems in also) in one message. Raises ValueError naming each flag
-    and the fix."""
+    """Take `keys` from a checkpoint's config into cfg. Raises ValueError naming every flag set
+    explicitly to another value (and the problems in also), with the fix."""
     def meant(key):  # the values the checkpoint's setting stands for: n_kv_head 0 is n_head's
         return {source[key]} | ({source["n_head"]} if key == "n_kv_head" and not source[key]
                                 else set())
@@ -319,12 +295,10 @@ def start_from_scratch(cfg, explicit):
 
 
 def take_resumed_settings(cfg, explicit):
-    """--init_from=resume, before the settings are checked: every setting comes from out_dir's
-    checkpoint unless a flag says otherwise. A sharded checkpoint (ckpt_sharded.pt, from
-    --fsdp=True) comes first: a ckpt.pt beside it is its consolidated copy for the sampler. Flags
-    that contradict what a resumed run keeps (RESUME_KEYS, its sharding) are refused all at once.
-    Raises ValueError naming them, or a checkpoint that cannot be resumed as asked (weights only; a
-    sharded run outside torchrun); FileNotFoundError without one (load_checkpoint)."""
+    """--init_from=resume, before the settings are checked: every setting not given explicitly
+    comes from out_dir's checkpoint, a sharded one (ckpt_sharded.pt) first. Raises ValueError for
+    flags that contradict RESUME_KEYS or its sharding (all at once), a weights-only checkpoint or a
+    sharded run outside torchrun; FileNotFoundError without a checkpoint."""
     if cfg["init_from"] != "resume":
         return
     out_dir = cfg["out_dir"]
@@ -332,8 +306,8 @@ def take_resumed_settings(cfg, explicit):
     ckpt = load_sharded_info(out_dir) if sharded else load_checkpoint(out_dir, settings_only=True)
     # the optimizer state of one cannot be loaded into the other
     written = "sharded" if sharded else "whole"
-    also = [f"--fsdp={cfg['fsdp']} differs from the checkpoint, which was written {written}"] \
-        * ("fsdp" in explicit and cfg["fsdp"] != sharded)
+    also = ([f"--fsdp={cfg['fsdp']} differs from the checkpoint, which was written {written}"]
+            * ("fsdp" in explicit and cfg["fsdp"] != sharded))
     inherit_settings(cfg, explicit, ckpt["config"], RESUME_KEYS,
                      "a resumed run keeps its model, data, objective and sharding", also)
     cfg |= {k: v for k, v in ckpt["config"].items() if k in cfg and k not in explicit | {"device"}}
@@ -368,9 +342,9 @@ def resume_from_checkpoint(cfg, explicit):
 
 
 def start_from_pretrained(cfg, explicit):
-    """--init_from=PATH, the paper's recipe: a pretrained model (e.g. an ARM) of the same shape and
-    tokenizer, trained on with this run's objective and a fresh optimizer.
-    Raises FileNotFoundError for a missing path, ValueError for a contradicting flag."""
+    """--init_from=PATH: a checkpoint's or Hugging Face folder's model, trained on with this run's
+    objective and a fresh optimizer. Raises FileNotFoundError for a missing path, ValueError for a
+    contradicting flag."""
     if not os.path.exists(cfg["init_from"]):
         raise FileNotFoundError(f"--init_from={cfg['init_from']}: use 'scratch', 'resume', or the "
                                 "path of an existing checkpoint (a ckpt.pt or the out_dir holding "
@@ -393,12 +367,9 @@ def start_from_pretrained(cfg, explicit):
 
 
 def start_from_hf_folder(cfg, explicit):
-    """--init_from=FOLDER, the paper's recipe at full size: a pretrained Qwen3 or Llama (SmolLM2) in
-    Hugging Face's layout (support.hf_folder.from_pretrained, float32 weights), its own tokenizer
-    (hf:FOLDER), trained on with this run's objective. A folder without a mask token gets one
-    (special_ids) and, if its embedding lacks the row, the row (train.load_weights). block_size
-    stays the length of the longest sample prepared; the model keeps the folder's context. Raises
-    ValueError for a contradicting --tokenizer, and what from_pretrained raises."""
+    """--init_from=FOLDER: a Qwen3 or Llama in Hugging Face's layout (float32 weights) with its own
+    tokenizer (cfg["tokenizer"] becomes hf:FOLDER). Raises ValueError for a contradicting flag, and
+    what from_pretrained raises."""
     # the checkpoint's tokenizer is found from any directory
     folder = os.path.abspath(cfg["init_from"])
     if "tokenizer" in explicit and cfg["tokenizer"] != f"hf:{folder}":
@@ -420,10 +391,10 @@ START_MODES = {"scratch": start_from_scratch, "resume": resume_from_checkpoint}
 
 
 def where_to_start(cfg, explicit):
-    """The Start of a run (START_MODES, else start_from_pretrained), once its settings are checked
-    and out_dir is held; fills in lr_decay_iters and turns off a --compile that cannot run here.
-    explicit: the settings the run chose itself (configurator.explicit_keys). Raises ValueError
-    for a checkpoint a new run would overwrite, or one already trained to max_iters."""
+    """The Start of a run, once its settings are checked and out_dir is held; fills in
+    lr_decay_iters and turns off a --compile that cannot run (check_compile). explicit: the
+    settings given (configurator.explicit_keys). Raises ValueError for a checkpoint a new run
+    would overwrite, or one trained to max_iters already."""
     existing = [f for f in (checkpoint_path(cfg["out_dir"]), sharded_info_path(cfg["out_dir"]))
                 if os.path.exists(f)]
     if cfg["init_from"] != "resume" and existing:
@@ -439,15 +410,13 @@ def where_to_start(cfg, explicit):
 
 
 def saved_path(cfg):
-    """The file a run's checkpoint is named by: out_dir's ckpt.pt, or with --fsdp its sharded
-    checkpoint's info file (support.shard)."""
+    """out_dir's ckpt.pt, or with --fsdp its ckpt_sharded.pt."""
     return sharded_info_path(cfg["out_dir"]) if cfg["fsdp"] else checkpoint_path(cfg["out_dir"])
 
 
 def load_data(cfg, start, rank):
-    """The training and validation splits (support.prepare: prepared once, then memmapped), checked
-    against the data a resumed run was trained on. Returns (train_data, val_data) TokenDatasets.
-    Raises ValueError when a resumed run's data changed."""
+    """The prepared splits: (train_data, val_data) TokenDatasets. Raises ValueError when a resumed
+    run's data changed."""
     data_dir = prepare(cfg["dataset"], cfg["tokenizer"], cfg["block_size"], cfg["data_root"],
                        cfg["too_long"])
     train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
@@ -465,9 +434,8 @@ def load_data(cfg, start, rank):
 
 
 def place_model(cfg, model):
-    """Put the model where it trains: activation checkpointing when asked, then FSDP's shards
-    (each moved to the device as it is cut; before the optimizer, which must see them), then the
-    device. Returns the model."""
+    """Put the model where it trains, before the optimizer is built: activation checkpointing,
+    FSDP's shards, the device. Returns the model."""
     if cfg["activation_checkpointing"]:
         checkpoint_layers(model)
     if cfg["fsdp"]:
@@ -485,10 +453,9 @@ def restore_optimizer(start, model, optimizer):
 
 def save(cfg, model, optimizer, model_args, train_data, iter_num, best_val_loss, rank,
          train_minutes=None):
-    """Write the resumable checkpoint atomically: ckpt.pt by rank 0 (save_checkpoint), or under
-    --fsdp each process its shards (support.shard.save_sharded). Call on every process.
-    iter_num: the steps completed; train_minutes: the wall-clock minutes of the runs that trained
-    it, resumes included (None: not known)."""
+    """Write the resumable checkpoint atomically: ckpt.pt by rank 0, or with --fsdp every process
+    its shards. Call on every process. iter_num: the steps completed; train_minutes: the
+    wall-clock minutes of every run that trained it (None: not known)."""
     info = {"model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
             "config": cfg, "meta": train_data.meta, "data_dir": train_data.data_dir,
             "train_minutes": train_minutes}
@@ -501,8 +468,7 @@ def save(cfg, model, optimizer, model_args, train_data, iter_num, best_val_loss,
 
 def diverged(cfg, error):
     """The SystemExit for a loss that stopped being finite (train.Diverged), saying whether a
-    checkpoint to go back to exists (a run stopped before its first evaluation has written
-    none)."""
+    checkpoint to go back to exists."""
     ckpt_file = saved_path(cfg)
     if os.path.exists(ckpt_file):
         then = (f"the last good checkpoint {ckpt_file} is kept: lower --learning_rate (or check "
@@ -514,9 +480,8 @@ def diverged(cfg, error):
 
 
 def finish(cfg, rank, world, iter_num, best_val_loss, interrupted):
-    """The end of a run, after its last save: every process waits for rank 0's save (process()
-    then leaves the process group); rank 0 says where the checkpoint is. Raises SystemExit when the
-    run was interrupted (Ctrl-C, SIGTERM), with the command that continues it."""
+    """After the last save: every process waits for rank 0's; rank 0 says where the checkpoint is.
+    Raises SystemExit for an interrupted run, with the command that continues it."""
     if world > 1:
         torch.distributed.barrier()  # no process exits (ending the others) before rank 0 has saved
     if interrupted:

@@ -1,12 +1,10 @@
 """
-What sampler.py's command line needs besides the decoders: the checks of its settings, the model and
-its tokenizer, the prompts, the live trace (--show), the picture (--plot), and what is printed.
+sampler.py's command line besides the decoders.
 
     check_sample_config(cfg)   refuse settings that cannot work, before any weights are read
     load_model(cfg)            a checkpoint (out_dir) or a Hugging Face folder (--init_from)
-    fit_mdm_layout, note_mismatch, compares_next_token, warm_up     main's smaller steps
-    load_prompts(cfg, ...)     --prompt, --prompt_file (--chat: in the chat template) or validation
-                               prompts
+    fit_mdm_layout, note_mismatch, compares_next_token, warm_up, check_plot_path   main's steps
+    load_prompts(cfg, ...)     --prompt, --prompt_file (--chat: chat template) or validation prompts
     decode_prompts(cfg, ...)   decode them (--batch_size at a time) and print each, then a summary
     LiveTrace                  --show: the response redrawn after every decoding step
     Report                     each sample's response, verdict and speed, then the summary line
@@ -44,10 +42,8 @@ from support.tokenizer import encode_prompt, get_tokenizer
 # the checks, the model and the prompts
 
 def check_sample_config(cfg):
-    """Refuse sampler.py settings that cannot work before any weights are read: the device, the
-    seed, the number of samples and the batch size (the decoder's own settings: decoder_settings).
-    Raises ConfigError or ValueError naming the flag. config/sample_*.py pass it
-    (tests/test_config.py)."""
+    """Refuse sampler.py settings that cannot work, before any weights are read: device, seed,
+    num_samples, batch_size, --show, --compile. Raises ConfigError or ValueError naming the flag."""
     check_device(cfg["device"])
     check_seed(cfg)
     if cfg["num_samples"] <= 0:
@@ -63,10 +59,9 @@ def check_sample_config(cfg):
 
 
 def warm_up(cfg, model, decode, prompts):
-    """Pay the one-time costs of decoding before the timed decodes: the first forward passes (decode
-    a prompt's first 8 tokens) or, with --compile, the graphs (wrap the model in a CompiledModel,
-    decode every prompt once, and print how many graphs that compiled and in how long). Returns the
-    model to decode with: model itself, or its CompiledModel."""
+    """Pay decoding's one-time costs before the timed decodes: decode prompts[0][:8], or with
+    --compile decode every prompt once through a CompiledModel (its graphs and seconds on stderr).
+    Returns the model to decode with: model, or its CompiledModel."""
     if not cfg["compile"]:
         decode(model, prompts[0][:8])
         return model
@@ -78,17 +73,13 @@ def warm_up(cfg, model, decode, prompts):
 
 
 def load_model(cfg):
-    """The model to decode with: --init_from=FOLDER (support.hf_folder.from_pretrained) or a
-    checkpoint: out_dir's, or one that --init_from names (a ckpt.pt or the out_dir holding it).
+    """The model to decode with: --init_from=FOLDER (a Hugging Face folder) or a checkpoint
+    (out_dir's, or a ckpt.pt or out_dir that --init_from names). Settles cfg["dtype"] (auto).
 
-    Returns (model in eval mode on cfg["device"], tokenizer, ids {"eos_ids", "mask_id", "pad_id",
-    "undecodable_ids"}, the objective it was trained with, the checkpoint dict or None for a
-    folder). eos_ids is a tuple: a checkpoint's EOS, or a folder's (<|im_end|>, <|endoftext|>),
-    whose objective is "refusion" when it has a mask token, else "ar" (a plain Qwen3 or SmolLM2).
-    undecodable_ids: the model's rows its tokenizer has no token for, never generated.
-    Raises FileNotFoundError / ValueError naming the problem (a tokenizer id the model has no row
-    for among them).
-    """
+    Returns (model in eval mode on cfg["device"], tokenizer, ids, objective, ckpt dict or None for a
+    folder). ids: {"eos_ids": tuple, "mask_id", "pad_id", "undecodable_ids": the model's rows its
+    tokenizer has no token for, never generated}. A folder's objective is "refusion" when it has a
+    mask token, else "ar". Raises FileNotFoundError / ValueError naming the problem."""
     folder = cfg["init_from"]
     if folder and not os.path.isfile(os.path.join(folder, "config.json")) and (
             os.path.isfile(folder) or os.path.isfile(checkpoint_path(folder))):
@@ -120,11 +111,9 @@ def load_model(cfg):
 
 
 def fit_mdm_layout(cfg, ckpt, explicit):
-    """An MDM checkpoint is decoded in the layout it was trained on: cfg["mdm_shift"] becomes its
-    train.py --mdm_shift (Dream's shifted prediction, SPEC section 3), and when it was trained on
-    canvases of G tokens (--gen_length: answers padded with EOS to G, LLaDA's layout),
-    cfg["max_new_tokens"] becomes G, with a note, unless it was given explicitly as another value,
-    which is refused (the model never saw that layout). Raises ValueError."""
+    """Set cfg["mdm_shift"] and, for an MDM trained with --gen_length=G, cfg["max_new_tokens"] = G
+    (with a note) from the checkpoint's training (SPEC section 3). explicit: max_new_tokens was
+    given; another value than G is then refused with ValueError."""
     trained = (ckpt or {}).get("config", {})
     is_mdm = trained.get("objective") == "mdm"
     cfg["mdm_shift"] = bool(trained.get("mdm_shift", False)) and is_mdm
@@ -154,9 +143,8 @@ MISMATCH_NOTES = {
 
 
 def note_mismatch(method, objective, ckpt=None):
-    """Say on stderr when a model is decoded by a method its training did not prepare it for:
-    next-token decoding of a refusion model trained without slot_end_labels or ar_fraction (SPEC
-    section 3), or ReFusion decoding of an ar model. ckpt: the checkpoint dict, or None."""
+    """Note on stderr a method the model's training did not prepare it for (MISMATCH_NOTES).
+    ckpt: the checkpoint dict, or None."""
     trained = (ckpt or {}).get("config", {})
     kept_next_tokens = trained.get("slot_end_labels") or trained.get("ar_fraction", 0) > 0
     if (method, objective) in MISMATCH_NOTES and not (method == "next_token" and kept_next_tokens):
@@ -165,9 +153,7 @@ def note_mismatch(method, objective, ckpt=None):
 
 def compares_next_token(cfg, n_prompts, asked):
     """Whether the summary line also gives next-token decoding of the same prompts
-    (compare_next_token): for --method=refusion, more than one prompt, text output and no --show
-    (whose drawing would be timed with ReFusion's decodes alone). asked: compare_next_token was
-    set explicitly, and so a note says why it cannot be done."""
+    (--compare_next_token). asked: the flag was given explicitly: a note says why it cannot."""
     if not cfg["compare_next_token"]:
         return False
     missing = [why for why, fails in [("--method=refusion", cfg["method"] != "refusion"),
@@ -186,10 +172,9 @@ MAX_TOKEN_BYTES = 256  # more than any token of the tokenizers read here spells 
 
 def load_prompts(cfg, enc, ckpt, gen_length, block_size):
     """Prompts (lists of token ids) from --prompt, --prompt_file (in the chat template with --chat)
-    or the first num_samples of the validation split of the checkpoint's data (validation_split)
-    that leave room for gen_length new tokens in the context of block_size, as the benchmarks
-    take theirs (TokenDataset.first_fitting).
-    Raises ValueError / FileNotFoundError naming the problem."""
+    or the first num_samples validation prompts that leave room for gen_length new tokens in
+    block_size (TokenDataset.first_fitting). Raises ValueError / FileNotFoundError naming the
+    problem."""
     if cfg["prompt"] and cfg["prompt_file"]:
         raise ValueError("give either --prompt or --prompt_file, not both")
     wrap = partial(chat_prompt, enc) if cfg["chat"] else partial(encode_prompt, enc)
@@ -215,11 +200,9 @@ def load_prompts(cfg, enc, ckpt, gen_length, block_size):
 
 
 def with_the_datas_line_end(cfg, enc, ckpt):
-    """--prompt's text, and a newline after it when the first 20 validation prompts of the model's
-    data all end with one and this one does not (the quotes corpus: a line of code, then its
-    rewrite), with a note: a model shown a prompt cut before its newline writes the rest of the
-    line instead. The text as written when the data cannot be read (a checkpoint moved without
-    it)."""
+    """--prompt's text, with a newline added (and a note) when the first 20 validation prompts all
+    end with one: a model shown a prompt cut before its newline writes the rest of the line. The
+    text as given where the data cannot be read."""
     text = cfg["prompt"]
     if ckpt is None or cfg["chat"] or text.endswith("\n"):
         return text
@@ -236,8 +219,7 @@ def with_the_datas_line_end(cfg, enc, ckpt):
 
 
 def validation_split(ckpt):
-    """The validation split the checkpoint was trained with, prepared anew (as training did) when
-    it was moved or damaged."""
+    """The checkpoint's validation TokenDataset, prepared anew when it was moved or damaged."""
     # absolute: the sampler runs from anywhere
     data_dir, tcfg = ckpt.get("data_dir", ""), ckpt["config"]
     try:
@@ -251,35 +233,28 @@ EOS_MARK = "<EOS>"  # how --show draws the EOS that ends a response
 
 
 class LiveTrace:
-    """--show: after every decoding step, redraw the response with still-masked tokens as '░'.
+    """--show: after every decoding step, redraw the response on stderr, masked tokens as '░'.
 
-    Called with each step's committed (position, token) pairs; positions are true positions, so a
-    ReFusion step fills its slots in place, out of order. Each run of committed neighbours is
-    decoded together, so a character of several tokens (UTF-8 bytes, BPE pieces) is drawn whole;
-    EOS is drawn as EOS_MARK, and nothing after it or past max_new_tokens (where the decoder cuts
-    the response it returns), so the last frame shows the returned response. Frames go to stderr
-    (stdout keeps the results, e.g. --json); on a terminal each frame replaces the last. Off a
-    terminal (a log file, a pipe), where every frame would be kept and the log would grow as the
-    square of the response, each step is one line instead: what it committed.
+    Called with each step's committed (position, token) pairs, positions in the sequence. Runs of
+    committed neighbours are decoded together; the response ends at EOS (EOS_MARK) or
+    max_new_tokens, as the decoder cuts it. Off a terminal each step is one line: what it committed.
     """
 
-    def __init__(self, enc, prompt, max_new_tokens, eos_ids, delay=0.25):
-        self.enc, self.prompt, self.delay = enc, prompt, delay
+    def __init__(self, enc, prompt, max_new_tokens, eos_ids):
+        self.enc, self.prompt = enc, prompt
         self.max_new_tokens, self.eos_ids = max_new_tokens, eos_ids
         self.tty = sys.stderr.isatty()
         self.filled, self.step = {}, 0
 
     def cut(self):
-        """(end, eos): the response is drawn up to position `end`, max_new_tokens after the prompt
-        or, when eos is True, its first committed EOS, as the decoder cuts the response it
-        returns."""
+        """(end, eos): the response ends at position `end`, its first committed EOS when eos is
+        True, else max_new_tokens after the prompt."""
         limit = len(self.prompt) + self.max_new_tokens
         eos = min((p for p, t in self.filled.items() if t in self.eos_ids), default=limit)
         return min(eos, limit), eos < limit
 
     def response(self):
-        """The response as drawn now (str): committed runs decoded, '░' per masked token, then
-        EOS_MARK."""
+        """The response as drawn now (str): committed runs decoded, '░' a masked token, EOS_MARK."""
         (end, eos), parts = self.cut(), []
         for committed, run in groupby(range(len(self.prompt), end), key=self.filled.__contains__):
             run = list(run)
@@ -303,24 +278,20 @@ class LiveTrace:
             return
         print(f"\033[H\033[J{tokenizer.decode(self.enc, self.prompt)}{self.response()}\n{line}\n",
               file=sys.stderr, flush=True)
-        time.sleep(self.delay)
+        time.sleep(0.25)  # a quarter second a frame
 
 
 def check_plot_path(cfg):
-    """Check --plot before any weights are read: matplotlib is there (ValueError otherwise), and the
-    path names a PNG picture or a GIF animation that can be written (support.drawing.picture_path);
-    cfg["plot"] becomes the file's name."""
+    """Check --plot before any weights are read: matplotlib and a writable .png or .gif path
+    (support.drawing.picture_path), which cfg["plot"] becomes. Raises ValueError."""
     pyplot()
     cfg["plot"] = picture_path(cfg["plot"], "--plot", (".png", ".gif"))
 
 
 def decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_token=None):
-    """Decode the prompts (lists of ids) with decode(model, prompt, generator=, on_step=) as
-    make_decoder returns it, batch_size at a time (support.batching.generate_batch), each
-    from its own generator (prompt_generator); print every sample (Report), then the summary. With
-    next_token (a decoder as decode), decode each batch again that way right after, so that both
-    see the same machine, for the summary's comparison. --show draws the live trace, --plot the
-    first prompt's decode."""
+    """Decode the prompts (lists of ids) with decode (sampler.make_decoder's), batch_size at a time,
+    each with its own prompt_generator; print every sample (Report), then the summary. next_token:
+    a decoder to run on each batch right after, for the summary's comparison, or None."""
     report, n = Report(cfg, enc, ids, ckpt), cfg["batch_size"]
 
     def run(decoder, batch, b, live=None):
@@ -347,9 +318,7 @@ def decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_t
 
 
 def plot_first_decode(cfg, enc, ids, settings, prompt, out):
-    """--plot: draw the decode `out` of the first prompt into cfg["plot"] (support.drawing:
-    plot_decode for a PNG, animate_decode for a GIF), titled with the decoder's settings and the
-    prompt's end."""
+    """--plot: draw the first prompt's Generation `out` into cfg["plot"] (a PNG or a GIF)."""
     knobs = ", ".join(f"{f.name}={getattr(settings, f.name)}" for f in fields(settings))
     title = (f"--method={cfg['method']} ({knobs})\n{len(out.tokens)} tokens in {out.nfe} forward "
              f"passes, TPF {out.tpf:.2f}; prompt: {tokenizer.decode(enc, prompt)[-60:]!r}")
@@ -366,19 +335,16 @@ VERDICT = {True: "right", False: "wrong"}
 
 
 def stats(out):
-    """A Generation's statistics (tokens, nfe, tpf, seconds, tokens_per_s, cache_bytes) as the
-    numbers --json prints and the summary sums."""
+    """A Generation's tokens, nfe, tpf, seconds, tokens_per_s and cache_bytes (dict), as --json
+    prints them."""
     return {"tokens": len(out.tokens), "nfe": out.nfe, "tpf": round(out.tpf, 3),
             "seconds": round(out.seconds, 4), "tokens_per_s": round(out.tokens_per_s, 2),
             "cache_bytes": out.cache_bytes}
 
 
 class Report:
-    """What the command line prints (stdout): per sample its prompt and response, its verdict where
-    the checkpoint's data set has a check (support.corpora.score), and its statistics; or, with
-    --json, one JSON object per sample. Then, for more than one sample and without --json, one
-    summary line, with next-token decoding of the same prompts beside it when it was decoded
-    (next_token)."""
+    """What sampler.py prints on stdout: per sample its prompt, response, verdict
+    (support.corpora.score) and statistics, or with --json a JSON object; then the summary line."""
 
     def __init__(self, cfg, enc, ids, ckpt):
         self.enc, self.eos_ids, self.json = enc, ids["eos_ids"], cfg["json"]
@@ -431,23 +397,21 @@ class Report:
 
 def totals(decoded, seconds=None):
     """(right-answers text, tokens, forward passes, tokens/s) over (Generation, verdict) pairs;
-    tokens/s over `seconds` of wall time, or else over the decodes' own seconds."""
+    tokens/s over `seconds` of wall time, or None: the decodes' own seconds."""
     tokens = sum(len(o.tokens) for o, _ in decoded)
     nfe = sum(o.nfe for o, _ in decoded)
     seconds = seconds or sum(o.seconds for o, _ in decoded)
     checked = [v for _, v in decoded if v is not None]
-    right = f"{sum(v[1] == 1.0 for v in checked)} of {len(checked)} right ({checked[0][0]}); " \
-        if checked else ""
+    right = (f"{sum(v[1] == 1.0 for v in checked)} of {len(checked)} right ({checked[0][0]}); "
+             if checked else "")
     return right, tokens, nfe, tokens / max(seconds, 1e-9)
 
 
 def summary(decoded, next_tokens=(), seconds=None):
-    """One line over all samples: how many were right (where the data set has a check), tokens,
-    forward passes, TPF (tokens / NFE) and tokens/s over all of them; then, when given, the same of
-    next-token decoding of the same prompts, and the speed-up: the decode's tokens/s over its.
-    decoded, next_tokens: lists of (Generation, verdict). seconds: {False: the decodes' wall time,
-    True: next-token decoding's}, or None for the sum of each decode's seconds (the same at batch
-    size 1; a batch's prompts decode at once)."""
+    """The summary line (str): right answers, tokens, NFE, TPF and tokens/s over all samples, then
+    those of next-token decoding and the speed-up. decoded, next_tokens: lists of (Generation,
+    verdict). seconds: {False: the decodes' wall time, True: next-token decoding's}, or None: the
+    sum of each decode's seconds."""
     seconds = seconds or {}
     right, tokens, nfe, speed = totals(decoded, seconds.get(False))
     line = (f"{len(decoded)} samples: {right}{tokens} tokens in {nfe} forward passes, "

@@ -1,18 +1,14 @@
 """
-Models larger than one GPU: sharded training with PyTorch FSDP (`fully_shard`, "FSDP2"), activation
+Models larger than one GPU: sharded training with PyTorch FSDP2 (`fully_shard`), activation
 checkpointing, sharded checkpoints, and the memory arithmetic that says when they are needed.
 
     torchrun --standalone --nproc_per_node=8 train.py config/finetune_qwen3_8b.py   # --fsdp=True
     python -m tools.consolidate --out_dir=out-qwen3-8b   # one ckpt.pt (weights only) for sampler.py
 
-Plain data parallelism (DDP) keeps the whole float32 weights, gradients and AdamW state on every
-GPU. FSDP cuts each of them into one shard per process and all-gathers a layer's weights only while
-that layer computes; its gradients are reduce-scattered straight back into shards (ZeRO stage 3, in
-DeepSpeed's words). train.py calls `shard_model` and saves with `save_sharded`; everything else in
-the training loop (data, loss, clipping, the schedule) is the same code as under DDP. Sharded
-checkpoints are read as data only (`read_shards`): the pickles torch.distributed.checkpoint keeps
-beside the tensors may construct plain values and the classes of its index, nothing else, so loading
-one never runs code from it.
+    training_memory, memory_table       model-state bytes per GPU, under DDP and under FSDP
+    check_sharding, shard_model, checkpoint_layers     --fsdp's checks, its shards; recomputation
+    save_sharded, load_sharded, load_sharded_info   sharded checkpoints, read as data (read_shards)
+    consolidate                         a sharded checkpoint as one ckpt.pt
 """
 
 import os
@@ -52,17 +48,10 @@ QWEN3_SHAPES = {
 
 
 def training_memory(num_params, world=1, fsdp=False, gathered=0):
-    """Estimated bytes of model state on each GPU when training num_params parameters with AdamW.
-
-    DDP (fsdp=False): every GPU holds float32 weights (4 bytes per parameter), their gradients (4)
-    and AdamW's two moments (8): 16 bytes per parameter, whatever the number of GPUs.
-    FSDP over `world` GPUs: each holds one shard of the same, 16 / world bytes per parameter, plus,
-    while one unit of `gathered` parameters computes, its all-gathered bf16 weights (2 bytes) and
-    its float32 gradients before they are reduce-scattered (4): 6 bytes per parameter of the largest
-    unit.
-    Not counted: activations (they grow with batch and sequence length), communication buffers,
-    the allocator's fragmentation, and FSDP's prefetch of the next unit.
-    """
+    """Estimated bytes of model state on each GPU when training num_params parameters with AdamW:
+    16 per parameter under DDP (float32 weights 4, gradients 4, AdamW's moments 8); with fsdp over
+    `world` GPUs 16 / world, plus 6 (bf16 weights, float32 gradients) per parameter of the unit of
+    `gathered` parameters computing. Activations and buffers are not counted."""
     if not fsdp:
         return 16 * num_params
     return 16 * num_params / world + 6 * gathered
@@ -108,33 +97,22 @@ def check_sharding(cfg, launched):
 
 
 def checkpoint_layers(model):
-    """Activation checkpointing, layer by layer: the forward pass keeps only each layer's input, and
-    the backward pass runs the layer again to recompute the rest (torch.utils.checkpoint,
-    non-reentrant). Costs one more forward pass (about a third more compute) and saves the
-    activations of every layer but the one being recomputed. The wrapper replaces each layer's
-    forward, not the layer, so parameter names and state dicts stay as they were, and FSDP's hooks
-    (on the layer, outside the recomputed function) still gather its weights. Changes model in
-    place."""
+    """Activation checkpointing, in place: each layer's forward keeps only its input and runs again
+    in the backward pass (torch.utils.checkpoint, non-reentrant), about a third more compute. Each
+    layer's forward is wrapped, not the layer, so parameter names and FSDP's hooks stay."""
     for layer in model.layers:
         layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 def shard_model(model, device, bf16):
-    """Shard model over the processes of the process group with FSDP2 (fully_shard), in place.
-
-    Each layer is one unit, all-gathered just before it computes and freed after; the rest
-    (embedding, final norm, lm_head) is the root unit. Parameters become DTensors of their full
-    shape, each process holding 1/world of dim 0, moved to `device` ("cpu" or "cuda:N") unit by
-    unit, so the full model never sits on one GPU. numel() still counts full parameters (num_params,
-    flops_per_token), the optimizer must be built after this, and clip_grad_norm_ computes the norm
-    over all shards.
-    bf16: compute with bf16 copies of the gathered weights and reduce-scatter float32 gradients
-    (mixed precision, for GPUs); the float32 shards are what AdamW updates.
-    Needs the process group (support.runs.setup_distributed). Returns model.
-    """
+    """Shard model over the process group with FSDP2 (fully_shard), in place: each layer a unit
+    all-gathered while it computes, the rest (embedding, final norm, lm_head) the root unit. Each
+    process holds 1/world of dim 0 of every parameter (a DTensor; numel() counts the full one) on
+    `device` ("cpu" or "cuda:N"); build the optimizer after. bf16: compute in bf16, reduce float32
+    gradients. Needs the process group (support.runs.setup_distributed). Returns model."""
     mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else MixedPrecisionPolicy()
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+              else MixedPrecisionPolicy())
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -148,8 +126,7 @@ SHARD_DIRS = ("ckpt_sharded_a", "ckpt_sharded_b")
 
 
 def load_sharded_info(out_dir):
-    """The plain data of out_dir's sharded checkpoint (model_args, iter_num, best_val_loss, config,
-    meta, data_dir) and "shards", the path of its shards' directory.
+    """The plain data of out_dir's sharded checkpoint, "shards" its shards' directory's path.
     Raises FileNotFoundError when there is none, ValueError when the file is not readable."""
     path = sharded_info_path(out_dir)
     if not os.path.isfile(path):
@@ -170,10 +147,8 @@ def load_sharded_info(out_dir):
     return dict(info, shards=os.path.join(out_dir, info["shards"]))
 
 
-# What the index of a sharded checkpoint (the .metadata pickle of torch.distributed.checkpoint) is
-# built from: its dataclasses, torch.Size, a dtype, a layout and the path it was saved to. dcp reads
-# it with plain pickle, which would construct anything, and so run code; check_shards reads it first
-# with an Unpickler that constructs these only.
+# What a sharded checkpoint's index (torch.distributed.checkpoint's .metadata pickle) is built from;
+# dcp reads it with plain pickle, which would run code: check_shards reads it first with these only
 METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", name) for name in (
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
@@ -186,17 +161,16 @@ class MetadataUnpickler(pickle.Unpickler):
     dtypes."""
 
     def find_class(self, module, name):
-        if (module, name) in METADATA_CLASSES or \
-                (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if ((module, name) in METADATA_CLASSES
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it names {module}.{name}, "
                                      "which a checkpoint's index never holds")
 
 
 class PlainDataLoadPlanner(DefaultLoadPlanner):
-    """dcp's default load planner, except that the values stored as pickles beside the tensors (an
-    optimizer's learning rate, betas, ...) must be plain data (torch.load's weights_only), not
-    code."""
+    """dcp's default load planner, except that the values pickled beside the tensors (an optimizer's
+    learning rate, betas, ...) must be plain data (torch.load's weights_only)."""
 
     def load_bytes(self, read_item, value):
         try:
@@ -210,9 +184,9 @@ class PlainDataLoadPlanner(DefaultLoadPlanner):
 
 
 def check_shards(shards):
-    """Refuse a directory of shards whose index (.metadata) is not the plain description of tensors
-    that torch.distributed.checkpoint writes: crafted, truncated or foreign. Nothing in it is run.
-    Raises FileNotFoundError when there is none, ValueError naming the file otherwise."""
+    """Refuse a directory of shards whose index (.metadata) is not what
+    torch.distributed.checkpoint writes; nothing in it is run. Raises FileNotFoundError without
+    one, ValueError naming the file."""
     path = os.path.join(shards, ".metadata")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: the sharded checkpoint is incomplete; "
@@ -230,9 +204,9 @@ def check_shards(shards):
 
 
 def read_shards(state, shards, **kwargs):
-    """dcp.load(state, checkpoint_id=shards, **kwargs) after check_shards, with
-    PlainDataLoadPlanner: what a sharded checkpoint holds is read as data, never run. Raises
-    ValueError for a file that would run code, and what dcp.load raises."""
+    """dcp.load(state, checkpoint_id=shards, **kwargs), read as data only (check_shards,
+    PlainDataLoadPlanner). Raises ValueError for a file that would run code, and what dcp.load
+    raises."""
     check_shards(shards)
     try:
         dcp.load(state, checkpoint_id=shards, planner=PlainDataLoadPlanner(), **kwargs)
@@ -244,28 +218,21 @@ def read_shards(state, shards, **kwargs):
 
 
 def save_sharded(out_dir, model, optimizer, info):
-    """Write a resumable sharded checkpoint; call it on every process.
-
-    Every process writes its own shards of the weights and of AdamW's state
-    (torch.distributed.checkpoint; no process gathers the whole model) into a directory that is not
-    the live one, then rank 0 points ckpt_sharded.pt at it (files.write_atomic) and deletes the
-    previous directory. A crash at any moment leaves ckpt_sharded.pt naming a complete checkpoint; a
-    full disk removes the incomplete shards and raises files.DiskFull (a ValueError). Needs out_dir
-    on a file system every node sees.
-    info: the plain data saved beside the shards (model_args, iter_num, best_val_loss, config, meta,
-    data_dir).
-    """
+    """Write a resumable sharded checkpoint; call on every process. Each writes its shards of the
+    weights and AdamW's state beside the live ones, then rank 0 points ckpt_sharded.pt at them and
+    deletes the old: a crash leaves a complete checkpoint. A full disk raises files.DiskFull (a
+    ValueError). out_dir: on a file system every node sees. info: the plain data saved beside
+    (model_args, iter_num, config, meta, ...)."""
     path = sharded_info_path(out_dir)
     live = load_sharded_info(out_dir)["shards"] if os.path.isfile(path) else None
-    shards = "ckpt_sharded_b" if live == os.path.join(out_dir, "ckpt_sharded_a") \
-        else "ckpt_sharded_a"
+    shards = ("ckpt_sharded_b" if live == os.path.join(out_dir, "ckpt_sharded_a")
+              else "ckpt_sharded_a")
     if dist.get_rank() == 0:
         # what a crash mid-save left
         shutil.rmtree(os.path.join(out_dir, shards), ignore_errors=True)
     dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    # returns once every process's shards are written (rank 0 gathers their results, then writes the
-    # index)
+    # returns once every process's shards and rank 0's index are written
     try:
         dcp.save({"model": model_state, "optimizer": optimizer_state},
                  checkpoint_id=os.path.join(out_dir, shards))
@@ -273,8 +240,8 @@ def save_sharded(out_dir, model, optimizer, info):
     except (OSError, CheckpointException) as e:
         if dist.get_rank() == 0:
             shutil.rmtree(os.path.join(out_dir, shards), ignore_errors=True)
-        for error in [error for error, _ in e.failures.values()] \
-                if isinstance(e, CheckpointException) else [e]:
+        for error in ([error for error, _ in e.failures.values()]
+                      if isinstance(e, CheckpointException) else [e]):
             raise_if_disk_full(error, path, "sharded checkpoint")
         raise
     if dist.get_rank() == 0:
@@ -286,9 +253,9 @@ def save_sharded(out_dir, model, optimizer, info):
 
 
 def load_sharded(shards, model, optimizer):
-    """Fill the sharded model and its optimizer (built by make_optimizer after shard_model) from the
-    directory `shards` that save_sharded wrote; each process reads its own shards (read_shards:
-    nothing in them runs). Call on every process. Raises what read_shards raises."""
+    """Fill the sharded model and its optimizer (built after shard_model) from the directory
+    `shards` save_sharded wrote, each process its own. Call on every process. Raises what
+    read_shards raises."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     read_shards({"model": model_state, "optimizer": optimizer_state}, shards)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
@@ -296,10 +263,8 @@ def load_sharded(shards, model, optimizer):
 
 def consolidate(out_dir):
     """Write out_dir/ckpt.pt, the single-file checkpoint sampler.py reads, from out_dir's sharded
-    one: the full float32 weights (read by this one process, no process group; it needs 4 bytes of
-    memory per parameter) and the plain data, without the optimizer state: keep training from the
-    sharded checkpoint. Returns the path written. Raises what load_sharded_info and read_shards
-    raise."""
+    one: the full float32 weights (one process, 4 bytes of memory per parameter) and the plain
+    data, no optimizer state. Returns the path. Raises what load_sharded_info and read_shards do."""
     info = load_sharded_info(out_dir)
     with torch.device("meta"):  # names and shapes only
         shapes = Transformer(ModelConfig(**info["model_args"])).state_dict()
