@@ -15,6 +15,7 @@ import sampler
 from support import sampling
 import train
 from helpers import qa_rows, tiny_model, tiny_run_flags, write
+from configurator import ContextTooLong
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.prepare import TokenDataset
 from sampler import DECODERS, DEFAULTS, make_decoder
@@ -378,6 +379,19 @@ def test_an_endless_prompt_stream_is_read_only_as_far_as_a_prompt_can_go(trained
     read no further than the longest text the context could hold, and refused saying so."""
     with pytest.raises(ValueError, match=r"--prompt_file=/dev/zero: longer than 16,384 bytes"):
         sampler.main([f"--out_dir={trained}", "--prompt_file=/dev/zero"])
+
+
+@pytest.mark.parametrize("method", ["refusion", "next_token"])
+def test_a_prompt_without_room_for_the_generation_is_refused_naming_its_own_length(trained,
+                                                                                  method):
+    """A prompt that leaves no room for the generation is refused before the warm-up, which
+    decodes a cut of the first prompt, naming the prompt's own length, not the cut's."""
+    text = "What is 12 + 12? What is 34 + 34?"
+    enc = get_tokenizer(load_checkpoint(trained)["meta"]["tokenizer"])
+    length = len(encode(enc, text))
+    with pytest.raises(ContextTooLong, match=rf"^prompt \({length} tokens\) \+ generation"):
+        sampler.main([f"--out_dir={trained}", f"--prompt={text}", "--max_new_tokens=60",
+                      "--slot_size=4", f"--method={method}"])
 
 
 def test_batch_size_decodes_prompts_together_and_each_sample_stays_its_own(trained, capsys):
