@@ -367,9 +367,14 @@ class Report:
 
     def judge(self, prompt, out):
         """(the response's text without EOS, verdict: (metric, 1.0 or 0.0), or None without a
-        check)."""
+        check or where the check cannot judge the prompt: a note on stderr says why)."""
         text = tokenizer.decode(self.enc, [t for t in out.tokens if t not in self.eos_ids])
-        scores = self.check(tokenizer.decode(self.enc, prompt), text)
+        try:
+            scores = self.check(tokenizer.decode(self.enc, prompt), text)
+        except Exception as e:  # a prompt of the user's own, not in the data set's form
+            print(f"note: no verdict: the data set's check cannot judge this prompt ({e})",
+                  file=sys.stderr)
+            return text, None
         return text, None if scores is None else next(iter(scores.items()))
 
     def sample(self, prompt, out):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sampler
-from support import sampling
+from support import corpora, sampling
 import train
 from helpers import qa_rows, tiny_model, tiny_run_flags, write
 from configurator import ContextTooLong
@@ -392,6 +392,28 @@ def test_a_prompt_without_room_for_the_generation_is_refused_naming_its_own_leng
     with pytest.raises(ContextTooLong, match=rf"^prompt \({length} tokens\) \+ generation"):
         sampler.main([f"--out_dir={trained}", f"--prompt={text}", "--max_new_tokens=60",
                       "--slot_size=4", f"--method={method}"])
+
+
+def test_a_prompt_the_data_sets_check_cannot_judge_prints_its_answer_without_a_verdict(
+        trained, monkeypatch, capsys):
+    """A --prompt of the user's own gets a verdict where the data set's check can judge it (the
+    quotes check: a whole line of Python); else its answer is printed all the same, without a
+    verdict, and a note says why."""
+    monkeypatch.setattr(sampling, "score",
+                        lambda dataset, query, text: corpora.score("quotes", query, text))
+    flags = [f"--out_dir={trained}", "--max_new_tokens=8", "--slot_size=4"]
+    sampler.main(flags + ["--prompt=x = 'a'\n"])
+    assert re.search(r"^(right|wrong) \(exact\): \d+ tokens in", capsys.readouterr().out, re.M)
+    for prompt in ("print('hi'", "\"\"\"a docstring"):   # a cut line, a string left open
+        sampler.main(flags + [f"--prompt={prompt}"])
+        captured = capsys.readouterr()
+        assert captured.out.startswith("=" * 80 + "\n" + prompt)
+        assert re.match(r"\d+ tokens in \d+ forward", captured.out.splitlines()[-1])
+        note = "note: no verdict: the data set's check cannot judge this prompt (not a line of"
+        assert note in captured.err
+        sampler.main(flags + [f"--prompt={prompt}", "--json"])
+        row = json.loads(capsys.readouterr().out)
+        assert row["prompt"] == prompt and "exact" not in row and row["tokens"] > 0
 
 
 def test_batch_size_decodes_prompts_together_and_each_sample_stays_its_own(trained, capsys):
