@@ -952,14 +952,14 @@ def main(argv):
         room = decoder_settings(dict(cfg, method="refusion")).gen_length
     prompts = sampling.load_prompts(cfg, enc, ckpt, room, model.config.block_size)
     # one-time costs (compiling) are paid here, apart from the timed decodes
-    model = sampling.warm_up(cfg, model, decode, prompts)
+    model = sampling.warm_up(cfg, model, decode, prompts, settings)
     # the summary's comparison: the same prompts by next-token decoding
     next_token = None
     if sampling.compares_next_token(cfg, len(prompts), "compare_next_token" in explicit):
         sampling.note_mismatch("next_token", objective, ckpt)
         next_token, _ = make_decoder(dict(cfg, method="next_token"), ids,
                                      torch.Generator(cfg["device"]))
-        sampling.warm_up(cfg, model, next_token, prompts)
+        sampling.warm_up(cfg, model, next_token, prompts, settings)
     sampling.decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_token)
 
 

@@ -27,20 +27,27 @@ def generate_batch(model, decode, prompts, batch_size, generators=None, forwards
     generators: a torch.Generator per prompt, or None for decode's. forwards: optional list; each
     pass appends the indexes of the prompts it carried. pad: forward_batch's; None: inf on a GPU,
     CPU_PAD elsewhere. Returns the Generations in prompt order, their seconds each prompt's latency
-    in its batch. Raises ValueError for batch_size < 1, and the first error a decode raised."""
+    in its batch. Raises ValueError for batch_size < 1, and the first error a decode raised. The
+    process's intra-op thread count is left as it was, however the batches end."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: decode at least one prompt at a time")
     generators = generators or [None] * len(prompts)
     if pad is None:
         pad = math.inf if next(model.parameters()).device.type == "cuda" else CPU_PAD
     out = []
-    for b in range(0, len(prompts), batch_size):
-        chunk = range(b, min(b + batch_size, len(prompts)))
-        log = [] if forwards is not None else None
-        out += decode_together(model, decode, [prompts[i] for i in chunk],
-                               [generators[i] for i in chunk], log, pad)
-        if log is not None:
-            forwards += [[b + i for i in carried] for carried in log]
+    threads = torch.get_num_threads()
+    try:
+        for b in range(0, len(prompts), batch_size):
+            chunk = range(b, min(b + batch_size, len(prompts)))
+            log = [] if forwards is not None else None
+            out += decode_together(model, decode, [prompts[i] for i in chunk],
+                                   [generators[i] for i in chunk], log, pad)
+            if log is not None:
+                forwards += [[b + i for i in carried] for carried in log]
+    finally:
+        # the prompts' threads set one intra-op thread (decode_together), which every thread the
+        # process starts later would inherit, and MKL's count with it: set back here
+        torch.set_num_threads(threads)
     return out
 
 

@@ -21,7 +21,7 @@ from json import dumps
 
 import torch
 
-from configurator import check_device, check_seed
+from configurator import check_context, check_device, check_seed
 from model import ModelConfig
 from support.batching import generate_batch, prompt_generator
 from support.chat import chat_prompt
@@ -58,10 +58,15 @@ def check_sample_config(cfg):
     check_compile(cfg)
 
 
-def warm_up(cfg, model, decode, prompts):
+def warm_up(cfg, model, decode, prompts, settings):
     """Pay decoding's one-time costs before the timed decodes: decode prompts[0][:8], or with
     --compile decode every prompt once through a CompiledModel (its graphs and seconds on stderr).
-    Returns the model to decode with: model, or its CompiledModel."""
+    settings: the DecodeSettings whose generation every prompt must leave room for. Returns the
+    model to decode with: model, or its CompiledModel. Raises ContextTooLong naming the length of a
+    prompt that leaves too little."""
+    # every prompt's own length first: a cut of one fits wherever the whole prompt does
+    for prompt in prompts:
+        check_context(model, len(prompt), settings)
     if not cfg["compile"]:
         decode(model, prompts[0][:8])
         return model
@@ -362,9 +367,14 @@ class Report:
 
     def judge(self, prompt, out):
         """(the response's text without EOS, verdict: (metric, 1.0 or 0.0), or None without a
-        check)."""
+        check or where the check cannot judge the prompt: a note on stderr says why)."""
         text = tokenizer.decode(self.enc, [t for t in out.tokens if t not in self.eos_ids])
-        scores = self.check(tokenizer.decode(self.enc, prompt), text)
+        try:
+            scores = self.check(tokenizer.decode(self.enc, prompt), text)
+        except Exception as e:  # a prompt of the user's own, not in the data set's form
+            print(f"note: no verdict: the data set's check cannot judge this prompt ({e})",
+                  file=sys.stderr)
+            return text, None
         return text, None if scores is None else next(iter(scores.items()))
 
     def sample(self, prompt, out):

@@ -2,6 +2,7 @@
 gets the tokens, steps and NFE the one-prompt decoder gives it alone."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -173,6 +174,32 @@ def test_a_failing_prompt_fails_the_batch_naming_its_error(refusion_model):
     # the threads of the failed batch are gone; the next batch decodes as usual
     assert [o.tokens for o in generate_batch(model, decode, PROMPTS[:2], 2)] == \
         [decode(model, p).tokens for p in PROMPTS[:2]]
+
+
+def threads_of_a_new_thread():
+    """torch.get_num_threads() as a thread started now sees it."""
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_a_batch_leaves_every_thread_its_intra_op_thread_count(refusion_model):
+    """The prompts' threads run on one intra-op thread each; after the batch, decoded or failed,
+    the calling thread and every thread started later have the count they had before."""
+    model, ids = refusion_model
+    decode, _ = make_decoder(dict(DEFAULTS, method="refusion", max_new_tokens=16), ids, None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # not 1, the prompts' own count
+    try:
+        generate_batch(model, decode, PROMPTS[:2], 2)
+        assert (torch.get_num_threads(), threads_of_a_new_thread()) == (2, 2)
+        with pytest.raises(ContextTooLong):
+            generate_batch(model, decode, [PROMPTS[0], [65] * 60], 2)
+        assert (torch.get_num_threads(), threads_of_a_new_thread()) == (2, 2)
+    finally:
+        torch.set_num_threads(before)
 
 
 @torch.inference_mode()

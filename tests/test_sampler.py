@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import sampler
-from support import sampling
+from support import corpora, sampling
 import train
 from helpers import qa_rows, tiny_model, tiny_run_flags, write
+from configurator import ContextTooLong
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.prepare import TokenDataset
 from sampler import DECODERS, DEFAULTS, make_decoder
@@ -378,6 +379,41 @@ def test_an_endless_prompt_stream_is_read_only_as_far_as_a_prompt_can_go(trained
     read no further than the longest text the context could hold, and refused saying so."""
     with pytest.raises(ValueError, match=r"--prompt_file=/dev/zero: longer than 16,384 bytes"):
         sampler.main([f"--out_dir={trained}", "--prompt_file=/dev/zero"])
+
+
+@pytest.mark.parametrize("method", ["refusion", "next_token"])
+def test_a_prompt_without_room_for_the_generation_is_refused_naming_its_own_length(trained,
+                                                                                  method):
+    """A prompt that leaves no room for the generation is refused before the warm-up, which
+    decodes a cut of the first prompt, naming the prompt's own length, not the cut's."""
+    text = "What is 12 + 12? What is 34 + 34?"
+    enc = get_tokenizer(load_checkpoint(trained)["meta"]["tokenizer"])
+    length = len(encode(enc, text))
+    with pytest.raises(ContextTooLong, match=rf"^prompt \({length} tokens\) \+ generation"):
+        sampler.main([f"--out_dir={trained}", f"--prompt={text}", "--max_new_tokens=60",
+                      "--slot_size=4", f"--method={method}"])
+
+
+def test_a_prompt_the_data_sets_check_cannot_judge_prints_its_answer_without_a_verdict(
+        trained, monkeypatch, capsys):
+    """A --prompt of the user's own gets a verdict where the data set's check can judge it (the
+    quotes check: a whole line of Python); else its answer is printed all the same, without a
+    verdict, and a note says why."""
+    monkeypatch.setattr(sampling, "score",
+                        lambda dataset, query, text: corpora.score("quotes", query, text))
+    flags = [f"--out_dir={trained}", "--max_new_tokens=8", "--slot_size=4"]
+    sampler.main(flags + ["--prompt=x = 'a'\n"])
+    assert re.search(r"^(right|wrong) \(exact\): \d+ tokens in", capsys.readouterr().out, re.M)
+    for prompt in ("print('hi'", "\"\"\"a docstring"):   # a cut line, a string left open
+        sampler.main(flags + [f"--prompt={prompt}"])
+        captured = capsys.readouterr()
+        assert captured.out.startswith("=" * 80 + "\n" + prompt)
+        assert re.match(r"\d+ tokens in \d+ forward", captured.out.splitlines()[-1])
+        note = "note: no verdict: the data set's check cannot judge this prompt (not a line of"
+        assert note in captured.err
+        sampler.main(flags + [f"--prompt={prompt}", "--json"])
+        row = json.loads(capsys.readouterr().out)
+        assert row["prompt"] == prompt and "exact" not in row and row["tokens"] > 0
 
 
 def test_batch_size_decodes_prompts_together_and_each_sample_stays_its_own(trained, capsys):

@@ -2,16 +2,17 @@
 The acceptance check on one GPU: from a bare checkout, within about 8 minutes on one H100-class GPU,
 it measures and writes docs/bench_gpu.md and docs/bench_gpu.json, a section each (SECTIONS): the
 machine; the quick start trained on the device, and an MDM on the same data and budget; ReFusion,
-next-token and MDM decoding of its validation lines at batch 1 and 64, eager and compiled, the ms of
-a pass split into model and decoder; decoding under each of SDPA's attention backends; the 85M
-recipe's steady step and MFU; and what one cached forward pass costs (tools.probe's figures).
+next-token and MDM decoding of its validation lines at batch 1 and 64, eager and compiled (the
+cached decoders compiled at batch 1 only: COMPILED_NOTE), the ms of a pass split into model and
+decoder; decoding under each of SDPA's attention backends; the 85M recipe's steady step and MFU; and
+what one cached forward pass costs (tools.probe's figures).
 
     python -m tools.gpu_report                 # on the GPU, into docs/
     python -m tools.gpu_report --device=cpu --quick=True --out=/tmp/gpu_report_try   # plumbing
 
-Each section runs guarded: an error is recorded in the report and the next section still runs. Once
-budget_s seconds are spent, what has not started is skipped, with a note. Both files are rewritten
-after every section.
+Each section runs guarded: an error is recorded in the report and the next section still runs;
+Ctrl-C stops the run, the report noting the section it stopped in. Once budget_s seconds are spent,
+what has not started is skipped, with a note. Both files are rewritten after every section.
 """
 
 import dataclasses
@@ -21,6 +22,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from functools import partial
@@ -84,6 +86,13 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, block_size=8192, n_layer=30, n_head=9, n_
 SMOLLM2 = "SmolLM2-135M's shape, random weights"
 PROMPT_LEN = 64            # pass_costs: tokens cached before each timed pass, as tools.probe's
 FED = (1, 2, 4, 8, 16, 32, 64, 128)  # pass_costs: tokens fed (--quick: 1, 8, 32)
+DECODERS = ("ReFusion", "next-token", "MDM")  # the decoding section's decoders, in its order
+CACHED = ("ReFusion", "next-token")          # those with a KV cache: compiled at batch 1 only
+COMPILED_NOTE = ("Compiled, ReFusion and next-token decoding run at batch 1 only: "
+                 "support.compiled's model refuses a pass with both a KV cache and an attention "
+                 "mask, which a batch's padded cached passes need, so their batches are measured "
+                 "eager. The MDM's passes read no cache: it is measured compiled at every batch "
+                 "size.")
 SPLIT_NOTE = ("ms per pass: the timed run's wall time over its forward passes (a batched pass "
               "counted once). Model and decoder: a second run over the same lines, untimed "
               "otherwise, whose model is wrapped in a proxy that waits for the device before and "
@@ -112,12 +121,16 @@ class Clock:
 
 
 def guarded(fn):
-    """fn() as {"result", "seconds"}, or, when it raised (SystemExit too: a diverged loss), as
-    {"error", "traceback", "seconds"}."""
+    """fn() as {"result", "seconds"}, or, when it failed, as {"error", "traceback", "seconds"}. A
+    failure is an Exception or an exit that says "error: ..." (train.py's for a diverged loss). A
+    stop request is no failure and is raised: Ctrl-C (KeyboardInterrupt), or the exit of a training
+    run that Ctrl-C or a stop signal interrupted (it saved its checkpoint)."""
     t0 = time.perf_counter()
     try:
         return {"result": fn(), "seconds": time.perf_counter() - t0}
     except (Exception, SystemExit) as e:
+        if isinstance(e, SystemExit) and not str(e.code).startswith("error: "):
+            raise
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:],
                 "seconds": time.perf_counter() - t0}
 
@@ -132,7 +145,8 @@ def free_device_memory():
 
 def run_report(cfg):
     """Run cfg["sections"] in turn, each guarded and skipped once the budget is spent, writing both
-    files after each. Returns the report (a dict)."""
+    files after each. Returns the report (a dict). A stop request (guarded) is raised once both
+    files are written with the section it stopped marked so."""
     clock = Clock(cfg["budget_s"])
     report = {"config": cfg, "notes": cfg.pop("notes"), "sections": {}}
     for name in cfg["sections"]:
@@ -140,8 +154,19 @@ def run_report(cfg):
         if note:
             report["sections"][name] = {"skipped": note}
         else:
-            print(f"\n== {name} ({clock.spent():.0f} s spent)", flush=True)
-            report["sections"][name] = guarded(lambda: SECTIONS[name](cfg, clock))
+            t0 = clock.spent()
+            print(f"\n== {name} ({t0:.0f} s spent)", flush=True)
+            try:
+                report["sections"][name] = guarded(lambda: SECTIONS[name](cfg, clock))
+            except BaseException:  # a stop request, the one thing guarded raises: the run ends
+                report["sections"][name] = {"stopped": f"stopped by Ctrl-C or a stop signal after "
+                                                       f"{clock.spent() - t0:.1f} s; no section "
+                                                       "after it ran"}
+                report["seconds"] = clock.spent()
+                write_json_and_md(cfg["out"], "bench_gpu", report, report_md(report))
+                print(f"stopped in {name}: {cfg['out']}/bench_gpu.md and bench_gpu.json hold the "
+                      "sections before it", file=sys.stderr)
+                raise
             free_device_memory()
         report["seconds"] = clock.spent()
         write_json_and_md(cfg["out"], "bench_gpu", report, report_md(report))
@@ -225,8 +250,8 @@ def sample_settings(cfg):
 
 def decoding_section(cfg, clock):
     """ReFusion and next-token decoding of the quick start's model, and its MDM's, over the first
-    num_lines validation lines at each batch size, eager then compiled (decode_run). Returns
-    {"lines", "dtype", "runs", "split", ...}."""
+    num_lines validation lines at each batch size, eager then compiled (ReFusion and next-token at
+    batch 1 only: COMPILED_NOTE) (decode_run). Returns {"lines", "dtype", "runs", "split", ...}."""
     sample, model, ids, prompts, judge = quick_start_model(cfg)
     mdm = dict(sample, method="mdm", out_dir=os.path.join(cfg["work_dir"], "quotes-mdm"))
     mdm_model, _, mdm_ids, _, mdm_ckpt = sampling.load_model(mdm)
@@ -238,38 +263,43 @@ def decoding_section(cfg, clock):
                 "MDM": (mdm_model, sampler.make_decoder(mdm, mdm_ids, None)[0])}
     compiled = {}                                      # model -> its CompiledModel, shared
     runs, alone = [], {}                               # alone: eager batch-1 tokens per decoder
-    # every eager run before the compiled ones, so that the budget cuts the compiled ones first
-    for mode in ("eager", "compiled") if cfg["compile"] else ("eager",):
-        for label, (net, decode) in decoders.items():
-            for B in cfg["batch_sizes"]:
-                row = {"decoder": label, "batch_size": B, "mode": mode}
-                note = clock.over()
-                if note:
-                    runs.append(dict(row, skipped=note))
-                    continue
-                if mode == "compiled" and id(net) not in compiled:
-                    compiled[id(net)] = CompiledModel(net)
-                used = compiled[id(net)] if mode == "compiled" else net
-                outcome = guarded(lambda: decode_run(used, decode, prompts, B, judge,
-                                                     warm=mode == "compiled"))
-                if "error" in outcome:
-                    runs.append(dict(row, error=outcome["error"]))
-                    continue
-                # the share of lines whose tokens are those of the eager decode at batch 1
-                outs, figures = outcome["result"]
-                alone.setdefault(label, [o.tokens for o in outs])
-                figures["identical"] = sum(o.tokens == a for o, a in
-                                           zip(outs, alone[label])) / len(outs)
-                runs.append(dict(row, **figures))
-                print(f"{label}, batch {B}, {mode}: {figures['right']} of {len(outs)} right, "
-                      f"TPF {figures['tpf']:.2f}, {figures['tokens_per_s']:.0f} tokens/s",
-                      flush=True)
+    for mode, label, B in decoding_runs(cfg):
+        net, decode = decoders[label]
+        row = {"decoder": label, "batch_size": B, "mode": mode}
+        note = clock.over()
+        if note:
+            runs.append(dict(row, skipped=note))
+            continue
+        if mode == "compiled" and id(net) not in compiled:
+            compiled[id(net)] = CompiledModel(net)
+        used = compiled[id(net)] if mode == "compiled" else net
+        outcome = guarded(lambda: decode_run(used, decode, prompts, B, judge,
+                                             warm=mode == "compiled"))
+        if "error" in outcome:
+            runs.append(dict(row, error=outcome["error"]))
+            continue
+        # the share of lines whose tokens are those of the eager decode at batch 1
+        outs, figures = outcome["result"]
+        alone.setdefault(label, [o.tokens for o in outs])
+        figures["identical"] = sum(o.tokens == a for o, a in zip(outs, alone[label])) / len(outs)
+        runs.append(dict(row, **figures))
+        print(f"{label}, batch {B}, {mode}: {figures['right']} of {len(outs)} right, "
+              f"TPF {figures['tpf']:.2f}, {figures['tokens_per_s']:.0f} tokens/s", flush=True)
     return {"lines": len(prompts), "dtype": sample["dtype"], "max_new_tokens":
             sample["max_new_tokens"], "mdm_max_new_tokens": mdm["max_new_tokens"],
             "refusion_settings": {k: sample[k] for k in ("slot_size", "serial_num_blocks",
                                                          "slot_threshold", "token_threshold",
                                                          "infill")},
             "runs": runs, "split": SPLIT_NOTE}
+
+
+def decoding_runs(cfg):
+    """(mode, decoder, batch size) of each run of the decoding section, in order: every eager run
+    before the compiled ones, so that the budget cuts the compiled ones first; a decoder with a KV
+    cache compiled at batch 1 only (COMPILED_NOTE)."""
+    modes = ("eager", "compiled") if cfg["compile"] else ("eager",)
+    return [(mode, label, B) for mode in modes for label in DECODERS for B in cfg["batch_sizes"]
+            if mode == "eager" or B == 1 or label not in CACHED]
 
 
 def quick_start_model(cfg):
@@ -470,9 +500,10 @@ def decoding_md(r):
     knobs = ", ".join(f"{k}={v}" for k, v in r["refusion_settings"].items())
     failed = [run for run in r["runs"] if "error" in run]
     notes = "\n\n" + r["split"]
+    if any(run["mode"] == "compiled" for run in r["runs"]):
+        notes += "\n\n" + COMPILED_NOTE
     if failed:
-        notes += (f"\n\n{len(failed)} runs failed, with the error in their row (a compiled model "
-                  "with a KV cache takes one prompt at a time: support.compiled).")
+        notes += f"\n\n{len(failed)} runs failed, with the error in their row."
     return (f"{r['lines']} validation lines, weights in {r['dtype']}, greedy. ReFusion as "
             f"config/sample_quotes.py decodes ({knobs}, max_new_tokens={r['max_new_tokens']}); "
             "next-token decoding of the same model; the MDM one token per step on its canvas of "
@@ -560,8 +591,9 @@ def report_md(report):
     lines += [f"Note: {note}" for note in report["notes"]]
     for name, section in report["sections"].items():
         lines += ["", f"## {SECTION_TITLES[name]}", ""]
-        if "skipped" in section:
-            lines.append(section["skipped"][0].upper() + section["skipped"][1:] + ".")
+        note = section.get("skipped") or section.get("stopped")
+        if note:
+            lines.append(note[0].upper() + note[1:] + ".")
             continue
         if "error" in section:
             lines.append(f"Failed after {section['seconds']:.1f} s: `{section['error']}`")
@@ -576,12 +608,17 @@ def report_md(report):
 
 
 def settle_config(cfg, explicit):
-    """Check the settings and apply --quick (QUICK, for each setting not given). Returns the notes
-    the report states. Raises ValueError with the fix."""
+    """Check the settings, before any work, and apply --quick (QUICK, for each setting not given).
+    Returns the notes the report states. Raises ValueError with the fix."""
     check_device(cfg["device"])
+    if not cfg["sections"]:
+        raise ValueError(f"--sections=(): name at least one of {', '.join(SECTIONS)}")
     if unknown := [s for s in cfg["sections"] if s not in SECTIONS]:
-        raise ValueError(f"--sections: {', '.join(unknown)} unknown; choose among "
+        raise ValueError(f"--sections: {', '.join(map(repr, unknown))} unknown; choose among "
                          f"{', '.join(SECTIONS)}")
+    if len(set(cfg["sections"])) < len(cfg["sections"]):
+        raise ValueError(f"--sections={','.join(cfg['sections'])}: name each section once (the "
+                         "report holds one entry a section)")
     require(cfg, ("budget_s",), "positive", lambda v: v > 0)
     if not cfg["batch_sizes"] or cfg["batch_sizes"][0] != 1:
         raise ValueError(f"--batch_sizes={','.join(map(str, cfg['batch_sizes']))}: start from 1, "
@@ -599,7 +636,21 @@ def settle_config(cfg, explicit):
         raise ValueError(f"--steady_iters={cfg['steady_iters']}: keep it below --recipe_iters="
                          f"{cfg['recipe_iters']}, whose first step compiles")
     check_compile(cfg)
+    # last, as it creates the folders: the settings above are refused without a trace
+    check_writable_folder(cfg["out"], "--out", "the report (bench_gpu.md and bench_gpu.json)")
+    check_writable_folder(cfg["work_dir"], "--work_dir", "the checkpoints of the models it trains")
     return notes
+
+
+def check_writable_folder(path, flag, what):
+    """Create the folder path if need be and check that a file can be written in it. Raises
+    ValueError naming the flag and what it holds."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise ValueError(f"{flag}={path}: cannot write {what} there ({e.strerror or e}); choose a "
+                         "folder you can write to") from None
 
 
 def main(argv):
