@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from support.files import write_atomic
+from support.files import check_kind, write_atomic
 from model import ModelConfig, Transformer
 
 FORMAT = 1  # the layout's version; a file of another one is refused
@@ -49,12 +49,15 @@ def load_checkpoint(path_or_dir, device="cpu", settings_only=False):
     (settings_only: mapped from the file unread, their finiteness unchecked). Warns on stderr when
     a sharded checkpoint beside it is newer. Raises FileNotFoundError when there is none;
     ValueError when the file is not a readable, consistent checkpoint of this FORMAT
-    (check_consistent) or holds NaN or infinite weights (check_finite)."""
-    is_file = path_or_dir.endswith(".pt") or os.path.isfile(path_or_dir)
+    (check_consistent) or holds NaN or infinite weights (check_finite), and for a directory, a FIFO
+    or a device where the file should be (never opened)."""
+    # anything but a directory is meant as the file: a FIFO or /dev/zero is refused as one below
+    is_file = path_or_dir.endswith(".pt") or (os.path.exists(path_or_dir)
+                                              and not os.path.isdir(path_or_dir))
     path = path_or_dir if is_file else checkpoint_path(path_or_dir)
     out_dir = os.path.dirname(path) or "."
     sharded = sharded_info_path(out_dir)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         if os.path.islink(path):
             raise FileNotFoundError(f"{path} is a symlink to {os.path.realpath(path)}, which is "
                                     "not there (an unmounted disk, or a moved file): mount or "
@@ -65,6 +68,8 @@ def load_checkpoint(path_or_dir, device="cpu", settings_only=False):
                                     f"`python -m tools.consolidate --out_dir={out_dir}`")
         raise FileNotFoundError(f"no checkpoint at {path}: train one first with "
                                 f"`python train.py --out_dir={out_dir}`")
+    check_kind(path, "a checkpoint is the file ckpt.pt that train.py writes: move this away, or "
+                     "point to a run's out_dir or its ckpt.pt")
     if os.path.isfile(sharded) and os.path.getmtime(sharded) > os.path.getmtime(path):
         print(f"warning: {path} is older than the sharded checkpoint {sharded}; run "
               f"`python -m tools.consolidate --out_dir={out_dir}` to use the latest weights",

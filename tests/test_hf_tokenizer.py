@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import sampler
-from helpers import TEXTS, edit_json, give_ids, save_tiny_hf_folder
+from helpers import NOT_FILES, TEXTS, edit_json, give_ids, never_blocks, save_tiny_hf_folder
 from support import tokenizer
 from support.chat import CHATML, chat_prompt
 from support.hf_tokenizer import hf_special_ids, hf_tokenizer, undecodable_ids
@@ -134,6 +134,25 @@ def test_a_folder_without_tokenizer_json_is_named_with_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no tokenizer.json in '.*': hf:FOLDER must name "
                                                  "a Hugging Face model folder holding one"):
         hf_tokenizer(str(tmp_path))
+
+
+def test_a_folder_or_tokenizer_json_of_another_kind_is_named_and_never_waited_on(tmp_path):
+    """hf:FOLDER naming a FIFO, or a folder whose tokenizer.json is a directory, a FIFO or a link
+    to /dev/zero: each named for what it is (they were "no tokenizer.json"), never waited on. A
+    tokenizer.json larger than any real one is refused unread: tests/test_hf_folder.py's MALFORMED,
+    through the command lines."""
+    os.mkfifo(tmp_path / "pipe")
+    with never_blocks(), pytest.raises(ValueError, match=r"pipe is a FIFO \(named pipe\), not a "
+                                                         "directory; hf:FOLDER must name a "
+                                                         "Hugging Face model folder"):
+        hf_tokenizer(str(tmp_path / "pipe"))
+    for kind, (make, said) in NOT_FILES.items():
+        folder = tmp_path / kind
+        folder.mkdir()
+        make(folder / "tokenizer.json")
+        with never_blocks(), pytest.raises(ValueError, match=f"tokenizer.json {said}, not a "
+                                                             "regular file; a model folder holds"):
+            hf_tokenizer(str(folder))
 
 
 def test_hf_special_ids_needs_an_eos_token(tmp_path):
