@@ -371,7 +371,7 @@ def main(argv):
                   f"{len(train_data):,} training samples, device {cfg['device']}, "
                   f"{world} process(es), " + (why or f"matmuls in {dtype}"))
         progress = Progress(cfg, steps, rank, world)  # the bar, or a line every log_interval
-        with runs.stop_requests() as requested:
+        with runs.stop_requests(cfg, optimizer, world) as requested:
             try:
                 for steps, best_val_loss, stopped in train(
                         dict(cfg, dtype=dtype), model, optimizer, train_data, val_data, progress,

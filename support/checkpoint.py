@@ -38,7 +38,8 @@ def sharded_info_path(out_dir):
 
 def save_checkpoint(out_dir, ckpt):
     """Write ckpt (a dict of plain data) to out_dir/ckpt.pt atomically. Raises files.DiskFull (a
-    ValueError) when the disk fills up; the previous checkpoint is kept."""
+    ValueError) when the disk, a quota or `ulimit -f` leaves no room; the previous checkpoint is
+    kept."""
     os.makedirs(out_dir, exist_ok=True)
     write_atomic(checkpoint_path(out_dir), lambda f: torch.save(dict(ckpt, format=FORMAT), f),
                  "checkpoint")

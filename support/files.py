@@ -4,6 +4,8 @@ bounds and checked.
 
     write_atomic(path, write)   replace a file atomically: a crash, a power cut or a full disk
                                 leaves the previous file or the new one, never a mix
+    raise_if_disk_full(e, path) one message for a write that found no room, whatever the writer
+    remove_temporaries(dir, names)  the temp files a killed process left, under the caller's lock
     writable_folder(path)       path, or a temporary folder where path cannot be written
     signals_unwind()            a block that SIGTERM or SIGHUP ends as Ctrl-C does, cleanup first
     check_kind(path, fix)       refuse a directory, a FIFO or a device where a file must be
@@ -16,6 +18,8 @@ bounds and checked.
 import errno
 import json
 import os
+import re
+import resource
 import signal
 import stat
 import sys
@@ -25,7 +29,14 @@ from contextlib import contextmanager
 
 
 class DiskFull(ValueError):
-    """The disk filled up while a file was written; the file at its path is as it was before."""
+    """A write found no room (a full disk or quota, a file over the size limit); the file at its
+    path is as it was before."""
+
+
+# the errors of a write that found no room: a full disk, a full quota, a file over the size limit
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# where a writer puts the errno in its message instead: Rust's io::Error (safetensors)
+OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 def mount_point(path):
@@ -49,57 +60,168 @@ def fsync_directory(directory):
         os.close(fd)
 
 
-def raise_if_disk_full(error, path, what=None):
-    """Raise DiskFull, naming the file system and whether the previous `what` (default: path's base
-    name) is kept, for an OSError of a full disk or quota (ENOSPC, EDQUOT) while path was written;
-    return for any other error."""
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        kept = f"the previous {what or os.path.basename(path)} is kept" if os.path.exists(path) \
-            else "nothing was written"
-        raise DiskFull(f"no space left on {mount_point(os.path.dirname(os.path.abspath(path)))} "
-                       f"to write {path}; {kept}: free some space there and run again") from None
+def no_room(error, written=None):
+    """The errno (one of NO_ROOM) of a write that found no room behind error, else None: an
+    OSError's, one a library raised while handling it (torch's "unexpected pos" over its file's
+    ENOSPC), one its message names (safetensors' "(os error 28)", numpy's "Not enough free space").
+    An errno-less OSError (numpy's "N requested and M written") is asked of `written`, the file or
+    folder being written, while it is there (room_left)."""
+    seen = set()
+    silent = False
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in NO_ROOM:
+            return error.errno
+        named = OS_ERROR.search(str(error))
+        if named and int(named[1]) in NO_ROOM:
+            return int(named[1])
+        if isinstance(error, OSError) and "Not enough free space" in str(error):
+            return errno.ENOSPC   # numpy's words for its fallocate's ENOSPC
+        silent = silent or (isinstance(error, OSError) and error.errno is None)
+        error = error.__cause__ or error.__context__
+    if silent and written is not None and os.path.exists(written):
+        return room_left(written)
+    return None
+
+
+def room_left(written):
+    """Why a write into `written` (a file or folder) failed when the writer did not say: EFBIG
+    where the file has reached the size limit (`ulimit -f`), ENOSPC where its file system has no
+    space left for this user, else None."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    limited = limit != resource.RLIM_INFINITY
+    if limited and os.path.isfile(written) and os.path.getsize(written) >= limit:
+        return errno.EFBIG
+    if os.statvfs(written).f_bavail == 0:
+        return errno.ENOSPC
+    return None
+
+
+def raise_if_disk_full(error, path, what=None, written=None):
+    """Raise DiskFull for an error of a write that found no room (no_room, which asks `written`,
+    the file or folder being written, when the writer gave no errno) while path was written,
+    naming the file system, the fix and whether the previous `what` (default: path's base name)
+    is kept; return for any other error."""
+    reason = no_room(error, written)
+    if reason is None:
+        return
+    if os.path.lexists(path):
+        kept = f"the previous {what or os.path.basename(path)} is kept"
+    else:
+        kept = "nothing was written"
+    mount = mount_point(os.path.dirname(os.path.abspath(path)))
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if reason != errno.EFBIG:
+        message = f"no space left on {mount} to write {path}; {kept}: free some space there"
+    elif limit != resource.RLIM_INFINITY:
+        message = (f"writing {path} went over the file size limit of {limit} bytes (`ulimit -f`); "
+                   f"{kept}: raise the limit (`ulimit -f unlimited`)")
+    else:
+        message = (f"writing {path} went over the largest file {mount} holds; {kept}: write to "
+                   "another file system")
+    raise DiskFull(f"{message} and run again") from None
 
 
 def file_mode(path):
-    """The permission bits of the file at path, or for a new file 0666 less the process's umask (as
-    open() gives)."""
+    """The permission bits of the regular file at path (not followed if a symlink), or for a new
+    file 0666 less the process's umask (as open() gives)."""
     try:
-        return stat.S_IMODE(os.stat(path).st_mode)
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):
+            return stat.S_IMODE(st.st_mode)
     except FileNotFoundError:
-        umask = os.umask(0)   # read by setting it; set back at once
-        os.umask(umask)
-        return 0o666 & ~umask
+        pass
+    umask = os.umask(0)   # read by setting it; set back at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def follows_link(link):
+    """Whether the symlink at link is one the kernel's protected_symlinks follows, whether that
+    setting is on or off: outside a sticky world-writable directory (/tmp), or owned by this user
+    or by the directory's owner; not one another user planted in /tmp."""
+    owner = os.lstat(link).st_uid
+    parent = os.stat(os.path.dirname(os.path.abspath(link)))
+    shared = parent.st_mode & stat.S_ISVTX and parent.st_mode & stat.S_IWOTH
+    return not shared or owner in (os.geteuid(), parent.st_uid)
+
+
+def link_target(path):
+    """The file write_atomic replaces for path: where its chain of symlinks leads, each link
+    followed only where follows_link says; a link not followed is itself replaced. Raises
+    FileNotFoundError for a link into a missing directory, ValueError for a link not followed that
+    this user may not replace (another user's, in a sticky directory this user does not own)."""
+    target = path
+    for _ in range(40):   # the kernel's limit of links in a chain
+        if not (os.path.islink(target) and follows_link(target)):
+            break
+        target = os.path.join(os.path.dirname(target), os.readlink(target))
+    else:
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+    directory = os.path.realpath(os.path.dirname(target) or ".")
+    if os.path.islink(target) and os.geteuid() not in (0, os.stat(directory).st_uid):
+        raise ValueError(f"{target} is a symlink that another user (uid {os.lstat(target).st_uid}) "
+                         f"made in the shared directory {directory}: it is not followed, and this "
+                         "user may not replace it; write to another path")
+    if target == path:
+        return path
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{path} is a symlink to {os.path.realpath(path)}, whose directory "
+                                "does not exist (an unmounted disk?): create it, or remove the "
+                                "link")
+    return os.path.join(directory, os.path.basename(target))
+
+
+def temporary_prefix(path):
+    """The start of the names of write_atomic's temp files for path: a dot and its base name."""
+    return f".{os.path.basename(path)}."
 
 
 def write_atomic(path, write, what=None):
     """Replace the file at path with what write(f) writes into a binary file f, atomically: a temp
-    file beside it (mkstemp: O_EXCL, an unpredictable name), fsynced, renamed over path, the
-    directory fsynced. On any error the temp file is removed and path is as it was. A symlink at
-    path is written through (the file it points to replaced, the link kept). what: how a message
-    names the file ("checkpoint"; default its base name). Raises DiskFull (a ValueError) when the
-    disk is full, FileNotFoundError for a link into a missing directory, and what write raises."""
-    if os.path.islink(path):
-        link, path = path, os.path.realpath(path)
-        if not os.path.isdir(os.path.dirname(path)):
-            raise FileNotFoundError(f"{link} is a symlink to {path}, whose directory does not "
-                                    "exist; create it, or remove the link to write a file there")
+    file beside it (mkstemp: O_EXCL | O_NOFOLLOW, an unpredictable name), fsynced, renamed over
+    path, the directory fsynced. On any error the temp file is removed and path is as it was. A
+    symlink at path is written through (the file it points to replaced, the link kept) when
+    follows_link allows; else the link is replaced. what: how a message names the file
+    ("checkpoint"; default its base name). Raises DiskFull (a ValueError) when the disk, a quota or
+    the file size limit is reached, FileNotFoundError for a link into a missing directory, and what
+    write raises."""
+    path = link_target(path)
     directory = os.path.dirname(os.path.abspath(path))
+    mode = file_mode(path)
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.",
-                                   suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=temporary_prefix(path), suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, file_mode(path))  # mkstemp makes files private (0600)
+        os.chmod(tmp, mode)  # mkstemp makes files private (0600)
         os.replace(tmp, path)
     except BaseException as e:
-        if tmp is not None:
-            os.unlink(tmp)
-        raise_if_disk_full(e, path, what)
+        try:
+            raise_if_disk_full(e, path, what, written=tmp)  # asked while the temp file is there
+        finally:
+            if tmp is not None:
+                os.unlink(tmp)
         raise
     fsync_directory(directory)
+
+
+def remove_temporaries(directory, names):
+    """Remove the temp files write_atomic left in directory for the files `names` (ckpt.pt, ...)
+    when its process was killed mid-write (kill -9, a power cut); only while the caller holds
+    directory (its lock), so that no write of them is under way. Returns the names removed."""
+    # mkstemp's names: eight of a-z, 0-9 and _ between the prefix and the suffix
+    ours = re.compile("|".join(re.escape(temporary_prefix(name)) + r"[a-z0-9_]{8}\.tmp"
+                               for name in names))
+    removed = []
+    for entry in sorted(os.listdir(directory)):
+        left = os.path.join(directory, entry)
+        if ours.fullmatch(entry) and not os.path.isdir(left):
+            os.unlink(left)  # a symlink planted at such a name goes, its target stays
+            removed.append(entry)
+    return removed
 
 
 if __name__ == "__main__":  # python support/files.py

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
-from support.files import abridged, check_kind, is_int, signals_unwind
+from support.files import abridged, check_kind, is_int, raise_if_disk_full, signals_unwind
 from support.hf_folder import from_pretrained
 from support.hf_tokenizer import hf_special_ids
 
@@ -451,7 +451,11 @@ def convert_gguf(path, out_dir):
             if os.path.isdir(out_dir):
                 os.rmdir(out_dir)  # empty, as checked above
             os.replace(partial, out_dir)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
+        except BaseException as e:
+            try:
+                # a full disk or `ulimit -f`: the one message, asked while the folder is there
+                raise_if_disk_full(e, os.path.join(out_dir, "model.safetensors"), written=partial)
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
             raise
     return out_dir

@@ -22,7 +22,7 @@ from filelock import FileLock
 
 from support.corpora import DATASETS
 from support.data_files import TEXT_WINDOW_BYTES, load_records
-from support.files import write_atomic
+from support.files import remove_temporaries, write_atomic
 from support.tokenizer import encode, encode_prompt, get_tokenizer, special_ids, vocab_size
 
 VAL_PERCENT = 5  # share of records that go to the validation split
@@ -151,6 +151,9 @@ def _write_splits(dataset, enc, data_dir, block_size, too_long, expected) -> Non
     """Write data_dir's .bin and _samples.npy files, then meta.json, with data_sha1: the SHA-1 of
     both splits' tokens and sample tables."""
     meta_path = os.path.join(data_dir, "meta.json")
+    # what a preparation killed mid-write left (kill -9, a power cut); the caller holds the lock
+    files = [f"{split}{end}" for split in ("train", "val") for end in (".bin", "_samples.npy")]
+    remove_temporaries(data_dir, files + ["meta.json"])
     if os.path.exists(meta_path):
         os.remove(meta_path)  # a stale meta must not vouch for half-rewritten files
     if dataset in DATASETS:

@@ -9,7 +9,8 @@ train.py's command line besides the objective and the loop.
     load_data(cfg, ...)        the prepared splits
     place_model(cfg, model)    activation checkpointing, FSDP's shards, the device
     restore_optimizer(...)     a resumed run's optimizer state
-    stop_requests()            Ctrl-C and SIGTERM end the run after its step, saved
+    stop_requests(...)         Ctrl-C and SIGTERM end the run after its step, saved (before
+                               the first step: at once)
     save(cfg, ...)             the resumable checkpoint
     diverged(cfg, error)       what a loss that stopped being finite says
     finish(cfg, ...)           the last words of a run
@@ -34,7 +35,8 @@ from configurator import check_device, check_seed, require
 from model import ModelConfig
 from support.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, sharded_info_path
 from support.compiled import check_compile
-from support.files import STOP_SIGNALS, write_atomic
+from support.files import (STOP_SIGNALS, Stopped, abridged, link_target, remove_temporaries,
+                           write_atomic)
 from support.hf_folder import from_pretrained
 from support.prepare import TokenDataset, prepare
 from support.shard import (checkpoint_layers, load_sharded, load_sharded_info, save_sharded,
@@ -115,16 +117,15 @@ def reuse_freed_memory():
 
 def check_writable(out_dir):
     """Create out_dir and check that a checkpoint can be written there (and where a symlinked
-    ckpt.pt points). Raises ValueError naming the directory and the fix."""
-    ckpt = checkpoint_path(out_dir)
-    target = os.path.dirname(os.path.realpath(ckpt))
-    if os.path.islink(ckpt) and not os.path.isdir(target):
-        raise ValueError(f"{ckpt} is a symlink to {os.path.realpath(ckpt)}, whose directory does "
-                         "not exist (an unmounted disk?): create it, or remove the link (nothing "
-                         "was trained)")
+    ckpt.pt points: support.files.link_target). Raises ValueError naming the directory and the
+    fix."""
+    try:
+        target = os.path.dirname(link_target(checkpoint_path(out_dir)))
+    except FileNotFoundError as e:  # a link into a missing directory: an unmounted disk?
+        raise ValueError(f"{e} (nothing was trained)") from None
     try:
         os.makedirs(out_dir, exist_ok=True)
-        for directory in {out_dir, target} if os.path.islink(ckpt) else {out_dir}:
+        for directory in {out_dir, target}:
             with tempfile.TemporaryFile(dir=directory) as probe:
                 probe.write(b"probe")
                 probe.flush()
@@ -155,6 +156,14 @@ def hold_out_dir(out_dir):
                          "wait for it to end or choose another --out_dir "
                          "(nothing was written)") from None
     try:
+        # what a run killed mid-save left (kill -9, a power cut): no save is under way while we hold
+        # the lock
+        names = [os.path.basename(p) for p in (checkpoint_path(out_dir),
+                                               sharded_info_path(out_dir), holder_path)]
+        removed = remove_temporaries(out_dir, names)
+        if removed:
+            print(f"note: removed {abridged(removed)} from {out_dir}, left by a run killed while "
+                  "it saved", file=sys.stderr)
         write_atomic(holder_path, lambda f: f.write(
             f"pid {os.getpid()} on {socket.gethostname()}, "
             f"started {time.strftime('%Y-%m-%d %H:%M:%S')}".encode()))
@@ -239,17 +248,46 @@ def process(cfg):
 
 
 @contextmanager
-def stop_requests():
+def stop_requests(cfg, optimizer, world):
     """While the block runs, STOP_SIGNALS do not end the process: each is appended to the list it
-    yields. The previous handlers are back after the block, however it ends."""
+    yields, and the loop saves and stops after its step. Before the run's first optimizer step
+    (its first --compile compiling, its first evaluation), with nothing new to save, a stop request
+    ends the run at once: raises SystemExit saying what was kept. The previous handlers are back
+    after the block, however it ends."""
     requested = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: requested.append(signum))
-                for sig in STOP_SIGNALS}
+    stepped = {"once": False}
+    hook = optimizer.register_step_post_hook(lambda *args: stepped.update(once=True))
+
+    def request(signum, frame):
+        requested.append(signum)
+        if not stepped["once"]:
+            raise Stopped(signum)
+    previous = {sig: signal.signal(sig, request) for sig in STOP_SIGNALS}
     try:
         yield requested
+    except Stopped:
+        raise stopped_early(cfg, world) from None
     finally:
+        hook.remove()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def stopped_early(cfg, world):
+    """The SystemExit of a run stopped before its first step: what is kept, and how to go on."""
+    if os.environ.get("RANK", "0") != "0":
+        return SystemExit(1)
+    if cfg["init_from"] != "resume":
+        return SystemExit("interrupted before the first step; nothing was saved: run the same "
+                          "command again to start")
+    return SystemExit(f"interrupted before the first step; {saved_path(cfg)} is as it was. "
+                      f"Continue with `{continue_command(cfg, world)}`")
+
+
+def continue_command(cfg, world):
+    """The command that resumes the run in cfg's out_dir, by hand or under torchrun."""
+    launcher = "torchrun ... train.py" if world > 1 else "python train.py"
+    return f"{launcher} --out_dir={cfg['out_dir']} --init_from=resume"
 
 
 # -----------------------------------------------------------------------------
@@ -485,9 +523,7 @@ def finish(cfg, rank, world, iter_num, best_val_loss, interrupted):
     if world > 1:
         torch.distributed.barrier()  # no process exits (ending the others) before rank 0 has saved
     if interrupted:
-        launcher = "torchrun ... train.py" if world > 1 else "python train.py"
         raise SystemExit(f"interrupted after {iter_num} iterations; saved {saved_path(cfg)}. "
-                         f"Continue with `{launcher} --out_dir={cfg['out_dir']} --init_from=resume`"
-                         if rank == 0 else 1)
+                         f"Continue with `{continue_command(cfg, world)}`" if rank == 0 else 1)
     if rank == 0:
         print(f"saved {saved_path(cfg)} (best val loss {best_val_loss:.4f})")

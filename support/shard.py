@@ -220,9 +220,9 @@ def read_shards(state, shards, **kwargs):
 def save_sharded(out_dir, model, optimizer, info):
     """Write a resumable sharded checkpoint; call on every process. Each writes its shards of the
     weights and AdamW's state beside the live ones, then rank 0 points ckpt_sharded.pt at them and
-    deletes the old: a crash leaves a complete checkpoint. A full disk raises files.DiskFull (a
-    ValueError). out_dir: on a file system every node sees. info: the plain data saved beside
-    (model_args, iter_num, config, meta, ...)."""
+    deletes the old: a crash leaves a complete checkpoint. A full disk (or quota, or `ulimit -f`)
+    raises files.DiskFull (a ValueError). out_dir: on a file system every node sees. info: the plain
+    data saved beside (model_args, iter_num, config, meta, ...)."""
     path = sharded_info_path(out_dir)
     live = load_sharded_info(out_dir)["shards"] if os.path.isfile(path) else None
     shards = ("ckpt_sharded_b" if live == os.path.join(out_dir, "ckpt_sharded_a")

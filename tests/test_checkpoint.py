@@ -1,10 +1,16 @@
 """Checkpoints that never run code and never lose a run (support/checkpoint.py)."""
 
 import errno
+import io
 import os
 import pickle
 import re
+import resource
+import signal
 import stat
+import subprocess
+import sys
+import tempfile
 from dataclasses import asdict
 
 import pytest
@@ -12,10 +18,9 @@ import torch
 
 import sampler
 import train
-from helpers import NOT_FILES, never_blocks, tiny_model, tiny_run_flags, write
-from support import checkpoint
+from helpers import NOT_FILES, ROOT, never_blocks, tiny_model, tiny_run_flags, write
 from support.checkpoint import load_checkpoint, save_checkpoint
-from support.files import DiskFull, write_atomic
+from support.files import DiskFull, no_room, temporary_prefix, write_atomic
 from support.prepare import prepare
 
 
@@ -136,6 +141,80 @@ def test_a_symlink_at_the_old_temp_name_is_never_followed(tmp_path, monkeypatch)
     assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt.pt.tmp"]
 
 
+def test_a_symlink_another_user_planted_in_a_shared_directory_is_never_followed(tmp_path,
+                                                                               monkeypatch):
+    """In a sticky world-writable directory (/tmp), a symlink another user made at the checkpoint's
+    path is not written through, as the kernel's protected_symlinks would not follow it (here that
+    setting may be off): the file it points to is untouched and the link is replaced by the
+    checkpoint, a regular file. A link planted at the temp file's name is skipped (O_EXCL |
+    O_NOFOLLOW). Where this user may not replace the link, the save is refused naming it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim = write(tmp_path, "victim.txt", "precious")
+    planted = shared / "ckpt.pt"
+    os.symlink(victim, planted)
+    os.symlink(victim, shared / ".ckpt.pt.planted1.tmp")
+    # the links are another user's
+    real_lstat = os.lstat
+
+    def lstat(path, *args, **kwargs):
+        found = real_lstat(path, *args, **kwargs)
+        if os.fspath(path) in (str(planted), str(shared / ".ckpt.pt.planted1.tmp")):
+            return os.stat_result(tuple(found)[:4] + (os.getuid() + 1,) + tuple(found)[5:])
+        return found
+    monkeypatch.setattr(os, "lstat", lstat)
+    # the first name mkstemp tries is the planted one (tempfile's own sequence of names)
+    monkeypatch.setattr(tempfile, "_get_candidate_names", lambda: iter(["planted1", "fresh123"]))
+    save_checkpoint(str(shared), tiny_checkpoint())
+    assert open(victim).read() == "precious"
+    assert not os.path.islink(planted) and load_checkpoint(str(shared))["iter_num"] == 0
+    assert os.readlink(shared / ".ckpt.pt.planted1.tmp") == victim
+    assert sorted(os.listdir(shared)) == [".ckpt.pt.planted1.tmp", "ckpt.pt"]
+    # a user who neither owns /tmp nor is root may not replace the link: refused, nothing written
+    os.remove(planted)
+    os.symlink(victim, planted)
+    monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 2)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(planted))} is a symlink that another "
+                                         r"user \(uid \d+\) made in the shared directory \S+: it "
+                                         "is not followed, and this user may not replace it"):
+        save_checkpoint(str(shared), tiny_checkpoint())
+    assert open(victim).read() == "precious"
+
+
+def test_the_temp_files_of_a_save_killed_mid_write_go_when_the_next_run_holds_out_dir(
+        tmp_path, qa_file, capsys):
+    """A run killed outright (kill -9) while it saved leaves its temp file; the next run into that
+    out_dir removes it once it holds the lock, and only the temp files of the project's own
+    names there (a link at such a name goes, its target stays). A preparation's, the next
+    preparation of that data."""
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    train.main(flags + ["--max_iters=2"])
+    out = tmp_path / "run"
+    # as write_atomic names them
+    left = [tempfile.mkstemp(dir=out, prefix=temporary_prefix(name), suffix=".tmp")
+            for name in ("ckpt.pt", "ckpt_sharded.pt", ".lock.holder")]
+    for fd, _ in left:
+        os.close(fd)
+    victim = write(tmp_path, "victim.txt", "precious")
+    os.symlink(victim, out / ".ckpt.pt.k1lled_9.tmp")
+    others = [".ckpt.pt.tmp", "ckpt.pt.abcdefgh.tmp", ".ckpt.pt.TOOLONG12.tmp", "notes.tmp"]
+    for name in others:
+        write(out, name, "not ours")
+    # and a preparation killed mid-write: a split's temp file, no meta.json yet
+    data_dir = next((tmp_path / "data").iterdir())
+    os.remove(data_dir / "meta.json")
+    fd, _ = tempfile.mkstemp(dir=data_dir, prefix=temporary_prefix("train.bin"), suffix=".tmp")
+    os.close(fd)
+    train.main(flags + ["--init_from=resume", "--max_iters=4"])
+    assert sorted(os.listdir(out)) == sorted([".lock", "ckpt.pt"] + others)
+    assert open(victim).read() == "precious"
+    assert not [name for name in os.listdir(data_dir) if name.endswith(".tmp")]
+    assert re.search(r"note: removed \.\.lock\.holder\.\w{8}\.tmp, \.ckpt\.pt\.\w{8}\.tmp, "
+                     r"\.ckpt\.pt\.\w{8}\.tmp, \.ckpt_sharded\.pt\.\w{8}\.tmp from \S+run, left by "
+                     "a run killed while it saved", capsys.readouterr().err)
+
+
 def test_a_symlinked_checkpoint_is_written_through_and_the_link_kept(tmp_path, qa_file):
     """A ckpt.pt that links to a file elsewhere (a bigger disk): resuming writes the new weights
     into that file, in its own directory, and leaves the link as it was; a chain of links too."""
@@ -173,19 +252,22 @@ def test_a_symlinked_checkpoint_is_written_through_and_the_link_kept(tmp_path, q
             train.main(flags)
 
 
-def _fail_mid_write(error):
-    """A stand-in for torch.save that writes part of the file, then fails with error."""
-    def save(obj, f):
-        (open(f, "wb") if isinstance(f, (str, os.PathLike)) else f).write(b"partial")
-        raise error
-    return save
+class FillsUp(io.FileIO):
+    """A file on a disk that fills up after its first 1000 bytes (ENOSPC)."""
+
+    def write(self, data):
+        if self.tell() + len(data) > 1000:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_and_no_temp_file(tmp_path, monkeypatch):
+    """torch.save's own words for a full disk ("unexpected pos", over the file's ENOSPC) become the
+    one message of every save (support.files.raise_if_disk_full); the previous checkpoint is kept
+    and no temp file is left."""
     save_checkpoint(str(tmp_path), tiny_checkpoint())
     before = (tmp_path / "ckpt.pt").read_bytes()
-    monkeypatch.setattr(checkpoint.torch, "save",
-                        _fail_mid_write(OSError(errno.ENOSPC, "No space left on device")))
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: io.BufferedWriter(FillsUp(fd, "wb")))
     path = re.escape(str(tmp_path / "ckpt.pt"))
     with pytest.raises(DiskFull, match=rf"^no space left on /\S* to write {path}; the previous "
                                        "checkpoint is kept: free some space there and run again$"):
@@ -194,6 +276,101 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_temp_file(tmp_path, mo
     with pytest.raises(DiskFull, match=r"to write \S+new/ckpt.pt; nothing was written"):
         save_checkpoint(str(tmp_path / "new"), tiny_checkpoint())
     assert os.listdir(tmp_path / "new") == []
+
+
+def under_file_size_limit(limit):
+    """For subprocess's preexec_fn: the child may write no file past `limit` bytes (`ulimit -f`),
+    and a write past it fails with EFBIG instead of ending the process (SIGXFSZ ignored)."""
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return limited
+
+
+def test_a_training_save_over_the_file_size_limit_keeps_the_previous_checkpoint(tmp_path,
+                                                                                qa_file):
+    """`ulimit -f` reached while train.py saves: the one message of a save that found no room,
+    not torch's "unexpected pos"; the previous checkpoint is kept, no temp file is left, and the
+    run resumes from it once the limit is raised."""
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    train.main(flags + ["--max_iters=2"])
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    limit = len(before) // 2
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags, "--init_from=resume",
+                           "--max_iters=4"], capture_output=True, text=True,
+                          preexec_fn=under_file_size_limit(limit),
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        f"error: writing {ckpt} went over the file size limit of {limit} bytes (`ulimit -f`); "
+        "the previous checkpoint is kept: raise the limit (`ulimit -f unlimited`) and run again")
+    assert ckpt.read_bytes() == before and sorted(os.listdir(ckpt.parent)) == [".lock", "ckpt.pt"]
+    train.main(flags + ["--init_from=resume", "--max_iters=4"])
+    assert load_checkpoint(str(ckpt))["iter_num"] == 4
+
+
+# Each writer the project saves with, past a file size limit of LIMIT bytes, in a child process:
+# the message it ends with, or "written" (support.files.raise_if_disk_full)
+LIMIT = 4096
+WRITERS = """
+import json, os, sys
+import numpy as np, torch
+from safetensors.numpy import save_file
+from support.drawing import pyplot
+from support.files import DiskFull, raise_if_disk_full, write_atomic
+out = sys.argv[1]
+weights = np.zeros(4096, dtype=np.float32)
+plt = pyplot()
+figure = plt.figure(figsize=(8, 8))
+plt.imshow(np.random.default_rng(0).random((400, 400)))
+writers = {
+    "ckpt.pt": lambda f: torch.save({"w": torch.from_numpy(weights)}, f),
+    "train.bin": weights.tofile,
+    "train_samples.npy": lambda f: np.save(f, weights),
+    "report.json": lambda f: f.write(json.dumps(weights.tolist()).encode()),
+    "figure.png": lambda f: figure.savefig(f, format="png"),
+}
+for name, write in writers.items():
+    try:
+        write_atomic(os.path.join(out, name), write)
+        print("written")
+    except DiskFull as e:
+        print(e)
+try:
+    save_file({"w": weights}, os.path.join(out, "model.safetensors"))
+    print("written")
+except Exception as e:
+    try:
+        raise_if_disk_full(e, os.path.join(out, "model.safetensors"))
+    except DiskFull as e:
+        print(e)
+"""
+
+
+def test_every_writer_past_the_file_size_limit_gives_the_one_message(tmp_path):
+    """torch.save, numpy's tofile and save, a JSON report, a matplotlib PNG and safetensors (the
+    converted folder) each say in their own words that a file went past `ulimit -f` (torch:
+    "unexpected pos"; numpy: "N requested and M written", no errno): each becomes the one
+    message, and no temp file is left. Their words for a full disk (ENOSPC, measured on a full
+    tmpfs and ext4) are known too."""
+    from safetensors import SafetensorError
+    done = subprocess.run([sys.executable, "-c", WRITERS, str(tmp_path)], cwd=ROOT, text=True,
+                          capture_output=True, preexec_fn=under_file_size_limit(LIMIT),
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    names = ["ckpt.pt", "train.bin", "train_samples.npy", "report.json", "figure.png",
+             "model.safetensors"]
+    assert done.stdout.splitlines() == [
+        f"writing {tmp_path / name} went over the file size limit of {LIMIT} bytes (`ulimit -f`); "
+        "nothing was written: raise the limit (`ulimit -f unlimited`) and run again"
+        for name in names]
+    assert os.listdir(tmp_path) in ([], ["model.safetensors"])  # safetensors writes in place
+    for words in (OSError("Not enough free space to write 40000000 bytes after offset 0"),
+                  SafetensorError("Error while serializing: I/O error: No space left on device "
+                                  "(os error 28)")):
+        assert no_room(words) == errno.ENOSPC
+    assert no_room(OSError("Input/output error")) is None
 
 
 def test_an_atomic_save_syncs_the_file_before_the_rename_and_the_directory_after(tmp_path, qa_file,

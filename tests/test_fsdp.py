@@ -9,6 +9,8 @@ import pickle
 import re
 import shutil
 import socket
+import subprocess
+import sys
 from dataclasses import asdict
 
 import pytest
@@ -371,3 +373,58 @@ def test_the_sharded_info_file_never_follows_a_symlink_at_its_old_temp_name(tmp_
     save_sharded(str(out), model, optimizer, {"model_args": asdict(model.config), "iter_num": 0})
     assert victim.read_text() == "precious" and load_sharded_info(str(out))["iter_num"] == 0
     assert sorted(os.listdir(out)) == ["ckpt_sharded.pt", "ckpt_sharded.pt.tmp", "ckpt_sharded_a"]
+
+
+# in a child process that may write no file past argv[2] bytes (`ulimit -f`): a sharded save into
+# the run argv[1], then its consolidation; each prints its message
+SAVES_PAST_THE_LIMIT = """
+import os, resource, signal, sys
+import torch.distributed as dist
+from dataclasses import asdict
+import train
+from helpers import tiny_model
+from support.files import DiskFull
+from support.shard import consolidate, save_sharded, shard_model
+out, limit = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{out}-rendezvous", rank=0, world_size=1)
+model = shard_model(tiny_model(seed=1).train(), "cpu", bf16=False)
+optimizer = train.make_optimizer(train.DEFAULTS, model)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+saves = [lambda: save_sharded(out, model, optimizer, {"iter_num": 2}), lambda: consolidate(out)]
+for save in saves:
+    try:
+        save()
+        print("written")
+    except DiskFull as e:
+        print(e)
+dist.destroy_process_group()
+"""
+
+
+def test_a_sharded_save_or_a_consolidation_past_the_file_size_limit_keeps_the_previous_one(
+        tmp_path, one_process_group):
+    """`ulimit -f` reached by a sharded save (torch.distributed.checkpoint's writers) or by
+    tools.consolidate: the one message of every save that found no room
+    (support.files.raise_if_disk_full), and the previous sharded checkpoint and ckpt.pt kept."""
+    out = tmp_path / "run"
+    model = shard_model(tiny_model(seed=1).train(), "cpu", bf16=False)
+    optimizer = make_optimizer(train.DEFAULTS, model)
+    _adamw_step(model, optimizer, seed=0)
+    save_sharded(str(out), model, optimizer, {"model_args": asdict(model.config), "iter_num": 1,
+                                              "config": dict(train.DEFAULTS), "meta": BYTES_META})
+    consolidate(str(out))
+    before = (out / "ckpt.pt").read_bytes()
+    limit = 4096
+    done = subprocess.run([sys.executable, "-c", SAVES_PAST_THE_LIMIT, str(out), str(limit)],
+                          cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}",
+                                   OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    over = f"went over the file size limit of {limit} bytes (`ulimit -f`)"
+    fix = "raise the limit (`ulimit -f unlimited`) and run again"
+    assert done.stdout.splitlines() == [
+        f"writing {out / 'ckpt_sharded.pt'} {over}; the previous sharded checkpoint is kept: {fix}",
+        f"writing {out / 'ckpt.pt'} {over}; the previous checkpoint is kept: {fix}"]
+    assert load_sharded_info(str(out))["iter_num"] == 1 and (out / "ckpt.pt").read_bytes() == before
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt_sharded.pt", "ckpt_sharded_a"]

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -453,6 +454,54 @@ def test_killed_training_resumes_to_the_same_weights(tmp_path, qa_file, uninterr
     resumed = load_checkpoint(str(ckpt))["model"]
     for name in uninterrupted:
         torch.testing.assert_close(resumed[name], uninterrupted[name], atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
+                    reason="torch.compile on a CPU needs a C compiler")
+def test_a_stop_while_the_first_step_compiles_ends_the_run_at_once_losing_nothing(tmp_path,
+                                                                                  qa_file):
+    """SIGTERM (`docker stop`, which waits 10 s) while a resumed --compile=True run compiles its
+    first step (tens of seconds on a CPU, in an empty compile cache): the run ends within seconds,
+    saying its checkpoint is as it was and how to continue; it was, and it continues."""
+    flags = tiny_run_flags(tmp_path, qa_file, "run")
+    train.main(flags + ["--max_iters=2"])
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "compiled"))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *flags, "--init_from=resume",
+                             "--max_iters=6", "--compile=True"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # the line before the loop, then a second into compiling
+    while "parameters" not in proc.stdout.readline():
+        assert proc.poll() is None
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 1
+    assert err.splitlines()[-1] == (f"interrupted before the first step; {ckpt} is as it was. "
+                                    f"Continue with `python train.py --out_dir={ckpt.parent} "
+                                    "--init_from=resume`")
+    assert ckpt.read_bytes() == before and sorted(os.listdir(ckpt.parent)) == [".lock", "ckpt.pt"]
+    train.main(flags + ["--init_from=resume", "--max_iters=4"])
+    assert load_checkpoint(str(ckpt))["iter_num"] == 4
+
+
+def test_a_stop_before_the_first_step_of_a_new_run_ends_it_at_once_writing_nothing(tmp_path,
+                                                                                   qa_file,
+                                                                                   monkeypatch):
+    """SIGTERM during a new run's first evaluation (before any step, nothing to save): the run ends
+    there, not after its first step, and leaves no out_dir behind."""
+    real_estimate = train.estimate_loss
+
+    def stopped(*args):
+        signal.raise_signal(signal.SIGTERM)
+        return real_estimate(*args)
+    monkeypatch.setattr(train, "estimate_loss", stopped)
+    with pytest.raises(SystemExit, match="^interrupted before the first step; nothing was saved: "
+                                         "run the same command again to start$"):
+        train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=4"])
+    assert not (tmp_path / "run").exists()
 
 
 def test_checkpoint_tokenizer_mismatch_and_crashed_writes_lose_nothing(tmp_path, qa_file,

@@ -30,6 +30,7 @@ from support.benchmark import free_tokens, pass_costs, refusion_speedups
 from support.checkpoint import load_checkpoint, model_from_checkpoint
 from support.compiled import CompiledModel, check_compile
 from support.drawing import picture_path, pyplot
+from support.files import write_atomic
 from support.hardware import machine, pick_dtype
 from support.hf_folder import from_pretrained
 from support.report import markdown_table
@@ -172,7 +173,7 @@ def draw(r, path):
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    write_atomic(path, lambda f: fig.savefig(f, dpi=100, format="png"))
     plt.close(fig)
 
 
