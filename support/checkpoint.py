@@ -63,7 +63,7 @@ def load_checkpoint(path_or_dir, device="cpu", settings_only=False):
             raise FileNotFoundError(f"{path} is a symlink to {os.path.realpath(path)}, which is "
                                     "not there (an unmounted disk, or a moved file): mount or "
                                     "restore it, or remove the link")
-        if os.path.isfile(sharded):
+        if os.path.lexists(sharded):
             raise FileNotFoundError(f"no checkpoint at {path}: {out_dir} holds a sharded "
                                     "checkpoint (--fsdp=True); consolidate it first with "
                                     f"`python -m tools.consolidate --out_dir={out_dir}`")

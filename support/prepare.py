@@ -22,7 +22,7 @@ from filelock import FileLock
 
 from support.corpora import DATASETS
 from support.data_files import TEXT_WINDOW_BYTES, load_records
-from support.files import remove_temporaries, write_atomic
+from support.files import check_kind, remove_temporaries, write_atomic
 from support.tokenizer import encode, encode_prompt, get_tokenizer, special_ids, vocab_size
 
 VAL_PERCENT = 5  # share of records that go to the validation split
@@ -84,7 +84,7 @@ def _source_sha1(dataset: str) -> str | None:
     if dataset in DATASETS:
         return None
     with open(dataset, "rb") as f:
-        return hashlib.sha1(f.read()).hexdigest()
+        return hashlib.file_digest(f, "sha1").hexdigest()  # in chunks, however large the file
 
 
 def _is_prepared(data_dir: str, expected: dict) -> bool:
@@ -107,9 +107,11 @@ def prepare(dataset: str, tokenizer: str, block_size: int, data_root: str = "dat
     too_long: samples over block_size tokens (EOS included) are skipped ("skip") or refused
     ("fail"). Raises FileNotFoundError for an unknown dataset, ValueError if a split gets no
     samples, files.DiskFull (a ValueError) when the disk fills up (nothing half-written is left)."""
-    if dataset not in DATASETS and not os.path.isfile(dataset):
+    if dataset not in DATASETS and not os.path.lexists(dataset):
         raise FileNotFoundError(f"no built-in dataset or file named {dataset!r}; "
                                 f"built-ins: {sorted(DATASETS)}, or give a path to a data file")
+    if dataset not in DATASETS:
+        check_kind(dataset, "--dataset names a data file (.json, .jsonl or text) or a built-in")
     sha1 = _source_sha1(dataset)
     # two files both called train.json never share a dir
     name = dataset if dataset in DATASETS \

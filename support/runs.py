@@ -340,7 +340,7 @@ def take_resumed_settings(cfg, explicit):
     if cfg["init_from"] != "resume":
         return
     out_dir = cfg["out_dir"]
-    sharded = os.path.isfile(sharded_info_path(out_dir))
+    sharded = os.path.lexists(sharded_info_path(out_dir))
     ckpt = load_sharded_info(out_dir) if sharded else load_checkpoint(out_dir, settings_only=True)
     # the optimizer state of one cannot be loaded into the other
     written = "sharded" if sharded else "whole"
@@ -387,9 +387,9 @@ def start_from_pretrained(cfg, explicit):
         raise FileNotFoundError(f"--init_from={cfg['init_from']}: use 'scratch', 'resume', or the "
                                 "path of an existing checkpoint (a ckpt.pt or the out_dir holding "
                                 "it) or Hugging Face folder")
-    if os.path.isfile(os.path.join(cfg["init_from"], "config.json")):
+    if os.path.lexists(os.path.join(cfg["init_from"], "config.json")):  # whatever its kind
         return start_from_hf_folder(cfg, explicit)
-    if os.path.isdir(cfg["init_from"]) and not os.path.isfile(checkpoint_path(cfg["init_from"])):
+    if os.path.isdir(cfg["init_from"]) and not os.path.lexists(checkpoint_path(cfg["init_from"])):
         raise FileNotFoundError(f"--init_from={cfg['init_from']} holds neither a checkpoint "
                                 "(ckpt.pt) nor a Hugging Face model (config.json); point it at a "
                                 "run's out_dir or a downloaded model folder")

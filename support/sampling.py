@@ -86,8 +86,9 @@ def load_model(cfg):
     tokenizer has no token for, never generated}. A folder's objective is "refusion" when it has a
     mask token, else "ar". Raises FileNotFoundError / ValueError naming the problem."""
     folder = cfg["init_from"]
-    if folder and not os.path.isfile(os.path.join(folder, "config.json")) and (
-            os.path.isfile(folder) or os.path.isfile(checkpoint_path(folder))):
+    # what stands at config.json or ckpt.pt, of whatever kind (load_checkpoint names a FIFO)
+    if folder and not os.path.lexists(os.path.join(folder, "config.json")) and (
+            os.path.isfile(folder) or os.path.lexists(checkpoint_path(folder))):
         cfg["out_dir"], cfg["init_from"] = folder, ""  # a checkpoint, as train.py's --init_from
     if cfg["init_from"]:
         folder = source = cfg["init_from"]

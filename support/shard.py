@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model import ModelConfig, Transformer
 from support.checkpoint import FORMAT, checkpoint_path, save_checkpoint, sharded_info_path
-from support.files import raise_if_disk_full, write_atomic
+from support.files import check_kind, raise_if_disk_full, write_atomic
 from support.report import markdown_table
 
 # The shapes of the two Qwen3 models the configs fine-tune, from their releases' config.json
@@ -123,15 +123,19 @@ def shard_model(model, device, bf16):
 # sharded checkpoints: out_dir/ckpt_sharded.pt (plain data) names the directory holding the shards
 # save_sharded writes into the one that is not live
 SHARD_DIRS = ("ckpt_sharded_a", "ckpt_sharded_b")
+# what to do about a sharded checkpoint's file that is a directory, a FIFO or a device
+RETRAIN = ("train.py writes regular files here: move this away, retrain, or point to another "
+           "--out_dir")
 
 
 def load_sharded_info(out_dir):
     """The plain data of out_dir's sharded checkpoint, "shards" its shards' directory's path.
     Raises FileNotFoundError when there is none, ValueError when the file is not readable."""
     path = sharded_info_path(out_dir)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"no sharded checkpoint at {path}: train one with "
                                 f"`torchrun ... train.py --fsdp=True --out_dir={out_dir}`")
+    check_kind(path, RETRAIN)
     try:
         info = torch.load(path, weights_only=True)
     except Exception as e:  # torch raises several types for truncated or unsafe files
@@ -188,9 +192,10 @@ def check_shards(shards):
     torch.distributed.checkpoint writes; nothing in it is run. Raises FileNotFoundError without
     one, ValueError naming the file."""
     path = os.path.join(shards, ".metadata")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{path} not found: the sharded checkpoint is incomplete; "
                                 "retrain it")
+    check_kind(path, RETRAIN)
     try:
         with open(path, "rb") as f:
             metadata = MetadataUnpickler(f).load()

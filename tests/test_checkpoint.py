@@ -59,10 +59,11 @@ def test_bad_checkpoints_are_refused_and_never_run_code(tmp_path, qa_file):
 
 
 @pytest.mark.parametrize("make, said", NOT_FILES.values(), ids=NOT_FILES)
-def test_a_ckpt_pt_that_is_no_file_is_named_not_called_missing(tmp_path, make, said):
+def test_a_ckpt_pt_that_is_no_file_is_named_not_called_missing(tmp_path, qa_file, make, said):
     """A directory, a FIFO or a link to /dev/zero where ckpt.pt should be, given by its out_dir or
-    by itself, is refused naming what is there and the fix (it was "no checkpoint at ...: train
-    one first"), and never opened: a FIFO would block."""
+    by itself, to the sampler's --out_dir or --init_from or to train.py's --init_from, is refused
+    naming what is there and the fix (it was "no checkpoint at ...: train one first", or a folder
+    without config.json), and never opened: a FIFO would block."""
     from configurator import run_cli
     run = tmp_path / "run"
     run.mkdir()
@@ -73,8 +74,11 @@ def test_a_ckpt_pt_that_is_no_file_is_named_not_called_missing(tmp_path, make, s
         for given in (run, run / "ckpt.pt"):
             with pytest.raises(ValueError, match=message):
                 load_checkpoint(str(given))
+        for flag in ("--out_dir", "--init_from"):
+            with pytest.raises(SystemExit, match="error: " + message):
+                run_cli(sampler.main, [f"{flag}={run}", "--prompt=hi"])
         with pytest.raises(SystemExit, match="error: " + message):
-            run_cli(sampler.main, [f"--out_dir={run}", "--prompt=hi"])
+            run_cli(train.main, tiny_run_flags(tmp_path, qa_file, "ft") + [f"--init_from={run}"])
         with pytest.raises(ValueError, match="/dev/zero is a character device, not a regular"):
             load_checkpoint("/dev/zero")
 

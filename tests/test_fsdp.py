@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import sampler
 import train
-from helpers import ROOT, tiny_model, tiny_run_flags
+from configurator import run_cli
+from helpers import NOT_FILES, ROOT, never_blocks, tiny_model, tiny_run_flags
 from model import ModelConfig, Transformer
 from support import shard
 from support.checkpoint import load_checkpoint, sharded_info_path
@@ -428,3 +430,34 @@ def test_a_sharded_save_or_a_consolidation_past_the_file_size_limit_keeps_the_pr
         f"writing {out / 'ckpt.pt'} {over}; the previous checkpoint is kept: {fix}"]
     assert load_sharded_info(str(out))["iter_num"] == 1 and (out / "ckpt.pt").read_bytes() == before
     assert sorted(os.listdir(out)) == ["ckpt.pt", "ckpt_sharded.pt", "ckpt_sharded_a"]
+
+
+@pytest.mark.parametrize("make, said", NOT_FILES.values(), ids=NOT_FILES)
+def test_a_sharded_checkpoint_s_file_that_is_no_file_is_named_not_called_missing(
+        tmp_path, one_process_group, make, said):
+    """ckpt_sharded.pt or its shards' index (.metadata) that is a directory, a FIFO or a link to
+    /dev/zero: a resume, a consolidation and load_sharded name what is there (ckpt_sharded.pt was
+    "no sharded checkpoint", .metadata "not found: incomplete"), never opening it."""
+    out = tmp_path / "run"
+    model = shard_model(tiny_model(seed=1).train(), "cpu", bf16=False)
+    optimizer = make_optimizer(train.DEFAULTS, model)
+    save_sharded(str(out), model, optimizer, {"model_args": asdict(model.config), "iter_num": 1,
+                                              "config": dict(train.DEFAULTS), "meta": BYTES_META})
+    shards = load_sharded_info(str(out))["shards"]
+    index = os.path.join(shards, ".metadata")
+    os.remove(index)
+    make(Path(index))
+    message = f"{re.escape(index)} {said}, not a regular file; train.py writes regular files here"
+    with never_blocks():
+        with pytest.raises(ValueError, match=message):
+            load_sharded(shards, model, optimizer)
+        with pytest.raises(ValueError, match=message):
+            consolidate_cli.main([f"--out_dir={out}"])
+        info = sharded_info_path(str(out))
+        os.remove(info)
+        make(Path(info))
+        message = f"{re.escape(info)} {said}, not a regular file; train.py writes regular files"
+        with pytest.raises(ValueError, match=message):
+            consolidate_cli.main([f"--out_dir={out}"])
+        with pytest.raises(SystemExit, match="error: " + message):
+            run_cli(train.main, [f"--out_dir={out}", "--init_from=resume"])

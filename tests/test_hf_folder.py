@@ -693,8 +693,9 @@ def test_malformed_files_of_a_folder_are_refused_naming_the_file(tmp_path, qa_fi
 def test_a_config_json_or_folder_of_another_kind_is_named_not_called_missing(tmp_path, name, make,
                                                                             said):
     """config.json, or the folder itself, that is a directory, a FIFO or a link to /dev/zero: the
-    sampler says what is there and what to do, in one line, without waiting on the FIFO (each was
-    called missing)."""
+    sampler and a fine-tune (train.py --init_from) say what is there and what to do, in one line,
+    without waiting on the FIFO (each was called missing)."""
+    import train
     from configurator import run_cli
     folder = tmp_path / "model"
     save_tiny_hf_folder(folder)
@@ -702,9 +703,12 @@ def test_a_config_json_or_folder_of_another_kind_is_named_not_called_missing(tmp
         shutil.rmtree(folder)   # the folder itself replaced
     there = folder / name if name else folder
     replaced_by(make)(there)
-    with never_blocks(), pytest.raises(SystemExit) as stop:
-        run_cli(sampler.main, [f"--init_from={folder}", "--prompt=hi"])
-    assert re.fullmatch(f"error: {re.escape(str(there))}{said}.*", str(stop.value.code))
+    # (train.py names a FIFO given as --init_from "not a regular file; a checkpoint is ...")
+    fine_tune = [(train.main, [f"--out_dir={tmp_path / 'ft'}", "--dataset=quotes"])] if name else []
+    for main, flags in [(sampler.main, ["--prompt=hi"])] + fine_tune:
+        with never_blocks(), pytest.raises(SystemExit) as stop:
+            run_cli(main, [f"--init_from={folder}"] + flags)
+        assert re.fullmatch(f"error: {re.escape(str(there))}{said}.*", str(stop.value.code))
 
 
 def test_a_checkpoint_whose_folder_moved_is_sampled_with_the_folder_named_anew(tmp_path, qa_file,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from filelock import FileLock
 
-from helpers import write
+from helpers import NOT_FILES, never_blocks, write
 from support import corpora, data_files, tokenizer
 from support.prepare import TokenDataset, prepare, split_of
 
@@ -126,6 +126,28 @@ def test_prepare_with_block_size_too_small_says_what_to_change(tmp_path, qa_file
 def test_prepare_unknown_dataset_is_a_file_not_found_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="stdlib"):
         prepare(str(tmp_path / "nope.json"), "bytes", 64, data_root=str(tmp_path))
+
+
+@pytest.mark.parametrize("make, said", NOT_FILES.values(), ids=NOT_FILES)
+def test_a_data_file_that_is_no_file_is_named_not_called_missing(tmp_path, make, said):
+    """A directory, a FIFO or a link to /dev/zero given as --dataset is refused naming what is
+    there (it was "no built-in dataset or file named"), never opened: a FIFO would block, and
+    /dev/zero would be hashed without end."""
+    make(tmp_path / "data.json")
+    with never_blocks(), pytest.raises(ValueError, match=f"data.json {said}, not a regular file; "
+                                                         "--dataset names a data file"):
+        prepare(str(tmp_path / "data.json"), "bytes", 64, data_root=str(tmp_path / "data"))
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_data_file_is_hashed_as_its_bytes_are(tmp_path, qa_file):
+    """The prepared dir's name carries the first 8 hex digits of the data file's SHA-1 (read in
+    chunks, so a large file is never held whole)."""
+    data_dir = prepare(qa_file[0], "bytes", 384, data_root=str(tmp_path / "data"))
+    with open(qa_file[0], "rb") as f:
+        sha1 = hashlib.sha1(f.read()).hexdigest()
+    stem = os.path.splitext(os.path.basename(qa_file[0]))[0]
+    assert os.path.basename(data_dir) == f"{stem}-{sha1[:8]}-bytes-384"
 
 
 def test_stdlib_split_is_deterministic_and_about_5_percent_val(stdlib):
