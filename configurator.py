@@ -288,6 +288,14 @@ def check_refusion_settings(s):
         raise ValueError(f"infill={s.infill!r}: choose 'paper' (the forced token of each infill "
                          "round is its masked draft, as in the paper) or 'speculative' (the "
                          f"next-token prediction, SPEC 4.1){renamed}")
+    if s.verify not in ("paper", "exact"):
+        raise ValueError(f"verify={s.verify!r}: choose 'paper' (the thresholds, as in the paper) "
+                         "or 'exact' (next-token decoding's own tokens, SPEC 4.5)")
+    if s.verify == "exact" and s.temperature != 0:
+        raise ValueError(f"verify='exact' with temperature={s.temperature}: exact verification "
+                         "decodes greedily (the speculative-sampling rule that would keep "
+                         "next-token sampling's distribution is not built); use temperature=0, or "
+                         "verify='paper' to sample")
     if s.slot_size <= 0:
         raise ValueError(f"slot_size={s.slot_size}: a slot holds at least one token (the paper "
                          "uses 4 to 32)")

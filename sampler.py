@@ -568,6 +568,99 @@ class SpeculativeInfill:
                 self.next_logits = (frontier, logits)
 
 # -----------------------------------------------------------------------------
+# beyond the paper: verify="exact", next-token decoding's own tokens, several a pass (SPEC 4.5)
+
+
+@torch.inference_mode()
+def generate_exact_plain(model, prompt, settings, *, mask_id, eos_ids, banned_ids=()):
+    """verify="exact" without a cache, unchecked: generate_next_token's greedy tokens for one
+    prompt (token ids), several a pass where the masked drafts are right. settings:
+    RefusionSettings (slot_size masks a pass). Returns a Generation. SPEC section 4.5."""
+    t0 = time.perf_counter()
+    P = len(prompt)
+    end = P + settings.max_new_tokens              # the first position never decoded
+    device = next(model.parameters()).device
+    seq = list(prompt)                             # the committed tokens, position by position
+    drafts = []                                    # guesses at the positions after seq
+    trace = []
+    while len(seq) < end:
+        # One pass: seq, the drafts, then masks for the slot after the drafts.
+        start = len(seq) + len(drafts)
+        idx = seq + drafts + [mask_id] * min(settings.slot_size, end - start)
+        logits = model(torch.tensor([idx], device=device),
+                       torch.arange(len(idx), device=device)[None], logits_from=len(seq) - 1)[0]
+        # Verify: the next-token prediction after seq and after each draft, as
+        # generate_next_token draws it. Drafts are accepted while they equal it; the prediction
+        # after the last accepted one is committed too.
+        predicted = draft_tokens(logits[:len(drafts) + 1], 0, None, banned_ids)[0].tolist()
+        accepted = leading_equal(drafts, predicted)
+        # (up to an EOS, and max_new_tokens)
+        new = cut_after_eos(drafts[:accepted] + [predicted[accepted]], eos_ids)[:end - len(seq)]
+        trace.append(list(zip(range(len(seq), len(seq) + len(new)), new)))
+        seq += new
+        if first_eos(new, eos_ids) is not None:
+            break
+        # Draft: the masks' tokens, if they saw accepted tokens only; the first mask's position
+        # is the committed prediction's.
+        masks = logits[len(drafts) + 2:]
+        never = [mask_id, *banned_ids]
+        drafts = ban(masks, never).argmax(dim=-1).tolist() if accepted == len(drafts) else []
+    return Generation(seq[P:], len(trace), time.perf_counter() - t0, trace, [1] * len(trace))
+
+
+@torch.inference_mode()
+def generate_exact(model, prompt, settings, *, mask_id, eos_ids, generator=None, on_step=None,
+                   banned_ids=()):
+    """verify="exact" with the KV cache: generate_exact_plain's tokens, passes and trace; the
+    committed tokens keep their keys/values. generator: unused (greedy). Returns a Generation.
+    Raises ValueError for a bidirectional model, ContextTooLong past its context. SPEC 4.5."""
+    check_attention(model, "refusion")
+    check_context(model, len(prompt), settings)
+    t0 = time.perf_counter()
+    end = len(prompt) + settings.max_new_tokens
+    cache = model.new_kv_cache(cache_length(end, model.config.block_size))
+    device = cache.kv.device
+    banned = torch.tensor(banned_ids, dtype=torch.long, device=device)
+    never = torch.tensor([mask_id, *banned_ids], dtype=torch.long, device=device)
+    # What the next pass feeds after the cache: tokens known right (first the prompt, then the
+    # last committed prediction), then the drafts after them.
+    known = list(prompt)
+    drafts = []
+    response = []
+    trace = []
+    while True:
+        n = cache.length + len(known)              # the first draft's position
+        start = n + len(drafts)                    # the first mask's
+        idx = known + drafts + [mask_id] * min(settings.slot_size, end - start)
+        positions = torch.arange(cache.length, cache.length + len(idx), device=device)[None]
+        logits = model(torch.tensor([idx], device=device), positions, kv_cache=cache,
+                       logits_from=len(known) - 1)[0]
+        # Verify and draft from one read: the next-token predictions, then the masks' tokens.
+        predicted = draft_tokens(logits[:len(drafts) + 1], 0, None, banned)[0]
+        masks = ban(logits[len(drafts) + 2:], never).argmax(dim=-1)
+        read = torch.cat([predicted, masks]).tolist()
+        accepted = leading_equal(drafts, read)
+        new = cut_after_eos(drafts[:accepted] + [read[accepted]], eos_ids)
+        new = new[:settings.max_new_tokens - len(response)]
+        # Commit: the known tokens and accepted drafts keep their keys/values, nothing after.
+        cache.crop(n + accepted)
+        response += new
+        trace.append(list(zip(range(n, n + len(new)), new)))
+        if on_step:
+            on_step(trace[-1])
+        if len(response) >= settings.max_new_tokens or first_eos(new, eos_ids) is not None:
+            break
+        known = new[-1:]
+        drafts = read[len(drafts) + 1:] if accepted == len(drafts) else []
+    return Generation(response, len(trace), time.perf_counter() - t0, trace, [1] * len(trace),
+                      cache.cache_bytes)
+
+
+def leading_equal(drafts, predicted):
+    """How many of drafts (list of ids) equal predicted (list, at least as long) from the first."""
+    return next((i for i, (d, p) in enumerate(zip(drafts, predicted)) if d != p), len(drafts))
+
+# -----------------------------------------------------------------------------
 # baseline decoders (SPEC section 4, "Baseline decoders"): next-token decoding, LLaDA-style MDM
 
 
@@ -701,12 +794,14 @@ class DecodeSettings:
 class RefusionSettings(DecodeSettings):
     """ReFusion's knobs (SPEC section 4): slot_size (S), serial_num_blocks, slot_threshold and
     token_threshold (compared with `>`; >= 1 means never), infill ("paper", or "speculative":
-    SPEC 4.1). Raises ValueError naming the setting and the fix (check_refusion_settings)."""
+    SPEC 4.1), verify ("paper", or "exact": SPEC 4.5, which reads slot_size alone). Raises
+    ValueError naming the setting and the fix (check_refusion_settings)."""
     slot_size: int = 8
     serial_num_blocks: int = 1
     slot_threshold: float = 0.9
     token_threshold: float = 0.3
     infill: str = "paper"
+    verify: str = "paper"
 
     def __post_init__(self):
         check_refusion_settings(self)
@@ -724,8 +819,9 @@ class RefusionSettings(DecodeSettings):
 
     @property
     def gen_length(self):
-        """max_new_tokens rounded up to whole serial blocks of whole slots (tokens)."""
-        return self.n_slots * self.slot_size
+        """max_new_tokens rounded up to whole serial blocks of whole slots (tokens); verify="exact"
+        decodes max_new_tokens, as next-token decoding does."""
+        return self.max_new_tokens if self.verify == "exact" else self.n_slots * self.slot_size
 
 
 @dataclass
@@ -866,6 +962,7 @@ DEFAULTS = Defaults({
     "slot_threshold": 0.9,     # refusion: plan a slot whose first draft's probability passes
     "token_threshold": 0.3,    # refusion: accept a draft token whose probability exceeds this
     "infill": "paper",         # refusion: 'paper' (force masked drafts), 'speculative' (SPEC 4.1)
+    "verify": "paper",         # refusion: 'paper' (thresholds), 'exact' (next-token's tokens, 4.5)
     "steps": 0,                # mdm: denoising steps; 0 = one token per step
     "block_length": 0,         # mdm: semi-autoregressive block length; 0 = the whole generation
     "confidence": "prob",      # mdm: ranks a step's drafts: prob (LLaDA), margin or entropy (Dream)
@@ -918,7 +1015,10 @@ def make_decoder(cfg, ids, generator):
     kwargs = {"eos_ids": ids["eos_ids"], "banned_ids": banned}
     if cfg["method"] != "next_token":
         kwargs["mask_id"] = ids["mask_id"]
-    decode = partial(DECODERS[cfg["method"]][0], settings=settings, generator=generator, **kwargs)
+    generate = DECODERS[cfg["method"]][0]
+    if getattr(settings, "verify", "paper") == "exact":
+        generate = generate_exact
+    decode = partial(generate, settings=settings, generator=generator, **kwargs)
     return decode, settings
 
 

@@ -2,9 +2,9 @@
 The specification, as tests, in the order of SPEC.md: the model's positions and the cache
 (section 2), the slot reorganization and the hybrid loss (section 3), plan / verify / infill /
 commit against an oracle and a naive reference decoder, then the baselines (section 4), and the
-speculative infill (section 4.1). Above each test, a comment quotes the SPEC sentence it proves.
-Each test checks a property with exact values or an equality between two code paths (float32,
-tolerance 1e-5).
+speculative infill (section 4.1) and exact verification (section 4.5). Above each test, a comment
+quotes the SPEC sentence it proves. Each test checks a property with exact values or an equality
+between two code paths (float32, tolerance 1e-5).
 
 Plumbing (data preparation, training runs, the command line, errors) is tested under tests/.
 Run everything: python -m pytest -q
@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 import data
 from data import layout_one_sample
-from sampler import (DecodeSettings, MDMSettings, RefusionSettings, draft_tokens, generate_mdm,
-                     generate_next_token, generate_refusion, generate_refusion_plain,
-                     tokens_per_step)
+from sampler import (DecodeSettings, MDMSettings, RefusionSettings, draft_tokens, generate_exact,
+                     generate_exact_plain, generate_mdm, generate_next_token, generate_refusion,
+                     generate_refusion_plain, tokens_per_step)
 from kvcache import KVCache
 from model import ModelConfig, Transformer
 import train
@@ -1128,3 +1128,118 @@ def test_speculative_infill_with_one_slot_per_block_equals_next_token_decoding(s
                                     token_threshold=0.5, infill="speculative")
         out = generate_refusion(model, prompt, settings, mask_id=38, eos_ids=(eos,))
         assert out.tokens == ref
+
+
+# ----------------------------------------------------------------------------------------------
+# sampler.py, verify="exact" (SPEC section 4.5, beyond the paper): next-token decoding's tokens,
+# several a pass
+
+
+def greedy_gap(model, prompt, tokens):
+    """The gap between the two best next-token logits after prompt + tokens (a full pass)."""
+    idx = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(idx, torch.arange(idx.shape[1])[None], logits_from=-1)[0, 0]
+    best = logits.topk(2).values
+    return float(best[0] - best[1])
+
+
+def assert_same_or_tie(model, prompt, out, ref):
+    """out's tokens are ref's (next-token decoding's), or differ first where the two best logits
+    tie within float rounding (a gap under TOL), which is named."""
+    differ = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
+    if differ is None:
+        assert out == ref
+        return
+    gap = greedy_gap(model, prompt, ref[:differ])
+    assert gap < TOL, f"token {differ} differs with a top-2 gap of {gap}: no tie"
+
+
+# SPEC 4.5, guarantee: "at temperature 0 the tokens equal `generate_next_token`'s; where the float
+# rounding of a wide pass against a one-token pass flips an argmax, the test names the tie".
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_exact_verify_gives_next_token_decodings_tokens_at_every_slot_size(seed):
+    """Random models (confident enough that drafts are accepted), every slot size from 1 to 32,
+    an EOS that never comes and one forced early, and a prompt at the context's edge."""
+    model = tiny_model(seed=seed, block_size=64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    rng = torch.Generator().manual_seed(seed)
+    L = 20
+    for prompt_len in (5, 64 - L):
+        prompt = torch.randint(0, 38, (prompt_len,), generator=rng).tolist()
+        free = generate_next_token(model, prompt, DecodeSettings(L), eos_ids=(-1,)).tokens
+        for eos in (-1, free[L // 3]):
+            ref = generate_next_token(model, prompt, DecodeSettings(L), eos_ids=(eos,))
+            for slot_size in range(1, 33):
+                settings = RefusionSettings(L, slot_size=slot_size, verify="exact")
+                out = generate_exact(model, prompt, settings, mask_id=38, eos_ids=(eos,))
+                assert_same_or_tie(model, prompt, out.tokens, ref.tokens)
+
+
+# SPEC 4.5: "a pass commits at least one token, as next-token decoding does, and at most
+# `slot_size`"; "the prediction after the last accepted draft is committed too".
+@pytest.mark.parametrize("slot_size", [1, 2, 5, 8])
+def test_exact_verify_commits_one_to_slot_size_tokens_a_pass(slot_size):
+    model = tiny_model(seed=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    prompt = list(range(3, 12))
+    settings = RefusionSettings(30, slot_size=slot_size, verify="exact")
+    out = generate_exact(model, prompt, settings, mask_id=38, eos_ids=(-1,))
+    counts = [len(step) for step in out.trace]
+    assert out.nfe == len(out.trace) == len(out.step_nfe) == sum(out.step_nfe)
+    assert all(1 <= n <= slot_size for n in counts) and sum(counts) == len(out.tokens) == 30
+    # the committed positions follow each other from the prompt's end
+    assert [p for step in out.trace for p, _ in step] == list(range(9, 39))
+
+
+# SPEC 4.5: "The decoder without a cache (`generate_exact_plain`) gives the same tokens, passes and
+# trace as the cached one."
+@pytest.mark.parametrize("seed,slot_size", [(0, 1), (1, 4), (2, 8), (3, 16)])
+def test_exact_verify_without_a_cache_is_the_cached_decoder_pass_for_pass(seed, slot_size):
+    model = tiny_model(seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    prompt = torch.randint(0, 38, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+    settings = RefusionSettings(24, slot_size=slot_size, verify="exact")
+    ref = generate_next_token(model, prompt, DecodeSettings(24), eos_ids=(-1,)).tokens
+    for eos in (-1, ref[10]):
+        plain = generate_exact_plain(model, prompt, settings, mask_id=38, eos_ids=(eos,))
+        cached = generate_exact(model, prompt, settings, mask_id=38, eos_ids=(eos,))
+        assert (plain.tokens, plain.nfe, plain.trace) == (cached.tokens, cached.nfe, cached.trace)
+
+
+# SPEC 4.5, draft: "The masks' tokens [...] are the next pass's drafts when every draft was
+# accepted"; "a slot whose drafts are all accepted costs one" pass.
+def test_exact_verify_writes_a_whole_slot_a_pass_when_the_masks_draft_right():
+    """A model whose masked pathway predicts exactly what its next-token pathway will (a mask at
+    position p returns the token the causal rule gives there): after the first pass, every pass
+    commits slot_size tokens."""
+
+    class Counting(nn.Module):
+        """Token at position p is (p * 7) % 37 by both pathways: a clean token's logits
+        predict position p + 1, a mask's its own position p."""
+
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(block_size=128, causal=True)
+            self.weight = nn.Parameter(torch.zeros(1))
+            self.inner = tiny_model()
+
+        def new_kv_cache(self, max_len, max_batch=1):
+            return self.inner.new_kv_cache(max_len, max_batch)
+
+        def forward(self, idx, position_ids, kv_cache=None, attn_mask=None, logits_from=0):
+            self.inner(idx, position_ids, kv_cache, attn_mask)   # the cache's bookkeeping
+            target = torch.where(idx == 38, position_ids, position_ids + 1) * 7 % 37
+            return F.one_hot(target, 40).float()[:, logits_from:] * 10
+
+    model = Counting()
+    prompt = [1, 2, 3]
+    settings = RefusionSettings(40, slot_size=8, verify="exact")
+    for decode in (generate_exact, generate_exact_plain):
+        out = decode(model, prompt, settings, mask_id=38, eos_ids=(-1,))
+        assert out.tokens == [p * 7 % 37 for p in range(3, 43)]
+        # the prefill commits one token and drafts 7; then 8 a pass; the last pass what is left
+        assert [len(step) for step in out.trace] == [1, 8, 8, 8, 8, 7]

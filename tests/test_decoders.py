@@ -164,7 +164,7 @@ def test_the_command_lines_defaults_are_the_settings_defaults():
     defaults = {f.name: f.default for _, Settings in DECODERS.values() for f in fields(Settings)
                 if f.default is not MISSING and f.default is not None}
     assert set(defaults) == {"temperature", "slot_size", "serial_num_blocks", "slot_threshold",
-                             "token_threshold", "infill", "confidence", "mdm_shift"}
+                             "token_threshold", "infill", "verify", "confidence", "mdm_shift"}
     assert "mdm_shift" not in DEFAULTS
     del defaults["mdm_shift"]
     assert {name: DEFAULTS[name] for name in defaults} == defaults

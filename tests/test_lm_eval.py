@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import sampler
 import train
+from configurator import run_cli
 from helpers import ROOT, save_tiny_hf_folder, tiny_run_flags
 from support.corpora import double_quoted
 from support.tokenizer import encode
@@ -22,7 +23,8 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is a test-only package:
                                                 "requirements-test.txt")
 import yaml  # noqa: E402  (lm_eval's own dependency)
 from lm_eval.api.instance import Instance  # noqa: E402
-from tools.lm_eval_model import RefusionLM, write_local_task  # noqa: E402  (only where lm_eval is installed)
+from tools import lm_eval_model  # noqa: E402  (only where lm_eval is installed)
+from tools.lm_eval_model import RefusionLM, write_local_task  # noqa: E402
 
 N_LINES = 6
 DECODING = dict(max_new_tokens=16, slot_size=4, serial_num_blocks=1)
@@ -150,11 +152,12 @@ def test_without_lm_eval_the_adapter_says_how_to_install_it():
     assert run.returncode != 0 and "pip install lm-eval==0.4.13" in run.stderr
 
 
-def test_bad_model_args_are_refused_before_any_request_and_in_one_line(quotes_model, tmp_path):
+def test_bad_model_args_are_refused_before_any_request_and_in_one_line(quotes_model, tmp_path,
+                                                                         monkeypatch):
     """A decoder setting that cannot work, or a sampler.py setting the model does not read
     (compile, max_new_tokens, ...), is refused when the model is built; from the command line
     each mistake (lm_eval's --batch_size 0 and --apply_chat_template too) is one error line, as
-    sampler.py's, not a traceback."""
+    sampler.py's, not a traceback (one in a process of its own, the others in this one)."""
     with pytest.raises(ValueError, match="slot_size=0: a slot holds at least one token"):
         RefusionLM(out_dir=str(quotes_model), slot_size=0)
     with pytest.raises(ValueError, match="model args compile, max_new_tokens: not read"):
@@ -162,18 +165,26 @@ def test_bad_model_args_are_refused_before_any_request_and_in_one_line(quotes_mo
     task = write_local_task(tmp_path, str(quotes_model), 2, 8)
     # lm_eval's own --batch_size reaches the model; its --apply_chat_template names chat=True
     mistakes = ((f"out_dir={quotes_model},slot_sze=4", [], "error: unknown config key"),
-                (f"out_dir={quotes_model}", ["--batch_size", "0"], "error: batch_size=0: give"),
-                (f"out_dir={quotes_model}", ["--apply_chat_template"],
-                 "error: lm_eval's --apply_chat_template is not supported"))
-    for args, flags, message in mistakes:
-        run = subprocess.run([sys.executable, "-m", "tools.lm_eval_model", "--model", "refusion",
-                              "--model_args", args, "--tasks", task, "--include_path",
-                              str(tmp_path), *flags], cwd=ROOT, capture_output=True, text=True,
-                             env={**os.environ, "HF_DATASETS_OFFLINE": "1",
-                                  "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"})
-        assert run.returncode == 1, run.stderr
-        assert run.stderr.strip().splitlines()[-1].startswith(message), run.stderr[-500:]
-        assert "Traceback" not in run.stderr
+                (f"out_dir={quotes_model}", ["--batch_size", "0"], "error: batch_size=0: give"))
+    argv = [["--model", "refusion", "--model_args", args, "--tasks", task, "--include_path",
+             str(tmp_path), *flags] for args, flags, _ in mistakes]
+    run = subprocess.run([sys.executable, "-m", "tools.lm_eval_model", *argv[0]], cwd=ROOT,
+                         capture_output=True, text=True,
+                         env={**os.environ, "HF_DATASETS_OFFLINE": "1",
+                              "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(mistakes[0][2]), run.stderr[-500:]
+    assert "Traceback" not in run.stderr
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))     # lm_eval's parser reads sys.argv
+    with pytest.raises(SystemExit) as stop:
+        run_cli(lm_eval_model.main, argv[1])
+    assert str(stop.value.code).startswith(mistakes[1][2]) and "\n" not in str(stop.value.code)
+    # what lm_eval calls for --apply_chat_template, before any request
+    with pytest.raises(ValueError, match="lm_eval's --apply_chat_template is not supported by the "
+                                         "model .*chat=True"):
+        RefusionLM(out_dir=str(quotes_model)).apply_chat_template([{"role": "user",
+                                                                    "content": "hi"}])
 
 
 def test_gen_kwargs_are_read_as_lm_evals_own_models_read_them(quotes_model):
