@@ -342,7 +342,8 @@ class ContextTooLong(ValueError):
     def __init__(self, prompt_len, settings, limit):
         how = ""
         fix = "lower max_new_tokens"
-        if hasattr(settings, "slot_size"):  # ReFusion's generation: whole serial blocks of slots
+        # ReFusion's generation: whole serial blocks of slots (verify="exact": max_new_tokens)
+        if hasattr(settings, "slot_size") and settings.verify != "exact":
             how = (f", max_new_tokens={settings.max_new_tokens} rounded up to "
                    f"{settings.serial_num_blocks} serial block(s) of whole {settings.slot_size}-"
                    "token slots")

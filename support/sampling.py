@@ -420,17 +420,18 @@ def totals(decoded, seconds=None):
 
 def summary(decoded, next_tokens=(), seconds=None):
     """The summary line (str): right answers, tokens, NFE, TPF and tokens/s over all samples, then
-    those of next-token decoding and the speed-up. decoded, next_tokens: lists of (Generation,
-    verdict). seconds: {False: the decodes' wall time, True: next-token decoding's}, or None: the
-    sum of each decode's seconds."""
+    those of next-token decoding, the speed-up and on how many samples the two decoders gave the
+    same tokens. decoded, next_tokens: lists of (Generation, verdict). seconds: {False: the
+    decodes' wall time, True: next-token decoding's}, or None: the sum of each decode's seconds."""
     seconds = seconds or {}
     right, tokens, nfe, speed = totals(decoded, seconds.get(False))
     line = (f"{len(decoded)} samples: {right}{tokens} tokens in {nfe} forward passes, "
             f"{tokens / max(nfe, 1):.2f} tokens per forward, {speed:.1f} tokens/s")
     if next_tokens:
         ar_right, ar_tokens, ar_nfe, ar_speed = totals(next_tokens, seconds.get(True))
+        same = sum(a.tokens == b.tokens for (a, _), (b, _) in zip(decoded, next_tokens))
         line += (f"; next-token decoding (--method=next_token) of the same prompts: "
                  f"{ar_right}{ar_tokens} "
                  f"tokens in {ar_nfe} forward passes, {ar_speed:.1f} tokens/s; speed-up "
-                 f"{speed / ar_speed:.2f}x")
+                 f"{speed / ar_speed:.2f}x; the same tokens on {same} of {len(decoded)}")
     return line

@@ -263,3 +263,14 @@ def test_a_batch_keeps_its_caches_side_by_side_from_pass_to_pass(refusion_model,
     batched = generate_batch(model, decode, prompts, 4, forwards=forwards, pad=math.inf)
     assert [g.tokens for g in batched] == [decode(model, p).tokens for p in prompts]
     assert 0 < len(built) < len([f for f in forwards if len(f) > 1])
+
+
+@pytest.mark.parametrize("slot_size", [1, 4, 16])
+def test_batched_exact_verification_equals_one_prompt(refusion_model, slot_size):
+    """verify="exact" (SPEC 4.5) in batches: each prompt's tokens, trace and passes are the ones it
+    gets alone, at every batch size."""
+    model, ids = refusion_model
+    cfg = dict(DEFAULTS, method="refusion", max_new_tokens=16, slot_size=slot_size, verify="exact")
+    decode, _ = make_decoder(cfg, ids, None)
+    for batch_size in (2, len(PROMPTS)):
+        assert_batched_equals_one_prompt(model, decode, PROMPTS, batch_size)

@@ -22,12 +22,16 @@ def uncompiled(model):
 
 
 def decoders(ids):
-    """Every decoder of a causal model: ReFusion (each setting, both infills) and next-token."""
+    """Every decoder of a causal model: ReFusion (each setting, both infills, exact verification)
+    and next-token."""
     for S, blocks, slot_threshold, token_threshold in SETTINGS:
         for infill in ("paper", "speculative"):
             yield make_decoder(dict(DEFAULTS, method="refusion", max_new_tokens=16, slot_size=S,
                                     serial_num_blocks=blocks, slot_threshold=slot_threshold,
                                     token_threshold=token_threshold, infill=infill), ids, None)[0]
+    for S in (4, 16):                                  # verify="exact" (SPEC 4.5)
+        yield make_decoder(dict(DEFAULTS, method="refusion", max_new_tokens=16, slot_size=S,
+                                verify="exact"), ids, None)[0]
     yield make_decoder(dict(DEFAULTS, method="next_token", max_new_tokens=16), ids, None)[0]
 
 

@@ -8,11 +8,13 @@ import pytest
 import torch
 import torch.nn as nn
 
+from configurator import check_context
 from helpers import PROMPTS, SETTINGS, PathCounter, tiny_model
 from sampler import (DecodeSettings, MDMSettings, RefusionSettings, draft_tokens,
                      generate_next_token, generate_refusion, generate_refusion_plain)
 from sampler import DECODERS, DEFAULTS, make_decoder
-from test_refusion import EOS, MASK, V, BadDrafterOracle, OracleModel, oracle_target
+from test_refusion import (EOS, MASK, V, BadDrafterOracle, OracleModel, assert_same_or_tie,
+                           oracle_target)
 
 class PrefersSpecialIds(nn.Module):
     """A tiny model whose logits favour some ids by +50 (an undertrained model that drafts
@@ -248,3 +250,37 @@ def test_speculative_infill_hooks_change_no_tensor_they_are_given(monkeypatch):
                                 infill="speculative")
     generate_refusion(model, target[:P].tolist(), settings, mask_id=MASK, eos_ids=(EOS,))
     assert {"plan", "restart_later_rows", "force_next_tokens"} <= set(changed)
+
+
+@pytest.mark.parametrize("slot_size", [1, 2, 4, 8, 16, 32])
+def test_exact_verification_of_a_trained_model_is_next_token_decoding(refusion_model, slot_size):
+    """A trained ReFusion model (its masks draft well where the data is clear): verify="exact"
+    gives next-token decoding's tokens on every prompt (a difference only where the two best
+    logits tie: test_refusion.assert_same_or_tie), in fewer passes over all of them."""
+    model, ids = refusion_model
+    cfg = dict(DEFAULTS, max_new_tokens=16, slot_size=slot_size)     # (a context of 64)
+    exact, _ = make_decoder(dict(cfg, method="refusion", verify="exact"), ids, None)
+    next_token, _ = make_decoder(dict(cfg, method="next_token"), ids, None)
+    nfe = {"exact": 0, "next_token": 0}
+    for prompt in PROMPTS:
+        out, ref = exact(model, prompt), next_token(model, prompt)
+        assert_same_or_tie(model, prompt, out.tokens, ref.tokens)
+        nfe["exact"] += out.nfe
+        nfe["next_token"] += ref.nfe
+    assert nfe["exact"] <= nfe["next_token"]
+    if slot_size > 1:
+        assert nfe["exact"] < nfe["next_token"], nfe
+
+
+def test_exact_verification_refuses_sampling_and_names_why():
+    with pytest.raises(ValueError, match="verify='exact' with temperature=0.7: exact verification "
+                                         "decodes greedily .*use temperature=0, or verify='paper'"):
+        RefusionSettings(16, temperature=0.7, verify="exact")
+    with pytest.raises(ValueError, match="verify='fast': choose 'paper' .* or 'exact'"):
+        RefusionSettings(16, verify="fast")
+    # its generation is max_new_tokens long, not whole slots: a context error says so
+    settings = RefusionSettings(20, slot_size=16, verify="exact")
+    with pytest.raises(ValueError, match=r"^prompt \(50 tokens\) \+ generation \(20 tokens\) "
+                                         r"exceeds the model's context of 64 positions; shorten "
+                                         r"the prompt or lower max_new_tokens$"):
+        check_context(tiny_model(block_size=64), 50, settings)

@@ -26,7 +26,7 @@ def test_quick_start_trains_and_prints_a_verdict_per_sample_and_a_summary(tmp_pa
                     r".*; next-token decoding \(--method=next_token\) of the same prompts: "
                     r"\d of 3 right "
                     r"\(exact\); (\d+) tokens in \1 forward passes, [\d.]+ tokens/s; "
-                    r"speed-up [\d.]+x$",
+                    r"speed-up [\d.]+x; the same tokens on \d of 3$",
                     printed[-1])
     cfg = load_checkpoint(str(tmp_path / "out"))["config"]
     assert (cfg["dataset"], cfg["slot_end_labels"], cfg["ar_fraction"]) == ("quotes", True, 0.25)

@@ -268,9 +268,15 @@ def test_each_sample_of_a_checkable_task_says_whether_it_is_right_and_a_summary_
     assert re.search(rf"; next-token decoding \(--method=next_token\) of the same prompts: "
                      rf"{ar_right} of 3 "
                      rf"right \(exact\); {ar_tokens} tokens in {ar_tokens} forward passes, "
-                     r"[\d.]+ tokens/s; speed-up [\d.]+x$", out[-1])
+                     r"[\d.]+ tokens/s; speed-up [\d.]+x; the same tokens on \d of 3$", out[-1])
     sampler.main(sample + ["--compare_next_token=False"])
     assert "next-token" not in capsys.readouterr().out.strip().split("\n")[-1]
+    # verify="exact" (SPEC 4.5): next-token decoding's own tokens, on every sample
+    sampler.main(sample + ["--verify=exact"])
+    assert re.search(rf"; next-token decoding \(--method=next_token\) of the same prompts: "
+                     rf"{ar_right} of 3 right \(exact\); {ar_tokens} tokens in {ar_tokens} forward "
+                     r"passes, [\d.]+ tokens/s; speed-up [\d.]+x; the same tokens on 3 of 3$",
+                     capsys.readouterr().out.strip().split("\n")[-1])
 
 
 def test_an_unconsolidated_sharded_run_names_shard_py_and_a_stale_copy_warns(trained, tmp_path,
@@ -431,7 +437,8 @@ def test_batch_size_decodes_prompts_together_and_each_sample_stays_its_own(train
             [(r["prompt"], r["text"], r["tokens"], r["nfe"]) for r in rows[1]]
     sampler.main(flags + ["--batch_size=2"])
     summary = capsys.readouterr().out.strip().split("\n")[-1]
-    assert re.match(r"5 samples: .*tokens/s; next-token decoding .* speed-up [\d.]+x$", summary)
+    assert re.match(r"5 samples: .*tokens/s; next-token decoding .* speed-up [\d.]+x; the same "
+                    r"tokens on \d of 5$", summary)
     for bad, message in [(["--batch_size=0"], "--batch_size=0: decode at least one prompt"),
                          (["--batch_size=2", "--show"], "--show redraws one decode at a time")]:
         with pytest.raises(ValueError, match=message):

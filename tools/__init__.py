@@ -10,6 +10,7 @@ The commands beside training and sampling, run from the repository's root as mod
     python -m tools.prepare          a data set tokenized once, ahead of training
     python -m tools.bench_pretrained the benchmark on a pretrained model (SmolLM2-135M)
     python -m tools.bench_length     each decoder's cost against the length of the answer
+    python -m tools.bench_exact      verify="exact" beside next-token decoding and the paper's
     python -m tools.probe            what a forward pass costs here, and what that allows ReFusion
     python -m tools.gpu_report       the acceptance check on one GPU (docs/bench_gpu.md)
 """
