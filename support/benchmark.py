@@ -275,6 +275,11 @@ def refusion_sweep(sweep, name, infill_modes):
                                 slot_threshold=slot_thr, token_threshold=token_thr))
 
 
+def exact_points(slot_sizes, name):
+    """(label, knobs) of verify="exact" (SPEC 4.5) at each slot size, for the model called name."""
+    return [(f"{name} S={S} verify=exact", dict(slot_size=S, verify="exact")) for S in slot_sizes]
+
+
 # Dream's confidence rules (sampler.generate_mdm's confidence, opt-in; SPEC section 4)
 DREAM_RULES = ("margin", "entropy")
 

@@ -39,7 +39,7 @@ def most_accurate(points):
 
 
 def headline(rows):
-    """The README's table, as markdown: per task the ARM, best_mdm, and per infill mode the
+    """The README's table, as markdown: per task the ARM, best_mdm, and per decoding_mode the
     ReFusion point fastest_close picks (else most_accurate). rows: bench.json's points, the ARM's
     first in each task."""
     cells = []
@@ -48,14 +48,25 @@ def headline(rows):
         ar_quality = first_quality(task_rows[0])
         picks = [task_rows[0]] + [r for r in [best_mdm(task_rows)] if r is not None]
         refusion = [r for r in task_rows if r["method"] == "refusion"]
-        for infill in dict.fromkeys(r["settings"]["infill"] for r in refusion):
-            points = [r for r in refusion if r["settings"]["infill"] == infill]
+        for mode in dict.fromkeys(decoding_mode(r["settings"]) for r in refusion):
+            points = [r for r in refusion if decoding_mode(r["settings"]) == mode]
             picks.append(fastest_close(points, ar_quality) or most_accurate(points))
         cells += [[task, r["label"], quality_text(r), r["tokens"], f"{r['tpf']:.2f}",
                   f"{r['tokens_per_s']:.0f}", f"{r['speedup_vs_ar']:.2f}x",
                   speedup_text(r.get("speedup_vs_mdm"), 1)] for r in picks]
     header = ["task", "decoder", "quality", "tokens", "TPF", "tokens/s", "vs ARM", "vs MDM"]
     return markdown_table(header, cells)
+
+
+def decoding_mode(settings):
+    """A ReFusion point's mode, from its settings: "exact" (verify="exact", SPEC 4.5), else its
+    infill ("paper" or "speculative", SPEC 4.1)."""
+    return "exact" if settings.get("verify") == "exact" else settings["infill"]
+
+
+# how a table or plot names each decoding_mode
+MODE_NAMES = {"paper": "paper infill", "speculative": "infill=speculative",
+              "exact": "verify=exact"}
 
 
 def first_quality(row):
@@ -99,7 +110,9 @@ STYLE = {"ARM": ("tab:blue", "s"), "HF generate": ("tab:cyan", "D"), "MDM": ("ta
          "ReFusion, paper infill": ("tab:red", "o"),
          "ReFusion, infill=speculative": ("tab:orange", "o"),
          "ReFusion-ft, paper infill": ("tab:purple", "o"),
-         "ReFusion-ft, infill=speculative": ("tab:pink", "o")}
+         "ReFusion-ft, infill=speculative": ("tab:pink", "o"),
+         "ReFusion, verify=exact": ("tab:brown", "P"),
+         "ReFusion-ft, verify=exact": ("tab:gray", "P")}
 
 
 # the small benchmark's models, as its rows name them
@@ -108,14 +121,14 @@ NAMES = {"ar": "ARM", "mdm": "MDM", "mdm-ft": "MDM-ft", "refusion": "ReFusion",
 
 
 def series(row):
-    """The plot's series of a point: its "series", else its model and, for ReFusion, infill mode."""
+    """The plot's series of a point: its "series", else its model and, for ReFusion, its
+    decoding_mode."""
     if "series" in row:
         return row["series"]
     if row["method"] == "hf":
         return "HF generate"
     if row["method"] == "refusion":
-        infill = "paper infill" if row["settings"]["infill"] == "paper" else "infill=speculative"
-        return f"{NAMES[row['model']]}, {infill}"
+        return f"{NAMES[row['model']]}, {MODE_NAMES[decoding_mode(row['settings'])]}"
     return "MDM-ft (from the ARM)" if row["model"] == "mdm-ft" else NAMES[row["model"]]
 
 

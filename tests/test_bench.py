@@ -14,7 +14,7 @@ from sampler import DecodeSettings, generate_next_token, make_decoder
 from support.benchmark import Point, Timed, point_config
 from support.checkpoint import load_checkpoint, save_checkpoint
 from support.corpora import score, transform_records
-from support.report import markdown_table
+from support.report import decoding_mode, markdown_table
 from tools import bench
 
 ROW_FIELDS = {"task", "dataset", "label", "method", "model", "settings", "train_iters", "val_loss",
@@ -45,8 +45,10 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
             minutes["train"] + minutes["decode"] <= report["minutes"])
     refusion = [r for r in rows if r["method"] == "refusion"]
     # QUICK's sweep, both models, both infill modes
-    assert len(refusion) == 2 * 2 * 2
-    assert {r["settings"]["infill"] for r in refusion} == {"paper", "speculative"}
+    # and verify="exact" at the sweep's slot size (SPEC 4.5): at most a pass a token
+    assert len(refusion) == 2 * (2 * 2 + 1)
+    assert {decoding_mode(r["settings"]) for r in refusion} == {"paper", "speculative", "exact"}
+    assert all(r["nfe"] <= r["tokens"] for r in refusion if r["settings"].get("verify") == "exact")
     mdm_rows = [r for r in rows if r["method"] == "mdm"]
     # 1, 2 and 4 tokens per step each; the MDM-ft at 2 and 4 also by Dream's two rules
     assert [r["model"] for r in mdm_rows] == ["mdm"] * 3 + ["mdm-ft"] * 7
@@ -106,20 +108,25 @@ def test_quick_run_writes_every_field_of_the_three_files(tmp_path, monkeypatch, 
 
 
 def check_headline(rows):
-    """The README's table lists, per task, the ARM, the MDM compared with, and per infill mode one
-    ReFusion point: no point of that mode within 1 point of the ARM is faster, and when none is
-    within 1 point, none is more accurate."""
+    """The README's table lists, per task, the ARM, the MDM compared with, and per decoding mode
+    (each infill mode, and verify="exact" where the rows hold it) one ReFusion point: no point of
+    that mode within 1 point of the ARM is faster, and when none is within 1 point, none is more
+    accurate."""
     by_label = {(r["task"], r["label"]): r for r in rows}
     lines = bench.headline(rows).splitlines()[2:]
     for task in dict.fromkeys(r["task"] for r in rows):
         task_rows = [r for r in rows if r["task"] == task]
         labels = [line.split(" | ")[1] for line in lines if line.startswith(f"| {task} |")]
-        assert labels[:2] == ["ARM", bench.best_mdm(task_rows)["label"]] and len(labels) == 4
+        modes = list(dict.fromkeys(decoding_mode(r["settings"]) for r in task_rows
+                                   if r["method"] == "refusion"))
+        assert modes[:2] == ["paper", "speculative"] and set(modes) <= {*modes[:2], "exact"}
+        assert labels[:2] == ["ARM", bench.best_mdm(task_rows)["label"]]
+        assert len(labels) == 2 + len(modes)
         ar_quality = bench.first_quality(task_rows[0])
-        for label, infill in zip(labels[2:], ("paper", "speculative")):
+        for label, mode in zip(labels[2:], modes):
             pick = by_label[task, label]
             points = [r for r in task_rows
-                      if r["method"] == "refusion" and r["settings"]["infill"] == infill]
+                      if r["method"] == "refusion" and decoding_mode(r["settings"]) == mode]
             assert pick in points
             close = [r for r in points if bench.first_quality(r) >= ar_quality - 0.01]
             if close:

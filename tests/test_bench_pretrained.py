@@ -30,12 +30,16 @@ def test_quick_run_fine_tunes_the_three_models_and_decodes_every_point(tmp_path,
                           "Hugging Face generate (SmolLM2-ft weights)",
                           "ReFusion-SmolLM2 next token"]
     assert {r["settings"].get("infill") for r in rows[4:6]} == {"paper", "speculative"}
+    # verify="exact" (SPEC 4.5): the ReFusion fine-tune's next-token decoding, fewer passes
+    assert labels[6] == "ReFusion-SmolLM2 S=8 verify=exact"
+    assert (rows[6]["tokens"], rows[6]["quality"]) == (rows[3]["tokens"], rows[3]["quality"])
+    assert rows[6]["nfe"] <= rows[3]["nfe"]
     # LLaDA's confidence, then Dream's rules on the same schedule
-    assert labels[6:] == ["MDM-SmolLM2 4 token(s)/step, block 48",
+    assert labels[7:] == ["MDM-SmolLM2 4 token(s)/step, block 48",
                           "MDM-SmolLM2 4 token(s)/step, block 48, margin (Dream)",
                           "MDM-SmolLM2 4 token(s)/step, block 48, entropy (Dream)"]
-    assert [r["settings"]["confidence"] for r in rows[6:]] == ["prob", "margin", "entropy"]
-    for mdm in rows[6:]:
+    assert [r["settings"]["confidence"] for r in rows[7:]] == ["prob", "margin", "entropy"]
+    for mdm in rows[7:]:
         assert mdm["method"] == "mdm" and mdm["settings"]["mdm_shift"] is True
         assert mdm["train_options"]["mdm_shift"] is True
         assert mdm["train_options"]["gen_length"] == 48
@@ -46,7 +50,7 @@ def test_quick_run_fine_tunes_the_three_models_and_decodes_every_point(tmp_path,
         assert r["train_options"]["dtype"] == "auto" and r["train_iters"] == 2
         assert r["speedup_vs_mdm"] == pytest.approx(r["tokens_per_s"] / mdm["tokens_per_s"])
     assert rows[0]["same_tokens_as_first"] == 2                     # the first point against itself
-    assert [r["settings"]["dtype"] for r in rows] == ["bfloat16", "float32"] + ["bfloat16"] * 7
+    assert [r["settings"]["dtype"] for r in rows] == ["bfloat16", "float32"] + ["bfloat16"] * 8
     table = (tmp_path / "bench-pretrained-quick" / "bench.md").read_text()
     assert "smollm2 quotes" in table
     # the throughput table: the next-token fine-tune, ReFusion's headline point and the MDM,

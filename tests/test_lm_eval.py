@@ -280,3 +280,14 @@ def test_a_local_task_quotes_its_path_and_refuses_counts_that_make_no_task(quote
                             (dict(room=160), "room=160: the model's context of 160 positions")):
         with pytest.raises(ValueError, match=message):
             write_local_task(tmp_path / "other", str(quotes_model), **{"max_gen_toks": 8, **counts})
+
+
+def test_the_model_arg_verify_exact_answers_as_next_token_decoding(quotes_model):
+    """verify=exact (SPEC 4.5) as a model arg: every generation request is answered with next-token
+    decoding's text, in fewer forward passes."""
+    contexts = ["x = 'a'\n", "print('hi', end='')\n", "s = 'it''s'\n"]
+    batch = requests(*[(c, {"until": [], "max_gen_toks": 24}) for c in contexts])
+    exact = RefusionLM(out_dir=str(quotes_model), verify="exact", slot_size=8)
+    next_token = RefusionLM(out_dir=str(quotes_model), method="next_token")
+    assert exact.generate_until(batch) == next_token.generate_until(batch)
+    assert exact.speed()["nfe"] < next_token.speed()["nfe"]

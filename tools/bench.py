@@ -32,15 +32,15 @@ from configurator import INFILL_MODES, explicit_keys, parse_args, require, run_c
 from model import ModelConfig, Transformer
 from sampler import MDMSettings, RefusionSettings
 from support.benchmark import (Point, Timed, batch_throughput, check_batch_settings,
-                               compiled_vs_eager, confidence_points, free_tokens, hf_generate,
-                               model_pass_costs, point_config, refusion_sweep)
+                               compiled_vs_eager, confidence_points, exact_points, free_tokens,
+                               hf_generate, model_pass_costs, point_config, refusion_sweep)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.hardware import machine, num_params, settle_dtype
 from support.prepare import TokenDataset, prepare
-from support.report import (NAMES, best_mdm, compiled_table, fastest_close, first_quality,
-                            headline, highlights_table, most_accurate, throughput_table,
-                            write_report)
+from support.report import (NAMES, best_mdm, compiled_table, decoding_mode, fastest_close,
+                            first_quality, headline, highlights_table, most_accurate,
+                            throughput_table, write_report)
 from support.runs import check_writable, live_progress
 from sampler import make_decoder
 from support.tokenizer import decode, get_tokenizer, vocab_size
@@ -182,7 +182,7 @@ def run_decoder(method, model, prompts, ids, settings):
 def decoder_points(cfg, task):
     """[(label, method, model name, knobs)] of a task: the ARM; both MDMs at 1, 2 and 4 tokens a
     step (the MDM-ft also by Dream's rules, SPEC 4); both ReFusion models over the sweep, each point
-    with each infill mode (SPEC 4.1)."""
+    with each infill mode (SPEC 4.1), and verify="exact" at each slot size (SPEC 4.5)."""
     L = recipe(cfg, task)["max_new_tokens"]
     sweep = QUICK["sweep"] if cfg["quick"] else SWEEP
     points = [("ARM", "next_token", "ar", {})]
@@ -198,7 +198,8 @@ def decoder_points(cfg, task):
                 label, dict(steps=L // per_step, block_length=block), dream)]
     for model in ("refusion", "refusion-ft"):
         points += [(label, "refusion", model, knobs)
-                   for label, knobs in refusion_sweep(sweep, NAMES[model], INFILL_MODES)]
+                   for label, knobs in [*refusion_sweep(sweep, NAMES[model], INFILL_MODES),
+                                        *exact_points(sweep["slot_sizes"], NAMES[model])]]
     return points
 
 
@@ -271,7 +272,7 @@ def batched_points(cfg, rows, models, ids, prompts, max_new_tokens):
 
 
 def highlights(rows):
-    """The table's rows, row["why"] saying why: the baselines; per ReFusion model and infill mode
+    """The table's rows, row["why"] saying why: the baselines; per ReFusion model and decoding mode
     its fastest point within 1 point of the ARM's quality, its most accurate, its fastest."""
     chosen = []
     for task in dict.fromkeys(r["task"] for r in rows):
@@ -280,9 +281,10 @@ def highlights(rows):
         chosen += [dict(r, why="baseline, the MDM compared with" if r is reference else "baseline")
                    for r in task_rows if r["method"] != "refusion"]
         ar_quality = first_quality(task_rows[0])
-        for model, infill in [(m, i) for m in ("refusion", "refusion-ft") for i in INFILL_MODES]:
+        for model, mode in [(m, i) for m in ("refusion", "refusion-ft")
+                            for i in (*INFILL_MODES, "exact")]:
             points = [r for r in task_rows
-                      if r["model"] == model and r["settings"]["infill"] == infill]
+                      if r["model"] == model and decoding_mode(r["settings"]) == mode]
             picks = {"fastest within 1 point of the ARM": fastest_close(points, ar_quality),
                      "most accurate": most_accurate(points),
                      "fastest": max(points, key=lambda r: r["tokens_per_s"])}

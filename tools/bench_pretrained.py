@@ -27,16 +27,17 @@ import train
 from configurator import INFILL_MODES, explicit_keys, parse_args, require, run_cli, settings_in
 from sampler import RefusionSettings
 from support.benchmark import (Point, batch_throughput, check_batch_settings, compiled_vs_eager,
-                               confidence_points, free_tokens, model_pass_costs, point_config,
-                               refusion_sweep, train_or_reuse)
+                               confidence_points, exact_points, free_tokens, model_pass_costs,
+                               point_config, refusion_sweep, train_or_reuse)
 from support.checkpoint import decoder_ids, load_checkpoint, model_from_checkpoint
 from support.corpora import score
 from support.hardware import machine, settle_dtype
 from support.hf_folder import hf_model_config
 from support.hf_reference import hf_model
 from support.prepare import TokenDataset, prepare
-from support.report import (best_mdm, compiled_table, fastest_close, first_quality, headline,
-                            highlights_table, most_accurate, throughput_table, write_report)
+from support.report import (MODE_NAMES, best_mdm, compiled_table, decoding_mode, fastest_close,
+                            first_quality, headline, highlights_table, most_accurate,
+                            throughput_table, write_report)
 from support.runs import check_writable, live_progress
 from sampler import make_decoder
 from support.tokenizer import decode, get_tokenizer
@@ -109,7 +110,8 @@ def fine_tune(cfg, task, kind):
 def smollm2_points(cfg, task):
     """[(label, series, method, model, dtype, knobs)] of a task, the baseline first: the next-token
     fine-tune by us (in cfg's dtype and float32) and by Hugging Face's generate; the ReFusion
-    fine-tune's next-token decoding and its sweep, each infill mode; the MDM over MDM_SWEEP."""
+    fine-tune's next-token decoding and its sweep, each infill mode, and verify="exact" at each
+    slot size; the MDM over MDM_SWEEP."""
     dt, sweep = cfg["dtype"], QUICK["sweep"] if cfg["quick"] else SWEEP
     ar, rf = NAMES["ar"], NAMES["refusion"]
     points = [(f"{ar} next token", f"{ar} next token", "next_token", "ar", dt, {}),
@@ -117,8 +119,9 @@ def smollm2_points(cfg, task):
                "float32", {}),
               (f"Hugging Face generate ({ar} weights)", "HF generate", "hf", "ar", dt, {}),
               (f"{rf} next token", f"{rf} next token", "next_token", "refusion", dt, {})]
-    for label, knobs in refusion_sweep(sweep, rf, INFILL_MODES):
-        series = f"{rf}, {'paper infill' if knobs['infill'] == 'paper' else 'infill=speculative'}"
+    for label, knobs in [*refusion_sweep(sweep, rf, INFILL_MODES),
+                         *exact_points(sweep["slot_sizes"], rf)]:
+        series = f"{rf}, {MODE_NAMES[decoding_mode(knobs)]}"
         points.append((label, series, "refusion", "refusion", dt, knobs))
     if "mdm" in kinds(task):
         L = TASKS[task]["max_new_tokens"]
