@@ -23,3 +23,16 @@ one_slot = replace(paper, infill="speculative", slot_size=24, token_threshold=0.
 _, _, outs = run(half_trained, generate_refusion, one_slot, mask_id=MASK, eos_ids=EOS)
 assert [o.tokens for o in outs] == [o.tokens for o in next_token["half-trained"]]
 print("3.3: the same tokens on", len(outs), "prompts")
+
+# %% 3.4: all 40: every committed token is the next-token prediction after the tokens before it
+# (SPEC 4.5). No pass commits fewer than one token: the prediction after the last accepted draft
+# is committed even when every draft is rejected. Slots of 24 feed more masks a pass, so a right
+# run of drafts reaches further; a rejection throws the rest away, and every pass is wider.
+passes = {}
+for S in (4, 24):
+    _, _, outs = run(model, generate_exact, replace(exact, slot_size=S), mask_id=MASK, eos_ids=EOS)
+    assert [o.tokens for o in outs] == [o.tokens for o in next_token["trained"]]
+    assert all(len(step) >= 1 for o in outs for step in o.trace)
+    passes[S] = sum(o.nfe for o in outs)
+print("3.4: the same tokens on 40 prompts; forward passes by slot size:", passes,
+      "next token:", sum(o.nfe for o in next_token["trained"]))
