@@ -53,7 +53,9 @@ def points(cfg):
     each of cfg["slot_sizes"], all of cfg's max_new_tokens."""
     paper = dict(cfg, method="refusion", verify="paper")
     return ([("next token", dict(cfg, method="next_token")),
-             (f"paper S={cfg['slot_size']} infill={cfg['infill']}", paper)] +
+             (f"paper S={cfg['slot_size']} serial={cfg['serial_num_blocks']} "
+              f"slot>{cfg['slot_threshold']} token>{cfg['token_threshold']} "
+              f"infill={cfg['infill']}", paper)] +
             [(f"exact S={S}", dict(cfg, method="refusion", verify="exact", slot_size=S))
              for S in cfg["slot_sizes"]])
 
