@@ -4,6 +4,7 @@ so that a regression fails here without a GPU."""
 
 import math
 
+import pytest
 import torch
 
 from helpers import PROMPTS, SETTINGS, tiny_model
@@ -107,3 +108,16 @@ def test_the_mdm_reads_at_most_3_times_a_step(mdm_model):
     out, seen = count(decode, model)
     assert sum(g.nfe for g in out) == 8 * len(PROMPTS)
     assert seen.total_reads() == (3 * 8 + 1) * len(PROMPTS)
+
+
+@pytest.mark.parametrize("slot_size", [1, 4, 16])
+def test_exact_verification_reads_once_a_pass(refusion_model, slot_size):
+    """verify="exact" (SPEC 4.5) reads its predictions and drafts together, once a pass, and every
+    pass attends to a bucketed key length."""
+    model, ids = refusion_model
+    decode, _ = make_decoder(dict(DEFAULTS, method="refusion", max_new_tokens=16,
+                                  slot_size=slot_size, verify="exact"), ids, None)
+    out, seen = count(decode, model)
+    assert seen.passes == sum(g.nfe for g in out) == seen.total_reads()
+    keys = {k[2] for _, k, _, _ in seen.shapes}
+    assert all(n % KEY_BUCKET == 0 or n == model.config.block_size for n in keys), keys
