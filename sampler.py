@@ -987,11 +987,15 @@ METHOD_OF = {"refusion": "refusion", "ar": "next_token", "mdm": "mdm"}
 
 def decoder_settings(cfg):
     """The settings object of cfg["method"] (RefusionSettings, DecodeSettings or MDMSettings),
-    which checks cfg's knobs. Raises ValueError for an unknown method or invalid settings."""
+    which checks cfg's knobs. Raises ValueError for an unknown method, verify="exact" beside
+    another method, or invalid settings."""
     if cfg["method"] not in DECODERS:
         renamed = " (--method=ar is now called next_token)" if cfg["method"] == "ar" else ""
         raise ValueError(f"--method={cfg['method']!r}: choose one of {', '.join(DECODERS)}"
                          f"{renamed}")
+    if cfg.get("verify") == "exact" and cfg["method"] != "refusion":
+        raise ValueError(f"--verify=exact is read by --method=refusion only, not --method="
+                         f"{cfg['method']}; drop it, or decode with --method=refusion")
     Settings = DECODERS[cfg["method"]][1]
     knobs = {f.name: cfg[f.name] for f in fields(Settings) if f.name in cfg}  # mdm_shift: ckpt
     if cfg["method"] == "mdm":  # 0: one token per step, one semi-autoregressive block
@@ -1044,7 +1048,7 @@ def main(argv):
         sampling.fit_mdm_layout(cfg, ckpt, "max_new_tokens" in explicit)
     decode, settings = make_decoder(cfg, ids, torch.Generator(cfg["device"]))
     check_attention(model, cfg["method"])
-    sampling.note_mismatch(cfg["method"], objective, ckpt)
+    sampling.note_mismatch(cfg["method"], objective, ckpt, cfg["verify"])
     # a prompt leaves room for ReFusion's generation whichever the method (so that next-token
     # decoding takes the lines the summary compares with), for the MDM's canvas for the MDM
     room = settings.gen_length
@@ -1057,7 +1061,7 @@ def main(argv):
     next_token = None
     if sampling.compares_next_token(cfg, len(prompts), "compare_next_token" in explicit):
         sampling.note_mismatch("next_token", objective, ckpt)
-        next_token, _ = make_decoder(dict(cfg, method="next_token"), ids,
+        next_token, _ = make_decoder(dict(cfg, method="next_token", verify="paper"), ids,
                                      torch.Generator(cfg["device"]))
         sampling.warm_up(cfg, model, next_token, prompts, settings)
     sampling.decode_prompts(cfg, model, enc, ids, ckpt, prompts, settings, decode, next_token)

@@ -145,15 +145,24 @@ MISMATCH_NOTES = {
     ("refusion", "ar"): "an ar model was never trained to predict mask tokens, so its plan "
                         "drafts are poor and ReFusion decoding falls back to about two forward "
                         "passes per token; use --method=next_token",
+    ("exact", "refusion"): "verify=exact writes this model's own next-token decoding, and a "
+                           "refusion model trained with the paper's objective never learns a "
+                           "slot's first token as a next token (SPEC section 4, known limit (a); "
+                           "slot_end_labels and ar_fraction train it): expect poor answers",
+    ("exact", "ar"): "an ar model was never trained to predict mask tokens, so verify=exact's "
+                     "drafts are rejected and it writes about one token a pass, as next-token "
+                     "decoding does, in wider passes; use --method=next_token",
 }
 
 
-def note_mismatch(method, objective, ckpt=None):
-    """Note on stderr a method the model's training did not prepare it for (MISMATCH_NOTES).
-    ckpt: the checkpoint dict, or None."""
+def note_mismatch(method, objective, ckpt=None, verify="paper"):
+    """Note on stderr a method (with verify="exact": "exact") the model's training did not prepare
+    it for (MISMATCH_NOTES). ckpt: the checkpoint dict, or None."""
     trained = (ckpt or {}).get("config", {})
     kept_next_tokens = trained.get("slot_end_labels") or trained.get("ar_fraction", 0) > 0
-    if (method, objective) in MISMATCH_NOTES and not (method == "next_token" and kept_next_tokens):
+    method = "exact" if method == "refusion" and verify == "exact" else method
+    if (method, objective) in MISMATCH_NOTES and not (method in ("next_token", "exact")
+                                                      and kept_next_tokens):
         print("note: " + MISMATCH_NOTES[method, objective], file=sys.stderr)
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from configurator import check_context
+from support.sampling import note_mismatch
 from helpers import PROMPTS, SETTINGS, PathCounter, tiny_model
 from sampler import (DecodeSettings, MDMSettings, RefusionSettings, draft_tokens,
                      generate_next_token, generate_refusion, generate_refusion_plain)
@@ -272,7 +273,19 @@ def test_exact_verification_of_a_trained_model_is_next_token_decoding(refusion_m
         assert nfe["exact"] < nfe["next_token"], nfe
 
 
-def test_exact_verification_refuses_sampling_and_names_why():
+def test_exact_verification_refuses_sampling_and_names_why(capsys):
+    """Sampling, an unknown mode and another method than refusion are refused naming the fix; a
+    model trained for next tokens only is told it gains nothing."""
+    for method in ("next_token", "mdm"):
+        with pytest.raises(ValueError, match=f"--verify=exact is read by --method=refusion only, "
+                                             f"not --method={method}; drop it"):
+            make_decoder(dict(DEFAULTS, method=method, verify="exact"),
+                         {"eos_ids": (39,), "mask_id": 38, "pad_id": 37}, None)
+    note_mismatch("refusion", "ar", None, "exact")
+    assert "verify=exact's drafts are rejected and it writes about one token a pass" in \
+        capsys.readouterr().err
+    note_mismatch("refusion", "refusion", {"config": {"slot_end_labels": True}}, "exact")
+    assert capsys.readouterr().err == ""                   # its next-token pathway was trained
     with pytest.raises(ValueError, match="verify='exact' with temperature=0.7: exact verification "
                                          "decodes greedily .*use temperature=0, or verify='paper'"):
         RefusionSettings(16, temperature=0.7, verify="exact")

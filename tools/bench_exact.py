@@ -52,12 +52,12 @@ def points(cfg):
     """[(label, sampler config)]: next-token decoding, cfg's paper decoder, then verify="exact" at
     each of cfg["slot_sizes"], all of cfg's max_new_tokens."""
     paper = dict(cfg, method="refusion", verify="paper")
-    return ([("next token", dict(cfg, method="next_token")),
+    return ([("next token", dict(cfg, method="next_token", verify="paper")),
              (f"paper S={cfg['slot_size']} serial={cfg['serial_num_blocks']} "
               f"slot>{cfg['slot_threshold']} token>{cfg['token_threshold']} "
               f"infill={cfg['infill']}", paper)] +
             [(f"exact S={S}", dict(cfg, method="refusion", verify="exact", slot_size=S))
-             for S in cfg["slot_sizes"]])
+             for S in dict.fromkeys(cfg["slot_sizes"])])
 
 
 def main(argv):
@@ -81,11 +81,14 @@ def main(argv):
     decoders = [(label, *sampler.make_decoder(c, ids, None)) for label, c in points(cfg)]
     room = max(settings.gen_length for _, _, settings in decoders)
     block = model.config.block_size
-    fits = validation_split(ckpt).first_fitting(cfg["first"] + cfg["num_prompts"], room, block)
-    fits = fits[cfg["first"]:]
+    val = validation_split(ckpt)
+    fits = val.first_fitting(cfg["first"] + cfg["num_prompts"], room, block)[cfg["first"]:]
     if not fits:
-        raise ValueError(f"no validation prompt from --first={cfg['first']} leaves room for {room} "
-                         f"new tokens in the context of {block}")
+        raise ValueError(f"--first={cfg['first']}: of the {len(val)} validation prompts, fewer "
+                         f"than {cfg['first'] + 1} leave room for {room} new tokens (the longest "
+                         f"generation of the points: the paper decoder's max_new_tokens="
+                         f"{cfg['max_new_tokens']} in whole slots of {cfg['slot_size']}) in the "
+                         f"context of {block}")
     runs = [Point(model, ids, settings.max_new_tokens, decode) for _, decode, settings in decoders]
     for run in runs:
         run.warm_up(fits[0][0])
@@ -122,7 +125,7 @@ def report(cfg, rows, n):
           f"{r['tokens_per_s'] / paper:.2f}x"] for r in rows], right=range(1, 10))
     m = machine()
     return (f"{m['processor']} ({m['cpu_kind']}, {m['cpu_threads']} threads), torch {m['torch']}; "
-            f"{cfg['out_dir']}, validation prompts {cfg['first']} to "
+            f"{cfg['out_dir']}, the validation prompts with room for the answer, {cfg['first']} to "
             f"{cfg['first'] + n - 1}, max_new_tokens={cfg['max_new_tokens']}, --dtype="
             f"{cfg['dtype']}\n\n{table}")
 
