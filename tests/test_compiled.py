@@ -86,15 +86,16 @@ def test_padded_passes_take_every_decoder_along_the_models_path(refusion_model, 
 
 def test_compiled_decoding_gives_eager_tokens_in_a_few_graphs(refusion_model):
     """torch.compile itself, as the benchmarks run it (compiled_vs_eager): verify="exact", ReFusion
-    with infill rows and next-token decoding, each in at most 8 graphs, every prompt's tokens the
-    eager ones."""
+    with infill rows and next-token decoding, each in at most 8 new graphs, every prompt's tokens
+    the eager ones. A graph is compiled once a process: a decoder whose pass shapes an earlier one
+    compiled adds none (ReFusion after exact verification may not), the first always some."""
     model, ids = refusion_model
     every = list(decoders(ids))
-    # (exact verification first: its passes' shapes are ReFusion's too, compiled once a process)
     result = compiled_vs_eager({"exact": (model, every[-2]), "refusion": (model, every[1]),
                                 "next_token": (model, every[-1])}, PROMPTS[:4])
     for row in result["rows"]:
-        assert row["identical"] == 1.0 and 1 <= row["graphs"] <= 8, row
+        assert row["identical"] == 1.0 and 0 <= row["graphs"] <= 8, row
+    assert result["rows"][0]["graphs"] >= 1
 
 
 def test_compile_takes_one_prompt_at_a_time():
