@@ -580,6 +580,7 @@ def generate_exact_plain(model, prompt, settings, *, mask_id, eos_ids, banned_id
     P = len(prompt)
     end = P + settings.max_new_tokens              # the first position never decoded
     device = next(model.parameters()).device
+    never = [mask_id, *banned_ids]                 # never a draft
     seq = list(prompt)                             # the committed tokens, position by position
     drafts = []                                    # guesses at the positions after seq
     trace = []
@@ -603,7 +604,6 @@ def generate_exact_plain(model, prompt, settings, *, mask_id, eos_ids, banned_id
         # Draft: the masks' tokens, if they saw accepted tokens only; the first mask's position
         # is the committed prediction's.
         masks = logits[len(drafts) + 2:]
-        never = [mask_id, *banned_ids]
         drafts = ban(masks, never).argmax(dim=-1).tolist() if accepted == len(drafts) else []
     return Generation(seq[P:], len(trace), time.perf_counter() - t0, trace, [1] * len(trace))
 

@@ -1224,7 +1224,6 @@ def test_exact_verify_writes_a_whole_slot_a_pass_when_the_masks_draft_right():
         def __init__(self):
             super().__init__()
             self.config = SimpleNamespace(block_size=128, causal=True)
-            self.weight = nn.Parameter(torch.zeros(1))
             self.inner = tiny_model()
 
         def new_kv_cache(self, max_len, max_batch=1):

@@ -12,7 +12,7 @@ from helpers import tiny_run_flags
 from tools import bench_exact
 
 
-def test_exact_rows_give_next_token_decodings_texts_in_fewer_passes(tmp_path, qa_file, capsys):
+def test_exact_rows_give_next_token_decodings_texts_in_no_more_passes(tmp_path, qa_file, capsys):
     """Every verify="exact" row's texts are next-token decoding's, in no more passes; the table has
     a row per point and the JSON the same figures."""
     train.main(tiny_run_flags(tmp_path, qa_file, "run") + ["--max_iters=30"])

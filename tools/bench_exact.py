@@ -20,8 +20,6 @@ import sys
 if not __package__:  # run as a file (python tools/X.py): the repository's root holds the modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
-
 import sampler
 from configurator import check_device, parse_args, require, run_cli, settings_in
 from support.benchmark import Point
@@ -68,12 +66,13 @@ def main(argv):
     require(opts, ["slot_sizes"], "slot sizes >= 1, e.g. 4,8,16",
             lambda v: v and all(isinstance(s, int) and s >= 1 for s in v))
     check_device(opts["device"])
-    config = opts["sample_config"]
+    # sampler.py's settings: the config file (relative to the repository, or absolute), then the
+    # overrides given here; then this tool's own
+    config = os.path.join(ROOT, opts["sample_config"])
     overrides = [f"--{k}={opts[k]}" for k in ("dtype", "device", "out_dir", "max_new_tokens",
                                               "slot_size") if opts[k]]
-    cfg = dict(parse_args(sampler.DEFAULTS, [os.path.join(ROOT, config)
-                                             if not os.path.isabs(config) else config, *overrides]),
-               **{k: opts[k] for k in ("first", "num_prompts", "slot_sizes", "out_json")})
+    cfg = parse_args(sampler.DEFAULTS, [config, *overrides])
+    cfg.update({k: opts[k] for k in ("first", "num_prompts", "slot_sizes", "out_json")})
     model, enc, ids, objective, ckpt = load_model(cfg)
     if objective != "refusion" or ckpt is None:
         raise ValueError(f"{cfg['out_dir']}: a ReFusion checkpoint is needed (this one's objective "
@@ -131,5 +130,4 @@ def report(cfg, rows, n):
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
     run_cli(main, sys.argv[1:])

@@ -167,8 +167,8 @@ class RefusionLM(LM):
             room = self.model.config.block_size - settings.gen_length
             if room < 1:
                 raise ValueError(f"{name}: max_gen_toks={max_gen_toks} takes {settings.gen_length} "
-                                 "positions (refusion: whole slots, but verify=exact; an MDM "
-                                 "its canvas), which leaves no "
+                                 "positions (ReFusion: whole slots, or max_gen_toks itself with "
+                                 "verify=exact; an MDM: its canvas), which leaves no "
                                  "room for a prompt in the model's context of "
                                  f"{self.model.config.block_size}; lower max_gen_toks in the "
                                  "task's generation_kwargs (or --gen_kwargs max_gen_toks=N)")
